@@ -1,0 +1,384 @@
+"""The partition IR: tensor types, placements, layouts, meshes, partitions and the SSA graph.
+
+Values that never change (types, placements, layouts, meshes, partitions, locations, layer
+annotations) are frozen dataclasses that check themselves. Nodes are mutable and compare by
+identity; a `Graph` is an ordered list of nodes plus its inputs, parameters, buffers, outputs
+and per-layer annotations. Structural equality of whole graphs lives in `shardc.equality`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# Element sizes in bytes, keyed by the short dtype names the printer uses.
+DTYPE_BYTES: dict[str, int] = {
+    "f64": 8, "f32": 4, "f16": 2, "bf16": 2,
+    "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1,
+}
+FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
+
+ValueKind = Literal["input", "parameter", "buffer", "activation"]
+VALUE_KINDS: tuple[str, ...] = ("input", "parameter", "buffer", "activation")
+RECOMPUTE_CHOICES: tuple[str, ...] = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """A static shape and a dtype, printed `f32[8,1024,768]` (a scalar is `f32[]`)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+        if any((not isinstance(d, int)) or d < 0 for d in self.shape):
+            raise ValueError(f"shape {self.shape} must be non-negative integers")
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+# ---- placements: the torch.distributed.tensor vocabulary --------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The tensor is split along `dim` across the mesh axis."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            raise ValueError(f"Shard dim must be non-negative, got {self.dim}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Every device along the mesh axis holds the whole tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """Every device holds a partial value; the true value is their reduction by `op`."""
+
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sum", "max", "avg"):
+            raise ValueError(f"Partial op must be sum, max or avg, got {self.op!r}")
+
+    def __str__(self) -> str:
+        return f"P({self.op})"
+
+
+Placement = Shard | Replicate | Partial
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Per mesh axis, how a tensor is placed; axes not named are `Replicate()`.
+
+    Kept sorted by axis name's position in the mesh by whoever builds it, printed
+    `{dp:S(0), tp:P(sum)}`; the empty layout `{}` means replicated everywhere.
+    """
+
+    placements: tuple[tuple[str, Placement], ...] = ()
+
+    def __post_init__(self) -> None:
+        axes = [a for a, _ in self.placements]
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"layout names a mesh axis twice: {axes}")
+
+    def on(self, axis: str) -> Placement:
+        for a, p in self.placements:
+            if a == axis:
+                return p
+        return Replicate()
+
+    def sharded_dims(self) -> dict[int, list[str]]:
+        """Tensor dim -> the mesh axes splitting it, in layout order (outermost first)."""
+        out: dict[int, list[str]] = {}
+        for a, p in self.placements:
+            if isinstance(p, Shard):
+                out.setdefault(p.dim, []).append(a)
+        return out
+
+    def local_shape(self, shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+        """The shape one device holds (ceil division, as torch's Shard does)."""
+        local = list(shape)
+        for a, p in self.placements:
+            if isinstance(p, Shard):
+                size = mesh.axis_size(a)
+                local[p.dim] = -(-local[p.dim] // size)
+        return tuple(local)
+
+    def without_replicate(self) -> Layout:
+        return Layout(tuple((a, p) for a, p in self.placements if not isinstance(p, Replicate)))
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(f"{a}:{p}" for a, p in self.placements) + "}"
+
+
+# ---- meshes, partitions, locations ---------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """Named mesh axes with sizes, outermost first, e.g. `mesh<pp=2, dp=4, tp=8>`."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        names = [a for a, _ in self.axes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh names an axis twice: {names}")
+        for name, size in self.axes:
+            if not name.isidentifier():
+                raise ValueError(f"mesh axis name {name!r} must be an identifier")
+            if size < 1:
+                raise ValueError(f"mesh axis {name} has size {size}; sizes must be >= 1")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a for a, _ in self.axes)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for _, s in self.axes:
+            n *= s
+        return n
+
+    def axis_size(self, axis: str) -> int:
+        for a, s in self.axes:
+            if a == axis:
+                return s
+        raise KeyError(f"mesh {self} has no axis {axis!r}; its axes are {', '.join(self.names) or 'none'}")
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Row-major coordinates of a flat rank (the last axis varies fastest)."""
+        coords: dict[str, int] = {}
+        for name, size in reversed(self.axes):
+            coords[name] = rank % size
+            rank //= size
+        return dict(reversed(list(coords.items())))
+
+    def __str__(self) -> str:
+        return "mesh<" + ", ".join(f"{a}={s}" for a, s in self.axes) + ">"
+
+
+@dataclass(frozen=True, slots=True)
+class TemporalSplit:
+    """An iteration dim cut into `steps` pieces computed one after another on the same devices.
+
+    With `rotate` set, the piece a device works on moves one neighbour along that mesh axis per
+    step (PrimePar's temporal primitive; ring attention is the same idea), so partial results
+    accumulate locally instead of through a collective.
+    """
+
+    dim: str
+    steps: int
+    rotate: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"temporal split of {self.dim} needs steps >= 1, got {self.steps}")
+
+    def __str__(self) -> str:
+        return f"{self.dim}/{self.steps}" + (f" rotate {self.rotate}" if self.rotate else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """How one node's iteration space is cut: in space (mesh axis -> iteration dim) and in time.
+
+    Printed `partition<dp:b, tp:n; time k/4 rotate tp>`.
+    """
+
+    spatial: tuple[tuple[str, str], ...] = ()
+    temporal: tuple[TemporalSplit, ...] = ()
+
+    def __post_init__(self) -> None:
+        axes = [a for a, _ in self.spatial]
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"partition assigns a mesh axis twice: {axes}")
+
+    def axes_of(self, dim: str) -> list[str]:
+        return [a for a, d in self.spatial if d == dim]
+
+    def __str__(self) -> str:
+        body = ", ".join(f"{a}:{d}" for a, d in self.spatial)
+        if self.temporal:
+            body += "; time " + ", ".join(str(t) for t in self.temporal)
+        return f"partition<{body}>"
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a node came from: the module path (`blocks.3.attn.qkv`) and the frontend's source."""
+
+    module_path: str = ""
+    source: str = ""
+
+    def __str__(self) -> str:
+        text = f"@{self.module_path}" if self.module_path else "@"
+        return text + (f' "{self.source}"' if self.source else "")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAnnotation:
+    """Per-layer choices: pipeline stage, activation recomputation, ZeRO stage, offload."""
+
+    stage: int | None = None
+    recompute: str = "none"
+    zero: int = 0
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.stage is not None and self.stage < 0:
+            raise ValueError(f"stage must be >= 0, got {self.stage}")
+
+
+@dataclass(slots=True)
+class Layer:
+    """A group of nodes that form one repeated block (or a singleton such as the embedding)."""
+
+    name: str
+    block: str  # the structural class: layers with equal `block` are copies of one another
+    annotation: LayerAnnotation = field(default_factory=LayerAnnotation)
+
+
+# ---- values, nodes, graphs -----------------------------------------------------------------
+
+@dataclass(eq=False, slots=True)
+class Value:
+    """An SSA value. `name` is unique in its graph; parameters and buffers are named by path."""
+
+    name: str
+    type: TensorType
+    kind: str = "activation"
+    layout: Layout | None = None
+    producer: Node | None = None
+    requires_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in VALUE_KINDS:
+            raise ValueError(f"value kind must be one of {VALUE_KINDS}, got {self.kind!r}")
+
+    def __repr__(self) -> str:
+        return f"%{self.name}: {self.type}"
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One op application. Mutable; two nodes are equal only if they are the same object."""
+
+    op: str
+    inputs: list[Value]
+    outputs: list[Value]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    location: Location = field(default_factory=Location)
+    partition: Partition | None = None
+    layer: str | None = None
+    # Analyses (annotate-cost, ...) write here; the printer shows selected keys.
+    annotations: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for out in self.outputs:
+            out.producer = self
+
+    @property
+    def output(self) -> Value:
+        if len(self.outputs) != 1:
+            raise ValueError(f"node {self.op} has {len(self.outputs)} outputs, not one")
+        return self.outputs[0]
+
+    def __repr__(self) -> str:
+        outs = ", ".join(f"%{v.name}" for v in self.outputs)
+        ins = ", ".join(f"%{v.name}" for v in self.inputs)
+        return f"<{outs} = {self.op}({ins}) {self.location}>"
+
+
+@dataclass(eq=False)
+class Graph:
+    """An SSA graph: declared inputs, parameters and buffers, an ordered node list, outputs."""
+
+    name: str
+    inputs: list[Value] = field(default_factory=list)
+    params: list[Value] = field(default_factory=list)
+    buffers: list[Value] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+    mesh: Mesh | None = None
+    layers: dict[str, Layer] = field(default_factory=dict)
+
+    def values(self) -> Iterator[Value]:
+        yield from self.inputs
+        yield from self.params
+        yield from self.buffers
+        for node in self.nodes:
+            yield from node.outputs
+
+    def value(self, name: str) -> Value:
+        for v in self.values():
+            if v.name == name:
+                return v
+        raise KeyError(f"graph @{self.name} has no value %{name}")
+
+    def users(self) -> dict[int, list[Node]]:
+        """id(value) -> the nodes that read it, in graph order."""
+        out: dict[int, list[Node]] = {}
+        for node in self.nodes:
+            for v in node.inputs:
+                lst = out.setdefault(id(v), [])
+                if not lst or lst[-1] is not node:
+                    lst.append(node)
+        return out
+
+    def layer_nodes(self, layer: str) -> list[Node]:
+        return [n for n in self.nodes if n.layer == layer]
+
+    def param_count(self) -> int:
+        return sum(p.type.numel for p in self.params)
+
+    def fresh_name(self, prefix: str = "v") -> str:
+        taken = {v.name for v in self.values()}
+        i = len(taken)
+        while f"{prefix}{i}" in taken:
+            i += 1
+        return f"{prefix}{i}"
+
+    def __str__(self) -> str:
+        from shardc.printer import print_graph
+
+        return print_graph(self)

@@ -1,0 +1,400 @@
+"""The built-in compute ops. Each `register(OpDef(...))` is the whole story of one op kind.
+
+Scalars are attributes, never inputs: `mul(%x)[other=0.125]` multiplies by a constant and
+`sub(%x)[other=1.0, reverse=true]` is `1 - x`. Optional tensor inputs (a bias) are simply
+absent. Shapes are static; the frontend folds shape arithmetic into attributes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardc.ir import TensorType
+from shardc.registry import IterationSpace, OpDef, register, space_from_signature
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    "i64": torch.int64, "i32": torch.int32, "i16": torch.int16, "i8": torch.int8,
+    "u8": torch.uint8, "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+Types = Sequence[TensorType]
+
+
+def _dims(n: int, prefix: str = "d") -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def _norm_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _aligned_space(ins: Types, outs: Types, fixed: Sequence[int] = ()) -> IterationSpace:
+    """Every operand aligned from the right with the first output (broadcasting allowed);
+    output dims in `fixed` cannot be split."""
+    rank = outs[0].rank
+    names = _dims(rank)
+    sizes = tuple(zip(names, outs[0].shape))
+
+    def bind(t: TensorType) -> tuple[tuple[str, ...], ...]:
+        off = rank - t.rank
+        return tuple(() if (t.shape[i] == 1 and outs[0].shape[off + i] != 1) else (names[off + i],) for i in range(t.rank))
+
+    unsplittable = frozenset(names[_norm_dim(d, rank)] for d in fixed)
+    return IterationSpace(sizes, tuple(bind(t) for t in ins), tuple(bind(t) for t in outs), unsplittable)
+
+
+def elementwise(name: str, impl: Any, flops_per_element: int = 1, saves: str = "none", doc: str = "") -> OpDef:
+    """An op applied element by element with broadcasting: every dim splits freely."""
+    save_fn = None
+    if saves == "inputs":
+        def save_fn(i: Types, o: Types, a: dict[str, Any]) -> list[tuple[str, int]]:
+            return [("in", k) for k, t in enumerate(i) if t.is_float]
+    elif saves == "output":
+        def save_fn(i: Types, o: Types, a: dict[str, Any]) -> list[tuple[str, int]]:
+            return [("out", 0)]
+    return register(OpDef(
+        name, "elementwise", lambda i, o, a: _aligned_space(i, o), impl,
+        flops=lambda i, o, a: flops_per_element * o[0].numel, saves=save_fn, doc=doc,
+    ))
+
+
+def _binary(fn: Any) -> Any:
+    def run(*xs: torch.Tensor, other: Any = None, reverse: bool = False) -> torch.Tensor:
+        if len(xs) == 2:
+            return fn(xs[0], xs[1])
+        return fn(other, xs[0]) if reverse else fn(xs[0], other)
+    return run
+
+
+def _mul_saves(i: Types, o: Types, a: dict[str, Any]) -> list[tuple[str, int]]:
+    # x * y keeps both operands when both are tensors; x * scalar keeps nothing.
+    return [("in", k) for k in range(len(i))] if len(i) == 2 else []
+
+
+# ---- elementwise ---------------------------------------------------------------------------
+elementwise("add", _binary(torch.add))
+elementwise("sub", _binary(torch.sub))
+register(OpDef("mul", "elementwise", lambda i, o, a: _aligned_space(i, o), _binary(torch.mul),
+               flops=lambda i, o, a: o[0].numel, saves=_mul_saves))
+register(OpDef("div", "elementwise", lambda i, o, a: _aligned_space(i, o), _binary(torch.div),
+               flops=lambda i, o, a: o[0].numel, saves=_mul_saves))
+elementwise("pow", _binary(torch.pow), saves="inputs")
+elementwise("maximum", _binary(torch.maximum), saves="inputs")
+elementwise("minimum", _binary(torch.minimum), saves="inputs")
+elementwise("eq", _binary(torch.eq))
+elementwise("ne", _binary(torch.ne))
+elementwise("lt", _binary(torch.lt))
+elementwise("le", _binary(torch.le))
+elementwise("gt", _binary(torch.gt))
+elementwise("ge", _binary(torch.ge))
+elementwise("logical_and", _binary(torch.logical_and))
+elementwise("logical_not", torch.logical_not)
+elementwise("neg", torch.neg)
+elementwise("abs", torch.abs, saves="inputs")
+elementwise("exp", torch.exp, saves="output")
+elementwise("log", torch.log, saves="inputs")
+elementwise("sqrt", torch.sqrt, saves="output")
+elementwise("rsqrt", torch.rsqrt, saves="output")
+elementwise("reciprocal", torch.reciprocal, saves="output")
+elementwise("sin", torch.sin, saves="inputs")
+elementwise("cos", torch.cos, saves="inputs")
+elementwise("tanh", torch.tanh, 4, saves="output")
+elementwise("sigmoid", torch.sigmoid, 4, saves="output")
+elementwise("erf", torch.erf, 4, saves="inputs")
+elementwise("relu", F.relu, saves="output")
+elementwise("silu", F.silu, 4, saves="inputs")
+elementwise("gelu", lambda x, approximate="none": F.gelu(x, approximate=approximate), 8, saves="inputs")
+elementwise("identity", lambda x: x.clone())
+elementwise("cast", lambda x, dtype: x.to(TORCH_DTYPES[dtype]), 0)
+elementwise("where", lambda c, *xs, x=None, y=None: torch.where(
+    c, xs[0] if xs else x, xs[-1] if len(xs) == 2 or (xs and x is not None) else y))
+elementwise("masked_fill", lambda x, mask, value: x.masked_fill(mask, value))
+register(OpDef(
+    "dropout", "elementwise", lambda i, o, a: _aligned_space(i, o),
+    lambda x, p, training=True: F.dropout(x, p, training),
+    flops=lambda i, o, a: o[0].numel,
+    # Backward needs the mask: one byte per element (Korthikanti et al. count it so).
+    saves=lambda i, o, a: [("bytes", o[0].numel)] if a.get("p", 0) > 0 and a.get("training", True) else [],
+    doc="inverted dropout; the mask is saved at one byte per element",
+))
+
+
+# ---- contractions --------------------------------------------------------------------------
+def _linear_flops(i: Types, o: Types, a: dict[str, Any]) -> int:
+    return 2 * o[0].numel * i[1].shape[1] + (o[0].numel if len(i) > 2 else 0)
+
+
+register(OpDef(
+    "linear", "contraction", "... k, n k, n -> ... n", lambda x, w, b=None: F.linear(x, w, b),
+    flops=_linear_flops, saves=lambda i, o, a: [("in", 0), ("in", 1)],
+    doc="y = x @ w.T + b (torch.nn.Linear's layout)",
+))
+
+
+def _matmul_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    ra, rb = i[0].rank, i[1].rank
+    if ra >= 2 and rb >= 2:
+        return space_from_signature("... m k, ... k n -> ... m n", i, o)
+    if rb == 1:
+        return space_from_signature("... k, k -> ...", i, o)
+    return space_from_signature("k, ... k n -> ... n", i, o)
+
+
+register(OpDef(
+    "matmul", "contraction", _matmul_space, torch.matmul,
+    flops=lambda i, o, a: 2 * o[0].numel * i[0].shape[-1],
+    saves=lambda i, o, a: [("in", 0), ("in", 1)],
+))
+register(OpDef(
+    "embedding", "index", "..., v h -> ... h", lambda ids, w: F.embedding(ids, w),
+    flops=lambda i, o, a: 0, saves=lambda i, o, a: [("in", 0)],
+    doc="rows of w picked by ids; splitting v gives Partial(sum) (vocab-parallel embedding)",
+))
+
+
+# ---- normalisations, softmax, reductions ---------------------------------------------------
+register(OpDef(
+    "layer_norm", "norm", "... h, h, h -> ... h",
+    lambda x, w=None, b=None, eps=1e-5: F.layer_norm(x, (x.shape[-1],), w, b, eps),
+    unsplittable=frozenset({"h"}), flops=lambda i, o, a: 8 * o[0].numel,
+    saves=lambda i, o, a: [("in", 0)] + [("bytes", 8 * math.prod(i[0].shape[:-1]))],
+    doc="saves its input and per-row mean and rstd (fp32)",
+))
+register(OpDef(
+    "rms_norm", "norm", "... h, h -> ... h",
+    lambda x, w=None, eps=1e-6: F.rms_norm(x, (x.shape[-1],), w, eps),
+    unsplittable=frozenset({"h"}), flops=lambda i, o, a: 4 * o[0].numel,
+    saves=lambda i, o, a: [("in", 0)] + [("bytes", 4 * math.prod(i[0].shape[:-1]))],
+))
+
+
+def _softmax_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    return _aligned_space(i, o, fixed=(a["dim"],))
+
+
+register(OpDef("softmax", "norm", _softmax_space, lambda x, dim: torch.softmax(x, dim),
+               flops=lambda i, o, a: 5 * o[0].numel, saves=lambda i, o, a: [("out", 0)],
+               doc="the softmax axis cannot be split"))
+register(OpDef("log_softmax", "norm", _softmax_space, lambda x, dim: torch.log_softmax(x, dim),
+               flops=lambda i, o, a: 5 * o[0].numel, saves=lambda i, o, a: [("out", 0)]))
+
+
+def _reduce_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    rank = i[0].rank
+    names = _dims(rank)
+    dims = a.get("dim")
+    reduced = set(range(rank)) if dims is None else {_norm_dim(d, rank) for d in dims}
+    keep = a.get("keepdim", False)
+    out = tuple(((names[d],) if d not in reduced else ()) for d in range(rank) if keep or d not in reduced)
+    return IterationSpace(tuple(zip(names, i[0].shape)), ((tuple((n,) for n in names)),), (out,))
+
+
+def _reducer(fn: Any) -> Any:
+    def run(x: torch.Tensor, dim: Sequence[int] | None = None, keepdim: bool = False) -> torch.Tensor:
+        return fn(x) if dim is None else fn(x, dim=tuple(dim), keepdim=keepdim)
+    return run
+
+
+for _name, _fn in (("sum", torch.sum), ("mean", torch.mean), ("amax", torch.amax)):
+    register(OpDef(_name, "reduction", _reduce_space, _reducer(_fn), flops=lambda i, o, a: i[0].numel,
+                   saves=lambda i, o, a: [], doc=f"{_name} over `dim` (all dims when absent)"))
+
+
+# ---- attention and loss --------------------------------------------------------------------
+def _attention_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    q, k = i[0], i[1]
+    groups = k.shape[-3] if k.rank >= 3 else 1
+    heads = q.shape[-3] if q.rank >= 3 else 1
+    if groups == heads:
+        sig = "... g s d, ... g t d, ... g t e" + (", ... g s t" if len(i) > 3 else "") + " -> ... g s e"
+    else:
+        sig = "... (g r) s d, ... g t d, ... g t e" + (", ... 1 s t" if len(i) > 3 else "") + " -> ... (g r) s e"
+    return space_from_signature(sig, i, o)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+register(OpDef(
+    "scaled_dot_product_attention", "attention", _attention_space, _sdpa,
+    unsplittable=frozenset({"d"}), rules=(("t", "ring"),),
+    flops=lambda i, o, a: 2 * o[0].numel * i[0].shape[-1] // o[0].shape[-1] * i[1].shape[-2] + 2 * o[0].numel * i[1].shape[-2],
+    # Flash-style backward keeps q, k, v, the output and one fp32 log-sum-exp per query row.
+    saves=lambda i, o, a: [("in", 0), ("in", 1), ("in", 2), ("out", 0), ("bytes", 4 * o[0].numel // o[0].shape[-1])],
+    doc="softmax(q k^T * scale + mask) v; the key dim t splits only as a rotation (ring attention)",
+))
+
+
+def _cross_entropy_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    lead = i[0].rank - 1
+    names = _dims(lead)
+    sizes = tuple(zip(names, i[0].shape[:-1])) + (("v", i[0].shape[-1]),)
+    logits = tuple((n,) for n in names) + (("v",),)
+    targets = tuple((n,) for n in names)
+    out = targets if a.get("reduction", "mean") == "none" else ()
+    return IterationSpace(sizes, (logits, targets), (out,), special=(("v", "vocab"),))
+
+
+register(OpDef(
+    "cross_entropy", "loss", _cross_entropy_space,
+    lambda x, t, ignore_index=-100, reduction="mean": F.cross_entropy(
+        x.reshape(-1, x.shape[-1]), t.reshape(-1), ignore_index=ignore_index, reduction=reduction
+    ).reshape(t.shape if reduction == "none" else ()),
+    flops=lambda i, o, a: 5 * i[0].numel, saves=lambda i, o, a: [("in", 0), ("in", 1)],
+    doc="mean over all leading dims; splitting the classes v needs max and sum-exp all-reduces",
+))
+
+
+# ---- views and data movement ---------------------------------------------------------------
+def _reshape_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    """Group input and output dims into blocks of equal product; a block of one input dim and
+    several output dims (or the reverse) becomes a composite `(a d)` whose major factor splits."""
+    src, dst = list(i[0].shape), list(o[0].shape)
+    in_dims: list[tuple[str, ...]] = []
+    out_dims: list[tuple[str, ...]] = []
+    sizes: list[tuple[str, int]] = []
+    unsplittable: set[str] = set()
+    si = di = 0
+    counter = 0
+    while si < len(src) or di < len(dst):
+        if si < len(src) and src[si] == 1 and (di >= len(dst) or dst[di] != 1):
+            in_dims.append(())
+            si += 1
+            continue
+        if di < len(dst) and dst[di] == 1 and (si >= len(src) or src[si] != 1):
+            out_dims.append(())
+            di += 1
+            continue
+        s_block, d_block = [si], [di]
+        ps, pd = src[si], dst[di]
+        while ps != pd:
+            if ps < pd:
+                si += 1
+                s_block.append(si)
+                ps *= src[si]
+            else:
+                di += 1
+                d_block.append(di)
+                pd *= dst[di]
+        si += 1
+        di += 1
+        if len(s_block) == 1:
+            names = [f"r{counter + k}" for k in range(len(d_block))]
+            sizes += [(n, dst[d]) for n, d in zip(names, d_block)]
+            in_dims.append(tuple(names))
+            out_dims += [(n,) for n in names]
+        elif len(d_block) == 1:
+            names = [f"r{counter + k}" for k in range(len(s_block))]
+            sizes += [(n, src[s]) for n, s in zip(names, s_block)]
+            in_dims += [(n,) for n in names]
+            out_dims.append(tuple(names))
+        else:  # a tangle of merges and splits: keep it whole
+            names = [f"r{counter}"]
+            sizes.append((names[0], ps))
+            unsplittable.add(names[0])
+            in_dims += [(names[0],) if k == 0 else () for k in range(len(s_block))]
+            out_dims += [(names[0],) if k == 0 else () for k in range(len(d_block))]
+        counter += len(names)
+    return IterationSpace(tuple(sizes), (tuple(in_dims),), (tuple(out_dims),), frozenset(unsplittable))
+
+
+register(OpDef("reshape", "view", _reshape_space, lambda x, shape: x.reshape(shape), flops=lambda i, o, a: 0))
+
+
+def _permute_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    names = _dims(i[0].rank)
+    perm = [_norm_dim(d, i[0].rank) for d in a["dims"]]
+    return IterationSpace(tuple(zip(names, i[0].shape)), (tuple((n,) for n in names),),
+                          (tuple((names[p],) for p in perm),))
+
+
+register(OpDef("permute", "view", _permute_space, lambda x, dims: x.permute(dims), flops=lambda i, o, a: 0,
+               doc="transpose(a, b) is a permute"))
+
+
+def _expand_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    return _aligned_space(i, o)
+
+
+register(OpDef("expand", "view", _expand_space, lambda x, shape: x.expand(shape), flops=lambda i, o, a: 0))
+
+
+def _slice_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    rank = i[0].rank
+    d = _norm_dim(a["dim"], rank)
+    names = _dims(rank)
+    ins = tuple((n,) if k != d else (f"{n}in",) for k, n in enumerate(names))
+    outs = tuple((n,) for n in names)
+    sizes = tuple(zip(names, o[0].shape)) + ((f"{names[d]}in", i[0].shape[d]),)
+    return IterationSpace(sizes, (ins,), (outs,), frozenset({names[d], f"{names[d]}in"}))
+
+
+register(OpDef("slice", "view", _slice_space,
+               lambda x, dim, start, end, step=1: x[(slice(None),) * _norm_dim(dim, x.dim()) + (slice(start, end, step),)],
+               flops=lambda i, o, a: 0, doc="x[start:end:step] along dim; that dim cannot be split"))
+
+
+def _select_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    rank = i[0].rank
+    d = _norm_dim(a["dim"], rank)
+    names = _dims(rank)
+    sizes = tuple(zip(names, i[0].shape))
+    outs = tuple((n,) for k, n in enumerate(names) if k != d)
+    return IterationSpace(sizes, (tuple((n,) for n in names),), (outs,), frozenset({names[d]}))
+
+
+register(OpDef("select", "view", _select_space, lambda x, dim, index: x.select(dim, index), flops=lambda i, o, a: 0))
+
+
+def _concat_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    space = _aligned_space(i, o, fixed=(a["dim"],))
+    return space
+
+
+def _split_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    space = _aligned_space(o[:1], o[:1], fixed=(a["dim"],))
+    d = _norm_dim(a["dim"], i[0].rank)
+    ins = tuple((n,) if k != d else ("whole",) for k, n in enumerate(space.dims))
+    return IterationSpace(space.sizes + (("whole", i[0].shape[d]),), (ins,), tuple(space.outputs[0] for _ in o),
+                          space.unsplittable | {"whole"})
+
+
+register(OpDef("concat", "view", _concat_space, lambda *xs, dim: torch.cat(xs, dim), flops=lambda i, o, a: 0,
+               doc="the concatenated dim cannot be split"))
+register(OpDef("split", "view", _split_space, lambda x, sizes, dim: torch.split(x, list(sizes), dim),
+               flops=lambda i, o, a: 0, num_outputs=lambda a: len(a["sizes"]),
+               doc="pieces of `sizes` along dim; that dim cannot be split"))
+
+
+def _position_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    return _aligned_space(i, o, fixed=(-1, -2))
+
+
+register(OpDef("triu", "elementwise", _position_space, lambda x, diagonal=0: torch.triu(x, diagonal),
+               flops=lambda i, o, a: 0))
+register(OpDef("tril", "elementwise", _position_space, lambda x, diagonal=0: torch.tril(x, diagonal),
+               flops=lambda i, o, a: 0))
+
+
+# ---- creation ------------------------------------------------------------------------------
+def _creation_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    names = _dims(o[0].rank)
+    return IterationSpace(tuple(zip(names, o[0].shape)), (), (tuple((n,) for n in names),), frozenset(names))
+
+
+register(OpDef("arange", "creation", _creation_space,
+               lambda start, end, step=1, dtype="i64": torch.arange(start, end, step, dtype=TORCH_DTYPES[dtype]),
+               flops=lambda i, o, a: 0))
+register(OpDef("full", "creation", _creation_space,
+               lambda shape, value, dtype="f32": torch.full(tuple(shape), value, dtype=TORCH_DTYPES[dtype]),
+               flops=lambda i, o, a: 0))

@@ -1,0 +1,300 @@
+"""The op registry: one entry per op kind, holding everything the compiler knows about it.
+
+An entry gives the op's iteration space in einsum style (`"... k, n k -> ... n"`), which dims
+cannot be split, special partition rules, a torch implementation (used by the reference
+backend and for shape inference on the meta device), FLOPs, bytes moved and what backward
+saves. Adding an op is adding one `OpDef` with `register`.
+
+Signature grammar: operands separated by `,`, inputs and outputs by `->`; each operand is a
+list of dims; `...` stands for leading dims aligned from the right (numpy broadcasting);
+`(a d)` is one tensor dim made of the factors `a` (major) and `d` (minor); `1` is a size-one
+dim that takes part in no iteration. A dim in inputs but in no output is a reduction: split,
+it leaves the output `Partial(sum)` unless the op says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardc.ir import Layout, Mesh, Partial, Partition, Placement, Replicate, Shard, TensorType
+
+# One tensor dim as the iteration factors it is made of, major first; () means broadcast.
+DimFactors = tuple[str, ...]
+OperandDims = tuple[DimFactors, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class IterationSpace:
+    """A node's iteration dims with sizes, and how each operand's tensor dims map onto them."""
+
+    sizes: tuple[tuple[str, int], ...]
+    inputs: tuple[OperandDims, ...]
+    outputs: tuple[OperandDims, ...]
+    unsplittable: frozenset[str] = frozenset()
+    # dim -> rule name, for dims whose split needs more than Shard/Partial (see OpDef.rules)
+    special: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.sizes)
+
+    def size(self, dim: str) -> int:
+        for d, s in self.sizes:
+            if d == dim:
+                return s
+        raise KeyError(dim)
+
+    @property
+    def reductions(self) -> tuple[str, ...]:
+        produced = {f for operand in self.outputs for dim in operand for f in dim}
+        return tuple(d for d in self.dims if d not in produced)
+
+    @property
+    def parallel(self) -> tuple[str, ...]:
+        reduced = set(self.reductions)
+        return tuple(d for d in self.dims if d not in reduced)
+
+    def splittable(self) -> tuple[str, ...]:
+        """Dims a mesh axis may split plainly (special-rule dims need their rule, see OpDef.rules)."""
+        special = {d for d, _ in self.special}
+        return tuple(d for d in self.dims if d not in self.unsplittable and d not in special and self.size(d) > 1)
+
+
+@dataclass(frozen=True, slots=True)
+class OpDef:
+    """Everything known about one op kind. `impl(*tensors, **attrs)` runs it with torch."""
+
+    name: str
+    kind: str  # contraction | elementwise | norm | reduction | view | creation | attention | loss | index | collective
+    signature: str | Callable[[Sequence[TensorType], Sequence[TensorType], dict[str, Any]], IterationSpace]
+    impl: Callable[..., Any]
+    unsplittable: frozenset[str] = frozenset()
+    # dim -> rule: "ring" (split only in time with rotation: attention's key dim), "vocab" (a
+    # reduction whose split needs max/sum-exp all-reduces: cross entropy's classes).
+    rules: tuple[tuple[str, str], ...] = ()
+    flops: Callable[[Sequence[TensorType], Sequence[TensorType], dict[str, Any]], int] | None = None
+    # What backward keeps: ("in", i), ("out", i) or ("bytes", n); None means by kind.
+    saves: Callable[[Sequence[TensorType], Sequence[TensorType], dict[str, Any]], list[tuple[str, int]]] | None = None
+    num_outputs: int | Callable[[dict[str, Any]], int] = 1
+    doc: str = ""
+
+    def iteration_space(
+        self, in_types: Sequence[TensorType], out_types: Sequence[TensorType], attrs: dict[str, Any]
+    ) -> IterationSpace:
+        if callable(self.signature):
+            space = self.signature(in_types, out_types, attrs)
+        else:
+            space = space_from_signature(self.signature, in_types, out_types)
+        if self.unsplittable or self.rules:
+            space = IterationSpace(
+                space.sizes, space.inputs, space.outputs,
+                space.unsplittable | frozenset(d for d in self.unsplittable if d in space.dims),
+                space.special + tuple((d, r) for d, r in self.rules if d in space.dims),
+            )
+        return space
+
+    def count_flops(self, in_types: Sequence[TensorType], out_types: Sequence[TensorType], attrs: dict[str, Any]) -> int:
+        if self.flops is not None:
+            return int(self.flops(in_types, out_types, attrs))
+        if self.kind == "contraction":
+            space = self.iteration_space(in_types, out_types, attrs)
+            return 2 * math.prod(s for _, s in space.sizes)
+        if self.kind in ("elementwise", "norm", "reduction", "loss"):
+            return sum(t.numel for t in out_types) if self.kind != "reduction" else sum(t.numel for t in in_types)
+        return 0
+
+    def count_bytes(self, in_types: Sequence[TensorType], out_types: Sequence[TensorType], attrs: dict[str, Any]) -> int:
+        """Bytes read and written by a straightforward kernel (views move nothing)."""
+        if self.kind in ("view", "creation"):
+            return 0
+        return sum(t.nbytes for t in in_types) + sum(t.nbytes for t in out_types)
+
+    def saved_for_backward(
+        self, in_types: Sequence[TensorType], out_types: Sequence[TensorType], attrs: dict[str, Any]
+    ) -> list[tuple[str, int]]:
+        if self.saves is not None:
+            return self.saves(in_types, out_types, attrs)
+        if self.kind in ("contraction", "norm", "attention", "loss"):
+            return [("in", i) for i in range(len(in_types))]
+        return []
+
+
+_REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    """Add an op kind; registering a name twice is an error (rules live in one place)."""
+    if op.name in _REGISTRY:
+        raise ValueError(f"op {op.name!r} is registered twice")
+    _REGISTRY[op.name] = op
+    return op
+
+
+def get_op(name: str) -> OpDef:
+    _ensure_loaded()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(
+            f"no registry entry for op {name!r}; add one with shardc.registry.register(OpDef(...)) "
+            "in compiler/ops.py"
+        ) from None
+
+
+def has_op(name: str) -> bool:
+    _ensure_loaded()
+    return name in _REGISTRY
+
+
+def all_ops() -> dict[str, OpDef]:
+    _ensure_loaded()
+    return dict(_REGISTRY)
+
+
+def _ensure_loaded() -> None:
+    if not _REGISTRY:
+        import shardc.ops  # noqa: F401  (registers the built-in ops)
+
+
+# ---- signatures -----------------------------------------------------------------------------
+
+def _parse_operand(text: str) -> list[str | tuple[str, ...]]:
+    """`"... (a d) k 1"` -> ['...', ('a', 'd'), 'k', '1']."""
+    out: list[str | tuple[str, ...]] = []
+    tokens = text.replace("(", " ( ").replace(")", " ) ").split()
+    i = 0
+    while i < len(tokens):
+        if tokens[i] == "(":
+            j = tokens.index(")", i)
+            out.append(tuple(tokens[i + 1 : j]))
+            i = j + 1
+        else:
+            out.append(tokens[i])
+            i += 1
+    return out
+
+
+def space_from_signature(
+    signature: str, in_types: Sequence[TensorType], out_types: Sequence[TensorType]
+) -> IterationSpace:
+    """Bind an einsum-style signature to concrete operand shapes."""
+    lhs, rhs = signature.split("->")
+    in_specs = [_parse_operand(s) for s in lhs.split(",")] if lhs.strip() else []
+    out_specs = [_parse_operand(s) for s in rhs.split(",")] if rhs.strip() else []
+    # Inputs may be fewer than the signature (optional bias): bind the first ones.
+    in_specs = in_specs[: len(in_types)]
+    if len(out_specs) == 1 and len(out_types) > 1:
+        out_specs = out_specs * len(out_types)
+    ellipsis_rank = 0
+    for spec, t in list(zip(in_specs, in_types)) + list(zip(out_specs, out_types)):
+        if "..." in spec:
+            ellipsis_rank = max(ellipsis_rank, t.rank - (len(spec) - 1))
+    ell_names = [f"e{i}" for i in range(ellipsis_rank)]
+    sizes: dict[str, int] = {}
+
+    def bind(spec: list[str | tuple[str, ...]], t: TensorType, where: str) -> OperandDims:
+        dims: list[DimFactors] = []
+        expanded: list[str | tuple[str, ...]] = []
+        for item in spec:
+            if item == "...":
+                n = t.rank - (len(spec) - 1)
+                expanded.extend(ell_names[ellipsis_rank - n :] if n > 0 else [])
+            else:
+                expanded.append(item)
+        if len(expanded) != t.rank:
+            raise ValueError(f"{where} has rank {t.rank} but signature {signature!r} gives it {len(expanded)} dims")
+        for item, extent in zip(expanded, t.shape):
+            if item == "1" or (isinstance(item, str) and item.startswith("e") and extent == 1 and where.startswith("input")):
+                dims.append(())
+                continue
+            if isinstance(item, tuple):
+                dims.append(item)
+                continue
+            if item in sizes and sizes[item] != extent:
+                if extent == 1 and where.startswith("input"):
+                    dims.append(())  # broadcast
+                    continue
+                if sizes[item] == 1:
+                    sizes[item] = extent
+                else:
+                    raise ValueError(f"{where}: dim {item} is {extent} here but {sizes[item]} elsewhere ({signature!r})")
+            sizes.setdefault(item, extent)
+            dims.append((item,))
+        return tuple(dims)
+
+    outputs = tuple(bind(s, t, f"output {i}") for i, (s, t) in enumerate(zip(out_specs, out_types)))
+    inputs = tuple(bind(s, t, f"input {i}") for i, (s, t) in enumerate(zip(in_specs, in_types)))
+    # Composite dims: infer one unknown factor from the tensor extent.
+    for operand, t in list(zip(inputs, in_types)) + list(zip(outputs, out_types)):
+        for factors, extent in zip(operand, t.shape):
+            if len(factors) > 1:
+                unknown = [f for f in factors if f not in sizes]
+                known = math.prod(sizes[f] for f in factors if f in sizes)
+                if len(unknown) == 1:
+                    sizes[unknown[0]] = extent // max(known, 1)
+                elif unknown:
+                    raise ValueError(f"cannot size factors {unknown} of composite dim in {signature!r}")
+    order = [d for d in ell_names if d in sizes] + [d for d in sizes if d not in ell_names]
+    return IterationSpace(tuple((d, sizes[d]) for d in order), inputs, outputs)
+
+
+# ---- layouts from partitions ----------------------------------------------------------------
+
+def operand_layout(
+    operand: OperandDims, partition: Partition, space: IterationSpace, mesh: Mesh, is_output: bool
+) -> Layout:
+    """The layout one operand has under a partition (mesh axes in mesh order).
+
+    A mesh axis splitting factor `f` of tensor dim `i` gives `Shard(i)` when `f` is the dim's
+    major factor; a minor factor is not expressible as a plain shard and is rejected. An axis
+    splitting a reduction dim leaves outputs `Partial(sum)`; inputs it does not index are
+    `Replicate()`.
+    """
+    placements: list[tuple[str, Placement]] = []
+    reductions = set(space.reductions)
+    for axis in mesh.names:
+        dims = [d for a, d in partition.spatial if a == axis]
+        if not dims:
+            continue
+        dim = dims[0]
+        placement: Placement = Replicate()
+        for i, factors in enumerate(operand):
+            if dim in factors:
+                if factors.index(dim) != 0:
+                    raise ValueError(f"mesh axis {axis} splits {dim}, a minor factor of tensor dim {i}")
+                placement = Shard(i)
+                break
+        else:
+            if is_output and dim in reductions:
+                placement = Partial("sum")
+        placements.append((axis, placement))
+    return Layout(tuple(placements)).without_replicate()
+
+
+def node_layouts(
+    space: IterationSpace, partition: Partition, mesh: Mesh
+) -> tuple[list[Layout], list[Layout]]:
+    """Required input layouts and produced output layouts of a node under `partition`."""
+    for axis, dim in partition.spatial:
+        if dim not in space.dims:
+            raise ValueError(f"partition splits {dim!r}, not an iteration dim of {space.dims}")
+        if dim in space.unsplittable:
+            raise ValueError(f"iteration dim {dim!r} cannot be split")
+        mesh.axis_size(axis)
+    ins = [operand_layout(op, partition, space, mesh, False) for op in space.inputs]
+    outs = [operand_layout(op, partition, space, mesh, True) for op in space.outputs]
+    return ins, outs
+
+
+@dataclass(frozen=True, slots=True)
+class CostRow:
+    """The cost of one node on one device, filled in by annotate-cost."""
+
+    flops: int = 0
+    bytes: int = 0
+    saved_bytes: int = 0
+    param_bytes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
