@@ -1,0 +1,1 @@
+"""The torch backend: per-rank sharded modules, collectives, pipelines, checkpoints, launch."""

@@ -1,0 +1,1 @@
+"""The analytical performance and memory model: compute, communication, pipeline, memory."""

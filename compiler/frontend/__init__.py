@@ -1,0 +1,1 @@
+"""Frontends: torch (fx symbolic trace, torch.export) and ONNX, lifted into the partition IR."""
