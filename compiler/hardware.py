@@ -2,24 +2,66 @@
 
 The preset catalog and `parse_cluster("8xA100-80GB")` live here; the calibrated `local`
 profile is measured by `shardc.calibrate` and cached in a file.
+
+Units everywhere: FLOP/s, bytes, bytes/s, seconds. Decimal prefixes (1 GB/s = 1e9 B/s) for
+bandwidths as data sheets print them; memory capacities in binary units (an "80GB" A100 has
+80 GiB, which is what `nvidia-smi` reports and what the allocator can hand out).
+
+Link bandwidth convention: `LinkSpec.bandwidth` is what ONE device can send in ONE direction
+over that level at the same time as every other device does (per-direction, per-GPU). Data
+sheets quote NVLink as the bidirectional total per GPU ("600 GB/s" for A100 is 300 GB/s each
+way) and InfiniBand per port and direction ("HDR 200 Gb/s" is 25 GB/s each way, one port per
+GPU on a DGX). A ring collective over n devices on one level therefore takes
+`steps * latency + volume_factor * bytes / bandwidth` with the usual ring factors
+(all_reduce: 2(n-1) steps, 2(n-1)/n of the buffer; all_gather / reduce_scatter: n-1 steps,
+(n-1)/n of the full buffer). `efficiency` is the fraction of the wire rate a large NCCL
+collective reaches in practice (nccl-tests bus bandwidth); `effective_bandwidth` applies it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from shardc.diagnostics import ShardcError
+
+GiB = 1 << 30
+
+# Plan and IR spell dtypes differently; peak FLOP/s tables use the plan's names.
+_DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "f16": "fp16", "float16": "fp16", "half": "fp16",
+                  "bfloat16": "bf16", "f64": "fp64", "float64": "fp64"}
+
+
+def canonical_dtype(dtype: str) -> str:
+    """`f32`/`float32` -> `fp32`, `f16`/`half` -> `fp16`, `bfloat16` -> `bf16`; others unchanged."""
+    return _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
 
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
-    """One level of the interconnect: per-device bandwidth (bytes/s, one direction) and latency (s)."""
+    """One level of the interconnect: per-device bandwidth (bytes/s, one direction) and latency (s).
+
+    `latency` is the per-message (per ring step) cost including software; `efficiency` the
+    fraction of `bandwidth` large collectives reach (1.0 = wire rate).
+    """
 
     name: str
     bandwidth: float
     latency: float
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0:
             raise ValueError(f"link {self.name}: bandwidth must be > 0 and latency >= 0")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"link {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +70,8 @@ class DeviceSpec:
 
     `matmul_efficiency` is the fraction of peak a large matmul reaches; smaller matmuls reach
     less, following `efficiency(flops) = matmul_efficiency * flops / (flops + matmul_half_flops)`.
+    `kernel_latency` is the fixed cost of launching one op. `host_bandwidth` (bytes/s, one
+    direction, PCIe) and `host_memory_bytes` (this device's share of host RAM) serve offload.
     """
 
     name: str
@@ -37,18 +81,43 @@ class DeviceSpec:
     matmul_efficiency: float = 0.8
     matmul_half_flops: float = 2e9
     kernel_latency: float = 5e-6
+    host_bandwidth: float = 16e9
+    host_memory_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops or any(f <= 0 for _, f in self.peak_flops):
+            raise ValueError(f"device {self.name}: peak FLOP/s must be given and positive")
+        if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
+            raise ValueError(f"device {self.name}: memory capacity and bandwidth must be positive")
+        if not 0 < self.matmul_efficiency <= 1 or self.matmul_half_flops < 0:
+            raise ValueError(f"device {self.name}: matmul_efficiency in (0, 1], matmul_half_flops >= 0")
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.peak_flops)
 
     def peak(self, dtype: str) -> float:
+        """Peak dense FLOP/s for `dtype` (plan or IR spelling: `bf16`, `fp32`, `f32`, ...)."""
+        want = canonical_dtype(dtype)
         for d, f in self.peak_flops:
-            if d == dtype:
+            if d == want:
                 return f
-        raise KeyError(f"device {self.name} has no peak FLOP/s for dtype {dtype!r}; it knows "
-                       + ", ".join(d for d, _ in self.peak_flops))
+        raise ShardcError(
+            f"device {self.name} has no peak FLOP/s for dtype {dtype!r}; it knows " + ", ".join(self.dtypes),
+            hint="pick a dtype the device supports in the plan, e.g. dtype=fp16 on V100")
+
+    def matmul_flops_per_s(self, flops: float, dtype: str) -> float:
+        """Achieved FLOP/s of one matmul of `flops` FLOPs: peak x the efficiency curve."""
+        return self.peak(dtype) * self.matmul_efficiency * flops / (flops + self.matmul_half_flops)
 
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """`nodes` x `devices_per_node` identical devices; `intra` links within a node, `inter` across."""
+    """`nodes` x `devices_per_node` identical devices; `intra` links within a node, `inter` across.
+
+    Ranks are numbered node-major (rank = node * devices_per_node + local index), as torchrun
+    does, so a group of consecutive ranks stays inside a node as long as it fits.
+    """
 
     device: DeviceSpec
     nodes: int
@@ -57,6 +126,184 @@ class Cluster:
     inter: LinkSpec
     name: str = field(default="")
 
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ValueError(f"cluster needs >= 1 node and >= 1 device per node, got "
+                             f"{self.nodes}x{self.devices_per_node}")
+
     @property
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def spans_nodes(self, size: int, stride: int = 1) -> bool:
+        """Whether a group of `size` ranks `stride` apart (a mesh axis) crosses node boundaries."""
+        return size > 1 and (size - 1) * stride + 1 > self.devices_per_node
+
+    def link_for(self, size: int, stride: int = 1) -> LinkSpec:
+        """The slowest link level a group of `size` ranks `stride` apart has to use."""
+        return self.inter if self.spans_nodes(size, stride) else self.intra
+
+    def __str__(self) -> str:
+        return self.name or f"{self.nodes}x{self.devices_per_node}x{self.device.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A catalog entry: the device, its node (DGX/HGX) size and the two link levels."""
+
+    device: DeviceSpec
+    devices_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
+
+
+def _half_flops(peak: float, efficiency: float, fixed_time: float = 5e-6) -> float:
+    # A matmul reaches half its large-size rate when its ideal time equals the fixed cost of a
+    # kernel (launch, tail, wave quantisation), taken as ~5 us on all these GPUs.
+    return peak * efficiency * fixed_time
+
+
+# Latencies: NCCL's per-step base latency over NVLink is a few us; over InfiniBand 5-10 us
+# once the software stack (proxy thread, GPUDirect RDMA setup) is counted.
+# Efficiencies: nccl-tests all_reduce bus bandwidth on DGX systems reaches ~80% of the NVLink
+# wire rate (e.g. ~230-240 of 300 GB/s on DGX A100) and ~90% of InfiniBand's.
+_NVLINK2 = LinkSpec("nvlink2", 150e9, 3e-6, 0.8)   # V100 SXM2: 6 links x 25 GB/s x 2 dirs = 300 GB/s total
+_NVLINK3 = LinkSpec("nvlink3", 300e9, 3e-6, 0.8)   # A100 SXM4: 12 links, 600 GB/s total
+_NVLINK4 = LinkSpec("nvlink4", 450e9, 3e-6, 0.8)   # H100/H200 SXM5: 18 links, 900 GB/s total
+_IB_EDR = LinkSpec("ib-edr", 12.5e9, 8e-6, 0.9)    # EDR 100 Gb/s per GPU
+_IB_HDR = LinkSpec("ib-hdr", 25e9, 7e-6, 0.9)      # HDR 200 Gb/s per GPU (DGX A100: 8 ConnectX-6)
+_IB_NDR = LinkSpec("ib-ndr", 50e9, 6e-6, 0.9)      # NDR 400 Gb/s per GPU (DGX H100/H200: 8 ConnectX-7)
+
+# Tesla V100 SXM2 data sheet: 125 TFLOP/s tensor (fp16), 15.7 fp32, 7.8 fp64; 32 GB HBM2 at
+# 900 GB/s; PCIe 3.0 x16 (16 GB/s each way). No bf16. DGX-1V: 512 GB host RAM for 8 GPUs.
+# Large fp16 GEMMs reach ~100 TFLOP/s with cuBLAS.
+_V100 = DeviceSpec(
+    "V100-32GB", (("fp16", 125e12), ("fp32", 15.7e12), ("fp64", 7.8e12)),
+    32 * GiB, 900e9, 0.8, _half_flops(125e12, 0.8), 5e-6, 16e9, 64 * GiB)
+
+
+def _a100(name: str, memory_gib: int, bandwidth: float, host_gib: int) -> DeviceSpec:
+    # A100 SXM4 data sheet: 312 TFLOP/s dense bf16/fp16 tensor, 156 tf32, 19.5 fp32, 19.5 fp64
+    # tensor (9.7 plain); HBM2 1555 GB/s (40GB) or HBM2e 2039 GB/s (80GB); PCIe 4.0 x16.
+    # cuBLAS reaches ~85% of the bf16 peak on large GEMMs.
+    return DeviceSpec(
+        name, (("bf16", 312e12), ("fp16", 312e12), ("tf32", 156e12), ("fp32", 19.5e12), ("fp64", 19.5e12)),
+        memory_gib * GiB, bandwidth, 0.85, _half_flops(312e12, 0.85), 5e-6, 32e9, host_gib * GiB)
+
+
+def _hopper(name: str, memory_gib: int, bandwidth: float) -> DeviceSpec:
+    # H100 SXM5 data sheet: 989 TFLOP/s dense bf16/fp16 tensor (1979 with sparsity), 1979 fp8,
+    # 494.5 tf32, 67 fp32, 67 fp64 tensor; 80 GB HBM3 at 3.35 TB/s; PCIe 5.0 x16 (64 GB/s).
+    # H200 SXM: the same compute, 141 GB HBM3e at 4.8 TB/s. DGX H100/H200: 2 TB host RAM.
+    # cuBLAS reaches ~75% of the bf16 peak on large GEMMs (power and clock limited).
+    return DeviceSpec(
+        name, (("bf16", 989e12), ("fp16", 989e12), ("fp8", 1979e12), ("tf32", 494.5e12),
+               ("fp32", 67e12), ("fp64", 67e12)),
+        memory_gib * GiB, bandwidth, 0.75, _half_flops(989e12, 0.75), 4e-6, 64e9, 256 * GiB)
+
+
+PRESETS: Mapping[str, Preset] = MappingProxyType({
+    "V100-32GB": Preset(_V100, 8, _NVLINK2, _IB_EDR),
+    "A100-40GB": Preset(_a100("A100-40GB", 40, 1555e9, 128), 8, _NVLINK3, _IB_HDR),
+    "A100-80GB": Preset(_a100("A100-80GB", 80, 2039e9, 256), 8, _NVLINK3, _IB_HDR),
+    "H100-SXM": Preset(_hopper("H100-SXM", 80, 3.35e12), 8, _NVLINK4, _IB_NDR),
+    "H200": Preset(_hopper("H200", 141, 4.8e12), 8, _NVLINK4, _IB_NDR),
+})
+ALIASES: Mapping[str, str] = MappingProxyType({"H100": "H100-SXM", "A100": "A100-80GB", "V100": "V100-32GB"})
+
+_EXAMPLES = "8xA100-80GB, 64xH100 (8 per node), 2x8xH100 (nodes x per node), local, local4"
+
+
+def known_presets() -> list[str]:
+    """Preset names and aliases, as `parse_cluster` accepts them."""
+    return list(PRESETS) + [f"{a} (= {t})" for a, t in ALIASES.items()] + ["local"]
+
+
+def preset(name: str) -> Preset:
+    """Look a preset up by name or alias, case-insensitively."""
+    by_lower = {k.lower(): k for k in PRESETS} | {a.lower(): t for a, t in ALIASES.items()}
+    key = by_lower.get(name.strip().lower())
+    if key is None:
+        raise ShardcError(f"unknown cluster preset {name!r}; known presets: {', '.join(known_presets())}",
+                          hint=f"write a cluster as e.g. {_EXAMPLES}")
+    return PRESETS[key]
+
+
+def make_cluster(name: str, nodes: int, devices_per_node: int | None = None) -> Cluster:
+    """`nodes` nodes of preset `name`, each with `devices_per_node` devices (the preset's default)."""
+    p = preset(name)
+    per_node = p.devices_per_node if devices_per_node is None else devices_per_node
+    dev_name = p.device.name
+    return Cluster(p.device, nodes, per_node, p.intra, p.inter, f"{nodes}x{per_node}x{dev_name}")
+
+
+_LOCAL = re.compile(r"^local(?::?(\d+))?$", re.IGNORECASE)
+_SHAPE = re.compile(r"^(\d+)\s*[xX]\s*(?:(\d+)\s*[xX]\s*)?([A-Za-z][\w.-]*)$")
+
+
+def parse_cluster(text: str) -> Cluster:
+    """Parse a cluster: `8xA100-80GB`, `64xH100` (8 per node), `2x8xH100`, `local`, `local4`/`local:4`.
+
+    `NxPRESET` fills nodes of the preset's size (8): up to 8 devices make one node, more must be
+    a multiple of 8. `AxBxPRESET` is A nodes of B devices. `local` is this machine as calibrated
+    by `shardc calibrate` (one process per core; `localN` or `Nxlocal` for N processes).
+    """
+    s = text.strip()
+    m = _LOCAL.match(s)
+    if m:
+        from shardc.calibrate import local_cluster  # calibrate imports this module
+
+        return local_cluster(int(m.group(1)) if m.group(1) else _default_local_procs())
+    m = _SHAPE.match(s)
+    if not m:
+        raise ShardcError(f"cannot read cluster {text!r}; write e.g. {_EXAMPLES}; known presets: "
+                          + ", ".join(known_presets()))
+    first, second, name = int(m.group(1)), m.group(2), m.group(3)
+    if name.lower() == "local":
+        if second is not None:
+            raise ShardcError(f"cluster {text!r}: the local machine is one node; write {first}xlocal or local{first}")
+        from shardc.calibrate import local_cluster
+
+        return local_cluster(first)
+    p = preset(name)
+    if second is not None:
+        nodes, per_node = first, int(second)
+    elif first <= p.devices_per_node:
+        nodes, per_node = 1, first
+    elif first % p.devices_per_node == 0:
+        nodes, per_node = first // p.devices_per_node, p.devices_per_node
+    else:
+        per = p.devices_per_node
+        lo, hi = first // per * per, -(-first // per) * per
+        raise ShardcError(
+            f"cluster {text!r}: {first} devices do not fill nodes of {per}; use {lo}x{name} or {hi}x{name}, "
+            f"or say the node size as NODESxPER_NODEx{name}, e.g. " + _factorings(first, name, per))
+    if nodes < 1 or per_node < 1:
+        raise ShardcError(f"cluster {text!r} has no devices; write e.g. {_EXAMPLES}")
+    return make_cluster(name, nodes, per_node)
+
+
+def _factorings(n: int, name: str, per: int) -> str:
+    pairs = [f"{n // d}x{d}x{name}" for d in range(min(per, n), 0, -1) if n % d == 0]
+    return ", ".join(pairs[:3])
+
+
+def _default_local_procs() -> int:
+    import os
+
+    return max(1, os.cpu_count() or 1)
+
+
+def with_overrides(cluster: Cluster, *, memory_bytes: int | None = None, intra: LinkSpec | None = None,
+                   inter: LinkSpec | None = None) -> Cluster:
+    """A copy of `cluster` with a different device memory or links (for what-if estimates)."""
+    device = cluster.device if memory_bytes is None else replace(cluster.device, memory_bytes=memory_bytes)
+    return replace(cluster, device=device, intra=intra or cluster.intra, inter=inter or cluster.inter)
+
+
+def format_bytes(n: float) -> str:
+    """1.5 GiB, 512 MiB, ...: binary units, as memory is reported."""
+    if n <= 0:
+        return "0 B"
+    exp = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024 ** exp:.3g} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exp]}"

@@ -113,8 +113,13 @@ elementwise("silu", F.silu, 4, saves="inputs")
 elementwise("gelu", lambda x, approximate="none": F.gelu(x, approximate=approximate), 8, saves="inputs")
 elementwise("identity", lambda x: x.clone())
 elementwise("cast", lambda x, dtype: x.to(TORCH_DTYPES[dtype]), 0)
-elementwise("where", lambda c, *xs, x=None, y=None: torch.where(
-    c, xs[0] if xs else x, xs[-1] if len(xs) == 2 or (xs and x is not None) else y))
+def _where(cond: torch.Tensor, *xs: torch.Tensor, x: Any = None, y: Any = None) -> torch.Tensor:
+    # Tensor branches are inputs in order; a scalar branch is the attribute x or y.
+    rest = iter(xs)
+    return torch.where(cond, x if x is not None else next(rest), y if y is not None else next(rest))
+
+
+elementwise("where", _where)
 elementwise("masked_fill", lambda x, mask, value: x.masked_fill(mask, value))
 register(OpDef(
     "dropout", "elementwise", lambda i, o, a: _aligned_space(i, o),

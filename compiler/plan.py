@@ -1,19 +1,85 @@
 """The parallel plan users write by hand: `dp=8,tp=8,pp=16,vpp=3,mb=1,gbs=1536,...`.
 
-One parser (`ParallelPlan.parse`) serves every command that takes `--plan`.
+One parser (`ParallelPlan.parse`) serves every command that takes `--plan`; `str(plan)` prints
+the same syntax back, every key in `PLAN_KEYS` order, so `parse(str(p)) == p`.
+`validate_plan` checks a plan against a cluster size and a model's dimensions (`model_dims`
+reads those off an IR graph) and names the nearest valid values when a constraint fails.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+from shardc.ir import Graph, Node
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("fp32", "bf16", "fp16")
+_DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "bfloat16": "bf16", "f16": "fp16", "float16": "fp16",
+                  "half": "fp16"}
+_IR_DTYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+# key -> (type, default, meaning); the order here is the printed order.
+PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
+    "dp": ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
+    "tp": ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
+    "pp": ("int", "1", "pipeline-parallel degree (number of stages)"),
+    "vpp": ("int", "1", "virtual stages per device; >1 means the interleaved 1F1B schedule"),
+    "cp": ("int", "1", "context-parallel degree (ring attention over the sequence)"),
+    "sp": ("0|1", "0", "sequence parallel: shard norms/dropout over the sequence across tp ranks"),
+    "mb": ("int", "1", "micro-batch size (sequences per micro-batch per data-parallel rank)"),
+    "gbs": ("int|auto", "auto", "global batch (sequences per optimizer step); auto: the model's batch"),
+    "schedule": ("|".join(SCHEDULES), "1f1b", "pipeline schedule"),
+    "recompute": ("|".join(RECOMPUTE), "none", "activation recomputation of every layer"),
+    "zero": ("0-3", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
+    "dtype": ("|".join(DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
+    "offload": ("0|1", "0", "offload optimizer states to host memory"),
+})
+
+
+def _bool(key: str, text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "on", "yes"):
+        return True
+    if t in ("0", "false", "off", "no"):
+        return False
+    raise ShardcError(f"plan key {key}={text!r}: expected 0 or 1 (also true/false, on/off)")
+
+
+def _int(key: str, text: str, low: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise ShardcError(f"plan key {key}={text!r}: expected an integer >= {low}")
+    return value
+
+
+def _choice(key: str, text: str, choices: tuple[str, ...], aliases: Mapping[str, str] | None = None) -> str:
+    t = text.strip().lower()
+    t = (aliases or {}).get(t, t)
+    if t not in choices:
+        raise ShardcError(f"plan key {key}={text!r}: valid values are {', '.join(choices)}")
+    return t
 
 
 @dataclass(frozen=True, slots=True)
 class ParallelPlan:
     """A uniform Megatron-style plan. Degrees multiply to the device count: dp*tp*pp*cp.
 
+    Keys and defaults (see `PLAN_KEYS`): dp=1, tp=1, pp=1, vpp=1, cp=1, sp=0, mb=1, gbs=auto
+    (the model's example batch), schedule=1f1b, recompute=none, zero=0, dtype=bf16, offload=0.
     mb is the micro-batch size; gbs the global batch (sequences per optimizer step); the
     number of micro-batches per pipeline is gbs / (dp * mb) (gradient accumulation when pp=1).
+    vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
+    1F1B, as Megatron does); `interleaved` with vpp=1 and `gpipe` with vpp>1 are errors.
     """
 
     dp: int = 1
@@ -30,6 +96,277 @@ class ParallelPlan:
     dtype: str = "bf16"
     offload: bool = False
 
+    def __post_init__(self) -> None:
+        for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ShardcError(f"plan key {key}={v!r}: expected an integer >= 1")
+        if self.gbs is not None and self.gbs < 1:
+            raise ShardcError(f"plan key gbs={self.gbs}: expected an integer >= 1 or auto")
+        dtype = _choice("dtype", self.dtype, DTYPES, _DTYPE_ALIASES)
+        object.__setattr__(self, "dtype", dtype)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        if self.zero not in (0, 1, 2, 3):
+            raise ShardcError(f"plan key zero={self.zero!r}: valid values are 0, 1, 2, 3")
+        schedule = _choice("schedule", self.schedule, SCHEDULES)
+        if self.vpp > 1:
+            if schedule == "gpipe":
+                raise ShardcError(f"plan has vpp={self.vpp} with schedule=gpipe; virtual stages need "
+                                  "schedule=interleaved (or 1f1b, read as interleaved 1F1B), or vpp=1")
+            if self.pp == 1:
+                raise ShardcError(f"plan has vpp={self.vpp} with pp=1; virtual stages interleave a "
+                                  "pipeline: set pp>1 or vpp=1")
+            schedule = "interleaved"
+        elif schedule == "interleaved":
+            raise ShardcError("plan has schedule=interleaved with vpp=1; set vpp>=2 (virtual stages per "
+                              "device) or schedule=1f1b")
+        object.__setattr__(self, "schedule", schedule)
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelPlan:
+        """Read `key=value,key=value,...`; keys left out take their defaults (see `PLAN_KEYS`)."""
+        values: dict[str, Any] = {}
+        for item in (p.strip() for p in text.split(",")):
+            if not item:
+                continue
+            key, eq, raw = item.partition("=")
+            key, raw = key.strip().lower(), raw.strip()
+            if key not in PLAN_KEYS:
+                raise ShardcError(f"unknown plan key {key!r} in {text!r}; known keys: {', '.join(PLAN_KEYS)}",
+                                  hint="write the plan as e.g. dp=8,tp=8,pp=4,mb=1,gbs=512,recompute=full")
+            if not eq or not raw:
+                raise ShardcError(f"plan key {key!r} has no value in {text!r}; write {key}=VALUE "
+                                  f"({PLAN_KEYS[key][0]})")
+            if key in values:
+                raise ShardcError(f"plan key {key!r} given twice in {text!r}")
+            if key in ("sp", "offload"):
+                values[key] = _bool(key, raw)
+            elif key == "gbs":
+                values[key] = None if raw.lower() == "auto" else _int(key, raw)
+            elif key == "zero":
+                values[key] = _int(key, raw, 0)
+                if values[key] > 3:
+                    raise ShardcError(f"plan key zero={raw!r}: valid values are 0, 1, 2, 3")
+            elif key in ("schedule", "recompute", "dtype"):
+                values[key] = raw
+            else:
+                values[key] = _int(key, raw)
+        return cls(**values)
+
+    def __str__(self) -> str:
+        parts = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
+            parts.append(f"{f.name}={text}")
+        return ",".join(parts)
+
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def stages(self) -> int:
+        """Model chunks along the pipeline: pp * vpp."""
+        return self.pp * self.vpp
+
+    @property
+    def ir_dtype(self) -> str:
+        """The compute dtype in the IR's spelling (`f32`, `bf16`, `f16`)."""
+        return _IR_DTYPE[self.dtype]
+
+    def global_batch(self, batch: int | None = None) -> int:
+        """`gbs`, or `batch` (the model's example batch) when gbs=auto."""
+        gbs = self.gbs if self.gbs is not None else batch
+        if gbs is None:
+            raise ShardcError("plan has gbs=auto and no model batch was given; set gbs=N in the plan")
+        return gbs
+
+    def micro_batches(self, global_batch: int | None = None) -> int:
+        """Micro-batches per pipeline per step: global batch / (dp * mb), which must be whole."""
+        gbs = self.global_batch(global_batch)
+        per = self.dp * self.mb
+        if gbs % per:
+            raise ShardcError(f"plan {self}: the global batch {gbs} is not divisible by dp*mb = "
+                              f"{self.dp}*{self.mb} = {per}; " + _batch_suggestions(gbs, self.dp, self.mb))
+        return gbs // per
+
+    def notes(self, *, layers: int | None = None, global_batch: int | None = None) -> list[str]:
+        """Remarks on choices that are legal but probably not what was meant."""
+        out = []
+        if self.sp and self.tp == 1:
+            out.append("sp=1 has no effect with tp=1 (sequence parallelism shards across tp ranks)")
+        if self.zero and self.dp * self.cp == 1:
+            out.append(f"zero={self.zero} has no effect with dp=1 (nothing to shard optimizer states over)")
+        if layers is not None and layers % self.stages:
+            out.append(f"{layers} layers do not divide evenly into {self.stages} stages; stages get "
+                       f"{layers // self.stages} or {layers // self.stages + 1} layers (unbalanced)")
+        if self.pp > 1 and (global_batch or self.gbs):
+            m = (global_batch or self.gbs or 0) // (self.dp * self.mb)
+            if 0 < m < self.pp:
+                out.append(f"{m} micro-batches for {self.pp} stages: the pipeline never fills; use >= {self.pp}")
+            elif self.schedule == "interleaved" and m % self.pp:
+                out.append(f"interleaved 1F1B wants the micro-batch count ({m}) to be a multiple of pp={self.pp}")
+        return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(values: list[int], target: int, k: int = 4) -> list[int]:
+    return sorted(sorted(values, key=lambda v: (abs(v - target), v))[:k])
+
+
+def _batch_suggestions(gbs: int, dp: int, mb: int) -> str:
+    per = dp * mb
+    lo, hi = gbs // per * per, -(-gbs // per) * per
+    near = " and ".join(str(v) for v in (lo, hi) if v > 0)
+    text = f"nearest valid gbs: {near}"
+    if gbs % dp == 0:
+        text += f"; with gbs={gbs}, valid mb: {', '.join(map(str, _nearest(_divisors(gbs // dp), mb, 6)))}"
+    return text
+
+
+def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int | None, hidden: int | None,
+                  kv_heads: int | None = None, batch: int | None = None, seq: int | None = None,
+                  vocab: int | None = None) -> None:
+    """Check `plan` against `devices` and the model's dimensions; raise one ShardcError naming
+    every broken constraint with the nearest valid values. Dims given as None are not checked.
+
+    Rules: dp*tp*pp*cp == devices; tp divides heads, kv_heads and hidden; pp*vpp <= layers;
+    the global batch (gbs, else `batch`) divisible by dp*mb; cp divides the sequence; with
+    sp=1, tp*cp divides the sequence. `vocab` is not constrained: a vocab-parallel embedding
+    pads it to a multiple of tp.
+    """
+    problems: list[str] = []
+    if plan.devices != devices:
+        problems.append(_degree_problem(plan, devices))
+    if plan.tp > 1:
+        dims = {"heads": heads, "kv_heads": kv_heads, "hidden": hidden}
+        bad = [f"{k}={v}" for k, v in dims.items() if v is not None and v % plan.tp]
+        if bad:
+            common = math.gcd(*[v for v in dims.values() if v is not None])
+            valid = [d for d in _divisors(common) if d <= devices]
+            problems.append(f"tp={plan.tp} does not divide {' and '.join(bad)}; valid tp: "
+                            + ", ".join(map(str, valid)))
+    if plan.stages > layers:
+        valid_pp = [p for p in _divisors(layers) if p * plan.vpp <= layers and p <= devices]
+        what = f"pp*vpp = {plan.pp}*{plan.vpp} = {plan.stages} stages" if plan.vpp > 1 else f"pp={plan.pp} stages"
+        text = f"{what} for {layers} layers: each stage needs at least one layer; valid pp: "
+        text += ", ".join(map(str, _nearest(valid_pp, plan.pp, 6))) or "none"
+        if plan.vpp > 1:
+            text += f"; with pp={plan.pp}, vpp <= {max(1, layers // plan.pp)}"
+        problems.append(text)
+    gbs = plan.gbs if plan.gbs is not None else batch
+    if gbs is not None and gbs % (plan.dp * plan.mb):
+        problems.append(f"global batch {gbs} not divisible by dp*mb = {plan.dp}*{plan.mb} = "
+                        f"{plan.dp * plan.mb} (micro-batch count must be whole); "
+                        + _batch_suggestions(gbs, plan.dp, plan.mb))
+    if seq is not None and plan.cp > 1 and seq % plan.cp:
+        valid = [c for c in _divisors(seq) if c <= devices]
+        problems.append(f"cp={plan.cp} does not divide the sequence length {seq}; valid cp: "
+                        + ", ".join(map(str, _nearest(valid, plan.cp, 6))))
+    if seq is not None and plan.sp and plan.tp > 1 and seq % (plan.tp * plan.cp):
+        problems.append(f"sp=1 splits the sequence {seq} over tp*cp = {plan.tp * plan.cp} ranks, which "
+                        f"does not divide it; use sp=0 or a tp dividing {seq // math.gcd(seq, plan.cp)}")
+    if problems:
+        raise ShardcError(f"plan {plan} is not valid for {devices} devices:\n  - " + "\n  - ".join(problems))
+
+
+def _degree_problem(plan: ParallelPlan, devices: int) -> str:
+    degrees = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp}
+    text = (f"dp*tp*pp*cp = {plan.dp}*{plan.tp}*{plan.pp}*{plan.cp} = {plan.devices} but the cluster has "
+            f"{devices} devices")
+    fixes = []
+    for key, value in degrees.items():
+        rest = plan.devices // value
+        if devices % rest == 0:
+            fixes.append(f"{key}={devices // rest}")
+    if fixes:
+        return text + "; to fit, change one degree: " + " or ".join(fixes)
+    return text + f"; the degrees must multiply to {devices} (e.g. dp={devices} alone)"
+
+
+# ---- model dimensions from the IR ------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """What plan validation needs to know about a Transformer; None where the graph does not say."""
+
+    layers: int
+    heads: int | None
+    kv_heads: int | None
+    hidden: int | None
+    vocab: int | None
+    seq: int | None
+    batch: int | None
+
+    def as_kwargs(self) -> dict[str, int | None]:
+        """Keyword arguments for `validate_plan`."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _attention_nodes(graph: Graph) -> list[tuple[Node, int, int, int | None, int]]:
+    """(node, batch, heads, kv_heads, seq) of every attention: fused sdpa, or a softmax over
+    square `[b, heads, s, s]` scores (explicit attention; kv heads are not visible there)."""
+    found: list[tuple[Node, int, int, int | None, int]] = []
+    for node in graph.nodes:
+        if node.op == "scaled_dot_product_attention" and len(node.inputs) >= 2:
+            q, k = node.inputs[0].type.shape, node.inputs[1].type.shape
+            if len(q) >= 3:
+                found.append((node, q[0] if len(q) == 4 else 1, q[-3], k[-3], q[-2]))
+        elif node.op == "softmax" and node.inputs:
+            s = node.inputs[0].type.shape
+            if len(s) == 4 and s[-1] == s[-2]:
+                found.append((node, s[0], s[1], None, s[-1]))
+    return found
+
+
+def _layer_key(node: Node) -> str:
+    if node.layer:
+        return node.layer
+    parts = node.location.module_path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return node.location.module_path
+
+
+def _most_common(values: list[int]) -> int | None:
+    return Counter(values).most_common(1)[0][0] if values else None
+
+
+def model_dims(graph: Graph) -> ModelDims:
+    """Read layers, heads, kv heads, hidden, vocab, sequence and batch off an IR graph.
+
+    Layers: distinct layers (the group-layers annotation, else the module path up to its first
+    index, `blocks.3`) holding an attention; without attention, the count of the most repeated
+    block in `graph.layers`. Heads, batch and sequence: from attention shapes. Hidden: the
+    layer_norm/rms_norm width. Vocab: the embedding fed by a graph input (token ids), else the
+    cross-entropy class count, else the largest embedding.
+    """
+    attn = _attention_nodes(graph)
+    if attn:
+        layers = len({_layer_key(n) for n, *_ in attn})
+    elif graph.layers:
+        layers = Counter(layer.block for layer in graph.layers.values()).most_common(1)[0][1]
+    else:
+        layers = 0
+    heads = _most_common([a[2] for a in attn])
+    kv = _most_common([a[3] for a in attn if a[3] is not None])
+    hidden = _most_common([n.inputs[1].type.shape[-1] if len(n.inputs) > 1 else n.inputs[0].type.shape[-1]
+                           for n in graph.nodes if n.op in ("layer_norm", "rms_norm") and n.inputs])
+    inputs = {id(v) for v in graph.inputs}
+    embeddings = [n for n in graph.nodes if n.op == "embedding" and len(n.inputs) == 2]
+    token = [n.inputs[1].type.shape[0] for n in embeddings if id(n.inputs[0]) in inputs]
+    losses = [n.inputs[0].type.shape[-1] for n in graph.nodes if n.op == "cross_entropy" and n.inputs]
+    vocab = (token or losses or [max((n.inputs[1].type.shape[0] for n in embeddings), default=None)])[0]
+    batch, seq = _most_common([a[1] for a in attn]), _most_common([a[4] for a in attn])
+    if batch is None or seq is None:
+        ids = [v.type.shape for v in graph.inputs if v.type.rank == 2 and not v.type.is_float]
+        if ids:
+            batch, seq = batch or ids[0][0], seq or ids[0][1]
+    if hidden is None and embeddings:
+        hidden = embeddings[0].inputs[1].type.shape[-1]
+    return ModelDims(layers, heads, kv if kv is not None else heads, hidden, vocab, seq, batch)

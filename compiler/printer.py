@@ -11,15 +11,31 @@
     }
 
 Layouts print after a type only when set; `ann[...]` holds analysis results (annotate-cost).
+Names made only of letters, digits, `_`, `.` and `-` print bare; any other name prints as a
+JSON string (`%"onnx::MatMul_7"`). A node without outputs prints without `%... =` and types.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
-from shardc.ir import Graph, Layer, Node, Value
+from shardc.ir import Graph, Layer, Location, Node, Value
+
+_BARE_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def format_name(name: str) -> str:
+    """A value, layer, block or graph name: bare when simple, else a JSON string."""
+    return name if _BARE_NAME.fullmatch(name) else json.dumps(name)
+
+
+def format_location(location: Location) -> str:
+    """`@module.path "source"`; the source is a JSON string so quotes inside it survive."""
+    text = f"@{location.module_path}"
+    return text + (f" {json.dumps(location.source)}" if location.source else "")
 
 
 def format_attr(value: Any) -> str:
@@ -61,36 +77,38 @@ def format_typed(value: Value) -> str:
 def format_layer(layer: Layer) -> str:
     a = layer.annotation
     stage = "none" if a.stage is None else str(a.stage)
-    return (f"layer {layer.name} block={layer.block} stage={stage} recompute={a.recompute} "
+    return (f"layer {format_name(layer.name)} block={format_name(layer.block)} stage={stage} recompute={a.recompute} "
             f"zero={a.zero} offload={'true' if a.offload else 'false'}")
 
 
 def format_node(node: Node) -> str:
-    outs = ", ".join(f"%{v.name}" for v in node.outputs)
-    ins = ", ".join(f"%{v.name}" for v in node.inputs)
-    text = f"{outs} = {node.op}{format_attrs(node.attrs)}({ins}) : " + ", ".join(format_typed(v) for v in node.outputs)
+    outs = ", ".join(f"%{format_name(v.name)}" for v in node.outputs)
+    ins = ", ".join(f"%{format_name(v.name)}" for v in node.inputs)
+    text = f"{node.op}{format_attrs(node.attrs)}({ins})"
+    if node.outputs:
+        text = f"{outs} = {text} : " + ", ".join(format_typed(v) for v in node.outputs)
     if node.partition is not None:
         text += f" {node.partition}"
     if node.layer is not None:
-        text += f" layer={node.layer}"
+        text += f" layer={format_name(node.layer)}"
     if node.annotations:
         text += " ann" + format_attrs(node.annotations)
-    text += f" {node.location}"
+    text += f" {format_location(node.location)}"
     return text
 
 
 def print_graph(graph: Graph) -> str:
     """The whole graph as text, one declaration or node per line."""
-    header = f"graph @{graph.name}" + (f" {graph.mesh}" if graph.mesh is not None else "") + " {"
+    header = f"graph @{format_name(graph.name)}" + (f" {graph.mesh}" if graph.mesh is not None else "") + " {"
     lines = [header]
     for kind, values in (("input", graph.inputs), ("param", graph.params), ("buffer", graph.buffers)):
         for v in values:
             frozen = " frozen" if kind == "param" and not v.requires_grad else ""
-            lines.append(f"  {kind}{frozen} %{v.name} : {format_typed(v)}")
+            lines.append(f"  {kind}{frozen} %{format_name(v.name)} : {format_typed(v)}")
     for layer in graph.layers.values():
         lines.append("  " + format_layer(layer))
     for node in graph.nodes:
         lines.append("  " + format_node(node))
-    lines.append("  return " + ", ".join(f"%{v.name}" for v in graph.outputs))
+    lines.append(("  return " + ", ".join(f"%{format_name(v.name)}" for v in graph.outputs)).rstrip())
     lines.append("}")
     return "\n".join(lines) + "\n"

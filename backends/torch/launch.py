@@ -1,0 +1,151 @@
+"""Launching local process groups: `spawn` for functions (tests, benchmarks), torchrun for `shardc run`.
+
+Failure rule: when one rank fails, every other rank is stopped within a bounded time and the
+caller gets one error naming the rank and its exception, never a hang. `spawn` watches its
+children and kills the rest as soon as one reports an error or dies; `torchrun` does the same
+with its elastic agent (no restarts), and process groups carry a timeout as a second guard.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+
+PG_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port free on this machine at the time of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(rank: int, world: int, port: int, timeout_s: float = PG_TIMEOUT_S) -> str:
+    """Join a local process group: NCCL when this rank has a GPU, gloo otherwise; returns the backend."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return backend
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
+           queue: Any, timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        init_process_group(rank, world, port, timeout_s)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as err:  # report everything, including SystemExit from the function
+        queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 180.0,
+          pg_timeout_s: float = PG_TIMEOUT_S) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `nproc` fresh processes in one process group; rank-ordered results.
+
+    `fn` must be importable (module level) and its arguments and result picklable. If a rank
+    raises or dies, the others are killed at once and a ShardcError names the first failure;
+    after `timeout_s` everything is killed and the error says which ranks had not finished.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, args, queue, pg_timeout_s), daemon=True)
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    failure: str | None = None
+    try:
+        while len(results) < nproc and failure is None:
+            try:
+                rank, status, payload = queue.get(timeout=0.2)
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in results]
+                if dead:
+                    failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                elif time.monotonic() > deadline:
+                    missing = sorted(set(range(nproc)) - set(results))
+                    failure = f"timed out after {timeout_s:.0f} s; ranks {missing} had not finished"
+                continue
+            if status == "error":
+                failure = f"rank {rank} failed: {payload}"
+            else:
+                results[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive() and failure is not None:
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if failure is not None:
+        raise ShardcError(f"process group of {nproc} stopped: {failure}")
+    return [results[r] for r in range(nproc)]
+
+
+# ---- torchrun -----------------------------------------------------------------------------
+
+def torchrun(nproc: int, module: str, argv: Sequence[str], *, timeout_s: float, log_dir: Path,
+             env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run `python -m module argv...` on `nproc` local workers under torchrun; returns (exit code, output).
+
+    No restarts: a failing worker makes torchrun's agent stop the others. The whole run is
+    killed after `timeout_s` (exit code -9). Worker output is captured for the error message.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "--monitor-interval=0.2", "-m", module, *argv]
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    log = open(log_dir / "torchrun.log", "w+")  # noqa: SIM115 - read back below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = -9
+    log.seek(0)
+    text = log.read()
+    log.close()
+    return code, text
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (temp file then rename), so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

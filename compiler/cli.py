@@ -1,0 +1,201 @@
+"""The `shardc` command line: inspect, estimate, plan, compile, run, calibrate.
+
+Every command that takes a model accepts the one model syntax of `shardc.models`
+(`path/file.py:factory?k=v`, `hf:gpt2?n_layer=2`, `model.onnx`, or a printed `.ir` file for
+`inspect`), and every command that takes a plan accepts the syntax of `ParallelPlan.parse`.
+A `ShardcError` is printed as its message alone (exit code 2), never as a stack trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="path/file.py:factory[?k=v&...], hf:TYPE[?k=v&...], or a .onnx file")
+    p.add_argument("--device", default="meta", choices=["meta", "cpu"],
+                   help="where to build the model for tracing (meta allocates no weights)")
+    p.add_argument("--allow-opaque", action="store_true",
+                   help="keep ops without a registry entry as replicated opaque nodes instead of failing")
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME=8x128",
+                   help="static shape for a dynamic input (ONNX models)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="print the IR of a model and a per-layer table")
+    _add_model(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-ir", action="store_true", help="only the per-layer table")
+    p.add_argument("--pipeline", default="group-layers,annotate-cost",
+                   help="passes to run before printing (a pipeline string)")
+    p.add_argument("--print-after-all", action="store_true")
+    p.add_argument("--time-passes", action="store_true")
+
+    p = sub.add_parser("estimate", help="predict step time and memory of a plan on a cluster")
+    _add_model(p)
+    p.add_argument("--cluster", required=True, help="e.g. 8xA100-80GB, 64xH100, 2x8xH100, local")
+    p.add_argument("--plan", required=True, help="e.g. dp=8,tp=8,pp=16,mb=1,gbs=1536,recompute=full")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the per-device memory and time breakdown")
+
+    p = sub.add_parser("plan", help="search the best plan for a model on a cluster")
+    _add_model(p)
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--gbs", type=int, required=True, help="global batch size (sequences per step)")
+    p.add_argument("--memory-limit", type=float, metavar="GB", help="per-device memory limit")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="solver time limit in seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="CP-SAT worker count (fixed for determinism)")
+    p.add_argument("--warm-start", metavar="PLAN", help="a plan file from an earlier run")
+    p.add_argument("-o", "--output", metavar="PLAN", help="write the chosen plan (and its IR) here")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("compile", help="partition, lower and generate per-rank code")
+    _add_model(p)
+    p.add_argument("--plan", required=True)
+    p.add_argument("-o", "--output", required=True, metavar="DIR")
+
+    p = sub.add_parser("run", help="compile and train on local processes")
+    _add_model(p)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--plan")
+    group.add_argument("--cluster", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("calibrate", help="measure this machine and cache the local profile")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    p.add_argument("--out", metavar="FILE", help="where to write the profile (default: the cache)")
+    return parser
+
+
+def _load_graph(args: argparse.Namespace) -> Any:
+    """Model spec or printed IR file -> Graph (the IR file is parsed, not traced)."""
+    if args.model.endswith(".ir"):
+        from shardc.parser import parse_file
+
+        return parse_file(args.model)
+    from shardc.frontend import trace
+    from shardc.models import load_model
+
+    loaded = load_model(args.model, device=args.device)
+    return trace(loaded.model, loaded.example_inputs, name=loaded.name,
+                 allow_opaque=args.allow_opaque, input_names=loaded.input_names)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from shardc.passes.annotate_cost import cost_table
+    from shardc.passmanager import PassContext, run_pipeline
+
+    console = _console()
+    graph = _load_graph(args)
+    if args.pipeline:
+        graph = run_pipeline(graph, args.pipeline, PassContext(), print_after_all=args.print_after_all,
+                             time_passes=args.time_passes)
+    rows = cost_table(graph)
+    opaque = [n for n in graph.nodes if n.op == "opaque"]
+    if args.json:
+        out = {
+            "name": graph.name,
+            "params": graph.param_count(),
+            "flops_forward": sum(int(r.flops) for r in rows),
+            "saved_activation_bytes": sum(int(r.saved_bytes) for r in rows),
+            "nodes": len(graph.nodes),
+            "opaque_ops": sorted({str(n.attrs.get("target", "?")) for n in opaque}),
+            "layers": [r.to_json() for r in rows],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    if not args.no_ir:
+        print(str(graph), end="")
+    from rich.table import Table
+
+    table = Table(title=f"{graph.name}: {graph.param_count():,} parameters, {len(graph.nodes)} nodes")
+    for col in ("layer", "block", "nodes", "params", "FLOPs (fwd)", "saved act. bytes"):
+        table.add_column(col, justify="left" if col in ("layer", "block") else "right")
+    for r in rows:
+        table.add_row(r.layer, r.block, str(r.nodes), f"{r.params:,}", f"{r.flops:.3e}", f"{r.saved_bytes:,}")
+    console.print(table)
+    if opaque:
+        from shardc.frontend import coverage
+
+        console.print(str(coverage(graph)))
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from shardc.cost.report import run_estimate
+
+    return run_estimate(args.model, args.cluster, args.plan, json_out=args.json, plot=args.plot,
+                        console=_console(), device=args.device, allow_opaque=args.allow_opaque)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardc.search.report import run_plan
+
+    return run_plan(args.model, args.cluster, args.gbs, memory_limit_gb=args.memory_limit,
+                    time_limit=args.time_limit, seed=args.seed, workers=args.workers,
+                    warm_start=args.warm_start, out=args.output, json_out=args.json, console=_console())
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from shardc.api import compile_to_dir
+
+    compile_to_dir(args.model, args.plan, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from shardc.run import run_model
+
+    return run_model(args.model, nproc=args.nproc, steps=args.steps, plan=args.plan, cluster=args.cluster,
+                     seed=args.seed, json_out=args.json, console=_console())
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from shardc.calibrate import print_profile, run_calibration
+
+    profile = run_calibration(args.out, quick=args.quick)
+    print_profile(profile, _console())
+    return 0
+
+
+COMMANDS = {
+    "inspect": cmd_inspect, "estimate": cmd_estimate, "plan": cmd_plan, "compile": cmd_compile,
+    "run": cmd_run, "calibrate": cmd_calibrate,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `shardc` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ShardcError as err:
+        print(f"shardc {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"shardc {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
