@@ -157,6 +157,7 @@ def all_ops() -> dict[str, OpDef]:
 def _ensure_loaded() -> None:
     if not _REGISTRY:
         import shardc.ops  # noqa: F401  (registers the built-in ops)
+    import shardc.collectives  # noqa: F401  (registers the communication ops; cached after once)
 
 
 # ---- signatures -----------------------------------------------------------------------------

@@ -315,3 +315,69 @@ def write_onnx(result: OnnxImport, params: dict[str, torch.Tensor], out_path: st
 
 Handler = Callable[[_Importer, list[Any], dict[str, Any]], list[Operand]]
 HANDLERS: dict[str, Handler] = {}
+
+
+class OnnxModule(torch.nn.Module):
+    """An imported ONNX model as an nn.Module: its parameters under their IR names (dotted names
+    become submodules, so `named_parameters()` yields the IR names) and a forward that runs the
+    IR with the registry's torch implementations. `shardc.frontend.trace` returns `shardc_graph`
+    for it instead of tracing."""
+
+    def __init__(self, result: OnnxImport) -> None:
+        super().__init__()
+        self.shardc_graph = result.graph
+        self.shardc_import = result
+        for v in result.graph.params + result.graph.buffers:
+            *path, leaf = v.name.split(".")
+            owner: torch.nn.Module = self
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            tensor = result.state[v.name]
+            if v.kind == "parameter":
+                owner.register_parameter(leaf, torch.nn.Parameter(tensor.clone()))
+            else:
+                owner.register_buffer(leaf, tensor.clone())
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        from shardc.registry import get_op
+
+        graph = self.shardc_graph
+        state = dict(self.named_parameters()) | dict(self.named_buffers())
+        env: dict[int, Any] = {id(v): t for v, t in zip(graph.inputs, inputs)}
+        for v in graph.params + graph.buffers:
+            env[id(v)] = state[v.name]
+        for node in graph.nodes:
+            out = get_op(node.op).impl(*[env[id(v)] for v in node.inputs], **node.attrs)
+            for v, t in zip(node.outputs, out if isinstance(out, tuple | list) else [out]):
+                env[id(v)] = t
+        outs = [env[id(v)] for v in graph.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def example_inputs(graph: Graph, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs matching the graph's declared types; integer inputs that feed an embedding are
+    drawn below its vocabulary size."""
+    gen = torch.Generator().manual_seed(seed)
+    high: dict[int, int] = {}
+    for node in graph.nodes:
+        if node.op == "embedding":
+            high[id(node.inputs[0])] = node.inputs[1].type.shape[0]
+    out = []
+    for v in graph.inputs:
+        dtype = TORCH_DTYPES[v.type.dtype]
+        if v.type.is_float:
+            out.append(torch.randn(v.type.shape, generator=gen, dtype=dtype))
+        elif v.type.dtype == "bool":
+            out.append(torch.ones(v.type.shape, dtype=torch.bool))
+        else:
+            out.append(torch.randint(0, high.get(id(v), 2), v.type.shape, generator=gen, dtype=dtype))
+    return tuple(out)
+
+
+def load_onnx_module(path: str, *, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                     seed: int = 0) -> tuple[OnnxModule, tuple[torch.Tensor, ...]]:
+    """An ONNX file as (module, example inputs), the form every shardc command takes."""
+    result = import_onnx(path, input_shapes=input_shapes)
+    return OnnxModule(result), example_inputs(result.graph, seed)

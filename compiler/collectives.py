@@ -1,0 +1,86 @@
+"""Registry entries for the communication ops the `lower` pass makes explicit.
+
+The IR is global-view: every value's type is its full (global) shape and its layout says how the
+devices hold it. A collective therefore keeps the type and changes the layout, so on one device
+(the reference backend) each of these ops is the identity. Attributes name the mesh axis and
+what the op does there; `grad` says what backward does, because the same forward can have two
+conjugates depending on how the gradient of a replicated value is held on that axis:
+
+- model axes (tp, ...): a replicated value's gradient is replicated (every rank computes it), so
+  all_gather's backward is `chunk`, chunk's backward is `all_gather`, all_reduce's is `identity`;
+- data axes (dp, cp): a replicated value's gradient is partial (each rank's own loss), so
+  all_gather's backward is `reduce_scatter`, chunk's backward is `pad`, all_reduce's is
+  `all_reduce`.
+
+| op                                    | forward                      | backward (grad attr)        |
+|---------------------------------------|------------------------------|-----------------------------|
+| all_reduce[axis, op, grad]            | P -> R: sum/avg/max          | identity or all_reduce      |
+| grad_all_reduce[axis]                 | identity (R stays R)         | all_reduce sum              |
+| all_gather[axis, dim, grad]           | S(dim) -> R                  | chunk or reduce_scatter     |
+| reduce_scatter[axis, dim, op]         | P -> S(dim)                  | all_gather                  |
+| chunk[axis, dim, grad]                | R -> S(dim), no traffic      | all_gather or pad           |
+| all_to_all[axis, src, dst]            | S(src) -> S(dst)             | all_to_all S(dst) -> S(src) |
+| rotate[axis, shift]                   | shard moves `shift` ranks    | rotate by -shift            |
+| send[axis, src, dst] / recv[...]      | pipeline stage cut           | recv / send                 |
+| grad_sync[axes, op, via, zero]        | identity on a parameter      | all_reduce over data axes   |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import shardc.ops  # noqa: F401  (the built-in ops register first, so the registry is never half-loaded)
+from shardc.ir import TensorType
+from shardc.registry import IterationSpace, OpDef, register
+
+COLLECTIVE_OPS = (
+    "all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "chunk", "all_to_all",
+    "rotate", "send", "recv", "grad_sync",
+)
+
+
+def _same_shape_space(i: Sequence[TensorType], o: Sequence[TensorType], a: dict[str, Any]) -> IterationSpace:
+    """Input and output are the same global tensor: one iteration dim per tensor dim."""
+    names = tuple(f"d{k}" for k in range(o[0].rank))
+    dims = tuple((n,) for n in names)
+    return IterationSpace(tuple(zip(names, o[0].shape)), tuple(dims for _ in i), (dims,))
+
+
+def _identity(x: Any, **attrs: Any) -> Any:
+    # Global view: on one device a collective changes nothing.
+    return x
+
+
+def _collective(name: str, doc: str) -> OpDef:
+    return register(OpDef(
+        name, "collective", _same_shape_space, _identity,
+        flops=lambda i, o, a: 0, saves=lambda i, o, a: [], doc=doc,
+    ))
+
+
+_collective("all_reduce", "P -> R over `axis` by `op`; backward per `grad` (identity | all_reduce)")
+_collective("grad_all_reduce", "identity forward, all_reduce(sum) of the gradient over `axis` backward")
+_collective("all_gather", "S(dim) -> R over `axis`; backward per `grad` (chunk | reduce_scatter)")
+_collective("reduce_scatter", "P -> S(dim) over `axis`; backward all_gather")
+_collective("chunk", "R -> S(dim) over `axis` by taking the local piece; backward per `grad` (all_gather | pad)")
+_collective("all_to_all", "S(src) -> S(dst) over `axis`; backward the reverse all_to_all")
+_collective("rotate", "every rank passes its shard `shift` ranks along `axis`; backward rotates back")
+_collective("send", "pipeline stage cut: the value leaves stage `src` for stage `dst` over `axis`")
+_collective("recv", "pipeline stage cut: the value arrives at stage `dst` from stage `src` over `axis`")
+_collective("grad_sync", "identity on a parameter; its gradient is averaged over the data `axes` "
+                         "(by DDP, or FSDP2 for ZeRO stage `zero`, as `via` says)")
+
+
+def message_bytes(op: str, attrs: dict[str, Any], local_bytes: int, axis_size: int) -> int:
+    """Bytes one rank sends for a collective whose local input is `local_bytes` (ring algorithms)."""
+    n = axis_size
+    if n <= 1 or op in ("chunk", "grad_sync", "grad_all_reduce"):
+        return 0
+    if op == "all_reduce":
+        return 2 * local_bytes * (n - 1) // n
+    if op == "all_gather":
+        return local_bytes * (n - 1)
+    if op in ("reduce_scatter", "all_to_all"):
+        return local_bytes * (n - 1) // n
+    return local_bytes  # rotate, send, recv
