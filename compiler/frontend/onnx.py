@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Location, Node, TensorType, Value
 from shardc.ops import DTYPE_NAMES, TORCH_DTYPES
