@@ -19,6 +19,8 @@ conjugates depending on how the gradient of a replicated value is held on that a
 | all_gather[axis, dim, grad]           | S(dim) -> R                  | chunk or reduce_scatter     |
 | reduce_scatter[axis, dim, op]         | P -> S(dim)                  | all_gather                  |
 | chunk[axis, dim, grad]                | R -> S(dim), no traffic      | all_gather or pad           |
+| to_partial[axis]                      | R -> P(sum): zero off rank 0 | identity                    |
+| pad[axis, dim]                        | S(dim) -> P(sum), no traffic | chunk                       |
 | all_to_all[axis, src, dst]            | S(src) -> S(dst)             | all_to_all S(dst) -> S(src) |
 | rotate[axis, shift]                   | shard moves `shift` ranks    | rotate by -shift            |
 | send[axis, src, dst] / recv[...]      | pipeline stage cut           | recv / send                 |
@@ -35,7 +37,7 @@ from shardc.ir import TensorType
 from shardc.registry import IterationSpace, OpDef, register
 
 COLLECTIVE_OPS = (
-    "all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "chunk", "all_to_all",
+    "all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "chunk", "to_partial", "pad", "all_to_all",
     "rotate", "send", "recv", "grad_sync",
 )
 
@@ -64,6 +66,10 @@ _collective("grad_all_reduce", "identity forward, all_reduce(sum) of the gradien
 _collective("all_gather", "S(dim) -> R over `axis`; backward per `grad` (chunk | reduce_scatter)")
 _collective("reduce_scatter", "P -> S(dim) over `axis`; backward all_gather")
 _collective("chunk", "R -> S(dim) over `axis` by taking the local piece; backward per `grad` (all_gather | pad)")
+_collective("to_partial", "R -> P(sum) over `axis` with no traffic: the value on coordinate 0, zeros "
+                          "elsewhere (a bias added to a partial sum); backward identity")
+_collective("pad", "S(dim) -> P(sum) over `axis` with no traffic: the shard placed in zeros of the full "
+                   "size; backward chunk")
 _collective("all_to_all", "S(src) -> S(dst) over `axis`; backward the reverse all_to_all")
 _collective("rotate", "every rank passes its shard `shift` ranks along `axis`; backward rotates back")
 _collective("send", "pipeline stage cut: the value leaves stage `src` for stage `dst` over `axis`")
@@ -75,7 +81,7 @@ _collective("grad_sync", "identity on a parameter; its gradient is averaged over
 def message_bytes(op: str, attrs: dict[str, Any], local_bytes: int, axis_size: int) -> int:
     """Bytes one rank sends for a collective whose local input is `local_bytes` (ring algorithms)."""
     n = axis_size
-    if n <= 1 or op in ("chunk", "grad_sync", "grad_all_reduce"):
+    if n <= 1 or op in ("chunk", "to_partial", "pad", "grad_sync", "grad_all_reduce"):
         return 0
     if op == "all_reduce":
         return 2 * local_bytes * (n - 1) // n

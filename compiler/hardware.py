@@ -261,7 +261,8 @@ def parse_cluster(text: str) -> Cluster:
     first, second, name = int(m.group(1)), m.group(2), m.group(3)
     if name.lower() == "local":
         if second is not None:
-            raise ShardcError(f"cluster {text!r}: the local machine is one node; write {first}xlocal or local{first}")
+            total = first * int(second)
+            raise ShardcError(f"cluster {text!r}: the local machine is one node; write {total}xlocal or local{total}")
         from shardc.calibrate import local_cluster
 
         return local_cluster(first)

@@ -64,16 +64,24 @@ class TensorType:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """The tensor is split along `dim` across the mesh axis."""
+    """The tensor is split along `dim` across the mesh axis.
+
+    With `interleave=k` (printed `S(dim/k)`) the dim, as this axis sees it, is `k` equal blocks
+    and every device holds its 1/size piece of each block (a strided shard): the q, k and v
+    heads of a fused qkv projection, or the sequence inside a flattened `(batch seq)` dim.
+    """
 
     dim: int
+    interleave: int = 1
 
     def __post_init__(self) -> None:
         if self.dim < 0:
             raise ValueError(f"Shard dim must be non-negative, got {self.dim}")
+        if self.interleave < 1:
+            raise ValueError(f"Shard interleave must be >= 1, got {self.interleave}")
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.interleave == 1 else f"S({self.dim}/{self.interleave})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +144,8 @@ class Layout:
         for a, p in self.placements:
             if isinstance(p, Shard):
                 size = mesh.axis_size(a)
-                local[p.dim] = -(-local[p.dim] // size)
+                block = -(-local[p.dim] // p.interleave)
+                local[p.dim] = p.interleave * -(-block // size)
         return tuple(local)
 
     def without_replicate(self) -> Layout:
@@ -218,22 +227,33 @@ class TemporalSplit:
 class Partition:
     """How one node's iteration space is cut: in space (mesh axis -> iteration dim) and in time.
 
-    Printed `partition<dp:b, tp:n; time k/4 rotate tp>`.
+    Printed `partition<dp:b, tp:n; time k/4 rotate tp>`. `strides` gives, per mesh axis, a
+    strided split (printed `tp:n/3`): the axis cuts its dim as 3 equal blocks and every device
+    takes its piece of each block, so the operands indexing the dim are `Shard(i, interleave=3)`.
     """
 
     spatial: tuple[tuple[str, str], ...] = ()
     temporal: tuple[TemporalSplit, ...] = ()
+    strides: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         axes = [a for a, _ in self.spatial]
         if len(set(axes)) != len(axes):
             raise ValueError(f"partition assigns a mesh axis twice: {axes}")
+        for axis, stride in self.strides:
+            if axis not in axes or stride < 2:
+                raise ValueError(f"partition stride {axis}/{stride} needs a spatial split on {axis} and stride >= 2")
 
     def axes_of(self, dim: str) -> list[str]:
         return [a for a, d in self.spatial if d == dim]
 
+    def stride_of(self, axis: str) -> int:
+        """The number of interleaved blocks `axis` cuts its dim into (1: a plain split)."""
+        return dict(self.strides).get(axis, 1)
+
     def __str__(self) -> str:
-        body = ", ".join(f"{a}:{d}" for a, d in self.spatial)
+        body = ", ".join(f"{a}:{d}" + (f"/{self.stride_of(a)}" if self.stride_of(a) > 1 else "")
+                         for a, d in self.spatial)
         if self.temporal:
             body += "; time " + ", ".join(str(t) for t in self.temporal)
         return f"partition<{body}>"
@@ -341,6 +361,9 @@ class Graph:
     outputs: list[Value] = field(default_factory=list)
     mesh: Mesh | None = None
     layers: dict[str, Layer] = field(default_factory=dict)
+    # Graph-level facts of a plan (micro-batch size and count, schedule, ...), printed after the
+    # mesh as `[microbatches=4, ...]`; values are what node attributes may hold.
+    attrs: dict[str, Any] = field(default_factory=dict)
 
     def values(self) -> Iterator[Value]:
         yield from self.inputs

@@ -138,8 +138,8 @@ def _linear_flops(i: Types, o: Types, a: dict[str, Any]) -> int:
 
 register(OpDef(
     "linear", "contraction", "... k, n k, n -> ... n", lambda x, w, b=None: F.linear(x, w, b),
-    flops=_linear_flops, saves=lambda i, o, a: [("in", 0), ("in", 1)],
-    doc="y = x @ w.T + b (torch.nn.Linear's layout)",
+    flops=_linear_flops, saves=lambda i, o, a: [("in", 0), ("in", 1)], additive=(2,),
+    doc="y = x @ w.T + b (torch.nn.Linear's layout); splitting k makes the bias partial too",
 ))
 
 
@@ -198,7 +198,13 @@ def _reduce_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
     reduced = set(range(rank)) if dims is None else {_norm_dim(d, rank) for d in dims}
     keep = a.get("keepdim", False)
     out = tuple(((names[d],) if d not in reduced else ()) for d in range(rank) if keep or d not in reduced)
-    return IterationSpace(tuple(zip(names, i[0].shape)), ((tuple((n,) for n in names)),), (out,))
+    return IterationSpace(tuple(zip(names, i[0].shape)), ((tuple((n,) for n in names)),), (out,),
+                          partial_op=a.get("_partial", "sum"))
+
+
+def _reduce_space_as(partial_op: str) -> Any:
+    """A reduction whose split reduced dims leave its output Partial(partial_op)."""
+    return lambda i, o, a: _reduce_space(i, o, {**a, "_partial": partial_op})
 
 
 def _reducer(fn: Any) -> Any:
@@ -207,8 +213,8 @@ def _reducer(fn: Any) -> Any:
     return run
 
 
-for _name, _fn in (("sum", torch.sum), ("mean", torch.mean), ("amax", torch.amax)):
-    register(OpDef(_name, "reduction", _reduce_space, _reducer(_fn), flops=lambda i, o, a: i[0].numel,
+for _name, _fn, _partial in (("sum", torch.sum, "sum"), ("mean", torch.mean, "avg"), ("amax", torch.amax, "max")):
+    register(OpDef(_name, "reduction", _reduce_space_as(_partial), _reducer(_fn), flops=lambda i, o, a: i[0].numel,
                    saves=lambda i, o, a: [], doc=f"{_name} over `dim` (all dims when absent)"))
 
 
@@ -247,7 +253,8 @@ def _cross_entropy_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpac
     logits = tuple((n,) for n in names) + (("v",),)
     targets = tuple((n,) for n in names)
     out = targets if a.get("reduction", "mean") == "none" else ()
-    return IterationSpace(sizes, (logits, targets), (out,), special=(("v", "vocab"),))
+    return IterationSpace(sizes, (logits, targets), (out,), special=(("v", "vocab"),),
+                          partial_op="avg" if a.get("reduction", "mean") == "mean" else "sum")
 
 
 register(OpDef(
@@ -367,8 +374,16 @@ def _concat_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
 
 
 def _split_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    space = _aligned_space(o[:1], o[:1], fixed=(a["dim"],))
+    """Unequal pieces: the split dim cannot be split. Equal pieces: the input dim is `(piece d)`
+    and `d` splits as a strided shard of the input (each device keeps its part of every piece:
+    the q, k and v heads of a fused projection)."""
     d = _norm_dim(a["dim"], i[0].rank)
+    if len(o) > 1 and len({t.shape[d] for t in o}) == 1:
+        space = _aligned_space(o[:1], o[:1])
+        ins = tuple((n,) if k != d else ("piece", n) for k, n in enumerate(space.dims))
+        return IterationSpace(space.sizes + (("piece", len(o)),), (ins,), tuple(space.outputs[0] for _ in o),
+                              frozenset({"piece"}))
+    space = _aligned_space(o[:1], o[:1], fixed=(a["dim"],))
     ins = tuple((n,) if k != d else ("whole",) for k, n in enumerate(space.dims))
     return IterationSpace(space.sizes + (("whole", i[0].shape[d]),), (ins,), tuple(space.outputs[0] for _ in o),
                           space.unsplittable | {"whole"})
@@ -378,7 +393,7 @@ register(OpDef("concat", "view", _concat_space, lambda *xs, dim: torch.cat(xs, d
                doc="the concatenated dim cannot be split"))
 register(OpDef("split", "view", _split_space, lambda x, sizes, dim: torch.split(x, list(sizes), dim),
                flops=lambda i, o, a: 0, num_outputs=lambda a: len(a["sizes"]),
-               doc="pieces of `sizes` along dim; that dim cannot be split"))
+               doc="pieces of `sizes` along dim; that dim splits only when the pieces are equal (strided)"))
 
 
 def _position_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
@@ -403,3 +418,51 @@ register(OpDef("arange", "creation", _creation_space,
 register(OpDef("full", "creation", _creation_space,
                lambda shape, value, dtype="f32": torch.full(tuple(shape), value, dtype=TORCH_DTYPES[dtype]),
                flops=lambda i, o, a: 0))
+
+
+# ---- added by the torch frontend -----------------------------------------------------------
+elementwise("logical_or", _binary(torch.logical_or))
+
+
+def _opaque_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    """Every operand dim is its own iteration dim and none may be split: the op stays replicated."""
+    sizes: list[tuple[str, int]] = []
+
+    def dims(t: TensorType, prefix: str) -> tuple[tuple[str, ...], ...]:
+        names = [f"{prefix}_{k}" for k in range(t.rank)]
+        sizes.extend(zip(names, t.shape))
+        return tuple((n,) for n in names)
+
+    ins = tuple(dims(t, f"in{k}") for k, t in enumerate(i))
+    outs = tuple(dims(t, f"out{k}") for k, t in enumerate(o))
+    return IterationSpace(tuple(sizes), ins, outs, frozenset(d for d, _ in sizes))
+
+
+def _opaque_impl(*tensors: torch.Tensor, target: str, args: Any = (), kwargs: Any = (), outputs: int = 1) -> Any:
+    """Run the torch call an opaque node stands for: `$k` is input k, `$dtype:NAME` a torch dtype,
+    `$device` the device of the first input."""
+    from shardc.frontend.rules import resolve_target
+
+    fn = resolve_target(target)
+    if fn is None:
+        raise ValueError(f"opaque op: cannot import torch target {target!r}")
+    device = tensors[0].device if tensors else torch.device("cpu")
+
+    def decode(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return tuple(decode(y) for y in x)
+        if isinstance(x, str) and x.startswith("$"):
+            if x == "$device":
+                return device
+            if x.startswith("$dtype:"):
+                return getattr(torch, x[len("$dtype:"):])
+            return tensors[int(x[1:])]
+        return x
+    return fn(*decode(tuple(args)), **{k: decode(v) for k, v in kwargs})
+
+
+register(OpDef(
+    "opaque", "opaque", _opaque_space, _opaque_impl, flops=lambda i, o, a: 0,
+    saves=lambda i, o, a: [("in", k) for k in range(len(i))], num_outputs=lambda a: a.get("outputs", 1),
+    doc="a torch call with no registry entry (traced with allow_opaque): runs as `target`, never split",
+))

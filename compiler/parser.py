@@ -18,8 +18,21 @@ from typing import Any, NoReturn, TypeVar
 
 from shardc.diagnostics import ParseError
 from shardc.ir import (
-    Graph, Layer, LayerAnnotation, Layout, Location, Mesh, Node, Partial, Partition, Placement, Replicate,
-    Shard, TemporalSplit, TensorType, Value,
+    Graph,
+    Layer,
+    LayerAnnotation,
+    Layout,
+    Location,
+    Mesh,
+    Node,
+    Partial,
+    Partition,
+    Placement,
+    Replicate,
+    Shard,
+    TemporalSplit,
+    TensorType,
+    Value,
 )
 
 _WORD = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -121,10 +134,14 @@ class _Parser:
         self.skip()
         if not self.text.startswith('"', self.pos):
             self.expected("a string")
+        start = self.pos
         try:
             value, end = json.decoder.scanstring(self.text, self.pos + 1)
         except json.JSONDecodeError as err:
-            self.fail(f"malformed string: {err.msg}")
+            line_end = self.text.find("\n", start)
+            if '"' not in self.text[start + 1: line_end if line_end >= 0 else len(self.text)]:
+                self.fail("unterminated string: expected a closing '\"' on the same line", start)
+            self.fail(f"malformed string: {err.msg.removesuffix(' at')} at column {err.colno}", start)
         self.pos = end
         return value
 

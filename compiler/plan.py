@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 from shardc.diagnostics import ShardcError
-from shardc.ir import Graph, Node
+from shardc.ir import Graph, Node, Value
+from shardc.registry import get_op, has_op
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -79,7 +80,8 @@ class ParallelPlan:
     mb is the micro-batch size; gbs the global batch (sequences per optimizer step); the
     number of micro-batches per pipeline is gbs / (dp * mb) (gradient accumulation when pp=1).
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
-    1F1B, as Megatron does); `interleaved` with vpp=1 and `gpipe` with vpp>1 are errors.
+    1F1B, as Megatron does); `gpipe` with vpp>1 is an error, and so is writing
+    `schedule=interleaved` with vpp=1 (a dataclass `replace` to vpp=1 falls back to 1f1b).
     """
 
     dp: int = 1
@@ -105,7 +107,9 @@ class ParallelPlan:
             raise ShardcError(f"plan key gbs={self.gbs}: expected an integer >= 1 or auto")
         dtype = _choice("dtype", self.dtype, DTYPES, _DTYPE_ALIASES)
         object.__setattr__(self, "dtype", dtype)
-        _choice("recompute", self.recompute, RECOMPUTE)
+        object.__setattr__(self, "recompute", _choice("recompute", self.recompute, RECOMPUTE))
+        object.__setattr__(self, "sp", bool(self.sp))
+        object.__setattr__(self, "offload", bool(self.offload))
         if self.zero not in (0, 1, 2, 3):
             raise ShardcError(f"plan key zero={self.zero!r}: valid values are 0, 1, 2, 3")
         schedule = _choice("schedule", self.schedule, SCHEDULES)
@@ -118,8 +122,7 @@ class ParallelPlan:
                                   "pipeline: set pp>1 or vpp=1")
             schedule = "interleaved"
         elif schedule == "interleaved":
-            raise ShardcError("plan has schedule=interleaved with vpp=1; set vpp>=2 (virtual stages per "
-                              "device) or schedule=1f1b")
+            schedule = "1f1b"  # so that replace(plan, vpp=1) works; parse rejects it as written
         object.__setattr__(self, "schedule", schedule)
 
     @classmethod
@@ -151,6 +154,9 @@ class ParallelPlan:
                 values[key] = raw
             else:
                 values[key] = _int(key, raw)
+        if str(values.get("schedule", "")).lower() == "interleaved" and values.get("vpp", 1) == 1:
+            raise ShardcError("plan has schedule=interleaved with vpp=1; set vpp>=2 (virtual stages per "
+                              "device) or schedule=1f1b")
         return cls(**values)
 
     def __str__(self) -> str:
@@ -210,8 +216,16 @@ class ParallelPlan:
         return out
 
 
+def plan_keys_help() -> str:
+    """`PLAN_KEYS` as help text, one key a line: `  dp=int (default 1)  data-parallel degree ...`."""
+    rows = [(f"{k}={t}", f"(default {d})", m) for k, (t, d, m) in PLAN_KEYS.items()]
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    return "\n".join(f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _nearest(values: list[int], target: int, k: int = 4) -> list[int]:
@@ -251,9 +265,11 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
             problems.append(f"tp={plan.tp} does not divide {' and '.join(bad)}; valid tp: "
                             + ", ".join(map(str, valid)))
     if plan.stages > layers:
-        valid_pp = [p for p in _divisors(layers) if p * plan.vpp <= layers and p <= devices]
+        low = 2 if plan.vpp > 1 else 1
+        valid_pp = [p for p in _divisors(layers) if low <= p and p * plan.vpp <= layers and p <= devices]
         what = f"pp*vpp = {plan.pp}*{plan.vpp} = {plan.stages} stages" if plan.vpp > 1 else f"pp={plan.pp} stages"
-        text = f"{what} for {layers} layers: each stage needs at least one layer; valid pp: "
+        text = (f"{what} for {layers} layers: each stage needs at least one layer, so pp <= "
+                f"{layers // plan.vpp}; pp dividing the layers evenly: ")
         text += ", ".join(map(str, _nearest(valid_pp, plan.pp, 6))) or "none"
         if plan.vpp > 1:
             text += f"; with pp={plan.pp}, vpp <= {max(1, layers // plan.pp)}"
@@ -307,20 +323,56 @@ class ModelDims:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _attention_nodes(graph: Graph) -> list[tuple[Node, int, int, int | None, int]]:
+def _attention_nodes(graph: Graph) -> list[tuple[Node, int, int, int, int]]:
     """(node, batch, heads, kv_heads, seq) of every attention: fused sdpa, or a softmax over
-    square `[b, heads, s, s]` scores (explicit attention; kv heads are not visible there)."""
-    found: list[tuple[Node, int, int, int | None, int]] = []
+    square `[b, heads, s, s]` scores (explicit attention). KV heads are the fewest heads the
+    keys had before GQA's repeat (expand + reshape) made them as many as the queries."""
+    found: list[tuple[Node, int, int, int, int]] = []
     for node in graph.nodes:
         if node.op == "scaled_dot_product_attention" and len(node.inputs) >= 2:
             q, k = node.inputs[0].type.shape, node.inputs[1].type.shape
             if len(q) >= 3:
-                found.append((node, q[0] if len(q) == 4 else 1, q[-3], k[-3], q[-2]))
+                b = q[0] if len(q) == 4 else 1
+                found.append((node, b, q[-3], _source_heads(node.inputs[1], b, k[-3], set(k[-2:])), q[-2]))
         elif node.op == "softmax" and node.inputs:
             s = node.inputs[0].type.shape
             if len(s) == 4 and s[-1] == s[-2]:
-                found.append((node, s[0], s[1], None, s[-1]))
+                mm = _producer_through(node.inputs[0], ("elementwise", "view"), "matmul")
+                kv = s[1]
+                if mm is not None and len(mm.inputs) == 2 and mm.inputs[1].type.rank == 4:
+                    kv = _source_heads(mm.inputs[1], s[0], s[1], set(mm.inputs[1].type.shape[-2:]))
+                found.append((node, s[0], s[1], kv, s[-1]))
     return found
+
+
+def _kind(node: Node) -> str:
+    return get_op(node.op).kind if has_op(node.op) else ""
+
+
+def _producer_through(value: Value, kinds: tuple[str, ...], op: str, depth: int = 8) -> Node | None:
+    """The nearest `op` node `value` comes from, following same-shaped operands of `kinds` ops."""
+    for _ in range(depth):
+        node = value.producer
+        if node is None or node.op == op:
+            return node
+        same = [v for v in node.inputs if v.type.shape == value.type.shape]
+        if _kind(node) not in kinds or not same:
+            return None
+        value = same[0]
+    return None
+
+
+def _source_heads(value: Value, batch: int, heads: int, tail: set[int], depth: int = 8) -> int:
+    """The fewest heads h of a `[batch, h, *tail]` tensor that `value` is a view of."""
+    best, frontier = heads, [value]
+    for _ in range(depth):
+        nodes = [v.producer for v in frontier if v.producer is not None and _kind(v.producer) == "view"]
+        frontier = [v for n in nodes for v in n.inputs]
+        for v in frontier:
+            sh = v.type.shape
+            if len(sh) == 4 and sh[0] == batch and set(sh[2:]) == tail and 0 < sh[1] < best and heads % sh[1] == 0:
+                best = sh[1]
+    return best
 
 
 def _layer_key(node: Node) -> str:
@@ -334,7 +386,9 @@ def _layer_key(node: Node) -> str:
 
 
 def _most_common(values: list[int]) -> int | None:
-    return Counter(values).most_common(1)[0][0] if values else None
+    """The most frequent value; the largest among equally frequent ones."""
+    counts = Counter(values)
+    return max(counts, key=lambda v: (counts[v], v)) if counts else None
 
 
 def model_dims(graph: Graph) -> ModelDims:
@@ -342,31 +396,34 @@ def model_dims(graph: Graph) -> ModelDims:
 
     Layers: distinct layers (the group-layers annotation, else the module path up to its first
     index, `blocks.3`) holding an attention; without attention, the count of the most repeated
-    block in `graph.layers`. Heads, batch and sequence: from attention shapes. Hidden: the
-    layer_norm/rms_norm width. Vocab: the embedding fed by a graph input (token ids), else the
-    cross-entropy class count, else the largest embedding.
+    block in `graph.layers`, else of indexed module paths. Heads, batch and sequence: from attention shapes. Hidden: the
+    layer_norm/rms_norm width (the embedding's when both occur). Vocab: the largest embedding fed
+    by a graph input (token ids), else the cross-entropy class count, else the largest embedding.
     """
     attn = _attention_nodes(graph)
     if attn:
         layers = len({_layer_key(n) for n, *_ in attn})
     elif graph.layers:
         layers = Counter(layer.block for layer in graph.layers.values()).most_common(1)[0][1]
-    else:
-        layers = 0
+    else:  # not grouped yet: indexed module paths (`layers.3`) under their most common prefix
+        keys = {_layer_key(n) for n in graph.nodes if any(p.isdigit() for p in n.location.module_path.split("."))}
+        prefixes = Counter(k.rsplit(".", 1)[0] for k in keys)
+        layers = prefixes.most_common(1)[0][1] if prefixes else 0
     heads = _most_common([a[2] for a in attn])
-    kv = _most_common([a[3] for a in attn if a[3] is not None])
-    hidden = _most_common([n.inputs[1].type.shape[-1] if len(n.inputs) > 1 else n.inputs[0].type.shape[-1]
-                           for n in graph.nodes if n.op in ("layer_norm", "rms_norm") and n.inputs])
+    kv = _most_common([a[3] for a in attn])
     inputs = {id(v) for v in graph.inputs}
     embeddings = [n for n in graph.nodes if n.op == "embedding" and len(n.inputs) == 2]
+    # Norm widths: prefer the embedding width (qk-norms over the head dim are as frequent).
+    widths = [n.inputs[1].type.shape[-1] if len(n.inputs) > 1 else n.inputs[0].type.shape[-1]
+              for n in graph.nodes if n.op in ("layer_norm", "rms_norm") and n.inputs]
+    emb_width = [n.inputs[1].type.shape[-1] for n in embeddings]
+    hidden = next((w for w in emb_width if w in widths), _most_common(widths) or (emb_width or [None])[0])
     token = [n.inputs[1].type.shape[0] for n in embeddings if id(n.inputs[0]) in inputs]
     losses = [n.inputs[0].type.shape[-1] for n in graph.nodes if n.op == "cross_entropy" and n.inputs]
-    vocab = (token or losses or [max((n.inputs[1].type.shape[0] for n in embeddings), default=None)])[0]
+    vocab = max(token or losses or [n.inputs[1].type.shape[0] for n in embeddings] or [0]) or None
     batch, seq = _most_common([a[1] for a in attn]), _most_common([a[4] for a in attn])
     if batch is None or seq is None:
         ids = [v.type.shape for v in graph.inputs if v.type.rank == 2 and not v.type.is_float]
         if ids:
             batch, seq = batch or ids[0][0], seq or ids[0][1]
-    if hidden is None and embeddings:
-        hidden = embeddings[0].inputs[1].type.shape[-1]
-    return ModelDims(layers, heads, kv if kv is not None else heads, hidden, vocab, seq, batch)
+    return ModelDims(layers, heads, kv, hidden, vocab, seq, batch)

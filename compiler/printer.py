@@ -99,7 +99,8 @@ def format_node(node: Node) -> str:
 
 def print_graph(graph: Graph) -> str:
     """The whole graph as text, one declaration or node per line."""
-    header = f"graph @{format_name(graph.name)}" + (f" {graph.mesh}" if graph.mesh is not None else "") + " {"
+    header = f"graph @{format_name(graph.name)}" + (f" {graph.mesh}" if graph.mesh is not None else "")
+    header += (" " + format_attrs(graph.attrs) if graph.attrs else "") + " {"
     lines = [header]
     for kind, values in (("input", graph.inputs), ("param", graph.params), ("buffer", graph.buffers)):
         for v in values:

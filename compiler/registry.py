@@ -14,6 +14,7 @@ it leaves the output `Partial(sum)` unless the op says otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ class IterationSpace:
     unsplittable: frozenset[str] = frozenset()
     # dim -> rule name, for dims whose split needs more than Shard/Partial (see OpDef.rules)
     special: tuple[tuple[str, str], ...] = ()
+    # How a split reduction leaves the outputs: "sum", "avg" (a mean) or "max".
+    partial_op: str = "sum"
+    # Inputs added to the result (a bias): partial wherever a split reduction makes the result partial.
+    additive: tuple[int, ...] = ()
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -80,6 +85,8 @@ class OpDef:
     saves: Callable[[Sequence[TensorType], Sequence[TensorType], dict[str, Any]], list[tuple[str, int]]] | None = None
     num_outputs: int | Callable[[dict[str, Any]], int] = 1
     doc: str = ""
+    # Input positions added to the result (linear's bias), see IterationSpace.additive.
+    additive: tuple[int, ...] = ()
 
     def iteration_space(
         self, in_types: Sequence[TensorType], out_types: Sequence[TensorType], attrs: dict[str, Any]
@@ -88,11 +95,12 @@ class OpDef:
             space = self.signature(in_types, out_types, attrs)
         else:
             space = space_from_signature(self.signature, in_types, out_types)
-        if self.unsplittable or self.rules:
-            space = IterationSpace(
-                space.sizes, space.inputs, space.outputs,
-                space.unsplittable | frozenset(d for d in self.unsplittable if d in space.dims),
-                space.special + tuple((d, r) for d, r in self.rules if d in space.dims),
+        if self.unsplittable or self.rules or self.additive:
+            space = dataclasses.replace(
+                space,
+                unsplittable=space.unsplittable | frozenset(d for d in self.unsplittable if d in space.dims),
+                special=space.special + tuple((d, r) for d, r in self.rules if d in space.dims),
+                additive=space.additive + tuple(i for i in self.additive if i < len(in_types)),
             )
         return space
 
@@ -244,33 +252,63 @@ def space_from_signature(
 
 # ---- layouts from partitions ----------------------------------------------------------------
 
+def _factor_position(operand: OperandDims, dim: str) -> tuple[int, int] | None:
+    """(tensor dim, factor index) where `operand` holds iteration dim `dim`, or None."""
+    for i, factors in enumerate(operand):
+        if dim in factors:
+            return i, factors.index(dim)
+    return None
+
+
 def operand_layout(
-    operand: OperandDims, partition: Partition, space: IterationSpace, mesh: Mesh, is_output: bool
+    operand: OperandDims, partition: Partition, space: IterationSpace, mesh: Mesh, is_output: bool,
+    additive: bool = False,
 ) -> Layout:
     """The layout one operand has under a partition (mesh axes in mesh order).
 
-    A mesh axis splitting factor `f` of tensor dim `i` gives `Shard(i)` when `f` is the dim's
-    major factor; a minor factor is not expressible as a plain shard and is rejected. An axis
-    splitting a reduction dim leaves outputs `Partial(sum)`; inputs it does not index are
-    `Replicate()`.
+    Rules, per mesh axis that splits iteration dim `f` (with stride `k`, see `Partition`):
+    - `f` is factor j of tensor dim i: `Shard(i, interleave)` with interleave = k times the
+      local extent of the factors before j (axes earlier in the mesh that split those factors
+      already divided them); a plain `Shard(i)` when that is 1. An earlier axis splitting a
+      more minor factor of the same tensor dim cannot be expressed and is rejected.
+    - `f` is a reduction the operand lacks: outputs are `Partial(space.partial_op)` (not for a
+      "vocab" dim, whose op reduces across the axis itself); additive inputs (a bias) likewise
+      (zero on all but one rank); other inputs `Replicate()`.
+    - A temporal split rotating along the axis (`time t/4 rotate cp`): inputs indexing `t` as
+      a major factor, not split on that axis in space, are `Shard` on `t`'s tensor dim.
     """
     placements: list[tuple[str, Placement]] = []
     reductions = set(space.reductions)
+    special = dict(space.special)
+    taken: dict[int, list[tuple[str, int]]] = {}  # tensor dim -> (axis, factor index), outer axes first
     for axis in mesh.names:
         dims = [d for a, d in partition.spatial if a == axis]
-        if not dims:
+        rotating = [t.dim for t in partition.temporal if t.rotate == axis]
+        if not dims and not rotating:
             continue
-        dim = dims[0]
         placement: Placement = Replicate()
-        for i, factors in enumerate(operand):
-            if dim in factors:
-                if factors.index(dim) != 0:
-                    raise ValueError(f"mesh axis {axis} splits {dim}, a minor factor of tensor dim {i}")
-                placement = Shard(i)
-                break
-        else:
-            if is_output and dim in reductions:
-                placement = Partial("sum")
+        if dims:
+            dim = dims[0]
+            found = _factor_position(operand, dim)
+            if found is not None:
+                i, j = found
+                factors = operand[i]
+                outer = taken.setdefault(i, [])
+                if any(k > j for _, k in outer):
+                    raise ValueError(f"mesh axis {axis} splits {dim}, a more major factor of tensor dim {i} than "
+                                     "an outer mesh axis splits: the nesting is not expressible")
+                interleave = partition.stride_of(axis)
+                for g in factors[:j]:
+                    divided = math.prod(mesh.axis_size(a) for a, k in outer if factors[k] == g)
+                    interleave *= max(space.size(g) // divided, 1)
+                outer.append((axis, j))
+                placement = Shard(i, interleave)
+            elif dim in reductions and special.get(dim) != "vocab" and (is_output or additive):
+                placement = Partial(space.partial_op)
+        if isinstance(placement, Replicate) and rotating and not is_output:
+            found = _factor_position(operand, rotating[0])
+            if found is not None and found[1] == 0:
+                placement = Shard(found[0])
         placements.append((axis, placement))
     return Layout(tuple(placements)).without_replicate()
 
@@ -278,14 +316,15 @@ def operand_layout(
 def node_layouts(
     space: IterationSpace, partition: Partition, mesh: Mesh
 ) -> tuple[list[Layout], list[Layout]]:
-    """Required input layouts and produced output layouts of a node under `partition`."""
+    """Required input layouts and produced output layouts of a node under `partition`
+    (rules in `operand_layout`)."""
     for axis, dim in partition.spatial:
         if dim not in space.dims:
             raise ValueError(f"partition splits {dim!r}, not an iteration dim of {space.dims}")
         if dim in space.unsplittable:
             raise ValueError(f"iteration dim {dim!r} cannot be split")
         mesh.axis_size(axis)
-    ins = [operand_layout(op, partition, space, mesh, False) for op in space.inputs]
+    ins = [operand_layout(op, partition, space, mesh, False, k in space.additive) for k, op in enumerate(space.inputs)]
     outs = [operand_layout(op, partition, space, mesh, True) for op in space.outputs]
     return ins, outs
 

@@ -8,6 +8,7 @@ with its elastic agent (no restarts), and process groups carry a timeout as a se
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing as mp
 import os
@@ -57,7 +58,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     try:
         init_process_group(rank, world, port, timeout_s)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        buf = io.BytesIO()
+        torch.save(result, buf)  # plain bytes: tensors must not go through shared-memory pickling
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as err:  # report everything, including SystemExit from the function
         queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
@@ -91,9 +94,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 180
             try:
                 rank, status, payload = queue.get(timeout=0.2)
             except Exception:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
-                        and r not in results]
-                if dead:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and queue.empty():
+                    time.sleep(1.0)  # a rank that just exited cleanly has its message in flight
+                if dead and queue.empty():
                     failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
                 elif time.monotonic() > deadline:
                     missing = sorted(set(range(nproc)) - set(results))
@@ -102,7 +106,9 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 180
             if status == "error":
                 failure = f"rank {rank} failed: {payload}"
             else:
-                results[rank] = payload
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             if p.is_alive() and failure is not None:

@@ -271,8 +271,7 @@ class PipelineRunner:
                 mod = shard_stage(mod, tp_mesh)
             self.modules.append(mod)
         self._tied = _tied_names(model)
-        self._tied_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)
-                             if name in self._tied}
+        self._tied_shapes = {names[0]: model.get_parameter(names[0]).shape for names in self._tied}
         device = _device_of(model)
         pp_group = mesh["pp"].get_group()
         self.stages = [PipelineStage(m, s, self.num_stages, device, group=pp_group)

@@ -1,0 +1,343 @@
+"""Codegen: one `torch.fx.GraphModule` per rank from a lowered IR graph.
+
+Rule. Nodes are grouped by layer into regions: each layer becomes a sub-GraphModule at the
+layer's module path (`blocks.0`), called from the root module (through
+`torch.utils.checkpoint` when the layer asks for recomputation); nodes outside layers live in
+the root. Every parameter and buffer is an `nn.Parameter` / buffer at its own module path holding
+this rank's shard only (so `state_dict()` keys are the model's). Each IR node becomes one call:
+the registry impl on local tensors, an autograd-aware collective (`collectives.py`), a
+sharding-aware local op (`local_ops.py`) or a temporal loop (`temporal.py`). fx node names are
+the IR value names, so `module.code` reads like the IR.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from shardc.backends.torch import collectives as C
+from shardc.backends.torch import local_ops as L
+from shardc.backends.torch import temporal as T
+from shardc.diagnostics import ShardcError
+from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
+from shardc.registry import get_op
+from torch import nn
+
+MEAN_OPS = frozenset({"mean"})
+
+
+def py_name(name: str) -> str:
+    """A Python identifier for an IR name (`blocks.0.ln.weight` -> `blocks_0_ln_weight`)."""
+    text = re.sub(r"\W", "_", name)
+    return text if text and not text[0].isdigit() else f"v_{text}"
+
+
+def module_path(layer: str) -> str:
+    """A layer name as a module path: dotted parts that are identifiers or digits."""
+    return ".".join(p if p.isidentifier() or p.isdigit() else py_name(p) for p in layer.split(".") if p) or "layer"
+
+
+def local_shape(v: Value, mesh: Mesh) -> tuple[int, ...]:
+    return (v.layout or Layout()).local_shape(v.type.shape, mesh)
+
+
+def shard_offset(v: Value, dim: int, mesh: Mesh, coords: dict[str, int]) -> int:
+    """Global index of the first element of this rank's piece of `v` along `dim`."""
+    layout = v.layout or Layout()
+    axes = layout.sharded_dims().get(dim, [])
+    if any(getattr(layout.on(a), "interleave", 1) > 1 for a in axes):
+        raise ShardcError(f"%{v.name} is a strided shard along dim {dim}; this op needs a contiguous one")
+    index = 0
+    for a in axes:
+        index = index * mesh.axis_size(a) + coords[a]
+    return index * local_shape(v, mesh)[dim]
+
+
+def local_piece(tensor: torch.Tensor, layout: Layout, mesh: Mesh, coords: dict[str, int]) -> torch.Tensor:
+    """This rank's piece of a full tensor under `layout` (Shard placements applied in mesh order)."""
+    for axis, p in layout.placements:
+        if isinstance(p, Shard):
+            tensor = C._take(tensor, mesh.axis_size(axis), coords[axis], p.dim, p.interleave)
+    return tensor
+
+
+def local_input(x: torch.Tensor, mesh: C.MeshGroups, name: str, shape: tuple[int, ...],
+                shards: tuple[tuple[str, int, int], ...] = ()) -> torch.Tensor:
+    """Check a global input against its traced shape, then keep this rank's piece of it."""
+    if tuple(x.shape) != tuple(shape):
+        raise ShardcError(f"input {name} has shape {tuple(x.shape)}, but the plan was compiled for "
+                          f"{tuple(shape)}", hint="shapes are static: compile the plan again with example "
+                          "inputs of this shape")
+    for axis, dim, interleave in shards:
+        x = C._take(x, mesh.size(axis), mesh.coord(axis), dim, interleave)
+    return x
+
+
+@dataclass
+class Region:
+    """A run of nodes of one layer (`path` None: the root's own nodes)."""
+
+    layer: str | None
+    path: str | None
+    nodes: list[Node]
+
+
+def regions_of(graph: Graph) -> list[Region]:
+    out: list[Region] = []
+    used: set[str] = set()
+    for node in graph.nodes:
+        if out and out[-1].layer == node.layer:
+            out[-1].nodes.append(node)
+            continue
+        path = None
+        if node.layer is not None:
+            path = base = module_path(node.layer)
+            k = 1
+            while path in used:
+                k += 1
+                path = f"{base}_{k}"
+            used.add(path)
+        out.append(Region(node.layer, path, [node]))
+    return out
+
+
+class _Emitter:
+    """Turns IR nodes into fx calls inside one region graph."""
+
+    def __init__(self, fxg: fx.Graph, mesh: Mesh, coords: dict[str, int], mesh_node: fx.Node) -> None:
+        self.g, self.mesh, self.coords, self.mesh_node = fxg, mesh, coords, mesh_node
+
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> fx.Node:
+        node = self.g.create_node("call_function", fn, args, kwargs, name=py_name(name))
+        return node
+
+    def node(self, node: Node, args: list[fx.Node]) -> list[fx.Node]:
+        op = get_op(node.op)
+        name = node.outputs[0].name
+        if op.kind == "collective":
+            if node.op in ("grad_sync", "send", "recv"):
+                return [args[0]]  # the data-parallel wrapper / pipeline runtime does these
+            attrs = dict(node.attrs)
+            axis = attrs.pop("axis")
+            fn = getattr(C, node.op)
+            return [self.call(fn, (args[0], self.mesh_node, axis), attrs, name)]
+        part = node.partition
+        if part is not None and part.temporal:
+            out = self.temporal(node, args)
+        else:
+            out = self.plain(node, args)
+        if len(node.outputs) == 1:
+            return [out]
+        return [self.g.call_function(operator.getitem, (out, k)) for k in range(len(node.outputs))]
+
+    def plain(self, node: Node, args: list[fx.Node]) -> fx.Node:
+        name, attrs, mesh = node.outputs[0].name, dict(node.attrs), self.mesh
+        ins, outs = node.inputs, node.outputs
+        if node.op in ("reshape", "expand"):
+            attrs["shape"] = local_shape(outs[0], mesh)
+        if node.op == "split":
+            dim = attrs["dim"] + (ins[0].type.rank if attrs["dim"] < 0 else 0)
+            attrs["sizes"] = tuple(local_shape(o, mesh)[dim] for o in outs)
+        if node.op == "embedding" and 0 in (ins[1].layout or Layout()).sharded_dims():
+            start = shard_offset(ins[1], 0, mesh, self.coords)
+            return self.call(L.vocab_parallel_embedding, tuple(args), {"vocab_start": start}, name)
+        if node.op == "cross_entropy":
+            last = ins[0].type.rank - 1
+            axes = (ins[0].layout or Layout()).sharded_dims().get(last, [])
+            if len(axes) > 1:
+                raise ShardcError("cross entropy with classes split over more than one mesh axis", node=node)
+            if axes:
+                kw = {"axis": axes[0], "vocab_start": shard_offset(ins[0], last, mesh, self.coords), **attrs}
+                return self.call(L.vocab_parallel_cross_entropy, (*args, self.mesh_node), kw, name)
+        if node.op == "scaled_dot_product_attention":
+            attrs["q_offset"] = shard_offset(ins[0], ins[0].type.rank - 2, mesh, self.coords)
+            return self.call(L.attention, tuple(args), attrs, name)
+        return self.call(L.compute_op(node.op), tuple(args), attrs, name)
+
+    def temporal(self, node: Node, args: list[fx.Node]) -> fx.Node:
+        part = node.partition
+        assert part is not None
+        if len(part.temporal) != 1:
+            raise ShardcError("codegen runs one temporal split per node", node=node)
+        split = part.temporal[0]
+        op = get_op(node.op)
+        space = op.iteration_space([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
+        name, attrs = node.outputs[0].name, dict(node.attrs)
+        dims = [next((j for j, f in enumerate(operand) if f and f[0] == split.dim), None) for operand in space.inputs]
+        dims += [None] * (len(node.inputs) - len(dims))
+        if node.op in ("reshape", "expand", "full", "arange"):
+            raise ShardcError(f"a temporal split of {node.op} is not supported; split its consumers instead", node=node)
+        if split.rotate is not None:
+            axis = split.rotate
+            if split.steps != self.mesh.axis_size(axis):
+                raise ShardcError(f"rotating split {split} needs steps == size of mesh axis {axis} "
+                                  f"({self.mesh.axis_size(axis)})", node=node)
+            if op.kind == "attention":
+                q = node.inputs[0]
+                attrs["q_offset"] = shard_offset(q, q.type.rank - 2, self.mesh, self.coords)
+                if len(node.inputs) > 3:
+                    attrs["rotate_mask"] = isinstance((node.inputs[3].layout or Layout()).on(axis), Shard)
+                return self.call(T.ring_attention, tuple(args), {"mesh": self.mesh_node, "axis": axis, **attrs}, name)
+            if split.dim not in space.reductions:
+                raise ShardcError(f"a rotating split must cut a reduction dim; {split.dim} is parallel", node=node)
+            rotating = tuple(i for i, d in enumerate(dims) if d is not None
+                             and (node.inputs[i].layout or Layout()).on(axis) == Shard(d))
+            indexed = tuple((i, d) for i, d in enumerate(dims) if d is not None and i not in rotating)
+            once = tuple(i for i, d in enumerate(dims) if d is None and node.op == "linear")
+            kw = {"mesh": self.mesh_node, "axis": axis, "rotating": rotating, "indexed": indexed, "once": once}
+            return self.call(T.rotating_loop, (node.op, *args), {**kw, **attrs}, name)
+        out_dims = [next((j for j, f in enumerate(o) if f and f[0] == split.dim), None) for o in space.outputs]
+        reduce = "mean" if node.op in MEAN_OPS or (node.op == "cross_entropy" and attrs.get("reduction", "mean")
+                                                   == "mean") else "sum"
+        kw: dict[str, Any] = {"dims": tuple(dims), "out_dim": out_dims[0], "steps": split.steps, "reduce": reduce}
+        target = node.op
+        if node.op == "scaled_dot_product_attention":
+            q = node.inputs[0]
+            s_dim = q.type.rank - 2
+            base = shard_offset(q, s_dim, self.mesh, self.coords)
+            kw["offsets"] = (("q_offset", base, local_shape(q, self.mesh)[s_dim] // split.steps),) \
+                if dims[0] == s_dim else ()
+            target = "attention"
+        return self.call(T.temporal_loop, (target, *args), {**kw, **attrs}, name)
+
+
+def _place(root: nn.Module, path: str, obj: Any, kind: str = "module") -> None:
+    """Set `obj` at dotted `path` under `root`, creating plain container modules on the way."""
+    *parents, leaf = path.split(".")
+    mod = root
+    for part in parents:
+        child = getattr(mod, part, None) if hasattr(mod, part) else None
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    if kind == "parameter":
+        mod.register_parameter(leaf, obj)
+    elif kind == "buffer":
+        mod.register_buffer(leaf, obj)
+    else:
+        mod.add_module(leaf, obj)
+
+
+def _under(path: str | None, name: str) -> str | None:
+    if path is None or not name.startswith(path + "."):
+        return None
+    return name[len(path) + 1 :]
+
+
+def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = None,
+             groups: C.MeshGroups | None = None) -> fx.GraphModule:
+    """The module rank `rank` runs. `tensors` maps parameter/buffer names to this rank's local
+    shards (meta tensors of the local shapes when None, e.g. to print code)."""
+    mesh = graph.mesh
+    if mesh is None:
+        raise ShardcError(f"graph @{graph.name} has no mesh; lower a partitioned graph before codegen")
+    coords = mesh.coordinates(rank)
+    groups = groups or C.MeshGroups(dict(mesh.axes), coords)
+    state: dict[int, tuple[Value, str]] = {id(v): (v, "parameter") for v in graph.params}
+    state.update({id(v): (v, "buffer") for v in graph.buffers})
+
+    def tensor_of(v: Value, kind: str) -> torch.Tensor:
+        if tensors is not None and v.name in tensors:
+            t = tensors[v.name]
+        else:
+            from shardc.ops import TORCH_DTYPES
+
+            t = torch.empty(local_shape(v, mesh), dtype=TORCH_DTYPES[v.type.dtype], device="meta")
+        return nn.Parameter(t, requires_grad=v.requires_grad) if kind == "parameter" else t
+
+    objects = {id(v): tensor_of(v, kind) for v, kind in state.values()}
+    regions = regions_of(graph)
+    later_uses: dict[int, int] = {}  # value id -> index of the last region reading it
+    for k, region in enumerate(regions):
+        for n in region.nodes:
+            for v in n.inputs:
+                later_uses[id(v)] = k
+    for v in graph.outputs:
+        later_uses[id(v)] = len(regions)
+    home: dict[int, str] = {}  # state id -> region path holding it
+    for region in regions:
+        for n in region.nodes:
+            for v in n.inputs:
+                if id(v) in state and id(v) not in home and _under(region.path, v.name):
+                    home[id(v)] = region.path or ""
+    root_graph = fx.Graph()
+    root_mesh = root_graph.get_attr("mesh")
+    emit_root = _Emitter(root_graph, mesh, coords, root_mesh)
+    env: dict[int, fx.Node] = {}
+    for v in graph.inputs:
+        ph = root_graph.placeholder(py_name(v.name))
+        shards = tuple((a, p.dim, p.interleave) for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
+        env[id(v)] = emit_root.call(local_input, (ph, root_mesh), {"name": v.name, "shape": v.type.shape,
+                                                                    "shards": shards}, f"{v.name}_local")
+
+    def root_state(v: Value) -> fx.Node:
+        if id(v) not in env:
+            path = f"{home[id(v)]}.{_under(home[id(v)], v.name)}" if id(v) in home else v.name
+            env[id(v)] = root_graph.get_attr(path)
+        return env[id(v)]
+
+    submodules: list[tuple[str, fx.GraphModule]] = []
+    for k, region in enumerate(regions):
+        if region.path is None:
+            for n in region.nodes:
+                args = [root_state(v) if id(v) in state else env[id(v)] for v in n.inputs]
+                for v, out in zip(n.outputs, emit_root.node(n, args)):
+                    env[id(v)] = out
+            continue
+        sub = fx.Graph()
+        sub_env: dict[int, fx.Node] = {}
+        inputs: list[Value] = []
+        produced = {id(v) for n in region.nodes for v in n.outputs}
+        for n in region.nodes:
+            for v in n.inputs:
+                if id(v) in produced or id(v) in sub_env:
+                    continue
+                if id(v) in state and home.get(id(v)) == region.path:
+                    continue
+                sub_env[id(v)] = sub.placeholder(py_name(v.name))
+                inputs.append(v)
+        sub_mesh = sub.get_attr("mesh")
+        emit = _Emitter(sub, mesh, coords, sub_mesh)
+        sub_attrs: dict[str, Any] = {"mesh": groups}
+        for n in region.nodes:
+            args = []
+            for v in n.inputs:
+                if id(v) not in sub_env:  # a parameter or buffer this layer holds
+                    rel = _under(region.path, v.name)
+                    assert rel is not None
+                    sub_env[id(v)] = sub.get_attr(rel)
+                    sub_attrs[rel] = objects[id(v)]
+                args.append(sub_env[id(v)])
+            for v, out in zip(n.outputs, emit.node(n, args)):
+                sub_env[id(v)] = out
+        outputs = [v for n in region.nodes for v in n.outputs if later_uses.get(id(v), -1) > k]
+        sub.output(tuple(sub_env[id(v)] for v in outputs))
+        module = fx.GraphModule(sub_attrs, sub, class_name=f"Layer_{py_name(region.path)}")
+        submodules.append((region.path, module))
+        args = tuple(root_state(v) if id(v) in state else env[id(v)] for v in inputs)
+        recompute = graph.layers.get(region.layer or "")
+        if recompute is not None and recompute.annotation.recompute != "none":
+            fn = root_graph.get_attr(region.path)
+            call = emit_root.call(torch.utils.checkpoint.checkpoint, (fn, *args), {"use_reentrant": False},
+                                  f"{region.path}_out")
+        else:
+            call = root_graph.create_node("call_module", region.path, args, {}, name=py_name(f"{region.path}_out"))
+        for j, v in enumerate(outputs):
+            env[id(v)] = root_graph.create_node("call_function", operator.getitem, (call, j), {}, name=py_name(v.name))
+    outs = [env[id(v)] for v in graph.outputs]
+    root_graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+    holder = nn.Module()
+    holder.add_module("mesh", groups)
+    for path, module in submodules:
+        _place(holder, path, module)
+    for sid, (v, kind) in state.items():
+        path = f"{home[sid]}.{_under(home[sid], v.name)}" if sid in home else v.name
+        _place(holder, path, objects[sid], kind)
+    root_graph.lint()
+    return fx.GraphModule(holder, root_graph, class_name=f"{py_name(graph.name)}_rank{rank}")

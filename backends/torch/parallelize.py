@@ -1,0 +1,165 @@
+"""The runtime side of `plan.parallelize(model)`: process groups, local shards, data parallelism.
+
+Rule. The lowered graph's mesh becomes a `DeviceMesh` (one process group per axis). Each rank
+takes its piece of every parameter and buffer, from the model's own tensors or, for a
+meta-device model, from `init(name, tensor)` applied to one full tensor at a time (seeded per
+name so every rank draws the same values), so no rank ever holds the whole model. The rank's
+generated module then gets the data axes' gradient averaging from torch:
+
+    zero=0          -> DistributedDataParallel over the data axes (dp, or dp x cp flattened)
+    zero=1 or 2     -> FSDP2 fully_shard(reshard_after_forward=False): parameters sharded at
+                       rest, gathered once per step, gradients reduce-scattered, optimizer
+                       state sharded (ZeRO-2 memory plus sharded parameters between steps)
+    zero=3          -> FSDP2 fully_shard(reshard_after_forward=True)
+
+as the `grad_sync` nodes of the lowered IR say.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shardc.backends.torch.codegen import generate, local_piece
+from shardc.backends.torch.collectives import MeshGroups, _all_gather
+from shardc.diagnostics import ShardcError
+from shardc.ir import Graph, Layout, Mesh, Shard
+from torch import nn
+
+InitFn = Callable[[str, torch.Tensor], Any]
+
+
+def device_mesh(mesh: Mesh, device_type: str | None = None) -> Any:
+    """A torch `DeviceMesh` with the IR mesh's axes (needs an initialised default process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise ShardcError("torch.distributed is not initialised", hint="call torch.distributed.init_process_group "
+                          "(or launch with torchrun / shardc run) before plan.parallelize")
+    world = dist.get_world_size()
+    if world != mesh.size:
+        raise ShardcError(f"the world has {world} processes but the plan's {mesh} needs {mesh.size}",
+                          hint=f"launch {mesh.size} processes or compile a plan for {world} devices")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    return init_device_mesh(device_type, tuple(s for _, s in mesh.axes), mesh_dim_names=mesh.names)
+
+
+def mesh_groups(mesh: Mesh, dm: Any, rank: int) -> MeshGroups:
+    groups = {a: dm.get_group(a) for a in mesh.names if mesh.axis_size(a) > 1}
+    return MeshGroups(dict(mesh.axes), mesh.coordinates(rank), groups)
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` by its path, tied ones under each of their names."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(dict(model.named_buffers(remove_duplicate=False)))
+    return out
+
+
+def check_model(graph: Graph, model: nn.Module) -> None:
+    """The model must have every parameter and buffer the plan names, with the traced shapes."""
+    have = model_tensors(model)
+    missing = [v.name for v in graph.params + graph.buffers if v.name not in have]
+    wrong = [f"{v.name}: plan {tuple(v.type.shape)}, model {tuple(have[v.name].shape)}"
+             for v in graph.params + graph.buffers if v.name in have and tuple(have[v.name].shape) != v.type.shape]
+    if missing or wrong:
+        text = []
+        if missing:
+            text.append(f"missing in the model: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        if wrong:
+            text.append("shapes differ: " + "; ".join(wrong[:8]))
+        raise ShardcError(f"the plan for graph @{graph.name} does not match this model: " + "; ".join(text),
+                          hint="compile the plan from this model (shardc.compile(model, example_inputs, ...))")
+
+
+def local_tensors(graph: Graph, model: nn.Module, rank: int, init: InitFn | None = None, seed: int = 0,
+                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter and buffer of the plan."""
+    assert graph.mesh is not None
+    coords = graph.mesh.coordinates(rank)
+    have = model_tensors(model)
+    out: dict[str, torch.Tensor] = {}
+    for v in graph.params + graph.buffers:
+        src = have[v.name]
+        if src.is_meta:
+            if init is None:
+                raise ShardcError(f"{v.name} is on the meta device", hint="pass init=fn to plan.parallelize; it is "
+                                  "called as fn(name, tensor) on one full tensor at a time to fill it in place")
+            full = torch.empty(src.shape, dtype=src.dtype, device=device)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + zlib.crc32(v.name.encode()))
+                with torch.no_grad():
+                    init(v.name, full)
+            src = full
+        out[v.name] = local_piece(src.detach(), v.layout or Layout(), graph.mesh, coords).to(device).clone()
+        del src
+    return out
+
+
+def data_parallel_info(graph: Graph) -> tuple[tuple[str, ...], str, int]:
+    """(data axes, "ddp" | "fsdp", highest ZeRO stage) from the graph's grad_sync nodes."""
+    axes: tuple[str, ...] = ()
+    via, zero = "ddp", 0
+    for n in graph.nodes:
+        if n.op == "grad_sync":
+            axes = tuple(dict.fromkeys(axes + tuple(n.attrs["axes"])))
+            via = n.attrs.get("via", via)
+            zero = max(zero, int(n.attrs.get("zero", 0)))
+    return axes, via, zero
+
+
+def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = None, seed: int = 0,
+                      device: torch.device | str | None = None) -> nn.Module:
+    """This rank's trainable module for a lowered graph (see the module docstring)."""
+    if graph.mesh is None:
+        raise ShardcError(f"graph @{graph.name} has no mesh; compile the plan first")
+    dm = device_mesh(graph.mesh)
+    rank = dist.get_rank()
+    check_model(graph, model)
+    if device is None:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if dm.device_type == "cuda" else "cpu"
+    tensors = local_tensors(graph, model, rank, init=init, seed=seed, device=device)
+    module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank))
+    axes, via, zero = data_parallel_info(graph)
+    if not axes:
+        return module
+    sub = dm[axes[0]] if len(axes) == 1 else dm[axes]._flatten("_".join(axes))
+    if via == "fsdp" or zero > 0:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, mesh=sub, reshard_after_forward=zero >= 3)
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, process_group=sub.get_group())
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module.module if hasattr(module, "module") and isinstance(module.module, nn.Module) else module
+
+
+def full_state_dict(graph: Graph, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as the full (unsharded) tensor, on every rank (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    assert graph.mesh is not None
+    inner = unwrap(module)
+    local = dict(inner.named_parameters(remove_duplicate=False))
+    local.update(dict(inner.named_buffers(remove_duplicate=False)))
+    dm_groups = None
+    out: dict[str, torch.Tensor] = {}
+    for v in graph.params + graph.buffers:
+        t = local[v.name].detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        for axis, p in reversed((v.layout or Layout()).placements):
+            if isinstance(p, Shard) and graph.mesh.axis_size(axis) > 1:
+                if dm_groups is None:
+                    dm_groups = inner.get_submodule("mesh")
+                t = _all_gather(t, dm_groups, axis, p.dim, p.interleave)
+        out[v.name] = t
+    return out

@@ -1,0 +1,495 @@
+"""Microbenchmarks of this machine, measured once and cached: the `local` cluster profile.
+
+What is measured (CPU, fp32, one intra-op thread per process, as the gloo tests run):
+- matmul throughput of square matmuls by size, fitted to `time = flops / A + h / A`, i.e.
+  `rate(flops) = A * flops / (flops + h)`: the asymptote A is the device's fp32 peak (a CPU's
+  achievable peak is what large matmuls reach, so `matmul_efficiency` is 1) and h is
+  `matmul_half_flops`; bf16 and fp16 are measured at one size as a ratio to fp32;
+- memory bandwidth of a large copy, and the fixed cost of one tiny op (kernel latency);
+- with N processes started at once (N in `nprocs`): the per-process matmul rate and copy
+  bandwidth while all N run together, and gloo all_reduce, all_gather, reduce_scatter,
+  broadcast and send/recv times by message size, each fitted to `alpha + beta * bytes`.
+
+The sharing model for `local_cluster(n)`: n processes share the cores, so a process computes
+at `per_process(n)` = measured concurrent rate when n was measured, else
+`single * min(n, cores) * scaling / n` with `scaling` the mean measured ratio of aggregate to
+ideal. Everything a process does (matmul rate, bandwidth, op latency) slows by the same
+factor. The link is chosen so that the cost model's ring formula for all_reduce,
+`2(n-1) * latency + 2(n-1)/n * bytes / bandwidth`, reproduces the measured all_reduce fit.
+
+The profile is a JSON file (default `$SHARDC_CACHE_DIR/local-profile.json`, else
+`~/.cache/shardc/local-profile.json`), written atomically (temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+from shardc.hardware import Cluster, DeviceSpec, LinkSpec, format_bytes
+
+PROFILE_VERSION = 1
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+# Ring steps and volume factor per collective over n ranks (bytes = the full buffer).
+_RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+         "all_gather": lambda n: (n - 1, (n - 1) / n),
+         "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
+         "send_recv": lambda n: (1, 1.0)}
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaBeta:
+    """`time(bytes) = alpha + beta * bytes` (s, s/byte)."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveFit:
+    """One collective at one process count: measured (bytes, seconds) points and their fit."""
+
+    op: str
+    nprocs: int
+    points: tuple[tuple[int, float], ...]
+    fit: AlphaBeta
+
+    def link(self) -> LinkSpec | None:
+        """The ring link (per-step latency, per-direction bandwidth) that reproduces this fit."""
+        if self.op not in _RING or not self.points:
+            return None
+        steps, volume = _RING[self.op](self.nprocs)
+        # A flat fit (noise hid the size dependence) gets the bandwidth the largest message
+        # shows when all of its time is counted as transfer: a lower bound.
+        biggest, seconds = max(self.points)
+        bandwidth = volume / self.fit.beta if self.fit.beta > 0 else volume * biggest / seconds
+        return LinkSpec(f"gloo-{self.op}", bandwidth, self.fit.alpha / steps)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalProfile:
+    """This machine, measured. Rates per process; `concurrent` is keyed by process count."""
+
+    version: int
+    created: str
+    machine: str
+    cores: int
+    memory_bytes: int
+    torch_version: str
+    quick: bool
+    matmul_points: tuple[tuple[int, float], ...]      # (square size n, FLOP/s), 1 process
+    peak_fp32: float                                  # fitted asymptote A (FLOP/s)
+    matmul_half_flops: float                          # fitted h (FLOPs)
+    dtype_ratio: tuple[tuple[str, float], ...]        # bf16/fp16 matmul rate relative to fp32
+    memory_bandwidth: float                           # bytes/s, 1 process
+    kernel_latency: float                             # s per tiny op, 1 process
+    concurrent: tuple[tuple[int, float, float], ...]  # (nprocs, FLOP/s, bytes/s) per process
+    collectives: tuple[CollectiveFit, ...]
+
+    def slowdown(self, nproc: int) -> float:
+        """How much slower one of `nproc` concurrent processes runs than a process alone."""
+        return self.peak_fp32 / self.per_process_flops(nproc)
+
+    def per_process_flops(self, nproc: int) -> float:
+        """Large-matmul fp32 FLOP/s of one process when `nproc` run at once (see module doc)."""
+        if nproc <= 1:
+            return self.peak_fp32
+        for n, flops, _ in self.concurrent:
+            if n == nproc:
+                return flops
+        ratios = [n * f / (self.peak_fp32 * min(n, self.cores)) for n, f, _ in self.concurrent]
+        scaling = min(1.5, max(0.05, statistics.mean(ratios))) if ratios else 1.0
+        return self.peak_fp32 * min(nproc, self.cores) * scaling / nproc
+
+    def link(self, nproc: int) -> LinkSpec:
+        """The gloo link for `nproc` processes, from the all_reduce fit of the nearest count."""
+        fits = [c for c in self.collectives if c.op == "all_reduce" and c.link() is not None]
+        if not fits:
+            raise ShardcError("the local profile has no all_reduce measurement; rerun `shardc calibrate`")
+        best = min(fits, key=lambda c: (abs(c.nprocs - nproc), -c.nprocs))
+        link = best.link()
+        assert link is not None
+        return LinkSpec(f"gloo-{best.nprocs}proc", link.bandwidth, link.latency)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LocalProfile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
+        fits = tuple(CollectiveFit(c["op"], int(c["nprocs"]), tuple((int(b), float(t)) for b, t in c["points"]),
+                                   AlphaBeta(**c["fit"])) for c in data["collectives"])
+        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "collectives"}
+        for k in ("matmul_points", "dtype_ratio", "concurrent"):
+            kwargs[k] = tuple(tuple(x) for x in data[k])
+        return cls(**kwargs, collectives=fits)
+
+
+# ---- fitting ---------------------------------------------------------------------------------
+
+def fit_affine(xs: Sequence[float], ts: Sequence[float]) -> AlphaBeta:
+    """Least squares of `t = alpha + beta * x` in relative error (points span decades), with
+    alpha, beta >= 0 (a negative intercept is refitted through the origin, and vice versa)."""
+    if len(xs) != len(ts) or not xs:
+        raise ValueError("fit_affine needs matching, non-empty samples")
+    w = [1.0 / (t * t) for t in ts]
+    sw, sx, st = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * t for wi, t in zip(w, ts))
+    sxx, sxt = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * t for wi, x, t in zip(w, xs, ts))
+    det = sw * sxx - sx * sx
+    if det > 0:
+        alpha, beta = (sxx * st - sx * sxt) / det, (sw * sxt - sx * st) / det
+        if alpha >= 0 and beta >= 0:
+            return AlphaBeta(alpha, beta)
+    through_origin = AlphaBeta(0.0, max(sxt / sxx, 0.0)) if sxx > 0 else AlphaBeta(0.0, 0.0)
+    constant = AlphaBeta(st / sw, 0.0)
+    err = lambda f: sum(wi * (f.time(x) - t) ** 2 for wi, x, t in zip(w, xs, ts))  # noqa: E731
+    return min((through_origin, constant), key=err)
+
+
+# ---- single-process benchmarks ---------------------------------------------------------------
+
+def _seconds(fn: Callable[[], object], budget: float, inner: int = 1) -> float:
+    """Median seconds per call of `fn` over repeated batches of `inner` calls, >= 3 batches."""
+    fn()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < 3 or (time.perf_counter() - start < budget and len(samples) < 50):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def _matmul_rate(n: int, dtype: Any, budget: float) -> float:
+    import torch
+
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2.0 * n ** 3 / _seconds(lambda: torch.mm(a, b), budget)
+
+
+def _copy_bandwidth(numel: int, budget: float) -> float:
+    import torch
+
+    src, dst = torch.randn(numel), torch.empty(numel)
+    return 2.0 * src.nbytes / _seconds(lambda: dst.copy_(src), budget)  # read + write
+
+
+def _kernel_latency(budget: float) -> float:
+    import torch
+
+    x, y = torch.ones(1), torch.ones(1)
+    return _seconds(lambda: torch.add(x, y), budget, inner=200)
+
+
+# ---- multi-process benchmarks ----------------------------------------------------------------
+
+def _window_rate(fn: Callable[[], object], work: float, window: float) -> float:
+    """`work` per call x calls completed in `window` seconds of wall time / the time taken: a rate
+    that counts the time this process waited for a core (unlike a median of call times)."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < window:
+        fn()
+        calls += 1
+    return work * calls / elapsed
+
+
+def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes: concurrent matmul and copy rates, then gloo collectives."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if platform.system() == "Linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=nprocs,
+                            timeout=timedelta(seconds=120))
+    try:
+        n = cfg["matmul_n"]
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        src, dst = torch.randn(cfg["copy_numel"]), torch.empty(cfg["copy_numel"])
+        dist.barrier()
+        flops = _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, cfg["window"])
+        dist.barrier()
+        bandwidth = _window_rate(lambda: dst.copy_(src), 2.0 * src.nbytes, cfg["window"])
+        rates = torch.tensor([flops, bandwidth], dtype=torch.float64)
+        dist.all_reduce(rates)
+        results: dict[str, Any] = {"flops": rates[0].item() / nprocs, "bandwidth": rates[1].item() / nprocs}
+        for op in COLLECTIVES:
+            results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg)) for numel in cfg["numels"]]
+        if rank == 0:
+            Path(workdir, "result.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], None]:
+    import torch
+    import torch.distributed as dist
+
+    n = max(numel // nprocs, 1)
+    x, part, out = torch.ones(numel), torch.ones(n), torch.empty(n * nprocs)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if op == "all_gather":  # numel = the gathered size, as the ring factors assume
+        return lambda: dist.all_gather_single(out, part)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(part, out)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, 0)
+
+    def send_recv() -> None:  # ranks 0 and 1 pass the buffer there and back: two messages
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+    return send_recv
+
+
+def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
+    """Seconds per call: the slowest rank's mean over each of 3 trials, median of the trials.
+    The repetition count comes from one timed call, agreed on by all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    run = _collective(op, numel, nprocs, rank)
+    run()
+    t0 = time.perf_counter()
+    run()
+    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    reps = int(max(1, min(cfg["max_reps"], cfg["point_budget"] / 3 / max(probe.item(), 1e-7))))
+    trials = torch.zeros(3, dtype=torch.float64)
+    for i in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        trials[i] = (time.perf_counter() - t0) / reps
+    dist.all_reduce(trials, op=dist.ReduceOp.MAX)
+    return float(trials.median().item()) / (2 if op == "send_recv" else 1)
+
+
+def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """Start `nprocs` fresh interpreters running `_worker` and return rank 0's results.
+
+    Plain subprocesses rather than multiprocessing: they do not re-import the caller's
+    `__main__` (which fails from stdin or a notebook), and a file store in a temporary
+    folder avoids racing for a free port. Gloo itself talks over localhost TCP.
+    """
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="shardc-calibrate-") as workdir:
+        code = "import json, sys; from shardc.calibrate import _worker; _worker(*json.loads(sys.argv[1]))"
+        procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, nprocs, workdir, cfg])],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for rank in range(nprocs)]
+        errors = []
+        try:
+            for rank, proc in enumerate(procs):
+                _, err = proc.communicate(timeout=timeout)
+                if proc.returncode:
+                    errors.append(f"rank {rank} exited with {proc.returncode}: {err.strip()[-800:]}")
+        except subprocess.TimeoutExpired:
+            errors.append(f"timed out after {timeout:.0f} s")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        result = Path(workdir, "result.json")
+        if errors or not result.exists():
+            raise ShardcError(f"calibration with {nprocs} gloo processes failed: " + ("; ".join(errors) or "no result"),
+                              hint="check that localhost TCP works (GLOO_SOCKET_IFNAME) and rerun `shardc calibrate`")
+        return json.loads(result.read_text())
+
+
+# ---- the driver, the cache and the local cluster ---------------------------------------------
+
+def default_profile_path() -> Path:
+    """`$SHARDC_CACHE_DIR/local-profile.json`, else `~/.cache/shardc/local-profile.json`."""
+    base = os.environ.get("SHARDC_CACHE_DIR")
+    return Path(base) / "local-profile.json" if base else Path.home() / ".cache" / "shardc" / "local-profile.json"
+
+
+def _machine_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_profile(profile: LocalProfile, path: Path) -> None:
+    """Write atomically: a temporary file in the same folder, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(profile.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_calibration(path: str | Path | None = None, *, quick: bool = False, nprocs: Sequence[int] = (2, 4),
+                    console: Any = None, show: bool = True, summary: bool = False) -> LocalProfile:
+    """Measure this machine (see the module doc) and write the profile to `path` atomically.
+
+    Takes under a minute on an idle machine (`quick=True`: under 15 s, fewer sizes and
+    repetitions). `console` is a rich Console (default: stderr) for the progress bar (`show`)
+    and, with `summary=True`, the `profile_tables` once done (else call `print_profile`).
+    """
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = console or Console(stderr=True)
+    target = Path(path) if path is not None else default_profile_path()
+    sizes = (64, 128, 256, 512) if quick else (64, 128, 256, 512, 768, 1024)
+    budget = 0.05 if quick else 0.25
+    numels = (16, 1024, 16384, 262144, 1 << 20) if quick else (16, 1024, 8192, 65536, 262144, 1 << 20, 1 << 22)
+    cfg: dict[str, Any] = {"matmul_n": 256 if quick else 512, "copy_numel": 1 << 22, "window": 0.2 if quick else 0.5,
+           "numels": numels, "max_reps": 20 if quick else 50, "point_budget": 0.03 if quick else 0.08}
+    threads = torch.get_num_threads()
+    with Progress(console=console, transient=True, disable=not show) as progress:
+        task = progress.add_task("calibrating", total=4 + len(nprocs))
+        try:
+            torch.set_num_threads(1)
+            progress.update(task, description="matmul fp32 by size")
+            points = tuple((n, _matmul_rate(n, torch.float32, budget)) for n in sizes)
+            fit = fit_affine([2.0 * n ** 3 for n, _ in points], [2.0 * n ** 3 / r for n, r in points])
+            peak = 1.0 / fit.beta if fit.beta > 0 else max(r for _, r in points)
+            progress.advance(task)
+            progress.update(task, description="matmul bf16/fp16")
+            ref = dict(points)[256]
+            ratios = tuple((name, _matmul_rate(256, dt, budget) / ref)
+                           for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)))
+            progress.advance(task)
+            progress.update(task, description="memory bandwidth")
+            bandwidth = _copy_bandwidth(cfg["copy_numel"] * (1 if quick else 4), budget)
+            progress.advance(task)
+            progress.update(task, description="op latency")
+            latency = _kernel_latency(budget)
+            progress.advance(task)
+        finally:
+            torch.set_num_threads(threads)
+        concurrent, fits = [], []
+        for n in nprocs:
+            progress.update(task, description=f"{n} processes: matmul, copy, gloo collectives")
+            res = _run_workers(n, cfg)
+            concurrent.append((n, res["flops"], res["bandwidth"]))
+            for op in COLLECTIVES:
+                pts = tuple((int(b), float(t)) for b, t in res[op])
+                fits.append(CollectiveFit(op, n, pts, fit_affine([b for b, _ in pts], [t for _, t in pts])))
+            progress.advance(task)
+    profile = LocalProfile(
+        PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(),
+        os.cpu_count() or 1, _machine_memory(), torch.__version__, quick, points, peak, fit.alpha * peak,
+        ratios, bandwidth, latency, tuple(concurrent), tuple(fits))
+    write_profile(profile, target)
+    if summary:
+        print_profile(profile, console, path=target)
+    return profile
+
+
+def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool = True) -> LocalProfile:
+    """Read the cached profile; calibrate (and cache) when it is missing or from another version."""
+    target = Path(path) if path is not None else default_profile_path()
+    try:
+        return LocalProfile.from_json(json.loads(target.read_text()))
+    except FileNotFoundError:
+        problem = f"no local profile at {target}"
+    except (ValueError, KeyError, TypeError) as err:
+        problem = f"local profile {target} is unreadable or out of date: {err}"
+    if not calibrate_if_missing:
+        raise ShardcError(problem, hint="run `shardc calibrate` to measure this machine")
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.print(f"{problem}; measuring this machine once (`shardc calibrate` redoes it)")
+    return run_calibration(target, console=console)
+
+
+def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
+    """This machine as one node of `nproc` CPU processes sharing its cores and memory (gloo links)."""
+    if nproc < 1:
+        raise ShardcError(f"local cluster needs >= 1 process, got {nproc}")
+    prof = profile or load_profile()
+    slow = prof.slowdown(nproc)
+    flops = prof.per_process_flops(nproc)
+    peaks = (("fp32", flops),) + tuple((d, flops * r) for d, r in prof.dtype_ratio)
+    bandwidth = next((b for n, _, b in prof.concurrent if n == nproc), prof.memory_bandwidth / slow)
+    memory = prof.memory_bytes // nproc
+    device = DeviceSpec(f"local-cpu/{nproc}", peaks, memory, bandwidth, 1.0, prof.matmul_half_flops / slow,
+                        prof.kernel_latency * slow, bandwidth, memory)
+    link = prof.link(nproc)
+    return Cluster(device, 1, nproc, link, link, f"local{nproc}")
+
+
+def profile_tables(profile: LocalProfile) -> list[Any]:
+    """The profile as rich tables: compute and memory per process count, then collectives."""
+    from rich.table import Table
+
+    compute = Table(title=f"local profile: {profile.machine}, {profile.cores} cores, "
+                          f"{format_bytes(profile.memory_bytes)}, torch {profile.torch_version}")
+    for col in ("processes", "fp32 matmul GFLOP/s", "half-rate size (MFLOP)", "copy GB/s", "op latency (us)"):
+        compute.add_column(col, justify="right")
+    for n in (1,) + tuple(n for n, _, _ in profile.concurrent):
+        slow = profile.slowdown(n)
+        bw = next((b for m, _, b in profile.concurrent if m == n), profile.memory_bandwidth)
+        compute.add_row(str(n), f"{profile.per_process_flops(n) / 1e9:.2f}",
+                        f"{profile.matmul_half_flops / slow / 1e6:.2f}", f"{bw / 1e9:.2f}",
+                        f"{profile.kernel_latency * slow * 1e6:.2f}")
+    comm = Table(title="gloo collectives: time = alpha + bytes / bandwidth")
+    for col in ("collective", "processes", "alpha (us)", "bandwidth (GB/s)", "ring link: latency (us)", "GB/s"):
+        comm.add_column(col, justify="right")
+    for c in profile.collectives:
+        link = c.link()
+        comm.add_row(c.op, str(c.nprocs), f"{c.fit.alpha * 1e6:.1f}",
+                     f"{1 / c.fit.beta / 1e9:.2f}" if c.fit.beta > 0 else "-",
+                     f"{link.latency * 1e6:.1f}" if link else "-", f"{link.bandwidth / 1e9:.2f}" if link else "-")
+    return [compute, comm]
+
+
+def print_profile(profile: LocalProfile, console: Any = None, *, path: Path | None = None) -> None:
+    """Print `profile_tables` (and where the profile was written)."""
+    from rich.console import Console
+
+    console = console or Console()
+    for table in profile_tables(profile):
+        console.print(table)
+    if path is not None:
+        console.print(f"written to {path}")

@@ -1,0 +1,155 @@
+"""Compute time of one node on one device: a roofline with the device's matmul efficiency curve.
+
+Rules:
+- Local work comes from the node's partition: every input and output gets the layout the
+  registry derives (`node_layouts`), its local shard shape gives local FLOPs (the registry's
+  formula on local shapes) and local bytes. Float tensors count at the plan's compute dtype.
+- Forward time is `max(flops / rate, bytes / memory_bandwidth) + kernel_latency`, where the
+  rate is the device's matmul curve for contractions and attention
+  (`peak * matmul_efficiency * f / (f + matmul_half_flops)`) and the fp32 vector peak for the
+  rest. Views (reshape, permute, split, ...) and creation ops launch nothing and cost nothing.
+- Backward: a contraction does one matmul of the forward's size per input that needs a
+  gradient (dgrad and wgrad: 2x forward when both do); any other op reads the saved tensors
+  and the output gradient and writes input gradients: 2x the forward FLOPs and forward bytes
+  plus the output gradient read, one more kernel. Ops with no input needing a gradient have
+  no backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardc.hardware import DeviceSpec
+from shardc.ir import DTYPE_BYTES, Layout, Mesh, Node, Shard, TensorType
+from shardc.registry import IterationSpace, OpDef, get_op, node_layouts
+
+MATMUL_KINDS = frozenset({"contraction", "attention"})
+FREE_KINDS = frozenset({"view", "creation"})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """One node's cost on one device for one micro-batch (seconds, FLOPs, bytes)."""
+
+    fwd_s: float
+    bwd_s: float
+    fwd_flops: float
+    bwd_flops: float
+    fwd_bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class LocalNode:
+    """A node's local view: required input layouts, output layouts and local tensor types."""
+
+    op: OpDef
+    in_layouts: tuple[Layout, ...]
+    out_layouts: tuple[Layout, ...]
+    in_types: tuple[TensorType, ...]
+    out_types: tuple[TensorType, ...]
+    space: IterationSpace | None
+
+
+def local_type(t: TensorType, layout: Layout, mesh: Mesh | None, dtype: str) -> TensorType:
+    """The shard one device holds, float tensors cast to the compute `dtype` (IR spelling)."""
+    shape = layout.local_shape(t.shape, mesh) if mesh is not None and layout.placements else t.shape
+    return TensorType(tuple(shape), dtype if t.is_float else t.dtype)
+
+
+def localize(node: Node, mesh: Mesh | None, dtype: str) -> LocalNode:
+    """Required layouts and local types of `node` under its partition on `mesh`.
+
+    Temporal splits that rotate around a mesh axis (ring attention) keep the rotating operands
+    sharded along that axis: every operand indexed by the rotated dim is `Shard` there.
+    """
+    op = get_op(node.op)
+    in_t = [v.type for v in node.inputs]
+    out_t = [v.type for v in node.outputs]
+    if mesh is None or node.partition is None or not (node.partition.spatial or node.partition.temporal):
+        ins = tuple(Layout() for _ in in_t)
+        outs = tuple(Layout() for _ in out_t)
+        space = None
+    else:
+        space = op.iteration_space(in_t, out_t, node.attrs)
+        in_l, out_l = node_layouts(space, node.partition, mesh)
+        for split in node.partition.temporal:
+            if split.rotate is None:
+                continue
+            for i, operand in enumerate(space.inputs):
+                for d, factors in enumerate(operand):
+                    if factors and factors[0] == split.dim:
+                        in_l[i] = Layout(tuple(p for p in in_l[i].placements if p[0] != split.rotate)
+                                         + ((split.rotate, Shard(d)),))
+        ins, outs = tuple(in_l), tuple(out_l)
+    return LocalNode(op, ins, outs,
+                     tuple(local_type(t, l, mesh, dtype) for t, l in zip(in_t, ins)),
+                     tuple(local_type(t, l, mesh, dtype) for t, l in zip(out_t, outs)), space)
+
+
+def kernel_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *, matmul: bool) -> float:
+    """Roofline time of one kernel, without launch latency."""
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    if matmul and flops > 0:
+        compute = flops / device.matmul_flops_per_s(flops, dtype)
+    else:
+        compute = flops / device.peak("fp32") if flops > 0 else 0.0
+    return max(compute, nbytes / device.memory_bandwidth)
+
+
+def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
+                      attrs: dict, device: DeviceSpec, dtype: str, *, needs_grad: Sequence[bool],
+                      scale: float = 1.0, scaled_in: Sequence[bool] | None = None,
+                      scaled_out: Sequence[bool] | None = None) -> NodeCost:
+    """Forward and backward time of one op on local types (see the module rules).
+
+    `needs_grad[i]` says whether input i needs a gradient. `scale` multiplies the batch of
+    the tensors flagged in `scaled_in`/`scaled_out` (all when None) and the FLOPs, so a graph
+    traced at one batch can be costed at another.
+    """
+    if op.kind in FREE_KINDS:
+        return NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    s_in = [scale if (scaled_in is None or scaled_in[i]) else 1.0 for i in range(len(in_types))]
+    s_out = [scale if (scaled_out is None or scaled_out[i]) else 1.0 for i in range(len(out_types))]
+    flops = op.count_flops(in_types, out_types, attrs) * max(s_in + s_out, default=1.0)
+    in_bytes = [t.nbytes * s for t, s in zip(in_types, s_in)]
+    out_bytes = sum(t.nbytes * s for t, s in zip(out_types, s_out))
+    nbytes = sum(in_bytes) + out_bytes
+    matmul = op.kind in MATMUL_KINDS
+    latency = device.kernel_latency
+    fwd = kernel_time(flops, nbytes, device, dtype, matmul=matmul) + latency
+    grads = [bool(g) for g in needs_grad]
+    if not any(grads):
+        return NodeCost(fwd, 0.0, flops, 0.0, nbytes)
+    if matmul:
+        # One matmul per input needing a gradient (a bias gradient is a cheap reduction).
+        n = sum(1 for i, g in enumerate(grads[:2]) if g) or 1
+        per = kernel_time(flops, nbytes, device, dtype, matmul=True)
+        extra = sum(b for i, b in enumerate(in_bytes) if i >= 2 and grads[i])
+        bwd = n * (per + latency) + (extra / device.memory_bandwidth + latency if extra else 0.0)
+        return NodeCost(fwd, bwd, flops, n * flops, nbytes)
+    if op.kind == "index":
+        # Embedding backward: scatter-add of the output gradient into the weight gradient.
+        return NodeCost(fwd, 2 * out_bytes / device.memory_bandwidth + latency, flops, 0.0, nbytes)
+    bwd = kernel_time(2 * flops, nbytes + out_bytes, device, dtype, matmul=False) + latency
+    return NodeCost(fwd, bwd, flops, 2 * flops, nbytes)
+
+
+def saved_bytes_of(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
+                   attrs: dict) -> list[tuple[str, int, float]]:
+    """What the op keeps for backward: ("in", i, bytes), ("out", i, bytes) or ("bytes", -1, n)."""
+    out: list[tuple[str, int, float]] = []
+    for kind, idx in op.saved_for_backward(in_types, out_types, attrs):
+        if kind == "in":
+            out.append(("in", idx, float(in_types[idx].nbytes)))
+        elif kind == "out":
+            out.append(("out", idx, float(out_types[idx].nbytes)))
+        else:
+            out.append(("bytes", -1, float(idx)))
+    return out
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes per element of an IR dtype (`bf16` -> 2)."""
+    return DTYPE_BYTES[dtype]

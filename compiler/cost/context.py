@@ -1,0 +1,120 @@
+"""What every cost rule needs to know about one graph on one cluster, computed once per estimate.
+
+Dataflow facts (which values depend on the batch, which need gradients, who reads what, the
+storage a view aliases) and a cache of localized nodes. Built by `CostContext.build`; it holds
+no state across estimates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardc.cost.comm import LinkLevels, group_levels
+from shardc.cost.compute import LocalNode, localize
+from shardc.hardware import Cluster, DeviceSpec
+from shardc.ir import Graph, Layout, Mesh, Node, Value
+from shardc.registry import get_op
+
+AXIS_CATEGORY = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm"}
+# Ops whose output aliases the input's storage (a saved view keeps its base alive).
+ALIASING_OPS = frozenset({"reshape", "permute", "expand", "slice", "select", "split"})
+
+
+def axis_category(axis: str) -> str:
+    """Time category of a collective on mesh axis `axis` (tp_comm, cp_comm, dp_comm, pp_comm)."""
+    return AXIS_CATEGORY.get(axis, "tp_comm")
+
+
+@dataclass
+class CostContext:
+    """Per-estimate facts about `graph` on `cluster` at compute dtype `dtype` (IR spelling)."""
+
+    graph: Graph
+    cluster: Cluster
+    mesh: Mesh | None
+    dtype: str
+    batch_scale: float
+    algorithm: str = "auto"
+    batched: set[int] = field(default_factory=set)
+    needs_grad: set[int] = field(default_factory=set)
+    users: dict[int, list[Node]] = field(default_factory=dict)
+    layer_of: dict[int, str] = field(default_factory=dict)
+    _local: dict[int, LocalNode] = field(default_factory=dict)
+    _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
+
+    @property
+    def device(self) -> DeviceSpec:
+        return self.cluster.device
+
+    @classmethod
+    def build(cls, graph: Graph, cluster: Cluster, dtype: str, batch_scale: float = 1.0,
+              algorithm: str = "auto") -> CostContext:
+        """Dataflow facts: batched values descend from graph inputs; gradients flow from
+        trainable parameters through float values."""
+        ctx = cls(graph, cluster, graph.mesh, dtype, batch_scale, algorithm)
+        ctx.batched = {id(v) for v in graph.inputs}
+        any_marked = any(p.requires_grad for p in graph.params)
+        ctx.needs_grad = {id(p) for p in graph.params if p.type.is_float and (p.requires_grad or not any_marked)}
+        for node in graph.nodes:
+            ins = [id(v) for v in node.inputs]
+            batched = any(i in ctx.batched for i in ins)
+            grad = any(i in ctx.needs_grad for i in ins)
+            for out in node.outputs:
+                if batched:
+                    ctx.batched.add(id(out))
+                if grad and out.type.is_float:
+                    ctx.needs_grad.add(id(out))
+            if node.layer is not None:
+                for out in node.outputs:
+                    ctx.layer_of[id(out)] = node.layer
+        ctx.users = graph.users()
+        return ctx
+
+    def local(self, node: Node) -> LocalNode:
+        """The node's layouts and local types (cached)."""
+        found = self._local.get(id(node))
+        if found is None:
+            found = localize(node, self.mesh, self.dtype)
+            self._local[id(node)] = found
+        return found
+
+    def levels(self, axes: tuple[str, ...]) -> LinkLevels:
+        """Link levels of the group along `axes` (cached)."""
+        if self.mesh is None:
+            return ()
+        found = self._levels.get(axes)
+        if found is None:
+            found = group_levels(self.mesh, axes, self.cluster)
+            self._levels[axes] = found
+        return found
+
+    def scale_of(self, value: Value) -> float:
+        return self.batch_scale if id(value) in self.batched else 1.0
+
+    def layout(self, value: Value) -> Layout:
+        return value.layout or Layout()
+
+    def root(self, value: Value) -> Value:
+        """The value whose storage `value` aliases (through views), or itself."""
+        while value.producer is not None and value.producer.op in ALIASING_OPS and value.producer.inputs:
+            value = value.producer.inputs[0]
+        return value
+
+    def elem_bytes(self, value: Value) -> int:
+        from shardc.ir import DTYPE_BYTES
+
+        return DTYPE_BYTES[self.dtype if value.type.is_float else value.type.dtype]
+
+    def local_bytes(self, value: Value, layout: Layout | None = None) -> float:
+        """Bytes one device holds of `value` under `layout` (its own by default), batch-scaled."""
+        lay = self.layout(value) if layout is None else layout
+        shape = lay.local_shape(value.type.shape, self.mesh) if self.mesh is not None else value.type.shape
+        n = 1
+        for d in shape:
+            n *= d
+        return n * self.elem_bytes(value) * self.scale_of(value)
+
+    def is_matmul_of_activations(self, node: Node) -> bool:
+        """A contraction of two batched operands: the QK^T and PV products of attention."""
+        return (get_op(node.op).kind == "contraction" and len(node.inputs) >= 2
+                and id(node.inputs[0]) in self.batched and id(node.inputs[1]) in self.batched)

@@ -1,0 +1,289 @@
+"""The cost of one layer for one micro-batch on one device: time by category, FLOPs, saved bytes.
+
+Rules, node by node over the layer's partitioned IR:
+- compute: `node_compute_time` on the node's local shapes (forward; backward from forward).
+- forward communication: on every input edge, the collectives that turn the value's layout
+  into the layout the node requires (`reshard_steps`), on the critical path, charged to the
+  category of their mesh axis (tp_comm, cp_comm, ...). Vocab-parallel cross entropy adds two
+  all_reduces of one fp32 per row (max and sum of exponentials). A temporal split that rotates
+  an operand around a mesh axis (ring attention) sends it steps-1 times, overlapped with the
+  node's compute: only the excess is charged.
+- backward communication, the conjugates: the gradient of every value produced here is the sum
+  of its consumers' contributions, `Partial` on each mesh axis that splits a dim the operand
+  does not index (a broadcast operand's gradient is a sum); that sum is redistributed into the
+  layout the producer's backward needs (its output layout with Partial read as Replicate).
+  So all_reduce forward <-> nothing backward, nothing forward <-> all_reduce backward,
+  all_gather <-> reduce_scatter. An input saved sharded but used gathered (sequence parallel)
+  is gathered again in backward.
+- saved for backward: each op's `saved_for_backward` entries, parameters and buffers
+  excluded, a view counted as the storage it aliases, each storage once, at the producer's
+  layout. Selective recomputation drops what the attention core (from the QK^T product to the
+  PV product) saves and recomputes the core; full recomputation keeps only the layer's inputs
+  and recomputes the whole forward (its collectives included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shardc.cost.comm import CommStep, collective_time, combine_gradients, reshard_steps
+from shardc.cost.compute import node_compute_time, saved_bytes_of
+from shardc.cost.context import CostContext, axis_category
+from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One layer, one micro-batch, one device. Times in seconds by category.
+
+    `fwd` and `bwd` map categories (compute_fwd, compute_bwd, recompute, tp_comm, cp_comm, ...)
+    to seconds; `bwd` includes the recomputation. FLOPs are local hardware FLOPs;
+    `matmul_flops` the global forward contraction FLOPs (model FLOPs are 3x these).
+    """
+
+    fwd: dict[str, float]
+    bwd: dict[str, float]
+    fwd_flops: float
+    bwd_flops: float
+    recompute_flops: float
+    matmul_flops: float
+    recompute_matmul_flops: float
+    saved_bytes: float
+    full_saved_bytes: float
+    working_bytes: float
+    collectives: tuple[tuple[str, CommStep], ...] = field(default=())
+
+    @property
+    def fwd_s(self) -> float:
+        return sum(self.fwd.values())
+
+    @property
+    def bwd_s(self) -> float:
+        return sum(self.bwd.values())
+
+
+def _add(acc: dict[str, float], key: str, value: float) -> None:
+    if value:
+        acc[key] = acc.get(key, 0.0) + value
+
+
+def _operand_dims(ctx: CostContext, node: Node, i: int) -> set[str]:
+    space = ctx.local(node).space
+    if space is None or i >= len(space.inputs):
+        return set()
+    return {f for factors in space.inputs[i] for f in factors}
+
+
+def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
+    """The layout of the gradient `node` sends back to its input `i`."""
+    local = ctx.local(node)
+    layout = local.in_layouts[i]
+    if node.partition is None or ctx.mesh is None:
+        return layout
+    indexed = _operand_dims(ctx, node, i)
+    placements: list[tuple[str, Placement]] = []
+    for axis in ctx.mesh.names:
+        split = [d for a, d in node.partition.spatial if a == axis]
+        p = layout.on(axis)
+        if split and isinstance(p, Replicate) and split[0] not in indexed:
+            p = Partial("sum")
+        if not isinstance(p, Replicate):
+            placements.append((axis, p))
+    return Layout(tuple(placements))
+
+
+def _needed_gradient(layout: Layout, passthrough: set[str] = frozenset()) -> Layout:
+    """The gradient layout a producer's backward needs: its output layout, Partial read as R;
+    on `passthrough` axes a Partial gradient is accepted as it is."""
+    return Layout(tuple((a, p) for a, p in layout.placements if isinstance(p, Shard))
+                  + tuple((a, Partial("sum")) for a in sorted(passthrough)))
+
+
+def _output_gradient(ctx: CostContext, v: Value) -> Layout | None:
+    contributions = [gradient_contribution(ctx, u, i) for u in ctx.users.get(id(v), [])
+                     for i, w in enumerate(u.inputs) if w is v]
+    return combine_gradients(contributions, ctx.mesh) if contributions and ctx.mesh is not None else None
+
+
+def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:
+    """Axes on which a node that only differentiates into parameters (a position embedding)
+    and is not split there takes its Partial output gradient as it is: backward is linear in
+    the output gradient, so its weight gradient is Partial too and joins the step's gradient
+    sync instead of costing an all_reduce per micro-batch."""
+    if ctx.mesh is None or len(node.outputs) != 1:
+        return set()
+    if any(id(v) in ctx.needs_grad and v.kind != "parameter" for v in node.inputs):
+        return set()
+    split = {a for a, _ in node.partition.spatial} if node.partition else set()
+    grad = _output_gradient(ctx, node.outputs[0])
+    if grad is None:
+        return set()
+    return {a for a, p in grad.placements if isinstance(p, Partial) and a not in split}
+
+
+def _comm_time(ctx: CostContext, step: CommStep) -> float:
+    return collective_time(step.kind, step.nbytes, ctx.levels((step.axis,)), ctx.algorithm)
+
+
+def attention_core(ctx: CostContext, nodes: Sequence[Node]) -> set[int]:
+    """ids of the nodes from each QK^T product through the next PV product (inclusive)."""
+    core: set[int] = set()
+    inside = False
+    for node in nodes:
+        if ctx.is_matmul_of_activations(node):
+            core.add(id(node))
+            inside = not inside
+        elif inside:
+            core.add(id(node))
+    return core if not inside else set()
+
+
+def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none") -> LayerCost:
+    """The `LayerCost` of the layer made of `nodes` (in graph order) under `recompute`."""
+    device, dtype = ctx.device, ctx.dtype
+    produced = {id(v) for n in nodes for v in n.outputs}
+    core = attention_core(ctx, nodes) if recompute == "selective" else set()
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    core_fwd: dict[str, float] = {}
+    steps: list[tuple[str, CommStep]] = []
+    flops = [0.0, 0.0, 0.0]  # fwd, bwd, recompute
+    matmul = [0.0, 0.0]  # global forward contraction FLOPs, of which recomputed
+    saved: dict[str, tuple[float, bool]] = {}  # storage -> (bytes, produced in the attention core)
+    layer_inputs: dict[int, float] = {}
+    for node in nodes:
+        local = ctx.local(node)
+        op = local.op
+        grads = [id(v) in ctx.needs_grad for v in node.inputs]
+        cost = node_compute_time(op, local.in_types, local.out_types, node.attrs, device, dtype,
+                                 needs_grad=grads, scale=ctx.batch_scale,
+                                 scaled_in=[id(v) in ctx.batched for v in node.inputs],
+                                 scaled_out=[id(v) in ctx.batched for v in node.outputs])
+        in_core = id(node) in core
+        node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
+        _add(bwd, "compute_bwd", cost.bwd_s)
+        flops[0] += cost.fwd_flops
+        flops[1] += cost.bwd_flops
+        if op.kind in ("contraction", "attention"):
+            g = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
+            g *= max((ctx.scale_of(v) for v in node.inputs), default=1.0)
+            matmul[0] += g
+            if recompute == "full" or in_core:
+                matmul[1] += g
+        if recompute == "full" or in_core:
+            flops[2] += cost.fwd_flops
+        saves = saved_bytes_of(op, local.in_types, local.out_types, node.attrs)
+        saved_inputs = {idx for kind, idx, _ in saves if kind == "in"}
+        # Forward edges: the value's layout into the layout this node requires.
+        for i, v in enumerate(node.inputs):
+            if ctx.mesh is None:
+                break
+            if id(v) not in produced and v.kind == "activation" and id(v) in ctx.batched:
+                layer_inputs[id(ctx.root(v))] = ctx.local_bytes(ctx.root(v))
+            for step in reshard_steps(ctx.layout(v), local.in_layouts[i], v.type, ctx.mesh, ctx.elem_bytes(v)):
+                step = CommStep(step.kind, step.axis, step.nbytes * ctx.scale_of(v))
+                _add(node_fwd, axis_category(step.axis), _comm_time(ctx, step))
+                steps.append(("fwd", step))
+                if step.kind == "all_gather" and i in saved_inputs:
+                    # Saved sharded, gathered again for backward (sequence parallelism), launched
+                    # before the input gradient's matmul and waited for by the weight gradient's.
+                    hidden = cost.bwd_s / 2 if op.kind == "contraction" else 0.0
+                    _add(bwd, axis_category(step.axis), max(0.0, _comm_time(ctx, step) - hidden))
+                    steps.append(("bwd", step))
+        _charge_special(ctx, node, local, cost, node_fwd, bwd, steps)
+        for key, val in node_fwd.items():
+            _add(fwd, key, val)
+            if in_core or recompute == "full":
+                _add(core_fwd, key, val)
+        # Backward: gradients of this node's outputs, from all their consumers.
+        for v in node.outputs:
+            if id(v) not in ctx.needs_grad or ctx.mesh is None:
+                continue
+            have = _output_gradient(ctx, v)
+            if have is None:
+                continue
+            need = _needed_gradient(ctx.layout(v), passthrough_axes(ctx, node))
+            for step in reshard_steps(have, need, v.type, ctx.mesh, ctx.elem_bytes(v)):
+                step = CommStep(step.kind, step.axis, step.nbytes * ctx.scale_of(v))
+                _add(bwd, axis_category(step.axis), _comm_time(ctx, step))
+                steps.append(("bwd", step))
+        # Saved for backward, each storage once.
+        for k, (kind, idx, nbytes) in enumerate(saves):
+            if kind == "bytes":
+                scale = ctx.batch_scale if any(id(o) in ctx.batched for o in node.outputs) else 1.0
+                saved[f"{id(node)}#{k}"] = (nbytes * scale, in_core)
+                continue
+            v = node.inputs[idx] if kind == "in" else node.outputs[idx]
+            root = ctx.root(v)
+            if root.kind in ("parameter", "buffer"):
+                continue
+            # Dropped under selective recomputation: what the core saves of its own tensors
+            # (the core's output, saved by the projection after it, is kept).
+            root_in_core = in_core and root.producer is not None and id(root.producer) in core
+            saved[str(id(root))] = (ctx.local_bytes(root), root_in_core)
+    full = sum(b for b, _ in saved.values())
+    core_saved = sum(b for b, c in saved.values() if c)
+    if recompute == "full":
+        kept, working = sum(layer_inputs.values()), full
+    elif recompute == "selective":
+        kept, working = full - core_saved, core_saved
+    else:
+        kept, working = full, 0.0
+    if recompute != "none":
+        _add(bwd, "recompute", core_fwd.pop("compute_fwd", 0.0))
+        for key, val in core_fwd.items():
+            _add(bwd, key, val)
+    return LayerCost(fwd, bwd, flops[0], flops[1], flops[2], matmul[0], matmul[1], kept, full, working,
+                     tuple(steps))
+
+
+def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[str, float],
+                    bwd: dict[str, float], steps: list[tuple[str, CommStep]]) -> None:
+    """Vocab-parallel loss reductions and rotating temporal splits (ring attention)."""
+    if ctx.mesh is None or node.partition is None or local.space is None:
+        return
+    special = dict(local.space.special)
+    for axis, dim in node.partition.spatial:
+        if special.get(dim) == "vocab" and len(local.in_types) > 1:
+            rows = local.in_types[1].numel * ctx.batch_scale
+            step = CommStep("all_reduce", axis, 4.0 * rows)
+            t = _comm_time(ctx, step)
+            _add(node_fwd, axis_category(axis), 2 * t)
+            steps += [("fwd", step), ("fwd", step)]
+    for split in node.partition.temporal:
+        if split.steps <= 1:
+            continue
+        node_fwd["compute_fwd"] += (split.steps - 1) * ctx.device.kernel_latency
+        if split.rotate is None:
+            continue
+        moving = sum(t.nbytes for t, operand in zip(local.in_types, local.space.inputs)
+                     if any(f and f[0] == split.dim for f in operand)) * ctx.batch_scale
+        step = CommStep("rotate", split.rotate, moving)
+        one = _comm_time(ctx, step)
+        sends = split.steps - 1
+        exposed_fwd = max(0.0, sends * one - cost.fwd_s * sends / split.steps)
+        exposed_bwd = max(0.0, 2 * sends * one - cost.bwd_s * sends / split.steps)
+        _add(node_fwd, axis_category(split.rotate), exposed_fwd)
+        _add(bwd, axis_category(split.rotate), exposed_bwd)
+        steps += [("fwd", step)] * sends + [("bwd", CommStep("rotate", split.rotate, 2 * moving))] * sends
+
+
+def layer_params(ctx: CostContext, nodes: Sequence[Node]) -> dict[str, tuple[Value, float, frozenset[str]]]:
+    """Parameters the layer reads: name -> (value, local elements, mesh axes its gradient is
+    Partial over, i.e. must be summed across)."""
+    out: dict[str, tuple[Value, float, frozenset[str]]] = {}
+    for node in nodes:
+        for i, v in enumerate(node.inputs):
+            if v.kind != "parameter":
+                continue
+            axes: set[str] = set()
+            if ctx.mesh is not None:
+                contribution = gradient_contribution(ctx, node, i)
+                axes = {a for a, p in contribution.placements if isinstance(p, Partial)}
+                axes |= passthrough_axes(ctx, node)
+            layout = v.layout if v.layout is not None else ctx.local(node).in_layouts[i]
+            numel = ctx.local_bytes(v, layout) / ctx.elem_bytes(v)
+            prev = out.get(v.name)
+            out[v.name] = (v, numel, frozenset(axes) | (prev[2] if prev else frozenset()))
+    return out

@@ -1,0 +1,117 @@
+"""Gradient synchronisation and the optimizer step, per pipeline device.
+
+Rules:
+- A parameter's gradient must be summed over every mesh axis on which it is `Partial`
+  (see `layer_params`). Over the data-parallel axes (dp, cp) that is the DP sync: all_reduce,
+  or reduce_scatter when ZeRO shards the optimizer; it runs in buckets of `bucket_bytes` in
+  the order backward produces gradients (last layer first), each bucket launched when its
+  last gradient is ready during the step's final backward and the buckets serialised on the
+  link. Only what outlasts that backward (`tail`) is exposed. Other axes (tp, for sequence-
+  parallel norm weights) are all-reduced after backward, exposed.
+- Gradients of model chunks that finished earlier (interleaved schedules) are ready when the
+  final backward starts.
+- After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). The optimizer step
+  reads and writes 28 bytes per local parameter at memory bandwidth (host when offloaded,
+  plus moving gradients down and weights up over PCIe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardc.cost.comm import collective_time
+from shardc.cost.context import CostContext
+from shardc.cost.pipeline import PipelineTimes
+from shardc.plan import ParallelPlan
+
+ADAM_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSync:
+    """One pipeline device: exposed sync after backward, post-optimizer gather, optimizer time."""
+
+    tail: float
+    gather: float
+    optimizer: float
+    params: tuple[tuple[float, int], ...]  # (local elements, ZeRO stage) per parameter
+    grad_bytes: float  # gradient bytes synchronised over the data-parallel group per step
+    comm_bytes: float  # bytes this device sends for that sync (ring volume)
+
+    @property
+    def after(self) -> float:
+        return self.gather + self.optimizer
+
+
+def bucket_tail(ready: Sequence[tuple[float, float]], window: float, levels, kind: str, bucket_bytes: float,
+                algorithm: str = "auto") -> float:
+    """Exposed seconds of bucketed gradient sync. `ready`: (time gradients are ready within the
+    last backward of length `window`, bytes), in backward order."""
+    finish = 0.0
+    fill, fill_ready = 0.0, 0.0
+    full = collective_time(kind, bucket_bytes, levels, algorithm)
+    for t, nbytes in ready:
+        while nbytes > 0:
+            take = min(nbytes, bucket_bytes - fill)
+            fill, nbytes, fill_ready = fill + take, nbytes - take, t
+            if fill >= bucket_bytes:
+                finish = max(finish, fill_ready) + full
+                fill = 0.0
+    if fill > 0:
+        finish = max(finish, fill_ready) + collective_time(kind, fill, levels, algorithm)
+    return max(0.0, finish - window)
+
+
+def gradient_sync(ctx: CostContext, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
+                  pipe: PipelineTimes, stage_bwd: Sequence[float], g_elem: int, w_elem: int) -> list[DeviceSync]:
+    """A `DeviceSync` per pipeline device (see module rules)."""
+    p = plan.pp
+    out: list[DeviceSync] = []
+    levels = ctx.levels(zero_axes)
+    device = ctx.device
+    for d in range(p):
+        mine = [l for l in layers if l.stage % p == d]
+        last_stage = d  # the final backward on device d is its first model chunk's
+        seen: set[str] = set()
+        params: list[tuple[float, int]] = []
+        ready: list[tuple[float, float]] = []
+        other: dict[tuple[str, ...], float] = {}
+        window = pipe.last_backward[d]
+        total_b = max(stage_bwd[last_stage], 1e-30)
+        t = 0.0
+        for layer in sorted(mine, key=lambda l: (l.stage != last_stage, -layers.index(l))):
+            if layer.stage == last_stage:
+                t += layer.cost.bwd_s * window / total_b
+            at = t if layer.stage == last_stage else 0.0
+            dp_bytes = 0.0
+            for name, (numel, axes) in layer.params.items():
+                if name in seen:
+                    continue
+                seen.add(name)
+                params.append((numel, layer.annotation.zero))
+                if axes & set(zero_axes):
+                    dp_bytes += numel * g_elem
+                rest = tuple(sorted(axes - set(zero_axes)))
+                if rest:
+                    other[rest] = other.get(rest, 0.0) + numel * g_elem
+            if dp_bytes:
+                ready.append((at, dp_bytes))
+        zero = max((l.annotation.zero for l in mine), default=0)
+        kind = "reduce_scatter" if zero >= 1 else "all_reduce"
+        tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm) if shard > 1 else 0.0
+        tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
+        grad_bytes = sum(b for _, b in ready)
+        local = sum(n for n, _ in params)
+        gather = 0.0
+        if shard > 1 and zero in (1, 2):
+            gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
+        opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
+        if plan.offload:
+            optimizer = (opt_params * (g_elem + w_elem) / device.host_bandwidth
+                         + opt_params * ADAM_BYTES_PER_PARAM / options.host_optimizer_bandwidth)
+        else:
+            optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
+        factor = (2 if kind == "all_reduce" else 1) * (shard - 1) / shard if shard > 1 else 0.0
+        out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor))
+    return out

@@ -1,0 +1,447 @@
+"""Lowering rules for compute: elementwise math, matmuls, norms, softmax, attention, losses,
+reductions and tensor creation. Each rule states the torch calls it covers in its `@rule`.
+
+Scalars become attributes (`x * 0.125` is `mul(%x)[other=0.125]`, `1 - x` is
+`sub(%x)[other=1, reverse=true]`); shapes come from the call's own result (`res`).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardc.frontend.emit import Emitter, Unsupported, dtype_name
+from shardc.frontend.rules import aten, rule
+from shardc.ir import Value
+
+# ---- elementwise ------------------------------------------------------------------------------
+
+
+def _scalar(x: Any) -> Any:
+    if isinstance(x, bool | int | float):
+        return x
+    raise Unsupported(f"operand {x!r} is neither a tensor nor a Python number")
+
+
+def binary(e: Emitter, op: str, a: Any, b: Any, commutative: bool) -> Value:
+    if isinstance(a, Value) and a.type.dtype != "bool" and (
+            (op in ("add", "sub") and b == 0 and (a.type.is_float or isinstance(b, int)))
+            or (op == "mul" and b == 1 and isinstance(b, int))):
+        return a  # x + 0, x * 1: no-ops that keep the dtype
+    if isinstance(a, Value) and isinstance(b, Value):
+        return e.emit(op, [a, b])
+    if isinstance(a, Value):
+        return e.emit(op, [a], other=_scalar(b))
+    if isinstance(b, Value):
+        if commutative:
+            return e.emit(op, [b], other=_scalar(a))
+        return e.emit(op, [b], other=_scalar(a), reverse=True)
+    raise Unsupported(f"{op} of two Python numbers")
+
+
+def _binary_rule(op: str, commutative: bool) -> Any:
+    def lower(e: Emitter, res: Any, a: Any, b: Any, *rest: Any, alpha: Any = 1, rounding_mode: Any = None,
+              **_: Any) -> Value:
+        if rounding_mode is not None:
+            raise Unsupported(f"{op} with rounding_mode={rounding_mode!r}")
+        if alpha != 1:  # add(a, b, alpha) = a + alpha * b
+            b = e.emit("mul", [b], other=alpha) if isinstance(b, Value) else b * alpha
+        return binary(e, op, a, b, commutative)
+    return lower
+
+
+for _op, _comm, _keys in (
+    ("add", True, (torch.add, operator.add, operator.iadd, "add", "add_", "__add__", "__iadd__", aten("add"))),
+    ("sub", False, (torch.sub, torch.subtract, operator.sub, operator.isub, "sub", "sub_", "__sub__", aten("sub"))),
+    ("mul", True, (torch.mul, torch.multiply, operator.mul, operator.imul, "mul", "mul_", "__mul__", aten("mul"))),
+    ("div", False, (torch.div, torch.divide, torch.true_divide, operator.truediv, operator.itruediv, "div",
+                    "div_", "__truediv__", "true_divide", aten("div"), aten("true_divide"))),
+    ("pow", False, (torch.pow, operator.pow, "pow", "__pow__", aten("pow"))),
+    ("maximum", True, (torch.maximum, "maximum", aten("maximum"))),
+    ("minimum", True, (torch.minimum, "minimum", aten("minimum"))),
+    ("eq", True, (torch.eq, operator.eq, "eq", "__eq__", aten("eq"))),
+    ("ne", True, (torch.ne, operator.ne, "ne", "__ne__", aten("ne"))),
+):
+    rule(*_keys)(_binary_rule(_op, _comm))
+
+_FLIPPED = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
+
+
+def _compare_rule(op: str) -> Any:
+    def lower(e: Emitter, res: Any, a: Any, b: Any, **_: Any) -> Value:
+        if not isinstance(a, Value):  # 0 < x is x > 0
+            return binary(e, _FLIPPED[op], b, a, True)
+        return binary(e, op, a, b, True)
+    return lower
+
+
+for _op, _fn in (("lt", operator.lt), ("le", operator.le), ("gt", operator.gt), ("ge", operator.ge)):
+    rule(getattr(torch, _op), _fn, _op, f"__{_op}__", aten(_op))(_compare_rule(_op))
+
+
+@rule(torch.rsub, "rsub", aten("rsub"))
+def _rsub(e: Emitter, res: Any, x: Any, other: Any, alpha: Any = 1, **_: Any) -> Value:
+    if alpha != 1:
+        x = e.emit("mul", [x], other=alpha)
+    return binary(e, "sub", other, x, False)
+
+
+def _logical(op: str) -> Any:
+    def lower(e: Emitter, res: Any, a: Any, b: Any, **_: Any) -> Value:
+        for v in (a, b):
+            if isinstance(v, Value) and v.type.dtype != "bool":
+                raise Unsupported(f"bitwise {op} of {v.type.dtype} tensors (only bool is supported)")
+        return binary(e, f"logical_{op}", a, b, True)
+    return lower
+
+
+rule(torch.logical_and, operator.and_, operator.iand, "logical_and", "__and__", aten("logical_and"),
+     aten("__and__"), aten("bitwise_and"))(_logical("and"))
+rule(torch.logical_or, operator.or_, operator.ior, "logical_or", "__or__", aten("logical_or"),
+     aten("__or__"), aten("bitwise_or"))(_logical("or"))
+
+
+@rule(torch.logical_not, operator.invert, torch.bitwise_not, "logical_not", "__invert__", "bitwise_not",
+      aten("logical_not"), aten("bitwise_not"))
+def _not(e: Emitter, res: Any, x: Value, **_: Any) -> Value:
+    if x.type.dtype != "bool":
+        raise Unsupported(f"bitwise not of a {x.type.dtype} tensor (only bool is supported)")
+    return e.emit("logical_not", [x])
+
+
+def _unary(op: str) -> Any:
+    def lower(e: Emitter, res: Any, x: Value, *_: Any, **__: Any) -> Value:
+        return e.emit(op, [x])
+    return lower
+
+
+for _op, _keys in (
+    ("neg", (torch.neg, operator.neg, "neg", "__neg__", aten("neg"))),
+    ("abs", (torch.abs, operator.abs, "abs", aten("abs"))),
+    ("exp", (torch.exp, "exp", aten("exp"))),
+    ("log", (torch.log, "log", aten("log"))),
+    ("sqrt", (torch.sqrt, "sqrt", aten("sqrt"))),
+    ("rsqrt", (torch.rsqrt, "rsqrt", aten("rsqrt"))),
+    ("reciprocal", (torch.reciprocal, "reciprocal", aten("reciprocal"))),
+    ("sin", (torch.sin, "sin", aten("sin"))),
+    ("cos", (torch.cos, "cos", aten("cos"))),
+    ("tanh", (torch.tanh, F.tanh, "tanh", aten("tanh"))),
+    ("sigmoid", (torch.sigmoid, F.sigmoid, "sigmoid", aten("sigmoid"))),
+    ("erf", (torch.erf, torch.special.erf, "erf", aten("erf"))),
+    ("relu", (torch.relu, F.relu, "relu", "relu_", aten("relu"))),
+    ("silu", (F.silu, aten("silu"))),
+):
+    rule(*_keys)(_unary(_op))
+
+
+@rule(F.gelu, aten("gelu"))
+def _gelu(e: Emitter, res: Any, x: Value, approximate: str = "none", **_: Any) -> Value:
+    return e.emit("gelu", [x], approximate=approximate) if approximate != "none" else e.emit("gelu", [x])
+
+
+@rule(torch.clamp, torch.clip, "clamp", "clip", aten("clamp"), torch.clamp_min, "clamp_min", aten("clamp_min"))
+def _clamp(e: Emitter, res: Any, x: Value, min: Any = None, max: Any = None, **_: Any) -> Value:
+    if min is not None:
+        x = binary(e, "maximum", x, min, True)
+    if max is not None:
+        x = binary(e, "minimum", x, max, True)
+    return x
+
+
+@rule(torch.masked_fill, "masked_fill", "masked_fill_", aten("masked_fill"))
+def _masked_fill(e: Emitter, res: Any, x: Value, mask: Value, value: Any, **_: Any) -> Value:
+    if isinstance(value, Value):
+        return e.emit("where", [mask, value, x])
+    return e.emit("masked_fill", [x, mask], value=_scalar(value))
+
+
+@rule(torch.where, aten("where"))
+def _where(e: Emitter, res: Any, cond: Value, x: Any = None, y: Any = None, **_: Any) -> Value:
+    if x is None and y is None:
+        raise Unsupported("torch.where(cond) with one argument (data-dependent shape)")
+    tensors = [v for v in (x, y) if isinstance(v, Value)]
+    attrs = {k: _scalar(v) for k, v in (("x", x), ("y", y)) if not isinstance(v, Value)}
+    return e.emit("where", [cond, *tensors], **attrs)
+
+
+@rule("where")
+def _where_method(e: Emitter, res: Any, x: Value, cond: Value, y: Any, **_: Any) -> Value:
+    return _where(e, res, cond, x, y)
+
+
+@rule(torch.triu, "triu", aten("triu"))
+def _triu(e: Emitter, res: Any, x: Value, diagonal: int = 0, **_: Any) -> Value:
+    return e.emit("triu", [x], diagonal=diagonal)
+
+
+@rule(torch.tril, "tril", aten("tril"))
+def _tril(e: Emitter, res: Any, x: Value, diagonal: int = 0, **_: Any) -> Value:
+    return e.emit("tril", [x], diagonal=diagonal)
+
+
+# ---- contractions, norms, softmax ------------------------------------------------------------
+
+@rule(F.linear, aten("linear"))
+def _linear(e: Emitter, res: Any, x: Value, weight: Value, bias: Value | None = None, **_: Any) -> Value:
+    return e.emit("linear", [x, weight] + ([bias] if bias is not None else []))
+
+
+@rule(torch.matmul, operator.matmul, torch.mm, torch.bmm, "matmul", "__matmul__", "mm", "bmm",
+      aten("matmul"), aten("mm"), aten("bmm"))
+def _matmul(e: Emitter, res: Any, a: Value, b: Value, **_: Any) -> Value:
+    return e.emit("matmul", [a, b])
+
+
+@rule(torch.addmm, torch.baddbmm, "addmm", "baddbmm", aten("addmm"), aten("baddbmm"))
+def _addmm(e: Emitter, res: Any, bias: Any, a: Value, b: Value, *, beta: Any = 1, alpha: Any = 1, **_: Any) -> Value:
+    """addmm(bias, a, b) = beta * bias + alpha * (a @ b); HF's Conv1D is this."""
+    y = e.emit("matmul", [a, b])
+    if alpha != 1:
+        y = e.emit("mul", [y], other=alpha)
+    if beta == 0:
+        return y
+    if beta != 1:
+        bias = binary(e, "mul", bias, beta, True)
+    return binary(e, "add", y, bias, True)
+
+
+def _last_dim_only(x: Value, normalized_shape: Any, what: str) -> None:
+    shape = tuple(normalized_shape) if isinstance(normalized_shape, list | tuple | torch.Size) else (normalized_shape,)
+    if shape != x.type.shape[-1:]:
+        raise Unsupported(f"{what} over {shape} of a {x.type} tensor (only the last dim is supported)")
+
+
+@rule(F.layer_norm, aten("layer_norm"))
+def _layer_norm(e: Emitter, res: Any, x: Value, normalized_shape: Any, weight: Value | None = None,
+                bias: Value | None = None, eps: float = 1e-5, *_: Any, **__: Any) -> Value:
+    _last_dim_only(x, normalized_shape, "layer_norm")
+    if weight is None and bias is not None:
+        raise Unsupported("layer_norm with a bias but no weight")
+    inputs = [x] + [v for v in (weight, bias) if v is not None]
+    return e.emit("layer_norm", inputs, eps=float(eps))
+
+
+@rule(getattr(F, "rms_norm", None), aten("rms_norm"))
+def _rms_norm(e: Emitter, res: Any, x: Value, normalized_shape: Any, weight: Value | None = None,
+              eps: float | None = None, **_: Any) -> Value:
+    _last_dim_only(x, normalized_shape, "rms_norm")
+    if eps is None:
+        eps = torch.finfo(e.meta(x).dtype).eps
+    return e.emit("rms_norm", [x] + ([weight] if weight is not None else []), eps=float(eps))
+
+
+def _dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _softmax_rule(op: str) -> Any:
+    def lower(e: Emitter, res: Any, x: Value, dim: Any = None, *rest: Any, dtype: Any = None, **_: Any) -> Value:
+        if dim is None:
+            raise Unsupported(f"{op} without dim")
+        if dtype is not None:
+            x = e.emit("cast", [x], dtype=dtype_name(dtype))
+        return e.emit(op, [x], dim=_dim(dim, x.type.rank))
+    return lower
+
+
+rule(F.softmax, torch.softmax, "softmax", aten("softmax"))(_softmax_rule("softmax"))
+rule(F.log_softmax, torch.log_softmax, "log_softmax", aten("log_softmax"))(_softmax_rule("log_softmax"))
+
+
+@rule(aten("_softmax"))
+def _aten_softmax(e: Emitter, res: Any, x: Value, dim: int, half_to_float: bool = False, **_: Any) -> Value:
+    return e.emit("softmax", [x], dim=_dim(dim, x.type.rank))
+
+
+@rule(aten("_log_softmax"))
+def _aten_log_softmax(e: Emitter, res: Any, x: Value, dim: int, half_to_float: bool = False, **_: Any) -> Value:
+    return e.emit("log_softmax", [x], dim=_dim(dim, x.type.rank))
+
+
+@rule(F.embedding)
+def _embedding(e: Emitter, res: Any, ids: Value, weight: Value, padding_idx: Any = None, max_norm: Any = None,
+               **_: Any) -> Value:
+    if max_norm is not None:
+        raise Unsupported("embedding with max_norm (it renormalises the table in place)")
+    return e.emit("embedding", [ids, weight])
+
+
+@rule(aten("embedding"))
+def _aten_embedding(e: Emitter, res: Any, weight: Value, ids: Value, *_: Any, **__: Any) -> Value:
+    return e.emit("embedding", [ids, weight])
+
+
+@rule(F.dropout, torch.dropout, aten("dropout"))
+def _dropout(e: Emitter, res: Any, x: Value, p: float = 0.5, training: bool = True, *_: Any, **__: Any) -> Value:
+    return e.emit("dropout", [x], p=float(p), training=bool(training))
+
+
+@rule(F.scaled_dot_product_attention, aten("scaled_dot_product_attention"))
+def _sdpa(e: Emitter, res: Any, q: Value, k: Value, v: Value, attn_mask: Value | None = None,
+          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+          enable_gqa: bool = False, **_: Any) -> Value:
+    if dropout_p:
+        return attention_math(e, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    attrs: dict[str, Any] = {"is_causal": bool(is_causal)}
+    if scale is not None:
+        attrs["scale"] = float(scale)
+    if enable_gqa and q.type.shape[-3] != k.type.shape[-3]:
+        attrs["enable_gqa"] = True
+    return e.emit("scaled_dot_product_attention", [q, k, v] + ([attn_mask] if attn_mask is not None else []), **attrs)
+
+
+def attention_math(e: Emitter, q: Value, k: Value, v: Value, mask: Value | None, dropout_p: float,
+                   is_causal: bool, scale: float | None, enable_gqa: bool) -> Value:
+    """Attention with dropout on the probabilities, written out (the fused op has no dropout)."""
+    heads, groups = q.type.shape[-3], k.type.shape[-3]
+    if enable_gqa and heads != groups:  # repeat each key/value head heads/groups times
+        rep = heads // groups
+        k, v = (e.emit("reshape", [e.emit("expand", [e.emit("reshape", [t], shape=t.type.shape[:-2] + (1,) + t.type.shape[-2:])],
+                                           shape=t.type.shape[:-2] + (rep,) + t.type.shape[-2:])],
+                       shape=t.type.shape[:-3] + (heads,) + t.type.shape[-2:]) for t in (k, v))
+    kt = e.emit("permute", [k], dims=tuple(range(k.type.rank - 2)) + (k.type.rank - 1, k.type.rank - 2))
+    scores = e.emit("mul", [e.emit("matmul", [q, kt])], other=scale if scale is not None else 1 / math.sqrt(q.type.shape[-1]))
+    s, t = q.type.shape[-2], k.type.shape[-2]
+    if is_causal:
+        future = e.emit("triu", [e.emit("full", [], shape=(s, t), value=True, dtype="bool")], diagonal=1)
+        scores = e.emit("masked_fill", [scores, future], value=float("-inf"))
+    if mask is not None:
+        scores = (e.emit("masked_fill", [scores, e.emit("logical_not", [mask])], value=float("-inf"))
+                  if mask.type.dtype == "bool" else e.emit("add", [scores, mask]))
+    probs = e.emit("dropout", [e.emit("softmax", [scores], dim=scores.type.rank - 1)], p=float(dropout_p), training=True)
+    return e.emit("matmul", [probs, v])
+
+
+# ---- losses ------------------------------------------------------------------------------------
+
+def _cross_entropy_core(e: Emitter, x: Value, target: Value, ignore_index: int, reduction: str) -> Value:
+    if target.type.is_float:
+        raise Unsupported("cross_entropy with class probabilities as targets (only class indices)")
+    if x.type.rank > 2:  # torch puts classes in dim 1; the IR op wants them last
+        rank = x.type.rank
+        x = e.emit("permute", [x], dims=(0,) + tuple(range(2, rank)) + (1,))
+    attrs: dict[str, Any] = {}
+    if ignore_index != -100:
+        attrs["ignore_index"] = int(ignore_index)
+    if reduction != "mean":
+        attrs["reduction"] = reduction
+    return e.emit("cross_entropy", [x, target], **attrs)
+
+
+@rule(F.cross_entropy)
+def _cross_entropy(e: Emitter, res: Any, x: Value, target: Value, weight: Any = None, size_average: Any = None,
+                   ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                   label_smoothing: float = 0.0, **_: Any) -> Value:
+    if weight is not None or label_smoothing or size_average is not None or reduce is not None:
+        raise Unsupported("cross_entropy with class weights, label smoothing or legacy size_average/reduce")
+    return _cross_entropy_core(e, x, target, ignore_index, reduction)
+
+
+@rule(aten("cross_entropy_loss"))
+def _aten_cross_entropy(e: Emitter, res: Any, x: Value, target: Value, weight: Any = None, reduction: int = 1,
+                        ignore_index: int = -100, label_smoothing: float = 0.0, **_: Any) -> Value:
+    if weight is not None or label_smoothing:
+        raise Unsupported("cross_entropy with class weights or label smoothing")
+    return _cross_entropy_core(e, x, target, ignore_index, ("none", "mean", "sum")[reduction])
+
+
+@rule(F.mse_loss)
+def _mse(e: Emitter, res: Any, x: Value, target: Value, size_average: Any = None, reduce: Any = None,
+         reduction: str = "mean", **_: Any) -> Value:
+    diff = e.emit("sub", [x, target])
+    sq = e.emit("mul", [diff, diff])
+    if reduction == "none":
+        return sq
+    return e.emit("mean" if reduction == "mean" else "sum", [sq])
+
+
+# ---- reductions --------------------------------------------------------------------------------
+
+def _reduction(op: str) -> Any:
+    def lower(e: Emitter, res: Any, x: Value, dim: Any = None, keepdim: bool = False, *, dtype: Any = None,
+              **_: Any) -> Value:
+        if isinstance(dim, torch.dtype):  # aten.sum.default(x, dtype)
+            dim, dtype = None, dim
+        if dtype is not None:
+            x = e.emit("cast", [x], dtype=dtype_name(dtype))
+        if isinstance(dim, int):
+            dim = (dim,)
+        if dim is not None and len(dim) == 0:
+            dim = None
+        attrs: dict[str, Any] = {}
+        if dim is not None:
+            attrs["dim"] = tuple(sorted(_dim(d, x.type.rank) for d in dim))
+        if keepdim:
+            attrs["keepdim"] = True
+        return e.emit(op, [x], **attrs)
+    return lower
+
+
+rule(torch.sum, "sum", aten("sum"))(_reduction("sum"))
+rule(torch.mean, "mean", aten("mean"))(_reduction("mean"))
+rule(torch.amax, "amax", aten("amax"))(_reduction("amax"))
+
+
+@rule(torch.max, "max")
+def _max(e: Emitter, res: Any, x: Value, *args: Any, **kwargs: Any) -> Value:
+    if args or kwargs:
+        other = args[0] if args else kwargs.get("other")
+        if isinstance(other, Value):
+            return e.emit("maximum", [x, other])
+        raise Unsupported("max over a dim (it also returns indices); use amax")
+    return e.emit("amax", [x])
+
+
+# ---- creation ----------------------------------------------------------------------------------
+
+def _fill(e: Emitter, res: Any, value: Any) -> Value:
+    dtype = dtype_name(res.dtype)
+    value = bool(value) if dtype == "bool" else (float(value) if res.dtype.is_floating_point else int(value))
+    return e.emit("full", [], shape=tuple(res.shape), value=value, dtype=dtype)
+
+
+@rule(torch.ones, torch.ones_like, "new_ones", aten("ones"), aten("ones_like"), aten("new_ones"))
+def _ones(e: Emitter, res: Any, *_: Any, **__: Any) -> Value:
+    return _fill(e, res, 1)
+
+
+@rule(torch.zeros, torch.zeros_like, torch.empty, torch.empty_like, "new_zeros", "new_empty", aten("zeros"),
+      aten("zeros_like"), aten("new_zeros"), aten("empty"), aten("empty_like"), aten("new_empty"))
+def _zeros(e: Emitter, res: Any, *_: Any, **__: Any) -> Value:
+    return _fill(e, res, 0)
+
+
+@rule(torch.full, aten("full"))
+def _full(e: Emitter, res: Any, size: Any, fill_value: Any, **_: Any) -> Value:
+    return _fill(e, res, _scalar(fill_value))
+
+
+@rule(torch.full_like, "new_full", aten("full_like"), aten("new_full"))
+def _full_like(e: Emitter, res: Any, x: Any, fill_value: Any, *_: Any, **__: Any) -> Value:
+    return _fill(e, res, _scalar(fill_value))
+
+
+@rule(torch.tensor, torch.as_tensor, aten("scalar_tensor"))
+def _tensor(e: Emitter, res: Any, data: Any, *_: Any, **__: Any) -> Value:
+    if not isinstance(data, bool | int | float):
+        raise Unsupported("torch.tensor of a sequence (kept as a constant)")
+    return _fill(e, res, data)
+
+
+@rule(torch.arange, aten("arange"))
+def _arange(e: Emitter, res: Any, *args: Any, start: Any = None, end: Any = None, step: Any = None,
+            **_: Any) -> Value:
+    nums = [a for a in args if isinstance(a, int | float) and not isinstance(a, bool)]
+    if len(nums) == 1 and end is None:
+        end = nums[0]
+    elif nums:
+        start, end = nums[0], nums[1]
+        step = nums[2] if len(nums) > 2 else step
+    attrs: dict[str, Any] = {"start": start if start is not None else 0, "end": end}
+    if step not in (None, 1):
+        attrs["step"] = step
+    return e.emit("arange", [], **attrs, dtype=dtype_name(res.dtype))

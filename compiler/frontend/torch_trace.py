@@ -1,0 +1,363 @@
+"""The torch frontend: capture a model (fx, else export), then lower it node by node to the IR.
+
+Lowering interprets the captured graph on meta tensors. Each call runs once as torch would
+(its result, `res`, gives shapes and folds shape arithmetic such as `x.size(1) // 2` into plain
+ints), then a rule from `rules.py` emits registry ops whose types come from the registry's own
+impls; the two must agree. Calls that return no tensor (sizes, dtypes, asserts) leave no node.
+
+Constants: a call that reads no input, parameter or buffer (`torch.arange(s)`, a causal mask
+built from sizes) is evaluated for real on the CPU. When the graph needs it, its computation is
+lowered to IR ops if every step has a rule; otherwise (transformers' mask helpers use cumsum
+and gathers) it becomes a buffer named `const.N` whose value is in `TraceResult.constants`.
+Pass those to `shardc.backends.reference.model_state(model, graph, constants)`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from shardc.diagnostics import ShardcError
+from shardc.frontend.capture import Captured, capture, module_path_of, source_of
+from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta
+from shardc.frontend.rules import lookup, resolve_target, target_name
+from shardc.ir import Graph, Location, Value
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """A traced graph, the values of its `const.N` buffers, which tracer captured it, and how long it took."""
+
+    graph: Graph
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    tracer: str = "fx"
+    seconds: float = 0.0
+
+
+def trace(model: torch.nn.Module, example_inputs: Any, *, name: str | None = None, allow_opaque: bool = False,
+          input_names: list[str] | tuple[str, ...] | None = None) -> Graph:
+    """The model's forward as an IR graph (see `trace_with_state` for the constant values)."""
+    return trace_with_state(model, example_inputs, name=name, allow_opaque=allow_opaque,
+                            input_names=input_names).graph
+
+
+def trace_with_state(model: torch.nn.Module, example_inputs: Any, *, name: str | None = None,
+                     allow_opaque: bool = False,
+                     input_names: list[str] | tuple[str, ...] | None = None) -> TraceResult:
+    """Trace `model(*example_inputs)` to the IR: inputs named after forward's arguments (or
+    `input_names`), parameters and buffers by their module paths, every node located.
+
+    An op without a rule is a ShardcError naming it, its module and source line; with
+    `allow_opaque=True` it becomes an `opaque` node (see `shardc.frontend.coverage`).
+    """
+    start = time.perf_counter()
+    imported = getattr(model, "shardc_graph", None)
+    if isinstance(imported, Graph):  # an imported model (ONNX's OnnxModule) already is IR
+        return TraceResult(imported, {}, "import", time.perf_counter() - start)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
+    names = list(input_names) if input_names is not None else _default_input_names(model, len(inputs))
+    captured = capture(model, inputs, names)
+    lowering = _Lowering(captured, name or type(model).__name__.lower(), allow_opaque)
+    graph = lowering.run()
+    return TraceResult(graph, dict(lowering.e.constants), captured.tracer, time.perf_counter() - start)
+
+
+def _default_input_names(model: torch.nn.Module, n: int) -> list[str]:
+    import inspect
+
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"input{i}" for i in range(n)]
+
+
+@dataclass(eq=False)
+class _Const:
+    """A tensor computed from constants only: its real value and where in which call it came from."""
+
+    value: torch.Tensor
+    node: torch.fx.Node | None
+    path: tuple[int, ...] = ()
+
+
+def _leaves(tree: Any) -> list[Any]:
+    out: list[Any] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, list | tuple):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif isinstance(x, slice):
+            walk((x.start, x.stop, x.step))
+        else:
+            out.append(x)
+    walk(tree)
+    return out
+
+
+def _map(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_map(x, fn) for x in tree)
+    if isinstance(tree, list):
+        return [_map(x, fn) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    if isinstance(tree, slice):
+        return slice(_map(tree.start, fn), _map(tree.stop, fn), _map(tree.step, fn))
+    return fn(tree)
+
+
+def _call(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+    if node.op == "call_method":
+        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _tensors_in(res: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)]
+
+
+class _Lowering:
+    def __init__(self, captured: Captured, name: str, allow_opaque: bool) -> None:
+        self.captured = captured
+        self.allow_opaque = allow_opaque
+        self.e = Emitter(name)
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.declared: dict[str, Value] = {}
+        self.const_values: dict[int, Value] = {}
+        self.const_nodes: dict[torch.fx.Node, Any] = {}
+
+    def run(self) -> Graph:
+        outputs: list[Value] = []
+        for node in self.captured.graph.nodes:
+            self.e.location = Location(module_path_of(node), source_of(node.stack_trace))
+            if node.op in ("placeholder", "get_attr"):
+                self.env[node] = self.leaf(node)
+            elif node.op in ("call_function", "call_method"):
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                result = self.env_args(node.args[0])
+                if self.captured.user_outputs is not None:
+                    result = [result[i] for i in self.captured.user_outputs]
+                for leaf in pytree.tree_leaves(result):
+                    if isinstance(leaf, _Const):
+                        leaf = self.materialize(leaf)
+                    if isinstance(leaf, Value):
+                        outputs.append(leaf)
+            else:
+                raise ShardcError(f"unexpected fx node kind {node.op} ({node.target})")
+        self.e.graph.outputs = outputs
+        self._eliminate_dead_code()
+        self._order_declarations()
+        return self.e.graph
+
+    def _eliminate_dead_code(self) -> None:
+        """Drop nodes nothing uses (sizes computed for a mask that is a constant after all, say)
+        and declarations no node reads."""
+        graph = self.e.graph
+        live = {id(v) for v in graph.outputs}
+        kept = []
+        for node in reversed(graph.nodes):
+            if any(id(v) in live for v in node.outputs):
+                kept.append(node)
+                live.update(id(v) for v in node.inputs)
+        graph.nodes = kept[::-1]
+        graph.params = [v for v in graph.params if id(v) in live]
+        graph.buffers = [v for v in graph.buffers if id(v) in live]
+        for name in [n for n in self.e.constants if not any(v.name == n for v in graph.buffers)]:
+            del self.e.constants[name]
+
+    def env_args(self, tree: Any) -> Any:
+        return torch.fx.node.map_arg(tree, lambda n: self.env[n])
+
+    # ---- leaves ---------------------------------------------------------------------------
+    def leaf(self, node: torch.fx.Node) -> Any:
+        kind, *rest = self.captured.leaves.get(node.name, ("python", None))
+        if kind == "python":
+            return rest[0]
+        if kind == "constant":
+            return _Const(rest[0], None)
+        name, tensor = rest
+        if kind == "input" and not isinstance(tensor, torch.Tensor):
+            return tensor
+        if name not in self.declared:
+            requires_grad = bool(kind == "parameter" and tensor.requires_grad)
+            self.declared[name] = self.e.declare(name, tensor, kind, requires_grad)
+        return self.declared[name]
+
+    def _order_declarations(self) -> None:
+        """Inputs in forward's order; parameters and buffers in first-use order, constants last."""
+        self.e.graph.buffers.sort(key=lambda v: v.name.startswith("const."))
+
+    # ---- calls ----------------------------------------------------------------------------
+    def call(self, node: torch.fx.Node) -> Any:
+        args, kwargs = self.env_args(node.args), self.env_args(node.kwargs)
+        leaves = _leaves((args, kwargs))
+        if not any(isinstance(x, Value) for x in leaves):
+            folded = self.fold(node, args, kwargs)
+            if folded is not None:
+                return folded[0]
+        args, kwargs = _map(args, self.as_value), _map(kwargs, self.as_value)
+        out = self.lower(node, args, kwargs, None)
+        if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("__") \
+                and isinstance(node.args[0], torch.fx.Node) and isinstance(out, Value):
+            self.env[node.args[0]] = out  # an in-place method rebinds its receiver
+        return out
+
+    def fold(self, node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any] | None:
+        """Evaluate a call on constants and Python values only; None when it cannot be."""
+        def real(x: Any) -> Any:
+            if isinstance(x, _Const):
+                return x.value
+            return torch.device("cpu") if isinstance(x, torch.device) else x
+        try:
+            res = _call(node, _map(args, real), _map(kwargs, real))
+        except Exception:
+            return None
+        tensors = _tensors_in(res)
+        if not tensors:
+            return (res,)
+        if any(t.device.type == "meta" for t in tensors):
+            return None
+        if isinstance(res, torch.Tensor):
+            return (_Const(res, node),)
+        if isinstance(res, tuple | list) and all(isinstance(t, torch.Tensor) for t in res):
+            return (tuple(_Const(t, node, (i,)) for i, t in enumerate(res)),)
+        return None
+
+    def as_value(self, x: Any) -> Any:
+        return self.materialize(x) if isinstance(x, _Const) else x
+
+    def materialize(self, c: _Const) -> Value:
+        """A constant as a graph value: its computation lowered to ops when every step of it has a
+        rule (an `arange`, a `full`), else one `const.N` buffer holding its value."""
+        if id(c) in self.const_values:
+            return self.const_values[id(c)]
+        value: Value | None = None
+        if c.node is not None and self.lowerable(c.node):
+            mark, location = self.e.checkpoint(), self.e.location
+            saved = dict(self.const_values), dict(self.const_nodes)
+            try:
+                out = self.lower_const_node(c.node)
+                for i in c.path:
+                    out = out[i]
+                value = out if isinstance(out, Value) else None
+            except Unsupported:
+                value = None
+            if value is None:  # a rule refused after all: forget what this attempt emitted
+                self.e.rollback(mark)
+                self.const_values, self.const_nodes = saved
+            self.e.location = location
+        if value is None:
+            value = self.e.constant(c.value)
+        self.const_values[id(c)] = value
+        return value
+
+    def lowerable(self, node: torch.fx.Node) -> bool:
+        """Whether every call computing this constant has a rule (constants from outside do not)."""
+        if node in self.const_nodes:
+            return True
+        if node.op not in ("call_function", "call_method") or lookup(node.op, node.target) is None:
+            return False
+        for leaf in _leaves((self.env_args(node.args), self.env_args(node.kwargs))):
+            if isinstance(leaf, _Const) and id(leaf) not in self.const_values and (
+                    leaf.node is None or not self.lowerable(leaf.node)):
+                return False
+        return True
+
+    def lower_const_node(self, node: torch.fx.Node) -> Any:
+        if node not in self.const_nodes:
+            args = _map(self.env_args(node.args), self.as_value)
+            kwargs = _map(self.env_args(node.kwargs), self.as_value)
+            self.e.location = Location(module_path_of(node), source_of(node.stack_trace))
+            res = _map(self.env[node], lambda x: to_meta(x.value) if isinstance(x, _Const) else x)
+            self.const_nodes[node] = self.lower(node, args, kwargs, res, strict=True)
+        return self.const_nodes[node]
+
+    def lower(self, node: torch.fx.Node, args: Any, kwargs: Any, res: Any, strict: bool = False) -> Any:
+        def meta(x: Any) -> Any:
+            if isinstance(x, torch.device):
+                return torch.device("meta")
+            return self.e.meta(x) if isinstance(x, Value) else x
+        if res is None:
+            margs, mkwargs = _map(args, meta), _map(kwargs, meta)
+            if node.op == "call_method" and str(node.target).endswith("_") and isinstance(margs[0], torch.Tensor):
+                margs = (margs[0].clone(),) + tuple(margs[1:])
+            try:
+                res = _call(node, margs, mkwargs)
+            except Exception as err:
+                raise self.error(node, f"torch cannot run it on meta tensors ({type(err).__name__}: {err})") from err
+        if not _tensors_in(res):
+            return res
+        rule = lookup(node.op, node.target)
+        try:
+            if rule is None:
+                raise Unsupported("no lowering rule")
+            out = rule(self.e, res, *args, **kwargs)
+        except Unsupported as why:
+            if strict:
+                raise
+            if not self.allow_opaque:
+                raise self.error(node, str(why)) from None
+            out = self.opaque(node, args, kwargs, res, str(why))
+        self.check(node, out, res)
+        return out
+
+    def check(self, node: torch.fx.Node, out: Any, res: Any) -> None:
+        got = [v.type for v in pytree.tree_leaves(out) if isinstance(v, Value)]
+        want = [tensor_type(t) for t in _tensors_in(res)]
+        if got != want:
+            raise ShardcError(
+                f"frontend bug: lowering {target_name(node.op, node.target)} gave {[str(t) for t in got]} "
+                f"but torch computes {[str(t) for t in want]}",
+                where=f"{module_path_of(node) or '<root>'} {source_of(node.stack_trace)}".strip())
+
+    def error(self, node: torch.fx.Node, why: str) -> ShardcError:
+        name = target_name(node.op, node.target)
+        loc = self.e.location
+        return ShardcError(
+            f"unsupported op {name} ({node.op}) in module {loc.module_path or '<root>'}"
+            + (f" at {loc.source}" if loc.source else "") + f": {why}",
+            hint="register the op: add `register(OpDef(...))` to compiler/ops.py (shardc.registry.register) "
+                 "and a lowering rule in compiler/frontend/normalize.py; or trace with allow_opaque=True "
+                 "(--allow-opaque) to keep it as an opaque node that stays replicated")
+
+    # ---- opaque ---------------------------------------------------------------------------
+    def opaque(self, node: torch.fx.Node, args: Any, kwargs: Any, res: Any, why: str) -> Any:
+        """Keep the call as it is: inputs are its tensors, attrs name the torch target and the rest."""
+        name = target_name(node.op, node.target)
+        if resolve_target(name) is None:
+            raise self.error(node, f"{why}; it cannot be kept opaque either, {name} is not importable by name")
+        inputs: list[Value] = []
+
+        def encode(x: Any) -> Any:
+            if isinstance(x, Value):
+                inputs.append(x)
+                return f"${len(inputs) - 1}"
+            if isinstance(x, list | tuple | torch.Size):
+                return tuple(encode(y) for y in x)
+            if isinstance(x, torch.dtype):
+                return f"$dtype:{str(x).removeprefix('torch.')}"
+            if isinstance(x, torch.device):
+                return "$device"
+            if x is None or isinstance(x, bool | int | float | str):
+                return x
+            raise self.error(node, f"{why}; it cannot be kept opaque either: argument {x!r} has no IR form")
+        attrs: dict[str, Any] = {"target": name, "args": encode(tuple(args))}
+        if kwargs:
+            attrs["kwargs"] = tuple((k, encode(v)) for k, v in kwargs.items())
+        if not isinstance(res, torch.Tensor):
+            if not (isinstance(res, tuple | list) and all(isinstance(t, torch.Tensor) for t in res)):
+                raise self.error(node, f"{why}; it cannot be kept opaque either: it returns {type(res).__name__}")
+            attrs["outputs"] = len(res)
+        return self.e.emit("opaque", inputs, **attrs)

@@ -1,0 +1,367 @@
+"""Resharding rules: the collectives that turn one layout into another, and where a graph needs them.
+
+One mesh axis at a time, placement `src` on that axis becomes `dst` by (TVM Relax style):
+
+    S -> R        all_gather       (input the shard, output the gathered tensor)
+    P -> R        all_reduce
+    P -> S        reduce_scatter   (input the partial tensor, output the shard)
+    R -> S        chunk            (local slice, no communication)
+    S(i) -> S(j)  all_to_all       (also S(d) <-> S(d/k): a strided shard of the same dim)
+    R -> P        to_partial       (local: every rank but the first zeroes its copy; only when a
+                                    consumer needs it, e.g. the bias of a row-parallel linear)
+    S -> P        pad              (local: the shard placed in a zero tensor of the full size)
+    P -> P        nothing (same op; a different op is an error), R -> R, S -> S: nothing
+
+Point-to-point kinds share the dataclass: `send_recv` (a pipeline stage cut, axis `pp`),
+`rotate` / `rotate_reverse` (a ring shift along an axis: ring attention, PrimePar), and
+`identity`, a forward no-op whose backward is an all_reduce (Megatron's `f`: a replicated
+activation entering a node split along a model axis gets a partial gradient there).
+
+Order: several axes change at once, so the steps go cheapest first (local chunks, then
+reduce_scatter, all_to_all, all_reduce, all_gather, then the local partial kinds). Shards of
+one tensor dim nest in mesh order (outer axis first), so a step that adds or removes a shard
+of dim d on axis a waits until no axis inside a still shards d; when nothing can move, the
+innermost blocking axis is all-gathered first and sliced again later. Axes of size 1 change
+placement for free and get no step.
+
+`edge_steps(graph)` applies these rules to every value of a partitioned graph and each layout
+its consumers need; it is what the cost model charges and what the lowering inserts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from shardc.diagnostics import ShardcError
+from shardc.ir import DTYPE_BYTES, Graph, Layout, Mesh, Node, Partial, Placement, Replicate, Shard, TensorType
+
+COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send_recv", "rotate",
+                           "rotate_reverse"})
+LOCAL = frozenset({"chunk", "to_partial", "pad", "identity"})
+KINDS = tuple(sorted(COMMUNICATING | LOCAL))
+DATA_AXES: tuple[str, ...] = ("dp", "cp")
+
+# Forward kind -> backward kind (Megatron's convention: the gradient of an all_gather output is
+# partial, that of an all_reduce output replicated); see `conjugate` for the general rule.
+_CONJUGATE = {
+    "all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "identity",
+    "identity": "all_reduce", "chunk": "all_gather", "to_partial": "identity", "pad": "chunk",
+    "all_to_all": "all_to_all", "send_recv": "send_recv", "rotate": "rotate_reverse", "rotate_reverse": "rotate",
+}
+# Order in which pending per-axis changes are taken (cheapest first).
+_PRIORITY = {"chunk": 0, "reduce_scatter": 1, "all_to_all": 2, "all_reduce": 3, "all_gather": 4,
+             "to_partial": 5, "pad": 5}
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardStep:
+    """One collective (or local step) on one mesh axis, with exact per-device byte counts.
+
+    `bytes_in_per_device` / `bytes_out_per_device` are the local buffers before and after
+    (for all_gather the shard and the gathered tensor, for reduce_scatter the partial tensor
+    and the shard). `backward` is the kind backward runs for it (see `conjugate`).
+    """
+
+    kind: str
+    axis: str
+    layout_before: Layout
+    layout_after: Layout
+    bytes_in_per_device: int
+    bytes_out_per_device: int
+    group_size: int
+    backward: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown reshard kind {self.kind!r}; known: {', '.join(KINDS)}")
+
+    @property
+    def communicates(self) -> bool:
+        return self.kind in COMMUNICATING and self.group_size > 1
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The buffer in `shardc.cost.comm.collective_time`'s convention (gathered size for an
+        all_gather, the input for a reduce_scatter): the larger of the two."""
+        return max(self.bytes_in_per_device, self.bytes_out_per_device)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one device sends with ring algorithms (0 for local steps)."""
+        n = self.group_size
+        if not self.communicates:
+            return 0
+        if self.kind == "all_reduce":
+            return 2 * self.bytes_in_per_device * (n - 1) // n
+        if self.kind == "all_gather":
+            return self.bytes_in_per_device * (n - 1)
+        if self.kind in ("reduce_scatter", "all_to_all"):
+            return self.bytes_in_per_device * (n - 1) // n
+        return self.bytes_in_per_device  # send_recv, rotate
+
+    def __str__(self) -> str:
+        return (f"{self.kind}[{self.axis}] {self.layout_before} -> {self.layout_after} "
+                f"({self.bytes_in_per_device} -> {self.bytes_out_per_device} B, group {self.group_size})")
+
+
+def conjugate(kind: str, partial_grad: bool | None = None) -> str:
+    """The kind backward runs for forward step `kind`.
+
+    Without `partial_grad`: Megatron's table (all_gather <-> reduce_scatter, all_reduce ->
+    identity, identity -> all_reduce, chunk -> all_gather, rotate <-> rotate_reverse, ...).
+    With it, the gradient of a replicated value on the step's axis is partial (True: data axes,
+    or a value read by a node split along that axis) or replicated (False), and the backward of
+    S->R is P->S (reduce_scatter) or R->S (chunk), of P->R is P->R (all_reduce) or nothing, of
+    R->S is S->P (pad) or S->R (all_gather), of identity all_reduce or nothing.
+    """
+    if kind not in _CONJUGATE:
+        raise ValueError(f"unknown reshard kind {kind!r}; known: {', '.join(KINDS)}")
+    if partial_grad is None:
+        return _CONJUGATE[kind]
+    table = {
+        "all_gather": ("reduce_scatter", "chunk"), "all_reduce": ("all_reduce", "identity"),
+        "chunk": ("pad", "all_gather"), "identity": ("all_reduce", "identity"),
+    }
+    if kind in table:
+        return table[kind][0 if partial_grad else 1]
+    return _CONJUGATE[kind]
+
+
+def local_bytes(type: TensorType, layout: Layout, mesh: Mesh) -> int:
+    """Bytes one device holds of a `type` tensor laid out `layout`."""
+    return math.prod(layout.local_shape(type.shape, mesh)) * DTYPE_BYTES[type.dtype]
+
+
+def with_placement(layout: Layout, axis: str, placement: Placement, mesh: Mesh) -> Layout:
+    """`layout` with `axis` set to `placement`, in mesh order, without Replicate entries."""
+    table = dict(layout.placements)
+    table[axis] = placement
+    return Layout(tuple((a, table[a]) for a in mesh.names if a in table)).without_replicate()
+
+
+def normalize(layout: Layout, mesh: Mesh) -> Layout:
+    """The same layout in mesh order without Replicate entries (what `==` should compare)."""
+    for a, _ in layout.placements:
+        mesh.axis_size(a)
+    return Layout(tuple((a, layout.on(a)) for a in mesh.names if a in dict(layout.placements))).without_replicate()
+
+
+def step_kind(src: Placement, dst: Placement) -> str | None:
+    """The kind that turns placement `src` into `dst` on one axis (None: nothing to do)."""
+    if src == dst:
+        return None
+    if isinstance(src, Partial):
+        if isinstance(dst, Partial):
+            raise ValueError(f"no step turns {src} into {dst}: partial values of different reductions")
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
+    if isinstance(src, Shard):
+        return {Replicate: "all_gather", Shard: "all_to_all", Partial: "pad"}[type(dst)]
+    return "chunk" if isinstance(dst, Shard) else "to_partial"
+
+
+def _dims_of(*placements: Placement) -> set[int]:
+    return {p.dim for p in placements if isinstance(p, Shard)}
+
+
+def redistribute(src: Layout, dst: Layout, type: TensorType, mesh: Mesh) -> list[ReshardStep]:
+    """The steps turning a `type` tensor laid out `src` into `dst` on `mesh` (rules in the module
+    docstring); `[]` when they already agree. Each step's `backward` is `conjugate(kind)`."""
+    for layout in (src, dst):
+        for a, p in layout.placements:
+            mesh.axis_size(a)
+            if isinstance(p, Shard) and p.dim >= type.rank:
+                raise ShardcError(f"layout {layout} shards dim {p.dim} of a rank-{type.rank} tensor {type}")
+    names = mesh.names
+    cur = {a: src.on(a) for a in names}
+    want = {a: dst.on(a) for a in names}
+    for a in names:
+        if mesh.axis_size(a) == 1:
+            cur[a] = want[a]
+    try:
+        for a in names:
+            step_kind(cur[a], want[a])
+    except ValueError as err:
+        raise ShardcError(f"cannot redistribute {type} from {src} to {dst}: {err}") from None
+
+    def blockers(a: str, dims: set[int]) -> list[str]:
+        inner = names[names.index(a) + 1:]
+        return [b for b in inner if isinstance(cur[b], Shard) and cur[b].dim in dims]  # type: ignore[union-attr]
+
+    steps: list[ReshardStep] = []
+    for _ in range(4 * len(names) + 4):
+        pending = [a for a in names if cur[a] != want[a]]
+        if not pending:
+            return steps
+        ready = [a for a in pending if not blockers(a, _dims_of(cur[a], want[a]))]
+        if ready:
+            def order(a: str) -> tuple[int, int]:
+                kind = step_kind(cur[a], want[a]) or ""
+                pos = names.index(a)
+                return _PRIORITY[kind], (-pos if kind == "all_gather" else pos)
+            axis = min(ready, key=order)
+            target = want[axis]
+        else:
+            first = min(pending, key=lambda a: _PRIORITY[step_kind(cur[a], want[a]) or ""])
+            axis = blockers(first, _dims_of(cur[first], want[first]))[-1]
+            target = Replicate()
+        before = Layout(tuple((a, cur[a]) for a in names)).without_replicate()
+        kind = step_kind(cur[axis], target) or ""
+        cur[axis] = target
+        after = Layout(tuple((a, cur[a]) for a in names)).without_replicate()
+        steps.append(ReshardStep(kind, axis, before, after, local_bytes(type, before, mesh),
+                                 local_bytes(type, after, mesh), mesh.axis_size(axis), conjugate(kind)))
+    raise AssertionError(f"redistribute did not converge from {src} to {dst}")  # pragma: no cover
+
+
+def backward_step(step: ReshardStep, mesh: Mesh) -> ReshardStep | None:
+    """The step backward runs for `step`: its `backward` kind from the gradient layout on the
+    forward output side (Shard stays, Partial is Replicate, Replicate is Partial when that kind
+    reduces) to the one on the input side; None when backward does nothing. Other axes keep
+    their forward placements; the byte counts are the forward's, swapped."""
+    kind = step.backward or conjugate(step.kind)
+    if kind == "identity":
+        return None
+    p, q = step.layout_before.on(step.axis), step.layout_after.on(step.axis)
+    if isinstance(q, Partial):
+        q = Replicate()
+    elif isinstance(q, Replicate) and kind in ("reduce_scatter", "all_reduce"):
+        q = Partial("sum")
+    if kind in ("all_gather", "all_reduce"):
+        p = Replicate()
+    elif kind == "pad":
+        p = Partial("sum")
+    before = with_placement(step.layout_after, step.axis, q, mesh)
+    after = with_placement(step.layout_before, step.axis, p, mesh)
+    return ReshardStep(kind, step.axis, before, after, step.bytes_out_per_device, step.bytes_in_per_device,
+                       step.group_size, step.kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """A value and one layout its consumers need: the key of `edge_steps`.
+
+    `consumers` are (node index in graph.nodes, operand position); `()` is a graph output.
+    `src_stage`/`dst_stage` are pipeline stages when the graph has them.
+    """
+
+    value: str
+    src: Layout
+    dst: Layout
+    consumers: tuple[tuple[int, int], ...]
+    src_stage: int | None = None
+    dst_stage: int | None = None
+
+
+def node_stage(graph: Graph, node: Node) -> int | None:
+    layer = graph.layers.get(node.layer) if node.layer else None
+    return layer.annotation.stage if layer is not None else None
+
+
+def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edge, list[ReshardStep]]:
+    """Every (value, needed layout) of a partitioned graph whose producer layout differs from what
+    its consumers need, or that crosses a pipeline stage, or whose gradient needs an all_reduce,
+    with the steps: `send_recv` on `pp` first (in the producer's layout), then `redistribute`.
+
+    Backward: on data axes (`data_axes`, default dp and cp) the gradient of a replicated value is
+    partial (every rank backpropagates its own loss; parameters are averaged by the gradient
+    sync). On model axes it is replicated, except where a trainable activation that is
+    replicated on the axis enters a node split along it: then the last step on that axis gets
+    the partial-gradient conjugate (an all_gather's backward is a reduce_scatter), or an
+    `identity` step is added whose backward is the all_reduce. Consumers that need the same
+    layout share one edge (one collective, as the lowering emits it). Graph outputs are made
+    replicated on model axes and kept on data axes (edges with no consumers).
+    """
+    from shardc.propagate import io_layouts, requires_grad
+
+    mesh = graph.mesh
+    if mesh is None:
+        raise ShardcError(f"graph @{graph.name} has no mesh; run apply-plan (or the solver) first")
+    grads = requires_grad(graph)
+    stage_of: dict[int, int | None] = {}
+    groups: dict[tuple[int, Layout, int | None], list[tuple[int, int]]] = {}
+    values: dict[int, object] = {}
+    splits: dict[int, set[str]] = {}
+    for index, node in enumerate(graph.nodes):
+        stage = node_stage(graph, node)
+        ins, _ = io_layouts(node, mesh)
+        part = node.partition
+        splits[index] = ({a for a, _ in part.spatial} | {t.rotate for t in part.temporal if t.rotate}) if part else set()
+        for pos, (v, need) in enumerate(zip(node.inputs, ins)):
+            values[id(v)] = v
+            groups.setdefault((id(v), normalize(need, mesh), stage), []).append((index, pos))
+        for v in node.outputs:
+            stage_of[id(v)] = stage
+    out: dict[Edge, list[ReshardStep]] = {}
+    for (vid, need, stage), consumers in groups.items():
+        v = values[vid]
+        src = normalize(v.layout or Layout(), mesh)  # type: ignore[attr-defined]
+        src_stage = stage_of.get(vid)
+        steps: list[ReshardStep] = []
+        if src_stage is not None and stage is not None and src_stage != stage:
+            nbytes = local_bytes(v.type, src, mesh)  # type: ignore[attr-defined]
+            steps.append(ReshardStep("send_recv", "pp", src, src, nbytes, nbytes, 2, "send_recv"))
+        steps += _with_gradients(redistribute(src, need, v.type, mesh), src, need, v, mesh,  # type: ignore[attr-defined]
+                                 data_axes, grads.get(vid, False), set().union(*(splits[i] for i, _ in consumers)))
+        if steps:
+            out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps  # type: ignore[attr-defined]
+    for v in graph.outputs:
+        src = normalize(v.layout or Layout(), mesh)
+        need = Layout(tuple((a, p) for a, p in src.placements if a in data_axes))
+        steps = _with_gradients(redistribute(src, need, v.type, mesh), src, need, v, mesh, data_axes, False, set())
+        if steps:
+            out[Edge(v.name, src, need, (), stage_of.get(id(v)), stage_of.get(id(v)))] = steps
+    return out
+
+
+def _with_gradients(steps: list[ReshardStep], src: Layout, need: Layout, value: object, mesh: Mesh,
+                    data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> list[ReshardStep]:
+    """Set each step's backward kind and add the `identity` markers (see `edge_steps`)."""
+    marked = {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1 and a in split_axes
+              and trainable and isinstance(need.on(a), Replicate)}
+    last_on = {s.axis: k for k, s in enumerate(steps)}
+    result = []
+    for k, s in enumerate(steps):
+        partial = s.axis in data_axes or (s.axis in marked and last_on[s.axis] == k)
+        result.append(dataclasses.replace(s, backward=conjugate(s.kind, partial)))
+    covered = {s.axis for s in result if s.axis in marked and s.backward in ("reduce_scatter", "all_reduce")}
+    for a in mesh.names:
+        if a in marked and a not in covered:
+            nbytes = local_bytes(value.type, need, mesh)  # type: ignore[attr-defined]
+            result.append(ReshardStep("identity", a, need, need, nbytes, nbytes, mesh.axis_size(a), "all_reduce"))
+    return result
+
+
+def node_rotations(node: Node, mesh: Mesh) -> list[ReshardStep]:
+    """The point-to-point shifts a rotating temporal split makes inside `node`: for each input
+    sharded along the rotation axis on the rotated dim, `steps - 1` `rotate` steps of its
+    local shard (backward: the same number of `rotate_reverse`)."""
+    from shardc.propagate import io_layouts
+
+    if node.partition is None:
+        return []
+    ins, _ = io_layouts(node, mesh)
+    out = []
+    for split in node.partition.temporal:
+        if split.rotate is None or mesh.axis_size(split.rotate) == 1:
+            continue
+        for v, layout in zip(node.inputs, ins):
+            if isinstance(layout.on(split.rotate), Shard) and _indexes(node, v, split.dim, layout.on(split.rotate)):
+                nbytes = local_bytes(v.type, layout, mesh)
+                out += [ReshardStep("rotate", split.rotate, layout, layout, nbytes, nbytes,
+                                    mesh.axis_size(split.rotate), "rotate_reverse")] * (split.steps - 1)
+    return out
+
+
+def _indexes(node: Node, value: object, dim: str, placement: Placement) -> bool:
+    """Whether `value`'s shard on the placement's tensor dim is the rotated iteration dim."""
+    from shardc.registry import get_op
+
+    space = get_op(node.op).iteration_space([v.type for v in node.inputs], [v.type for v in node.outputs],
+                                            node.attrs)
+    for operand, v in zip(space.inputs, node.inputs):
+        if v is value and isinstance(placement, Shard):
+            factors = operand[placement.dim]
+            return bool(factors) and factors[0] == dim
+    return False

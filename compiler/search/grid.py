@@ -1,0 +1,105 @@
+"""The baseline a Megatron user would try: every uniform dp x tp x pp plan, scored by the same model.
+
+A grid point is a factorisation dp*tp*pp of the device count, a micro-batch size, one
+recomputation for every block (none, selective, full) and ZeRO 0 or 1, with Megatron's
+tensor-parallel layout (`megatron_choice`): column-parallel then row-parallel linears, heads
+split in attention, a vocabulary-parallel embedding and loss, everything else replicated
+along tp, partial sums all-reduced, blocks split evenly over stages. Each point is an
+`Assignment` of the solver's own space, so the solver can never do worse than the best one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.registry import get_op, has_op
+from shardc.search.candidates import Candidate
+from shardc.search.evaluate import RECOMPUTES, Assignment, Evaluation, balanced_stages, evaluate
+from shardc.search.problem import GroupVar, MeshShape, Problem
+
+
+@dataclass(frozen=True, slots=True)
+class GridPoint:
+    shape: MeshShape
+    mb: int
+    recompute: str
+    zero: int
+
+    def plan_string(self, gbs: int) -> str:
+        """The same point in `ParallelPlan` syntax (what `shardc estimate --plan` takes)."""
+        return (f"dp={self.shape.dp},tp={self.shape.tp},pp={self.shape.pp},mb={self.mb},gbs={gbs},"
+                f"recompute={self.recompute},zero={self.zero}")
+
+
+def _megatron_legal(var: GroupVar, cand: Candidate) -> bool:
+    part = cand.partitions[0]
+    if part is None:
+        return True
+    if part.temporal:
+        return False
+    if "->" in cand.label and "tp:S" in cand.label.split("->", 1)[1]:
+        return False  # sequence-parallel reduce_scatter: not in the plain grid
+    dims = [d for a, d in part.spatial if a == "tp"]
+    if any(a == "cp" for a, _ in part.spatial):
+        return False
+    if not dims:
+        return True
+    node = var.group.anchor
+    kind = get_op(node.op).kind if has_op(node.op) else "opaque"
+    if kind == "contraction" and len(node.inputs) > 1 and node.inputs[1].kind == "parameter":
+        return dims[0] in ("n", "k")
+    if kind == "contraction":
+        return dims[0] not in ("m", "k", "n")
+    if kind == "attention":
+        return dims[0] == "g"
+    if kind in ("index", "loss"):
+        return dims[0] == "v"
+    return False
+
+
+def megatron_choice(problem: Problem) -> tuple[int, ...]:
+    """Per group, the Megatron-legal candidate cheapest given the producers chosen so far."""
+    choice: list[int] = []
+    incoming: dict[int, list] = {}
+    for e in problem.edges:
+        incoming.setdefault(e.consumer, []).append(e)
+    for g, var in enumerate(problem.groups):
+        legal = [c for c, cand in enumerate(var.cands) if _megatron_legal(var, cand)] or list(range(len(var.cands)))
+
+        def score(c: int, var: GroupVar = var, g: int = g) -> float:
+            t = var.costs[c].time
+            for e in incoming.get(g, []):
+                if e.producer < len(choice):
+                    a, b = e.prod_class[choice[e.producer]], e.cons_class[c]
+                    t += e.fwd[a][b] + e.bwd[a][b]
+            return t
+
+        choice.append(min(legal, key=lambda c: (score(c), c)))
+    return tuple(choice)
+
+
+def grid_assignments(problem: Problem, recomputes: tuple[str, ...] = RECOMPUTES, zeros: tuple[int, ...] = (0, 1)
+                     ) -> list[tuple[GridPoint, Assignment]]:
+    """The grid points of one (mesh shape, micro-batch size) problem."""
+    if problem.shape.cp != 1:
+        return []
+    choice = megatron_choice(problem)
+    out = []
+    for rc in recomputes:
+        stages = balanced_stages(problem.layers, problem.shape.pp, rc)
+        if stages is None:
+            continue
+        for z in zeros:
+            out.append((GridPoint(problem.shape, problem.mb, rc, z), Assignment(choice, stages, z)))
+    return out
+
+
+def best_grid(problems: list[Problem], limit: float) -> tuple[Problem, GridPoint, Assignment, Evaluation] | None:
+    """The fastest grid point that fits in `limit` bytes per device (None when none fits)."""
+    best = None
+    for problem in problems:
+        for point, a in grid_assignments(problem):
+            ev = evaluate(problem, a, limit)
+            if ev.fits and (best is None or ev.step_time_s < best[3].step_time_s):
+                best = (problem, point, a, ev)
+    return best

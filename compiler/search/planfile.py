@@ -1,0 +1,113 @@
+"""Plans as files, and plans written into the IR.
+
+A plan file is JSON: the mesh shape, micro-batch size, global batch, ZeRO stage, per stage the
+block counts under each recomputation, and per node group its chosen partition (by group key
+and candidate label, so a file stays readable and loads back onto a freshly traced graph).
+`annotate_graph` writes a plan into the IR: `graph.mesh`, every node's `Partition`, every
+value's `Layout`, and per layer its stage, recomputation and ZeRO stage, so the printed IR
+(`shardc inspect plan.ir`) shows `partition<...>` on every node.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+from shardc.ir import Graph, LayerAnnotation
+from shardc.search.evaluate import RECOMPUTES, Assignment, Evaluation
+from shardc.search.problem import MeshShape, Problem
+
+FORMAT = "shardc-plan/1"
+
+
+def plan_dict(problem: Problem, a: Assignment, ev: Evaluation, gbs: int) -> dict[str, Any]:
+    s = problem.shape
+    return {
+        "format": FORMAT,
+        "model": problem.facts.graph.name,
+        "mesh": {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp},
+        "mb": problem.mb, "gbs": gbs, "micro_batches": problem.micro_batches, "zero": a.zero,
+        "stages": [dict(zip(RECOMPUTES, row)) for row in a.stages],
+        "groups": [{"layer": v.key[0], "position": v.key[1], "anchor": v.group.name, "partition": v.cands[c].label}
+                   for v, c in zip(problem.groups, a.choice)],
+        "step_time_s": ev.step_time_s,
+        "memory_per_device_bytes": ev.memory_per_device_bytes,
+    }
+
+
+def save_plan(path: str | Path, problem: Problem, a: Assignment, ev: Evaluation, gbs: int) -> None:
+    Path(path).write_text(json.dumps(plan_dict(problem, a, ev, gbs), indent=1) + "\n")
+
+
+def load_plan(path: str | Path) -> dict[str, Any]:
+    """Read a plan file written by `save_plan` (checked for its format tag)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ShardcError(f"cannot read plan file {path}: {e}", hint="pass a file written by `shardc plan -o`") from e
+    if data.get("format") != FORMAT:
+        raise ShardcError(f"{path} is not a shardc plan file (format {data.get('format')!r}, expected {FORMAT})")
+    return data
+
+
+def plan_shape(data: dict[str, Any]) -> tuple[MeshShape, int]:
+    m = data["mesh"]
+    return MeshShape(m["pp"], m["dp"], m["cp"], m["tp"]), int(data["mb"])
+
+
+def assignment_from_plan(data: dict[str, Any], problem: Problem) -> Assignment:
+    """Map a plan file back onto `problem` (same model, shape and micro-batch size)."""
+    by_key = {(g["layer"], g["position"]): g["partition"] for g in data["groups"]}
+    choice = []
+    for v in problem.groups:
+        label = by_key.get(v.key)
+        labels = [c.label for c in v.cands]
+        if label not in labels:
+            raise ShardcError(f"plan file names partition {label!r} for group {v.group.name}, which is not a "
+                              f"candidate on {problem.shape}", hint="re-plan without --warm-start")
+        choice.append(labels.index(label))
+    stages = tuple(tuple(int(row[r]) for r in RECOMPUTES) for row in data["stages"])
+    return Assignment(tuple(choice), stages, int(data["zero"]))  # type: ignore[arg-type]
+
+
+def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
+    """Write the plan into `graph` in place (mesh, partitions, layouts, layer annotations)."""
+    facts = problem.facts
+    graph.mesh = problem.shape.mesh()
+    index = {v.key: i for i, v in enumerate(problem.groups)}
+    rep_block = problem.groups[[v.section for v in problem.groups].index("block")].key[0] \
+        if any(v.section == "block" for v in problem.groups) else None
+    blocks = set(facts.layering.blocks)
+    for g in facts.groups:
+        layer = "<graph>" if g.layer is None else g.layer
+        key = (rep_block, g.position) if layer in blocks and rep_block is not None else (layer, g.position)
+        if key not in index:
+            continue
+        var = problem.groups[index[key]]
+        cand = var.cands[a.choice[index[key]]]
+        outputs = [v for n in g.members for v in n.outputs]
+        for j, node in enumerate(g.members):
+            node.partition = cand.partitions[j] if j < len(cand.partitions) else None
+        for k, v in enumerate(outputs):
+            if k < len(cand.outputs):
+                v.layout = cand.outputs[k][1]
+    stage_of: dict[str, tuple[int, str]] = {}
+    order = list(facts.layering.blocks)
+    i = 0
+    for s, row in enumerate(a.stages):
+        # Within a stage, fully recomputed blocks first: they are the ones held longest.
+        for r in (2, 1, 0):
+            for _ in range(row[r]):
+                stage_of[order[i]] = (s, RECOMPUTES[r])
+                i += 1
+    last = len(a.stages) - 1
+    for name in facts.layering.pre:
+        stage_of[name] = (0, "none")
+    for name in facts.layering.post:
+        stage_of[name] = (last, "none")
+    for name, layer in graph.layers.items():
+        stage, rc = stage_of.get(name, (0, "none"))
+        layer.annotation = LayerAnnotation(stage, rc, a.zero, layer.annotation.offload)
+    return graph

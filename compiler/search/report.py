@@ -1,0 +1,165 @@
+"""`shardc plan`: load a model, search, print the chosen plan against the best grid plan.
+
+`run_plan(...)` is the whole command: it loads and traces the model (or builds a
+`synthetic:NAME` Transformer straight in the IR), runs the outer search, prints the chosen
+plan, its predicted step time and memory with breakdowns, the best grid plan and the ratio,
+lists ops kept replicated for want of a rule, and writes the plan file and its partitioned IR.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+from shardc.hardware import Cluster, parse_cluster
+from shardc.ir import Graph
+from shardc.registry import has_op
+from shardc.search.evaluate import RECOMPUTES
+from shardc.search.outer import Found, SearchResult, search
+from shardc.search.planfile import (
+    annotate_graph,
+    assignment_from_plan,
+    load_plan,
+    plan_dict,
+    plan_shape,
+    save_plan,
+)
+from shardc.search.problem import build_problem, graph_facts
+
+
+def load_graph(model_spec: str) -> Graph:
+    """`synthetic:NAME[?k=v]` builds a preset Transformer in the IR; anything else is traced."""
+    if model_spec.startswith("synthetic:"):
+        import dataclasses
+
+        from shardc.search.synthetic import PRESETS, transformer_graph
+
+        name, _, query = model_spec[len("synthetic:"):].partition("?")
+        if name not in PRESETS:
+            raise ShardcError(f"unknown synthetic model {name!r}; known: {', '.join(PRESETS)}")
+        kwargs = {k: (v if not v.lstrip("-").isdigit() else int(v))
+                  for k, v in (item.split("=", 1) for item in query.split("&") if item)}
+        return transformer_graph(dataclasses.replace(PRESETS[name], **kwargs))
+    from shardc.frontend import trace
+    from shardc.models import load_model
+    from shardc.passes.group_layers import group_layers
+
+    loaded = load_model(model_spec, device="meta")
+    graph = trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names)
+    return group_layers(graph)
+
+
+def describe(found: Found) -> str:
+    s, a = found.problem.shape, found.assignment
+    stages = " | ".join("+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTES) if k) or "0" for row in a.stages)
+    return f"{s}, mb={found.problem.mb}, m={found.problem.micro_batches}, zero={a.zero}, blocks per stage [{stages}]"
+
+
+def no_fit_error(result: SearchResult, limit: float) -> ShardcError:
+    c = result.closest
+    if c is None:
+        return ShardcError("no plan fits and no plan could be scored")
+    parts = max(c.evaluation.memory_parts, key=lambda p: sum(p.values()))
+    category = max(parts, key=lambda k: parts[k])
+    return ShardcError(
+        f"no plan fits in {limit / 2**30:.1f} GiB per device: the smallest per-device memory any plan reached is "
+        f"{c.evaluation.memory_per_device_bytes / 2**30:.1f} GiB ({describe(c)}); the category that overflows "
+        f"is {category} ({parts[category] / 2**30:.1f} GiB)",
+        hint="raise --memory-limit, use more devices, or a smaller --gbs")
+
+
+def run_plan(model_spec: str, cluster: str | Cluster, gbs: int, memory_limit_gb: float | None = None,
+             time_limit: float = 30.0, seed: int = 0, out: str | None = None, json_out: bool = False,
+             console: Any = None, workers: int = 1, warm_start: str | None = None,
+             graph: Graph | None = None) -> int:
+    """The `shardc plan` command; returns the exit code (ShardcError propagates to the CLI)."""
+    if time_limit <= 0:
+        raise ShardcError(f"--time-limit must be positive, got {time_limit}", hint="e.g. --time-limit 30")
+    if gbs < 1:
+        raise ShardcError(f"--gbs must be a positive number of sequences, got {gbs}")
+    started = time.perf_counter()
+    cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    limit = memory_limit_gb * 2**30 if memory_limit_gb else float(cl.device.memory_bytes)
+    graph = graph if graph is not None else load_graph(model_spec)
+    facts = graph_facts(graph, cl)
+    warm = None
+    if warm_start:
+        data = load_plan(warm_start)
+        shape, mb = plan_shape(data)
+        warm = (shape, mb, assignment_from_plan(data, build_problem(facts, cl, shape, mb, gbs)))
+    result = search(facts, cl, gbs, limit, time_limit, seed, workers, warm)
+    if result.best is None:
+        raise no_fit_error(result, limit)
+    best, grid = result.best, result.grid
+    unruled = sorted({n.op for n in graph.nodes if not has_op(n.op)})
+    annotate_graph(graph, best.problem, best.assignment)
+    if out:
+        save_plan(out, best.problem, best.assignment, best.evaluation, gbs)
+        Path(str(out) + ".ir").write_text(str(graph))
+    ev = best.evaluation
+    payload = plan_dict(best.problem, best.assignment, ev, gbs)
+    summary = {
+        "step_time_s": ev.step_time_s,
+        "memory_per_device_bytes": ev.memory_per_device_bytes,
+        "grid_best_step_time_s": grid.evaluation.step_time_s if grid else None,
+        "grid_best_plan": grid.grid_point.plan_string(gbs) if grid and grid.grid_point else None,
+        "speedup_over_grid": grid.evaluation.step_time_s / ev.step_time_s if grid else None,
+        "solve_time_s": result.solve_time_s,
+        "total_time_s": time.perf_counter() - started,
+        "optimality_gap": result.gap,
+        "shapes_solved": result.shapes_solved,
+        "shapes_pruned": result.shapes_pruned,
+        "time_breakdown": ev.time_parts,
+        "memory_breakdown": dict(max(ev.memory_parts, key=lambda p: sum(p.values()))),
+        "replicated_ops": unruled,
+        "plan": payload,
+    }
+    if json_out:
+        print(json.dumps(summary, indent=1))
+        return 0
+    _print(console, best, grid, summary, graph, gbs)
+    return 0
+
+
+def _print(console: Any, best: Found, grid: Found | None, summary: dict[str, Any], graph: Graph, gbs: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False)
+    ev = best.evaluation
+    console.print(f"[bold]plan for @{graph.name}[/bold]: {describe(best)}")
+    console.print(f"predicted step time {ev.step_time_s:.4g} s, memory per device "
+                  f"{ev.memory_per_device_bytes / 2**30:.2f} GiB (limit {ev.limit / 2**30:.1f} GiB)")
+    t = Table(title="time per step")
+    t.add_column("category")
+    t.add_column("seconds", justify="right")
+    for k, v in ev.time_parts.items():
+        t.add_row(k, f"{v:.4g}")
+    console.print(t)
+    m = Table(title="memory per device, by stage (GiB)")
+    m.add_column("stage")
+    cats = list(ev.memory_parts[0])
+    for c in cats:
+        m.add_column(c, justify="right")
+    for s, part in enumerate(ev.memory_parts):
+        m.add_row(str(s), *(f"{part[c] / 2**30:.2f}" for c in cats))
+    console.print(m)
+    p = Table(title="partitions of the node groups")
+    p.add_column("group")
+    p.add_column("partition")
+    for v, c in zip(best.problem.groups, best.assignment.choice):
+        p.add_row(f"{v.key[0]}#{v.key[1]} {v.group.name}", v.cands[c].label)
+    console.print(p)
+    if grid is not None:
+        console.print(f"best grid plan: {grid.grid_point.plan_string(gbs) if grid.grid_point else ''} -> "
+                      f"{grid.evaluation.step_time_s:.4g} s; solver / grid speedup "
+                      f"{grid.evaluation.step_time_s / ev.step_time_s:.3f}x")
+    else:
+        console.print("no grid plan fits in memory")
+    console.print(f"solve time {summary['solve_time_s']:.2f} s, optimality gap {summary['optimality_gap']:.2%}, "
+                  f"{summary['shapes_solved']} shapes solved, {summary['shapes_pruned']} pruned")
+    if summary["replicated_ops"]:
+        console.print("kept replicated (no rule): " + ", ".join(summary["replicated_ops"]))

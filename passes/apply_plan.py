@@ -1,0 +1,323 @@
+"""apply-plan: turn a hand-written `ParallelPlan` (Megatron style) into a partitioned IR.
+
+Mesh. `mesh<pp=P, dp=D, cp=C, tp=T>`, all four axes always (size 1 included), so a rank's
+coordinates mean the same in every plan; partitions and layouts never name an axis of size 1.
+
+Rules, node by node in graph order; each mesh axis picks the iteration dim it splits:
+- follow: a node splits an axis along the dim that takes its first input that is sharded on
+  that axis exactly as it is (`propagate.follow`), so views, norms, elementwise ops and
+  attention move no data. Graph inputs start `{dp:S(0), cp:S(1)}` (batch, sequence).
+- dp, cp: with nothing to follow, the dim whose role is the batch (dp) or the sequence (cp),
+  traced from the graph inputs. A node with a ring dim (attention's keys) split on cp in
+  space gets `time t/C rotate cp` (ring attention; an attention written out as matmuls gets
+  its keys all-gathered instead).
+- tp (Megatron, from the dataflow, not from names): a linear with a parameter weight is
+  row-parallel (splits k, its output is `P(sum)`) when its input arrives sharded on the last
+  dim, else column-parallel (splits n; strided `n/k` when a `split` into k equal pieces reads
+  it: a fused qkv). So q/k/v and fc1 (gate and up) are column, the output projection and fc2
+  row; heads split by following. The token embedding (ids from a graph input) is
+  vocab-parallel (splits v, `P(sum)` out); the LM head is column-parallel and cross entropy
+  follows it on its vocab dim (rule "vocab").
+- partial inputs are resolved where they are read: all_reduce (replicated), or with sequence
+  parallelism (sp=1, tp>1) reduce_scatter onto the sequence: norms, dropouts and residual
+  adds then run sequence-sharded over tp, and column-parallel inputs are all-gathered.
+- with sp, float graph inputs (a block traced alone) start sequence-sharded over tp as well.
+- parameters and buffers are held as their first reader needs them (`Partial` held replicated).
+- pp: layers (group-layers runs first if the graph has none) get stages: the repeated blocks
+  are cut into pp*vpp contiguous chunks as even as possible (extra blocks go to the middle
+  stages first), layers before the first block join stage 0, after the last the last stage,
+  between blocks the previous block's; virtual stage k runs on pp rank k % pp. Every layer
+  records the plan's recompute, zero and offload.
+- graph.attrs: plan (its text), microbatch_size, microbatches (gbs / (dp*mb)), global_batch,
+  traced_batch (the batch the graph was traced with; per device per micro-batch, activation
+  shapes are the local shapes with the batch scaled by microbatch_size / (traced_batch / dp)),
+  schedule, virtual_stages, sequence_parallel, dtype.
+Errors: a plan the graph cannot take (a degree not dividing a split dim, more stages than
+blocks, a batch not divisible by dp) is a ShardcError naming the node and the constraint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from shardc.diagnostics import ShardcError
+from shardc.ir import (
+    Graph,
+    Layer,
+    LayerAnnotation,
+    Layout,
+    Mesh,
+    Node,
+    Partial,
+    Partition,
+    Replicate,
+    Shard,
+    TemporalSplit,
+    Value,
+)
+from shardc.passmanager import Pass, PassContext, register_pass
+from shardc.plan import ParallelPlan, model_dims, validate_plan
+from shardc.propagate import derives_from_input, dim_roles, follow, io_layouts, iteration_space, node_roles
+from shardc.registry import IterationSpace, get_op
+
+MESH_AXES = ("pp", "dp", "cp", "tp")
+
+
+def plan_mesh(plan: ParallelPlan) -> Mesh:
+    """The mesh of a plan: pp, dp, cp, tp in that order (tp innermost, on the fastest links)."""
+    return Mesh((("pp", plan.pp), ("dp", plan.dp), ("cp", plan.cp), ("tp", plan.tp)))
+
+
+@dataclass
+class _Planner:
+    graph: Graph
+    plan: ParallelPlan
+    mesh: Mesh
+    roles: dict[int, tuple[str | None, ...]]
+    vocab: int | None
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.plan.sp and self.plan.tp > 1
+
+    def axes(self) -> list[str]:
+        return [a for a in ("dp", "cp", "tp") if self.mesh.axis_size(a) > 1]
+
+    def partition(self, node: Node, space: IterationSpace) -> Partition:
+        it_roles = node_roles(space, node, self.roles)
+        spatial: list[tuple[str, str]] = []
+        strides: list[tuple[str, int]] = []
+        temporal = []
+        for axis in self.axes():
+            outer = Partition(tuple(spatial), (), tuple(strides))
+            choice = self.choose(node, space, axis, outer, it_roles)
+            if choice is None:
+                continue
+            dim, stride = choice
+            spatial.append((axis, dim))
+            if stride > 1:
+                strides.append((axis, stride))
+            for ring in (d for d, rule in space.special if rule == "ring"):
+                if axis == "cp" and dim == _query_dim(space, ring):
+                    temporal.append(TemporalSplit(ring, self.mesh.axis_size(axis), axis))
+        return Partition(tuple(spatial), tuple(temporal), tuple(strides))
+
+    def choose(self, node: Node, space: IterationSpace, axis: str, outer: Partition,
+               it_roles: dict[str, str]) -> tuple[str, int] | None:
+        if axis == "tp":
+            forced = self.megatron(node, space)
+            if forced is not None:
+                return forced
+        for k, v in enumerate(node.inputs):
+            if k >= len(space.inputs):
+                break
+            found = follow(space, k, (v.layout or Layout()).on(axis), axis, outer, self.mesh,
+                           lambda d: self.splittable(space, d, axis))
+            if found is not None:
+                return found
+        role = {"dp": "batch", "cp": "seq"}.get(axis)
+        partial_in = any(isinstance((v.layout or Layout()).on(axis), Partial) for v in node.inputs)
+        if axis == "tp" and self.sequence_parallel and partial_in:
+            role = "seq"
+        for dim in space.dims:
+            if role is not None and it_roles.get(dim) == role and self.splittable(space, dim, axis):
+                return dim, 1
+        return None
+
+    def splittable(self, space: IterationSpace, dim: str, axis: str) -> bool:
+        rule = dict(space.special).get(dim)
+        if dim in space.unsplittable or space.size(dim) <= 1 or (rule is not None and rule != "vocab"):
+            return False
+        return rule != "vocab" or axis == "tp"
+
+    def megatron(self, node: Node, space: IterationSpace) -> tuple[str, int] | None:
+        """Column/row-parallel linears and the vocab-parallel token embedding (module docstring)."""
+        if node.op == "linear" and len(node.inputs) >= 2 and node.inputs[1].kind == "parameter":
+            x = node.inputs[0]
+            p = (x.layout or Layout()).on("tp")
+            if isinstance(p, Shard) and p.dim == x.type.rank - 1 and p.interleave == 1:
+                return "k", 1
+            return "n", _equal_split_readers(self.graph, node)
+        if node.op == "embedding" and node.inputs[1].kind == "parameter" and derives_from_input(self.graph,
+                                                                                               node.inputs[0]):
+            return "v", 1
+        return None
+
+    def check(self, node: Node, space: IterationSpace, partition: Partition) -> None:
+        """Every split dim must divide evenly (the vocabulary may not: its shards are padded)."""
+        for axis, dim in partition.spatial:
+            size, n, stride = space.size(dim), self.mesh.axis_size(axis), partition.stride_of(axis)
+            if size % (n * stride) == 0 or (axis == "tp" and self.vocab is not None and size == self.vocab):
+                continue
+            what = f"iteration dim {dim} (size {size}"
+            what += f" in {stride} interleaved pieces)" if stride > 1 else ")"
+            if get_op(node.op).kind == "attention" and dim == "g":
+                what = f"the {size} attention heads (key/value heads with grouped-query attention)"
+            raise ShardcError(f"mesh axis {axis}={n} does not divide {what} of {node.op} at module "
+                              f"{node.location.module_path or '?'}", node=node,
+                              hint=f"choose {axis} dividing {size // stride} (plan key {axis}=...)")
+
+
+def _query_dim(space: IterationSpace, ring: str) -> str | None:
+    """The dim of the first input at the position where the second input holds `ring` (the
+    query sequence of attention, whose key sequence is `ring`)."""
+    if len(space.inputs) < 2:
+        return None
+    for q, k in zip(reversed(space.inputs[0]), reversed(space.inputs[1])):
+        if k and k[0] == ring:
+            return q[0] if q else None
+    return None
+
+
+def _equal_split_readers(graph: Graph, node: Node) -> int:
+    """k when the node's output is read by a split of its last dim into k equal pieces, else 1."""
+    out = node.outputs[0]
+    for reader in graph.nodes:
+        if reader.op == "split" and reader.inputs and reader.inputs[0] is out:
+            dim = reader.attrs.get("dim", 0)
+            sizes = reader.attrs.get("sizes", ())
+            if dim in (-1, out.type.rank - 1) and len(sizes) > 1 and len(set(sizes)) == 1:
+                return len(sizes)
+    return 1
+
+
+def _input_layout(value: Value, roles: tuple[str | None, ...], mesh: Mesh, sequence_parallel: bool) -> Layout:
+    """Batch on dp, sequence on cp; with sequence parallelism a float input (the residual stream
+    of a block traced alone) also has its sequence on tp."""
+    placements = []
+    for axis, role in (("dp", "batch"), ("cp", "seq"), ("tp", "seq")):
+        if axis == "tp" and not (sequence_parallel and value.type.is_float):
+            continue
+        if mesh.axis_size(axis) > 1 and role in roles:
+            placements.append((axis, Shard(roles.index(role))))
+    return Layout(tuple(placements))
+
+
+def _held(layout: Layout) -> Layout:
+    """How a parameter or buffer is stored for a reader needing `layout`: Partial held replicated."""
+    return Layout(tuple((a, p) for a, p in layout.placements if not isinstance(p, Partial | Replicate)))
+
+
+def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
+    """Partition `graph` by `plan` in place (rules in the module docstring) and return it."""
+    dims = model_dims(graph)
+    if graph.inputs and dims.batch is None:
+        dims = type(dims)(dims.layers, dims.heads, dims.kv_heads, dims.hidden, dims.vocab, dims.seq,
+                          graph.inputs[0].type.shape[0] if graph.inputs[0].type.rank else None)
+    kwargs = dims.as_kwargs()
+    kwargs["layers"] = max(dims.layers, 1) if plan.stages == 1 else dims.layers
+    validate_plan(plan, devices=plan.devices, **kwargs)
+    mesh = plan_mesh(plan)
+    graph.mesh = mesh
+    roles = dim_roles(graph)
+    batch = graph.inputs[0].type.shape[0] if graph.inputs and graph.inputs[0].type.rank else None
+    if batch is not None and batch % plan.dp:
+        raise ShardcError(f"graph @{graph.name} was traced with a batch of {batch}, which dp={plan.dp} does not "
+                          "divide", hint=f"trace with a batch of dp*mb = {plan.dp * plan.mb} example sequences")
+    planner = _Planner(graph, plan, mesh, roles, dims.vocab)
+    for v in graph.inputs:
+        v.layout = _input_layout(v, roles.get(id(v), ()), mesh, planner.sequence_parallel)
+    for v in graph.params + graph.buffers:
+        v.layout = None
+    for node in graph.nodes:
+        space = iteration_space(node)
+        node.partition = planner.partition(node, space)
+        planner.check(node, space, node.partition)
+        try:
+            ins, outs = io_layouts(node, mesh)
+        except ValueError as err:
+            raise ShardcError(f"partition {node.partition} does not fit {node.op}: {err}", node=node) from None
+        for v, need in zip(node.inputs, ins):
+            if v.kind in ("parameter", "buffer") and v.layout is None:
+                v.layout = _held(need)
+        for v, layout in zip(node.outputs, outs):
+            v.layout = layout
+    for v in graph.params + graph.buffers:
+        if v.layout is None:
+            v.layout = Layout()
+    assign_stages(graph, plan)
+    graph.attrs.update({
+        "plan": str(plan), "microbatch_size": plan.mb, "microbatches": plan.micro_batches(batch),
+        "global_batch": plan.global_batch(batch), "traced_batch": batch if batch is not None else 1,
+        "schedule": plan.schedule, "virtual_stages": plan.vpp, "sequence_parallel": planner.sequence_parallel,
+        "dtype": plan.ir_dtype,
+    })
+    return graph
+
+
+def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
+    """Give every layer its pipeline stage and the plan's recompute/zero/offload (module docstring)."""
+    if not graph.layers:
+        from shardc.passes.group_layers import group_layers
+
+        group_layers(graph)
+    from shardc.passes.group_layers import layer_of_path
+
+    names = list(graph.layers)
+    blocks = [n for n in names if layer_of_path(n) == n]
+    stages = plan.stages
+    if stages > 1 and len(blocks) < stages:
+        raise ShardcError(f"pp*vpp = {plan.pp}*{plan.vpp} = {stages} stages but graph @{graph.name} has "
+                          f"{len(blocks)} repeated blocks ({', '.join(blocks) or 'none'}); every stage needs one",
+                          hint=f"use pp*vpp <= {max(len(blocks), 1)}")
+    sizes = [len(blocks) // stages] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
+    for k in range(len(blocks) % stages):
+        sizes[order[k]] += 1
+    stage_of: dict[str, int] = {}
+    k = 0
+    for stage, count in enumerate(sizes):
+        for name in blocks[k:k + count]:
+            stage_of[name] = stage
+        k += count
+    current = 0
+    seen_block = False
+    last_block = blocks[-1] if blocks else None
+    for name in names:
+        if name in stage_of:
+            current, seen_block = stage_of[name], True
+        elif seen_block and _after(names, name, last_block):
+            current = stages - 1
+        graph.layers[name] = Layer(name, graph.layers[name].block, LayerAnnotation(
+            stage=current, recompute=plan.recompute, zero=plan.zero, offload=plan.offload))
+
+
+def _after(names: list[str], name: str, last: str | None) -> bool:
+    return last is not None and names.index(name) > names.index(last)
+
+
+@register_pass
+@dataclass(frozen=True)
+class ApplyPlan(Pass):
+    """`apply-plan{dp=2,tp=2,sp=true}`: options are the plan's keys; with none given, the
+    context's `plan` (a ParallelPlan or its text) is used."""
+
+    name: ClassVar[str] = "apply-plan"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    sp: bool = False
+    mb: int = 1
+    gbs: int | None = None
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    zero: int = 0
+    dtype: str = "bf16"
+    offload: bool = False
+
+    def to_plan(self) -> ParallelPlan:
+        return ParallelPlan(**{f.name: getattr(self, f.name) for f in fields(ParallelPlan)})
+
+    def apply(self, graph: Graph, ctx: PassContext) -> Graph:
+        plan = self.to_plan()
+        given = getattr(ctx, "plan", None) if ctx is not None else None
+        if plan == ParallelPlan() and given is not None:
+            plan = ParallelPlan.parse(given) if isinstance(given, str) else given
+        if not isinstance(plan, ParallelPlan):
+            raise ShardcError(f"apply-plan needs a ParallelPlan, got {type(plan).__name__}")
+        return apply_plan(graph, plan)
+
+

@@ -1,0 +1,202 @@
+"""lower: make every resharding, gradient synchronisation and stage cut explicit in the IR.
+
+Rule. Each node's partition fixes the layout it needs on every input and the layout it produces
+(`node_io_layouts`: the registry's einsum rule, plus rotating temporal splits, vocab-parallel
+cross entropy and mean reductions). Wherever a value's layout differs from what a consumer
+needs, the pass inserts the collectives that convert it, one mesh axis at a time:
+
+    P -> R  all_reduce        P -> S  reduce_scatter     S -> R  all_gather
+    R -> S  chunk (local)     S(i) -> S(j)  all_to_all
+
+Gradients follow one convention per axis. On model axes (tp, ...) a replicated value's
+gradient is replicated, so where a replicated input that needs a gradient enters a node split
+along that axis, `grad_all_reduce` (identity forward, all_reduce backward) goes in front of it;
+an all_gather just before it takes that role instead, with a reduce_scatter backward. On data
+axes (dp, cp by default) every rank backpropagates its own loss and parameter gradients are
+averaged by DDP (or FSDP2 when a layer asks for ZeRO): each such parameter passes through one
+`grad_sync[axes, op="avg", via, zero]` node, and collectives on data axes carry the matching
+backward (`grad` attribute). Graph outputs are made replicated on model axes and stay local on
+data axes (the loss is each rank's mean: `P(avg)`). Between layers on different pipeline
+stages, `send`/`recv` pairs cut the graph, one hop per stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from shardc.diagnostics import ShardcError
+from shardc.ir import Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
+from shardc.passmanager import Pass, PassContext, register_pass
+from shardc.propagate import io_layouts
+from shardc.registry import get_op
+from shardc.resharding import DATA_AXES, Edge, ReshardStep, edge_steps
+
+
+def splits_axis(node: Node, axis: str) -> bool:
+    """Whether `node`'s partition splits mesh axis `axis` (in space or by rotating along it)."""
+    part = node.partition
+    if part is None:
+        return False
+    return any(a == axis for a, _ in part.spatial) or any(t.rotate == axis for t in part.temporal)
+
+
+def step_node_attrs(step: ReshardStep) -> tuple[str, dict[str, Any]]:
+    """The IR op and attributes of one resharding step (`shardc.resharding`)."""
+    axis = step.axis
+    before, after = step.layout_before.on(axis), step.layout_after.on(axis)
+
+    def strided(prefix: str, p: Any) -> dict[str, Any]:
+        return {prefix + "interleave": p.interleave} if isinstance(p, Shard) and p.interleave > 1 else {}
+
+    kind = step.kind
+    if kind == "identity":
+        return "grad_all_reduce", {"axis": axis}
+    if kind == "all_gather":
+        return kind, {"axis": axis, "dim": before.dim, **strided("", before), "grad": step.backward}
+    if kind == "chunk":
+        return kind, {"axis": axis, "dim": after.dim, **strided("", after), "grad": step.backward}
+    if kind == "all_reduce":
+        return kind, {"axis": axis, "op": before.op, "grad": step.backward}
+    if kind == "reduce_scatter":
+        return kind, {"axis": axis, "dim": after.dim, **strided("", after), "op": before.op}
+    if kind == "all_to_all":
+        return kind, {"axis": axis, "src": before.dim, "dst": after.dim, **strided("src_", before),
+                      **strided("dst_", after)}
+    if kind == "pad":
+        return kind, {"axis": axis, "dim": before.dim, **strided("", before)}
+    if kind == "to_partial":
+        return kind, {"axis": axis}
+    raise ShardcError(f"lower has no op for resharding step {step}")
+
+
+@dataclass
+class _Emit:
+    """Creates the new nodes, with fresh value names, into `nodes`."""
+
+    graph: Graph
+    taken: set[str]
+    nodes: list[Node]
+
+    def __call__(self, op: str, attrs: dict[str, Any], src: Value, layout: Layout, near: Node, tag: str) -> Value:
+        name, k = f"{src.name}.{tag}", 1
+        while name in self.taken:
+            k += 1
+            name = f"{src.name}.{tag}{k}"
+        self.taken.add(name)
+        out = Value(name, src.type, "activation", layout, requires_grad=src.requires_grad)
+        self.nodes.append(Node(op, [src], [out], attrs, Location(near.location.module_path, near.location.source),
+                               None, near.layer))
+        return out
+
+    def chain(self, src: Value, edge: Edge, steps: list[ReshardStep], near: Node) -> Value:
+        cur = src
+        for step in steps:
+            if step.kind == "send_recv":
+                attrs = {"axis": "pp", "src": edge.src_stage, "dst": edge.dst_stage}
+                producer = src.producer or near
+                cur = self("send", attrs, cur, cur.layout or Layout(), producer, "send")
+                cur = self("recv", attrs, cur, cur.layout or Layout(), near, "recv")
+                continue
+            op, attrs = step_node_attrs(step)
+            cur = self(op, attrs, cur, step.layout_after, near, op)
+        return cur
+
+
+def hold_layouts(graph: Graph) -> None:
+    """Outputs get what their partition produces; parameters, buffers and inputs without a layout
+    are held as their first reader needs them, never partial."""
+    assert graph.mesh is not None
+    for node in graph.nodes:
+        ins, outs = io_layouts(node, graph.mesh)
+        for v, lay in zip(node.outputs, outs):
+            v.layout = lay
+        for v, lay in zip(node.inputs, ins):
+            if v.kind != "activation" and v.layout is None:
+                v.layout = Layout(tuple((a, p) for a, p in lay.placements if not isinstance(p, Partial)))
+    for v in list(graph.inputs) + graph.params + graph.buffers:
+        v.layout = v.layout or Layout()
+
+
+def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit) -> None:
+    """One `grad_sync` per trainable parameter replicated on a data axis its readers split."""
+    zero = {name: layer.annotation.zero for name, layer in graph.layers.items()}
+    via = "fsdp" if any(zero.values()) else "ddp"
+    synced: dict[int, Value] = {}
+    nodes: list[Node] = []
+    emit.nodes = nodes
+    for node in graph.nodes:
+        for i, v in enumerate(node.inputs):
+            if v.kind == "parameter" and v.requires_grad and id(v) not in synced:
+                axes = tuple(a for a in data if isinstance((v.layout or Layout()).on(a), Replicate)
+                             and splits_axis(node, a))
+                if axes:
+                    attrs = {"axes": axes, "op": "avg", "via": via, "zero": zero.get(node.layer or "", 0)}
+                    synced[id(v)] = emit("grad_sync", attrs, v, v.layout or Layout(), node, "grad_sync")
+            node.inputs[i] = synced.get(id(v), v)
+        nodes.append(node)
+    graph.nodes = nodes
+
+
+def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
+    """Insert collectives, gradient markers, parameter grad_sync and stage cuts (in place; returns `graph`)."""
+    if graph.mesh is None:
+        raise ShardcError(f"graph @{graph.name} has no mesh; run apply-plan (or the solver) before lower")
+    mesh = graph.mesh
+    if any(n.op == "grad_sync" for n in graph.nodes):
+        return graph  # already lowered
+    data = tuple(a for a in data_axes if a in mesh.names and mesh.axis_size(a) > 1)
+    hold_layouts(graph)
+    for node, flag in zip(graph.nodes, _grads(graph)):
+        for v in node.outputs:
+            v.requires_grad = v.requires_grad or flag
+    emit = _Emit(graph, {v.name for v in graph.values()}, [])
+    insert_grad_sync(graph, data, emit)
+    edges = edge_steps(graph, data_axes)
+    by_name = {v.name: v for v in graph.values()}
+    before: dict[int, list[Edge]] = {}
+    for edge in edges:
+        if edge.consumers:
+            before.setdefault(min(i for i, _ in edge.consumers), []).append(edge)
+    old = list(graph.nodes)
+    emit.nodes = []
+    for index, node in enumerate(old):
+        for edge in before.get(index, []):
+            new = emit.chain(by_name[edge.value], edge, edges[edge], node)
+            for i, pos in edge.consumers:
+                old[i].inputs[pos] = new
+        emit.nodes.append(node)
+    for edge, steps in edges.items():
+        if not edge.consumers:
+            k = next(j for j, v in enumerate(graph.outputs) if v.name == edge.value)
+            src = graph.outputs[k]
+            graph.outputs[k] = emit.chain(src, edge, steps, src.producer or old[-1])
+    graph.nodes = emit.nodes
+    return graph
+
+
+def _grads(graph: Graph) -> list[bool]:
+    """Per node: whether its outputs carry a gradient (they read a trainable parameter, transitively)."""
+    flags = {id(p): p.requires_grad for p in graph.params}
+    out = []
+    for node in graph.nodes:
+        flag = any(flags.get(id(v), False) for v in node.inputs)
+        for v in node.outputs:
+            flags[id(v)] = flag and v.type.is_float
+        out.append(flag)
+    return out
+
+
+@register_pass
+@dataclass(frozen=True)
+class Lower(Pass):
+    """`lower` in a pipeline string: the rule in the module docstring."""
+
+    name: ClassVar[str] = "lower"
+
+    def apply(self, graph: Graph, ctx: PassContext) -> Graph:
+        return lower(graph)
+
+
+def is_collective(node: Node) -> bool:
+    return get_op(node.op).kind == "collective"

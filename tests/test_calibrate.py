@@ -1,0 +1,132 @@
+"""Local calibration: a real quick run into a temp dir, the alpha-beta fit, atomic caching."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+from shardc import calibrate
+from shardc.calibrate import (
+    COLLECTIVES,
+    AlphaBeta,
+    CollectiveFit,
+    LocalProfile,
+    fit_affine,
+    load_profile,
+    local_cluster,
+    run_calibration,
+    write_profile,
+)
+from shardc.diagnostics import ShardcError
+from shardc.hardware import parse_cluster
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalProfile, object, str]:
+    folder = tmp_path_factory.mktemp("cache")
+    out = io.StringIO()
+    profile = run_calibration(folder / "local-profile.json", quick=True, nprocs=(2,),
+                              console=Console(file=out, width=120), summary=True)
+    return profile, folder, out.getvalue()
+
+
+def test_quick_calibration_writes_a_profile_that_loads_back(measured) -> None:
+    profile, folder, printed = measured
+    assert sorted(p.name for p in folder.iterdir()) == ["local-profile.json"]  # no temp file left
+    assert load_profile(folder / "local-profile.json", calibrate_if_missing=False) == profile
+    assert "local profile" in printed and "gloo collectives" in printed and "all_reduce" in printed
+    assert profile.quick and profile.cores >= 1 and profile.memory_bytes > 0
+
+
+def test_measured_numbers_are_positive_and_fits_sane(measured) -> None:
+    profile, _, _ = measured
+    assert all(rate > 0 for _, rate in profile.matmul_points)
+    assert 1e8 < profile.peak_fp32 < 1e13 and profile.matmul_half_flops >= 0
+    assert 1e8 < profile.memory_bandwidth < 1e12 and 0 < profile.kernel_latency < 1e-3
+    assert [n for n, _, _ in profile.concurrent] == [2]
+    assert {c.op for c in profile.collectives} == set(COLLECTIVES)
+    for c in profile.collectives:
+        assert c.nprocs == 2 and all(t > 0 for _, t in c.points)
+        assert 0 <= c.fit.alpha < 0.1 and c.fit.beta >= 0
+        biggest, seconds = max(c.points)
+        assert c.fit.time(biggest) < 20 * seconds  # the fit stays within reach of the data
+    cluster = local_cluster(2, profile)
+    assert cluster.num_devices == 2 and cluster.device.peak("fp32") > 0 and cluster.device.peak("bf16") > 0
+    assert cluster.device.memory_bytes == profile.memory_bytes // 2
+    assert 1e5 < cluster.intra.bandwidth < 1e12 and 0 <= cluster.intra.latency < 0.1
+
+
+def test_fit_affine_recovers_alpha_beta() -> None:
+    sizes = [4, 256, 4096, 65536, 1 << 20, 1 << 24]
+    fit = fit_affine(sizes, [50e-6 + b / 2e9 for b in sizes])
+    assert fit.alpha == pytest.approx(50e-6, rel=1e-6) and fit.beta == pytest.approx(1 / 2e9, rel=1e-6)
+    flat = fit_affine(sizes, [1e-3] * len(sizes))
+    assert flat.alpha == pytest.approx(1e-3) and flat.beta == pytest.approx(0, abs=1e-15)
+    # a negative intercept is refitted with alpha >= 0
+    neg = fit_affine([1, 2, 3], [0.5, 2.0, 3.5])
+    assert neg.alpha >= 0 and neg.beta > 0
+
+
+def _profile(collectives: tuple[CollectiveFit, ...] = ()) -> LocalProfile:
+    fits = collectives or (CollectiveFit("all_reduce", 2, ((64, 2e-4), (1 << 20, 2e-3)), AlphaBeta(2e-4, 1e-9)),)
+    return LocalProfile(1, "now", "cpu", 2, 8 << 30, "x", True, ((256, 4e10),), 1e11, 5e5, (("bf16", 1.0),),
+                        2e10, 2e-6, ((2, 6e10, 1e10),), fits)
+
+
+def test_sharing_model_and_link() -> None:
+    p = _profile()
+    assert p.per_process_flops(1) == 1e11 and p.per_process_flops(2) == 6e10
+    # 8 processes on 2 cores: the measured 2-process scaling (1.2 / 2 = 0.6) over 2 cores, / 8
+    assert p.per_process_flops(8) == pytest.approx(1e11 * 2 * 0.6 / 8)
+    c = local_cluster(8, p)
+    assert c.device.kernel_latency == pytest.approx(2e-6 * p.slowdown(8))
+    assert c.intra.latency == pytest.approx(2e-4 / 2) and c.intra.bandwidth == pytest.approx(1e9)
+    flat = _profile((CollectiveFit("all_reduce", 2, ((64, 1e-3), (1 << 20, 1e-3)), AlphaBeta(1e-3, 0.0)),))
+    assert flat.link(2).bandwidth == pytest.approx((1 << 20) / 1e-3)  # all time counted as transfer
+
+
+def test_write_is_atomic(tmp_path, monkeypatch) -> None:
+    target = tmp_path / "local-profile.json"
+    write_profile(_profile(), target)
+    before = target.read_text()
+
+    def broken_dump(obj, f, **kw):  # half a file, then the process "dies"
+        f.write(json.dumps(obj)[:20])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate.json, "dump", broken_dump)
+    with pytest.raises(KeyboardInterrupt):
+        write_profile(_profile(), target)
+    assert target.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["local-profile.json"]
+    target.unlink()
+    with pytest.raises(KeyboardInterrupt):
+        write_profile(_profile(), target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_or_bad_profile(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SHARDC_CACHE_DIR", str(tmp_path))
+    assert calibrate.default_profile_path() == tmp_path / "local-profile.json"
+    with pytest.raises(ShardcError, match="(?s)no local profile at .*local-profile.json.*shardc calibrate"):
+        load_profile(calibrate_if_missing=False)
+    (tmp_path / "local-profile.json").write_text('{"version": 0}')
+    with pytest.raises(ShardcError, match="(?s)unreadable or out of date.*version 0"):
+        load_profile(calibrate_if_missing=False)
+    write_profile(_profile(), tmp_path / "local-profile.json")
+    assert parse_cluster("local2").device.name == "local-cpu/2"
+
+
+def test_missing_profile_is_measured_once(tmp_path, monkeypatch) -> None:
+    calls = []
+
+    def fake_run(path, **kw):  # stands in for the real (minute-long) default calibration
+        calls.append(path)
+        write_profile(_profile(), path)
+        return _profile()
+
+    monkeypatch.setattr(calibrate, "run_calibration", fake_run)
+    target = tmp_path / "sub" / "local-profile.json"
+    assert load_profile(target) == _profile() and calls == [target]
+    assert load_profile(target) == _profile() and calls == [target]  # cached now
