@@ -466,3 +466,30 @@ register(OpDef(
     saves=lambda i, o, a: [("in", k) for k in range(len(i))], num_outputs=lambda a: a.get("outputs", 1),
     doc="a torch call with no registry entry (traced with allow_opaque): runs as `target`, never split",
 ))
+
+
+def _gather_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
+    """out[..., j, ...] = x[..., index[..., j, ...], ...] along `dim`: output dims follow the index;
+    x's `dim` (read at data-dependent positions) and any x dim longer than the index cannot split."""
+    rank = o[0].rank
+    d = _norm_dim(a["dim"], rank)
+    names = _dims(rank)
+    sizes = list(zip(names, o[0].shape))
+    x_dims: list[tuple[str, ...]] = []
+    fixed: set[str] = set()
+    for k in range(rank):
+        if k != d and i[0].shape[k] == o[0].shape[k]:
+            x_dims.append((names[k],))
+        else:
+            sizes.append((f"src{k}", i[0].shape[k]))
+            x_dims.append((f"src{k}",))
+            fixed.add(f"src{k}")
+    index_dims = tuple((n,) for n in names)
+    return IterationSpace(tuple(sizes), (tuple(x_dims), index_dims), (index_dims,), frozenset(fixed))
+
+
+register(OpDef(
+    "gather", "index", _gather_space, lambda x, index, dim: torch.gather(x, dim, index),
+    flops=lambda i, o, a: 0, saves=lambda i, o, a: [("in", 1)],
+    doc="torch.gather: out takes the index's shape; x's gathered dim cannot be split",
+))

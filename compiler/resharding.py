@@ -17,11 +17,12 @@ Point-to-point kinds share the dataclass: `send_recv` (a pipeline stage cut, axi
 `identity`, a forward no-op whose backward is an all_reduce (Megatron's `f`: a replicated
 activation entering a node split along a model axis gets a partial gradient there).
 
-Order: several axes change at once, so the steps go cheapest first (local chunks, then
-reduce_scatter, all_to_all, all_reduce, all_gather, then the local partial kinds). Shards of
-one tensor dim nest in mesh order (outer axis first), so a step that adds or removes a shard
-of dim d on axis a waits until no axis inside a still shards d; when nothing can move, the
-innermost blocking axis is all-gathered first and sliced again later. Axes of size 1 change
+Order: when several axes change, the sequence sending the fewest bytes (ring algorithms)
+wins, then the one with fewest steps, then the rule order (local chunks, reduce_scatter,
+all_to_all, all_reduce, all_gather, the local partial kinds); so a tensor is sliced before it
+is reduced and gathered last. Shards of one tensor dim nest in mesh order (outer axis first),
+so a step that adds or removes a shard of dim d on axis a needs no axis inside a to shard d;
+a shard in the way is all-gathered first and sliced again later. Axes of size 1 change
 placement for free and get no step.
 
 `edge_steps(graph)` applies these rules to every value of a partitioned graph and each layout
@@ -31,6 +32,7 @@ its consumers need; it is what the cost model charges and what the lowering inse
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -185,34 +187,44 @@ def redistribute(src: Layout, dst: Layout, type: TensorType, mesh: Mesh) -> list
     except ValueError as err:
         raise ShardcError(f"cannot redistribute {type} from {src} to {dst}: {err}") from None
 
-    def blockers(a: str, dims: set[int]) -> list[str]:
-        inner = names[names.index(a) + 1:]
-        return [b for b in inner if isinstance(cur[b], Shard) and cur[b].dim in dims]  # type: ignore[union-attr]
+    start, goal = tuple(cur[a] for a in names), tuple(want[a] for a in names)
 
-    steps: list[ReshardStep] = []
-    for _ in range(4 * len(names) + 4):
-        pending = [a for a in names if cur[a] != want[a]]
-        if not pending:
+    def ready(state: tuple[Placement, ...], k: int, target: Placement) -> bool:
+        dims = _dims_of(state[k], target)
+        return not any(isinstance(p, Shard) and p.dim in dims for p in state[k + 1:])
+
+    def layout(state: tuple[Placement, ...]) -> Layout:
+        return Layout(tuple(zip(names, state))).without_replicate()
+
+    # Cheapest sequence first (bytes on the wire, then fewest steps, then the rule order), over
+    # moves that take an axis straight to its target or gather a shard that is in the way.
+    count = 0
+    heap: list[tuple[int, int, tuple[tuple[int, int], ...], int, tuple[Placement, ...], list[ReshardStep]]]
+    heap = [(0, 0, (), count, start, [])]
+    seen: set[tuple[Placement, ...]] = set()
+    while heap:
+        cost, n, key, _, state, steps = heapq.heappop(heap)
+        if state == goal:
             return steps
-        ready = [a for a in pending if not blockers(a, _dims_of(cur[a], want[a]))]
-        if ready:
-            def order(a: str) -> tuple[int, int]:
-                kind = step_kind(cur[a], want[a]) or ""
-                pos = names.index(a)
-                return _PRIORITY[kind], (-pos if kind == "all_gather" else pos)
-            axis = min(ready, key=order)
-            target = want[axis]
-        else:
-            first = min(pending, key=lambda a: _PRIORITY[step_kind(cur[a], want[a]) or ""])
-            axis = blockers(first, _dims_of(cur[first], want[first]))[-1]
-            target = Replicate()
-        before = Layout(tuple((a, cur[a]) for a in names)).without_replicate()
-        kind = step_kind(cur[axis], target) or ""
-        cur[axis] = target
-        after = Layout(tuple((a, cur[a]) for a in names)).without_replicate()
-        steps.append(ReshardStep(kind, axis, before, after, local_bytes(type, before, mesh),
-                                 local_bytes(type, after, mesh), mesh.axis_size(axis), conjugate(kind)))
-    raise AssertionError(f"redistribute did not converge from {src} to {dst}")  # pragma: no cover
+        if state in seen:
+            continue
+        seen.add(state)
+        for k, axis in enumerate(names):
+            targets = [goal[k]] if state[k] != goal[k] else []
+            if isinstance(state[k], Shard) and not isinstance(goal[k], Replicate):
+                targets.append(Replicate())
+            for target in targets:
+                if not ready(state, k, target):
+                    continue
+                new = state[:k] + (target,) + state[k + 1:]
+                kind = step_kind(state[k], target) or ""
+                before, after = layout(state), layout(new)
+                step = ReshardStep(kind, axis, before, after, local_bytes(type, before, mesh),
+                                   local_bytes(type, after, mesh), mesh.axis_size(axis), conjugate(kind))
+                count += 1
+                order = (_PRIORITY[kind], -k if kind == "all_gather" else k)
+                heapq.heappush(heap, (cost + step.wire_bytes, n + 1, key + (order,), count, new, steps + [step]))
+    raise AssertionError(f"redistribute found no way from {src} to {dst}")  # pragma: no cover
 
 
 def backward_step(step: ReshardStep, mesh: Mesh) -> ReshardStep | None:

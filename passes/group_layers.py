@@ -5,10 +5,13 @@ Rules:
   component of the path and `P` the components before it (`blocks.3`, `transformer.h.3`,
   `model.layers.3`, `bert.encoder.layer.3`). The outermost index wins, so experts inside a
   block stay in the block. A model with no indexed path at all is one layer, `model`.
-- A node with no such path goes to `embed` before the first layer and to `head` after the
-  last. Between layers it joins the layer before it when it has no module path at all (the
-  parent's loop body, `x = x + block(x)`) or when the layers on both sides are the same;
-  otherwise its run of nodes becomes a layer named after the top module (or `between<k>`).
+- A run of nodes with no such path goes to `embed` before the first layer and to `head` after
+  the last. Between two layers of the same container (`blocks.2`, `blocks.3`) it joins the
+  layer before it: it is the container's loop body (`x = drop(relu(layer(x)))` in the parent's
+  forward) or code inside one layer. When every such run of a container is the same, the same
+  nodes right after its last layer join that layer too, so all its layers look alike. Any
+  other run between layers becomes a layer named after the first top module in it (or
+  `between<k>`).
 - Each layer gets a structural hash: its ops, attributes, output types, layouts and
   partitions, module paths relative to the layer, parameter shapes and names relative to the
   layer, and its wiring (operands as positions inside the layer, or as the k-th value from
@@ -75,41 +78,70 @@ def structural_hash(graph: Graph, layer: str, nodes: list[Node]) -> str:
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
+def _container(layer: str) -> str:
+    return layer.rsplit(".", 1)[0] if "." in layer else ""
+
+
+def _run_signature(graph: Graph, start: int, end: int) -> tuple[Any, ...]:
+    sig = []
+    for node in graph.nodes[start:end]:
+        try:
+            attrs = format_attrs(node.attrs)
+        except TypeError:
+            attrs = repr(sorted(node.attrs.items()))
+        sig.append((node.op, attrs, node.location.module_path, tuple(str(v.type) for v in node.outputs)))
+    return tuple(sig)
+
+
 def assign_layers(graph: Graph) -> list[str]:
     """The layer name of every node, in graph order (rules in the module docstring)."""
     named = [layer_of_path(n.location.module_path) for n in graph.nodes]
     if not any(named):
         return ["model"] * len(named)
-    before: list[str | None] = []
-    running: str | None = None
-    for name in named:
-        before.append(running)
-        running = name or running
-    after: list[str | None] = [None] * len(named)
-    running = None
-    for i in range(len(named) - 1, -1, -1):
-        after[i] = running
-        running = named[i] or running
-    taken_by_paths = set(filter(None, named))
-    taken = taken_by_paths | {"embed", "head"}
-    result: list[str] = []
-    for i, name in enumerate(named):
-        prev, nxt = before[i], after[i]
-        if name is not None:
-            result.append(name)
-        elif prev is None:
-            result.append("embed")
-        elif nxt is None:
-            result.append("head")
-        elif prev == nxt or not graph.nodes[i].location.module_path:
-            result.append(prev)  # inside a layer, or the parent's loop body right after one
-        elif named[i - 1] is None and result[-1] not in taken_by_paths:  # continues a run between layers
-            result.append(result[-1])
+    # Runs of nodes without an indexed path: (start, end, layer before, layer after).
+    runs: list[tuple[int, int, str | None, str | None]] = []
+    i = 0
+    while i < len(named):
+        if named[i] is not None:
+            i += 1
+            continue
+        j = i
+        while j < len(named) and named[j] is None:
+            j += 1
+        runs.append((i, j, named[i - 1] if i > 0 else None, named[j] if j < len(named) else None))
+        i = j
+    # The loop body of a container: what runs between two of its layers, when always the same.
+    bodies: dict[str, set[tuple[Any, ...]]] = {}
+    for start, end, prev, nxt in runs:
+        if prev is not None and nxt is not None and _container(prev) == _container(nxt) and prev != nxt:
+            bodies.setdefault(_container(prev), set()).add(_run_signature(graph, start, end))
+    result: list[str] = [name or "" for name in named]
+    taken = set(filter(None, named)) | {"embed", "head"}
+    between = 0
+    for start, end, prev, nxt in runs:
+        if prev is None:
+            result[start:end] = ["embed"] * (end - start)
+            continue
+        if nxt is not None and _container(prev) == _container(nxt):
+            result[start:end] = [prev] * (end - start)  # inside a layer, or its container's loop body
+            continue
+        body = bodies.get(_container(prev), set())
+        if len(body) == 1:  # the last layer of a container keeps its loop-body tail too
+            tail = len(next(iter(body)))
+            if end - start >= tail and _run_signature(graph, start, start + tail) in body:
+                result[start:start + tail] = [prev] * tail
+                start += tail
+        if start == end:
+            continue
+        if nxt is None:
+            name = "head"
         else:
-            top = graph.nodes[i].location.module_path.split(".")[0]
-            run = top if top and top not in taken else f"between{len(taken)}"
-            taken.add(run)
-            result.append(run)
+            tops = [n.location.module_path.split(".")[0] for n in graph.nodes[start:end]]
+            name = next((t for t in tops if t and t not in taken), "")
+            while not name or name in taken:
+                name, between = f"between{between}", between + 1
+            taken.add(name)
+        result[start:end] = [name] * (end - start)
     return result
 
 

@@ -1,12 +1,13 @@
 """lower: make every resharding, gradient synchronisation and stage cut explicit in the IR.
 
 Rule. Each node's partition fixes the layout it needs on every input and the layout it produces
-(`node_io_layouts`: the registry's einsum rule, plus rotating temporal splits, vocab-parallel
-cross entropy and mean reductions). Wherever a value's layout differs from what a consumer
-needs, the pass inserts the collectives that convert it, one mesh axis at a time:
+(`shardc.propagate.io_layouts`, the registry's rules). Wherever a value's layout differs from
+what a consumer needs, the pass inserts the steps `shardc.resharding.edge_steps` gives, the same
+ones the cost model charges, one mesh axis at a time:
 
     P -> R  all_reduce        P -> S  reduce_scatter     S -> R  all_gather
-    R -> S  chunk (local)     S(i) -> S(j)  all_to_all
+    R -> S  chunk (local)     S(i) -> S(j)  all_to_all   R -> P  to_partial (local)
+    S -> P  pad (local)       stage cut  send + recv
 
 Gradients follow one convention per axis. On model axes (tp, ...) a replicated value's
 gradient is replicated, so where a replicated input that needs a gradient enters a node split
@@ -14,10 +15,10 @@ along that axis, `grad_all_reduce` (identity forward, all_reduce backward) goes 
 an all_gather just before it takes that role instead, with a reduce_scatter backward. On data
 axes (dp, cp by default) every rank backpropagates its own loss and parameter gradients are
 averaged by DDP (or FSDP2 when a layer asks for ZeRO): each such parameter passes through one
-`grad_sync[axes, op="avg", via, zero]` node, and collectives on data axes carry the matching
-backward (`grad` attribute). Graph outputs are made replicated on model axes and stay local on
-data axes (the loss is each rank's mean: `P(avg)`). Between layers on different pipeline
-stages, `send`/`recv` pairs cut the graph, one hop per stage.
+`grad_sync[axes, op="avg", via, zero]` node (via="ddp", or "fsdp" when any layer has zero>0),
+and collectives carry the backward they need as their `grad` attribute. Graph outputs are made replicated on model axes and stay local on
+data axes (the loss is each rank's mean: `P(avg)`). Where an activation crosses pipeline
+stages, a `send` (producer's layer) and `recv` (consumer's layer) pair cuts the graph.
 """
 
 from __future__ import annotations

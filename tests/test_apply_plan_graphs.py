@@ -89,8 +89,9 @@ def attention_block(batch: int = 2, seq: int = 8, hidden: int = 16, heads: int =
 
 
 def tiny_lm(layers: int = 2, batch: int = 2, seq: int = 8, hidden: int = 16, heads: int = 4,
-            vocab: int = 32) -> Graph:
-    """A GPT-like language model with separate q/k/v, learned positions and a tied head."""
+            vocab: int = 32, flatten_loss: bool = False) -> Graph:
+    """A GPT-like language model with separate q/k/v, learned positions and a tied head; with
+    `flatten_loss` the loss reads `logits.view(-1, vocab)` and `targets.view(-1)` (nanoGPT)."""
     b = GraphBuilder("lm")
     d = hidden // heads
     idx = b.input("idx", (batch, seq))
@@ -121,6 +122,9 @@ def tiny_lm(layers: int = 2, batch: int = 2, seq: int = 8, hidden: int = 16, hea
         x = b("add", x, h, module=p)
     x = b("layer_norm", x, b.param("ln_f.weight", (hidden,)), b.param("ln_f.bias", (hidden,)), module="ln_f")
     logits = b("linear", x, wte, module="lm_head")
+    if flatten_loss:
+        logits = b("reshape", logits, shape=(batch * seq, vocab))
+        targets = b("reshape", targets, shape=(batch * seq,))
     return b.done(b("cross_entropy", logits, targets, module=""))
 
 

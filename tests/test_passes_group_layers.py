@@ -73,15 +73,42 @@ graph @encdec {
 
 def test_nodes_between_layers() -> None:
     graph = parse(BETWEEN)
-    # the root-level mul follows encoder.layer.1 (a loop body), the bridge is a layer of its own,
-    # the root-level tanh sits inside decoder.layer.0, the final sum is the head.
-    assert assign_layers(graph) == ["encoder.layer.0", "encoder.layer.1", "encoder.layer.1", "bridge", "bridge",
+    # the run from encoder to decoder is a layer named after its module, the root-level tanh
+    # sits inside decoder.layer.0, the final sum is the head.
+    assert assign_layers(graph) == ["encoder.layer.0", "encoder.layer.1", "bridge", "bridge", "bridge",
                                     "decoder.layer.0", "decoder.layer.0", "decoder.layer.0", "decoder.layer.1",
                                     "head"]
     grouped = group_layers(graph)
     assert {n: layer.block for n, layer in grouped.layers.items()} == {
-        "encoder.layer.0": "block0", "encoder.layer.1": "block1", "bridge": "bridge",
-        "decoder.layer.0": "block2", "decoder.layer.1": "block0", "head": "head"}  # one relu, like encoder.layer.0
+        "encoder.layer.0": "block0", "encoder.layer.1": "block0", "bridge": "bridge",
+        "decoder.layer.0": "block1", "decoder.layer.1": "block0", "head": "head"}  # all but one are a lone relu
+
+
+LOOP_BODY = """\
+graph @mlp {
+  input %x : f32[2,8]
+  param %layers.0.weight : f32[8,8]
+  param %layers.1.weight : f32[8,8]
+  param %layers.2.weight : f32[8,8]
+  %a0 = linear(%x, %layers.0.weight) : f32[2,8] @layers.0
+  %r0 = relu(%a0) : f32[2,8] @
+  %d0 = dropout[p=0.1](%r0) : f32[2,8] @drop
+  %a1 = linear(%d0, %layers.1.weight) : f32[2,8] @layers.1
+  %r1 = relu(%a1) : f32[2,8] @
+  %d1 = dropout[p=0.1](%r1) : f32[2,8] @drop
+  %a2 = linear(%d1, %layers.2.weight) : f32[2,8] @layers.2
+  %r2 = relu(%a2) : f32[2,8] @
+  %d2 = dropout[p=0.1](%r2) : f32[2,8] @drop
+  %s = sum(%d2) : f32[] @
+  return %s
+}
+"""
+
+
+def test_loop_body_in_the_parent_joins_every_layer() -> None:
+    graph = group_layers(parse(LOOP_BODY))
+    assert [n.layer for n in graph.nodes] == ["layers.0"] * 3 + ["layers.1"] * 3 + ["layers.2"] * 3 + ["head"]
+    assert {layer.block for layer in graph.layers.values()} == {"block0", "head"}
 
 
 def test_a_model_without_indexed_modules_is_one_layer() -> None:

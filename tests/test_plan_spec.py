@@ -171,6 +171,18 @@ def test_model_dims_from_fused_attention() -> None:
         validate_plan(ParallelPlan.parse("tp=4"), devices=4, **dims.as_kwargs())  # type: ignore[arg-type]
 
 
+def test_kv_heads_behind_repeat_kv() -> None:
+    # transformers' repeat_kv: k[b,2,s,d] -> [b,2,1,s,d] -> expand [b,2,2,s,d] -> reshape [b,4,s,d]
+    g = _gpt(layers=1)
+    sdpa = next(n for n in g.nodes if n.op == "scaled_dot_product_attention")
+    k = sdpa.inputs[1]
+    k5 = _node(g, "reshape", [k], [2, 2, 1, 16, 8], "blocks.0.attn")
+    k5 = _node(g, "expand", [k5], [2, 2, 2, 16, 8], "blocks.0.attn")
+    k4 = _node(g, "reshape", [k5], [2, 4, 16, 8], "blocks.0.attn")
+    sdpa.inputs[1] = sdpa.inputs[2] = k4
+    assert model_dims(g).kv_heads == 2 and model_dims(g).heads == 4
+
+
 def test_model_dims_from_explicit_attention_and_layer_annotations() -> None:
     g = Graph("bert")
     ids = _v("ids", [4, 8], "input", "i64")
@@ -199,3 +211,16 @@ def test_model_dims_without_attention() -> None:
     dims = model_dims(g)
     assert (dims.layers, dims.heads, dims.hidden, dims.vocab) == (3, None, None, None)
     validate_plan(ParallelPlan.parse("tp=2,pp=3"), devices=6, **dims.as_kwargs())  # type: ignore[arg-type]
+
+
+def test_model_dims_on_traced_models() -> None:
+    from shardc.frontend import trace
+    from shardc.models import load_model
+
+    expected = {
+        "examples/gpt.py:tiny": ModelDims(2, 4, 4, 64, 128, 16, 2),
+        "examples/llama.py:tiny": ModelDims(2, 4, 2, 64, 128, 16, 2),
+    }
+    for spec, dims in expected.items():
+        m = load_model(spec, device="meta")
+        assert model_dims(trace(m.model, m.example_inputs, name=m.name, input_names=m.input_names)) == dims, spec

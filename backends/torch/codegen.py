@@ -341,3 +341,12 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
         _place(holder, path, objects[sid], kind)
     root_graph.lint()
     return fx.GraphModule(holder, root_graph, class_name=f"{py_name(graph.name)}_rank{rank}")
+
+
+def module_code(module: nn.Module) -> str:
+    """The generated code of a rank's root module and of every layer module under it."""
+    parts = [f"# ---- {type(module).__name__} (root) ----\n{module.code.strip()}\n"]  # type: ignore[union-attr]
+    for path, sub in module.named_modules():
+        if path and isinstance(sub, fx.GraphModule):
+            parts.append(f"# ---- {path}: {type(sub).__name__} ----\n{sub.code.strip()}\n")
+    return "\n".join(parts)

@@ -338,6 +338,9 @@ class PipelineRunner:
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=args[0].device)
         last_global = dist.get_global_rank(self.mesh["pp"].get_group(), (self.num_stages - 1) % self.pp)
         dist.broadcast(loss, src=last_global, group=self.mesh["pp"].get_group())
+        if self.dp_mesh is not None:
+            dist.all_reduce(loss, group=self.dp_mesh.get_group())
+            loss /= self.dp_mesh.size()
         return loss
 
     def _sync_tied(self) -> None:

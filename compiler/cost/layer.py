@@ -24,7 +24,7 @@ Rules, node by node over the layer's partitioned IR:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.comm import CommStep, collective_time, combine_gradients, reshard_steps
@@ -93,7 +93,7 @@ def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
     return Layout(tuple(placements))
 
 
-def _needed_gradient(layout: Layout, passthrough: set[str] = frozenset()) -> Layout:
+def _needed_gradient(layout: Layout, passthrough: Collection[str] = ()) -> Layout:
     """The gradient layout a producer's backward needs: its output layout, Partial read as R;
     on `passthrough` axes a Partial gradient is accepted as it is."""
     return Layout(tuple((a, p) for a, p in layout.placements if isinstance(p, Shard))

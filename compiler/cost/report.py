@@ -61,9 +61,11 @@ def plot(estimate: Estimate, path: str) -> None:
 
     stages = [f"stage {s.stage}" for s in estimate.stages]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(stages) + 6), 4.5))
+    mem_unit, mem_scale = ("GiB", 2**30) if estimate.memory_per_device_bytes >= 2**30 else ("MiB", 2**20)
+    time_unit, time_scale = ("s", 1.0) if estimate.step_time_s >= 1 else ("ms", 1e-3)
     for ax, cats, get, unit, scale in (
-        (ax_mem, MEMORY_CATEGORIES, lambda s: s.memory, "GiB", 2**30),
-        (ax_time, TIME_CATEGORIES, lambda s: s.time, "s", 1.0),
+        (ax_mem, MEMORY_CATEGORIES, lambda s: s.memory, mem_unit, mem_scale),
+        (ax_time, TIME_CATEGORIES, lambda s: s.time, time_unit, time_scale),
     ):
         bottom = [0.0] * len(stages)
         for cat in cats:
@@ -73,8 +75,10 @@ def plot(estimate: Estimate, path: str) -> None:
                 bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_ylabel(unit)
         ax.legend(fontsize=7)
-    ax_mem.axhline(estimate.memory_capacity_bytes / 2**30, color="black", linestyle="--", linewidth=1)
-    ax_mem.set_title("memory per device")
+    if estimate.memory_per_device_bytes >= estimate.memory_capacity_bytes / 4:
+        ax_mem.axhline(estimate.memory_capacity_bytes / mem_scale, color="black", linestyle="--", linewidth=1,
+                       label="capacity")
+    ax_mem.set_title(f"memory per device (capacity {format_bytes(estimate.memory_capacity_bytes)})")
     ax_time.set_title(f"step time {estimate.step_time_s:.3g} s, MFU {estimate.mfu:.1%}")
     fig.suptitle(f"{estimate.plan}\non {estimate.cluster}", fontsize=8)
     fig.tight_layout()

@@ -46,6 +46,23 @@ class _Tracer(torch.fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return False
 
+    def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
+        self._paths: dict[int, str] = {}
+        if isinstance(root, torch.nn.Module):
+            for name, t in list(root.named_buffers()) + list(root.named_parameters()):
+                self._paths[id(t)] = name  # parameters win: a tensor both ways is a parameter
+        return super().trace(root, concrete_args)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """Parameters and buffers become get_attr nodes, found by identity in O(1) (the base class
+        scans every parameter on every access, which dominates tracing a 96-layer model)."""
+        name = self._paths.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
 
 def _positional_params(model: torch.nn.Module) -> list[inspect.Parameter]:
     params = list(inspect.signature(model.forward).parameters.values())

@@ -37,6 +37,20 @@ def to_meta(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "meta" else torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
+def typed_key(x: Any) -> Any:
+    """A hashable key that tells 1, 1.0 and True apart and sees tensors as shape, dtype and strides."""
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, tuple(x.stride()), x.device.type)
+    if isinstance(x, list | tuple):
+        return (type(x).__name__,) + tuple(typed_key(y) for y in x)
+    if isinstance(x, dict):
+        return ("D",) + tuple((k, typed_key(v)) for k, v in x.items())
+    if isinstance(x, slice):
+        return ("S", typed_key(x.start), typed_key(x.stop), typed_key(x.step))
+    hash(x)  # TypeError for what cannot be a key
+    return (type(x).__name__, x)
+
+
 def clean_attr(value: Any) -> Any:
     """Attributes are plain Python: ints, floats, bools, strings, None and tuples of them."""
     if isinstance(value, torch.dtype):
@@ -58,6 +72,8 @@ class Emitter:
         self._names: set[str] = set()
         self._counter = 0
         self.constants: dict[str, torch.Tensor] = {}
+        # (op, input metas, attrs) -> result metas: a 96-layer model runs each distinct op once
+        self._results: dict[Any, Any] = {}
 
     # ---- values ------------------------------------------------------------------------
     def _fresh(self, prefix: str = "x") -> str:
@@ -100,12 +116,16 @@ class Emitter:
             raise Unsupported(f"the registry has no op {op!r}")
         attrs = {k: clean_attr(v) for k, v in attrs.items()}
         metas = [self._meta[id(v)] for v in inputs]
-        try:
-            with torch.device("meta"):
-                result = get_op(op).impl(*metas, **attrs)
-        except Exception as err:  # a rule built a call the op's impl rejects: say which
-            raise Unsupported(f"registry op {op}{attrs} rejects inputs "
-                              f"{[str(v.type) for v in inputs]}: {type(err).__name__}: {err}") from err
+        key = (op, typed_key(metas), typed_key(attrs))
+        result = self._results.get(key)
+        if result is None:
+            try:
+                with torch.device("meta"):
+                    result = get_op(op).impl(*metas, **attrs)
+            except Exception as err:  # a rule built a call the op's impl rejects: say which
+                raise Unsupported(f"registry op {op}{attrs} rejects inputs "
+                                  f"{[str(v.type) for v in inputs]}: {type(err).__name__}: {err}") from err
+            self._results[key] = result
         many = isinstance(result, tuple | list)
         results = list(result) if many else [result]
         outs = []

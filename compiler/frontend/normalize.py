@@ -445,3 +445,8 @@ def _arange(e: Emitter, res: Any, *args: Any, start: Any = None, end: Any = None
     if step not in (None, 1):
         attrs["step"] = step
     return e.emit("arange", [], **attrs, dtype=dtype_name(res.dtype))
+
+
+@rule(torch.gather, "gather", aten("gather"))
+def _gather(e: Emitter, res: Any, x: Value, dim: int, index: Value, *_: Any, **__: Any) -> Value:
+    return e.emit("gather", [x, index], dim=_dim(dim, x.type.rank))

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from shardc.diagnostics import ShardcError
 from shardc.frontend.capture import Captured, capture, module_path_of, source_of
-from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta
+from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta, typed_key
 from shardc.frontend.rules import lookup, resolve_target, target_name
 from shardc.ir import Graph, Location, Value
 
@@ -136,6 +136,7 @@ class _Lowering:
         self.declared: dict[str, Value] = {}
         self.const_values: dict[int, Value] = {}
         self.const_nodes: dict[torch.fx.Node, Any] = {}
+        self.results: dict[Any, Any] = {}  # a call's meta result by its argument types
 
     def run(self) -> Graph:
         outputs: list[Value] = []
@@ -291,12 +292,22 @@ class _Lowering:
             return self.e.meta(x) if isinstance(x, Value) else x
         if res is None:
             margs, mkwargs = _map(args, meta), _map(kwargs, meta)
-            if node.op == "call_method" and str(node.target).endswith("_") and isinstance(margs[0], torch.Tensor):
-                margs = (margs[0].clone(),) + tuple(margs[1:])
+            in_place = node.op == "call_method" and str(node.target).endswith("_")
             try:
-                res = _call(node, margs, mkwargs)
-            except Exception as err:
-                raise self.error(node, f"torch cannot run it on meta tensors ({type(err).__name__}: {err})") from err
+                key: Any = None if in_place else (node.op, node.target, typed_key(margs), typed_key(mkwargs))
+            except TypeError:
+                key = None
+            if key is not None and key in self.results:
+                res = self.results[key]
+            else:
+                if in_place and isinstance(margs[0], torch.Tensor):
+                    margs = (margs[0].clone(),) + tuple(margs[1:])
+                try:
+                    res = _call(node, margs, mkwargs)
+                except Exception as err:
+                    raise self.error(node, f"torch cannot run it on meta tensors ({type(err).__name__}: {err})") from err
+                if key is not None:
+                    self.results[key] = res
         if not _tensors_in(res):
             return res
         rule = lookup(node.op, node.target)

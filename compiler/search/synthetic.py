@@ -147,6 +147,6 @@ def transformer_graph(dims: TransformerDims) -> Graph:
     bld.layer = "head"
     x = bld.norm(x, "norm_f", llama)
     logits = bld.linear(x, dims.vocab, "lm_head", False)
-    loss = bld.node("cross_entropy", [logits, labels], (), "loss", dtype="f32")
+    loss = bld.node("cross_entropy", [logits, labels], (), "loss")
     g.outputs.append(loss)
     return g
