@@ -2,7 +2,7 @@
 
 Two graphs are equal when they print the same, up to the order of keys in attribute and
 annotation dicts: names, value kinds, types, layouts, attributes (floats compared exactly,
-`1` differs from `1.0` and from `true`), partitions, layers and their annotations, node
+`1` differs from `1.0` and from `true`), partitions, layers and their annotations, graph attributes, node
 layers, annotations, locations, wiring, outputs and the mesh. Lists and tuples print alike
 and so compare alike. The first mismatch is named by its path, e.g.
 `node 12 (%x12 = linear @blocks.0.mlp.fc1): output 0 type f32[2,8,64] != f32[2,8,32]`.
@@ -93,6 +93,9 @@ def first_difference(a: Graph, b: Graph) -> str | None:
         return f"graph name @{a.name} != @{b.name}"
     if a.mesh != b.mesh:
         return f"mesh {a.mesh} != {b.mesh}"
+    diff = _dict_difference("graph attribute", a.attrs, b.attrs)
+    if diff:
+        return diff
     for what, xs, ys in (("input", a.inputs, b.inputs), ("param", a.params, b.params),
                          ("buffer", a.buffers, b.buffers)):
         for i, (x, y) in enumerate(zip(xs, ys)):

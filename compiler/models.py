@@ -229,7 +229,7 @@ def _fit_heads(config: Any, defaults: Any, user_keys: set[str]) -> None:
 def _hf_class(transformers: Any, config: Any, task: str | None, spec: str) -> Any:
     from transformers.models.auto import modeling_auto as auto
 
-    heads = {
+    heads: dict[str, tuple[Any, Any]] = {
         "masked": (transformers.AutoModelForMaskedLM, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
         "causal": (transformers.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         "base": (transformers.AutoModel, auto.MODEL_MAPPING_NAMES),

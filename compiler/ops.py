@@ -86,8 +86,17 @@ register(OpDef("mul", "elementwise", lambda i, o, a: _aligned_space(i, o), _bina
 register(OpDef("div", "elementwise", lambda i, o, a: _aligned_space(i, o), _binary(torch.div),
                flops=lambda i, o, a: o[0].numel, saves=_mul_saves))
 elementwise("pow", _binary(torch.pow), saves="inputs")
-elementwise("maximum", _binary(torch.maximum), saves="inputs")
-elementwise("minimum", _binary(torch.minimum), saves="inputs")
+def _extremum(fn: Any, clamp: Any) -> Any:
+    """torch.maximum/minimum take two tensors; with a scalar `other` they are a clamp."""
+    def run(a: Any, b: Any) -> torch.Tensor:
+        if not isinstance(b, torch.Tensor):
+            return clamp(a, b)
+        return fn(a, b) if isinstance(a, torch.Tensor) else clamp(b, a)
+    return run
+
+
+elementwise("maximum", _binary(_extremum(torch.maximum, torch.clamp_min)), saves="inputs")
+elementwise("minimum", _binary(_extremum(torch.minimum, torch.clamp_max)), saves="inputs")
 elementwise("eq", _binary(torch.eq))
 elementwise("ne", _binary(torch.ne))
 elementwise("lt", _binary(torch.lt))

@@ -94,6 +94,8 @@ class _Parser:
 
     # ---- lexical helpers ------------------------------------------------------------------
     def skip(self) -> None:
+        if self.pos < len(self.text) and self.text[self.pos] not in " \t\r\n/":
+            return
         m = _SPACE.match(self.text, self.pos)
         if m:
             self.pos = m.end()
@@ -136,7 +138,7 @@ class _Parser:
             self.expected("a string")
         start = self.pos
         try:
-            value, end = json.decoder.scanstring(self.text, self.pos + 1)
+            value, end = json.decoder.scanstring(self.text, self.pos + 1)  # type: ignore[attr-defined]
         except json.JSONDecodeError as err:
             line_end = self.text.find("\n", start)
             if '"' not in self.text[start + 1: line_end if line_end >= 0 else len(self.text)]:
@@ -178,6 +180,8 @@ class _Parser:
         graph = Graph(self.name("a graph name"))
         if self.peek_keyword("mesh"):
             graph.mesh = self.mesh()
+        if self.peek("["):
+            graph.attrs = self.attrs()
         self.expect("{", "to open the graph body")
         while True:
             self.skip()
@@ -313,8 +317,9 @@ class _Parser:
                 self.fail(f"expected a placement S(dim), R or P(op), found '{kind}'", kind_start)
             self.expect("(", f"after {kind}")
             arg: Any = self.integer("a tensor dim") if kind == "S" else self.regex(_IDENT, "a reduction op")
+            interleave = self.integer("an interleave count") if kind == "S" and self.accept("/") else 1
             self.expect(")", f"to close {kind}(")
-            return axis, self.build(kind_start, lambda: Shard(arg) if kind == "S" else Partial(arg))
+            return axis, self.build(kind_start, lambda: Shard(arg, interleave) if kind == "S" else Partial(arg))
 
         placements = self.separated(placement, "}")
         self.expect("}", "to close the layout")
@@ -325,10 +330,15 @@ class _Parser:
         self.keyword("partition")
         self.expect("<", "after 'partition'")
 
+        strides: list[tuple[str, int]] = []
+
         def spatial() -> tuple[str, str]:
             axis = self.regex(_IDENT, "a mesh axis name")
             self.expect(":", f"after mesh axis {axis}")
-            return axis, self.regex(_WORD, "an iteration dim")
+            dim = self.regex(_WORD, "an iteration dim")
+            if self.accept("/"):
+                strides.append((axis, self.integer(f"the stride of {axis}:{dim}")))
+            return axis, dim
 
         def temporal() -> TemporalSplit:
             dim_start = self.pos
@@ -347,7 +357,7 @@ class _Parser:
             self.keyword("time", "after ';' in a partition")
             splits = self.separated(temporal, ">")
         self.expect(">", "to close the partition")
-        return self.build(start, lambda: Partition(tuple(pairs), tuple(splits)))
+        return self.build(start, lambda: Partition(tuple(pairs), tuple(splits), tuple(strides)))
 
     def attr_value(self) -> Any:
         self.skip()
@@ -363,7 +373,7 @@ class _Parser:
             self.expect(")", "to close the tuple")
             return tuple(items)
         m = _NUMBER.match(self.text, self.pos)
-        if m and not re.match(r"[A-Za-z_]", self.text[m.end():m.end() + 1]):
+        if m and not _IDENT.match(self.text, m.end()):
             self.pos = m.end()
             text = m.group()
             return float(text) if any(c in text for c in ".eE") else int(text)

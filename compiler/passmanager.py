@@ -154,7 +154,9 @@ def get_pass(name: str, registry: Mapping[str, type] | None = None) -> type[Pass
 
 def _split_top(text: str, seps: str) -> list[str]:
     """Split at separators outside braces and quotes."""
-    parts, depth, quote, current = [], 0, False, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth, quote = 0, False
     for ch in text:
         if ch == '"':
             quote = not quote

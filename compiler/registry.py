@@ -216,7 +216,11 @@ def space_from_signature(
         if len(expanded) != t.rank:
             raise ValueError(f"{where} has rank {t.rank} but signature {signature!r} gives it {len(expanded)} dims")
         for item, extent in zip(expanded, t.shape):
-            if item == "1" or (isinstance(item, str) and item.startswith("e") and extent == 1 and where.startswith("input")):
+            # An input's size-one dim against a larger output dim is a broadcast, not a split-able
+            # dim; a size-one dim the output shares (a batch of one) stays a real iteration dim.
+            broadcast = (isinstance(item, str) and item in ell_names and extent == 1
+                         and where.startswith("input") and sizes.get(item, 1) != 1)
+            if item == "1" or broadcast:
                 dims.append(())
                 continue
             if isinstance(item, tuple):

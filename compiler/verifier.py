@@ -186,7 +186,8 @@ class _Verifier:
             for dim, axes in v.layout.sharded_dims().items():
                 ways = 1
                 for a in axes:
-                    ways *= mesh.axis_size(a)
+                    placement = v.layout.on(a)
+                    ways *= mesh.axis_size(a) * (placement.interleave if isinstance(placement, Shard) else 1)
                 if v.type.shape[dim] % ways:
                     self.fail(f"%{v.name} : {v.type}{v.layout} splits dim {dim} of size {v.type.shape[dim]} "
                               f"{ways} ways, unevenly", node, "pick mesh axes whose sizes divide the dim")

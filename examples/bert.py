@@ -67,6 +67,8 @@ class Layer(nn.Module):
 
 
 class Bert(nn.Module):
+    position_ids: torch.Tensor
+
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -30,6 +30,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    future: torch.Tensor
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.n_embd % cfg.n_head:

@@ -92,6 +92,9 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg

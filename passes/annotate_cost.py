@@ -21,8 +21,11 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import torch
 
 from shardc.ir import DTYPE_BYTES, Graph, Layout, Mesh, Node, TensorType, Value
 from shardc.passmanager import Pass, PassContext, register_pass
@@ -34,38 +37,73 @@ COST_KEYS = ("flops", "bytes", "saved_bytes", "param_bytes", "params")
 _FRESH_KINDS = frozenset({"collective", "opaque"})
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=16384)
+def _view_behaviour(op_name: str, inputs: tuple[tuple[TensorType, tuple[int, ...]], ...],
+                    attrs: tuple[tuple[str, Any], ...]) -> tuple[tuple[int | None, tuple[int, ...]], ...] | None:
+    """Per output: the index of the input whose storage it shares (None: its own) and its strides.
+
+    Found by running the op on meta tensors with the given strides; None when it cannot run.
+    """
+    op = get_op(op_name)
+    try:
+        tensors = [torch.empty_strided(t.shape, strides, dtype=meta_tensor(t).dtype, device="meta")
+                   for t, strides in inputs]
+        outs = run_on_meta(op, tensors, dict(attrs))
+    except Exception:  # the verifier reports broken nodes; here they just get fresh storage
+        return None
+    result = []
+    for out in outs:
+        base = out._base if out._base is not None else out
+        source = next((j for j, t in enumerate(tensors) if t is base), None)
+        result.append((source, tuple(out.stride())))
+    return tuple(result)
+
+
 def alias_roots(graph: Graph) -> dict[int, Value]:
     """id(value) -> the value owning its storage (itself unless torch makes it a view).
 
-    The graph runs on meta tensors; an output whose `_base` (or which itself) is a tensor
-    some earlier value owns is an alias of that value. Ops that cannot run on meta tensors
-    give fresh storage.
+    Each op runs on meta tensors with its operands' strides (cached per signature); an output
+    whose `_base` is an operand, or which is the operand itself, shares that operand's storage.
+    Collective and opaque ops, and ops that cannot run on meta tensors, give fresh storage.
     """
-    tensors: dict[int, Any] = {}
-    owner: dict[int, Value] = {}
     roots: dict[int, Value] = {}
+    strides: dict[int, tuple[int, ...]] = {}
     for v in (*graph.inputs, *graph.params, *graph.buffers):
-        t = meta_tensor(v.type)
-        tensors[id(v)], owner[id(t)], roots[id(v)] = t, v, v
+        roots[id(v)], strides[id(v)] = v, _contiguous_strides(v.type.shape)
     for node in graph.nodes:
-        outs = None
+        behaviour = None
         op = get_op(node.op) if has_op(node.op) else None
         if op is not None and op.kind not in _FRESH_KINDS:
+            key = tuple((v.type, strides[id(v)]) for v in node.inputs)
             try:
-                outs = run_on_meta(op, [tensors[id(x)] for x in node.inputs], node.attrs)
-            except Exception:  # the verifier reports broken nodes; here they just get fresh storage
-                outs = None
-            if outs is not None and [tuple(t.shape) for t in outs] != [v.type.shape for v in node.outputs]:
-                outs = None
-        if outs is None:
-            outs = [meta_tensor(v.type) for v in node.outputs]
-        for v, t in zip(node.outputs, outs):
-            base = t._base if t._base is not None else t
-            root = owner.setdefault(id(base), v)
-            roots[id(v)] = root
-            tensors[id(v)] = t
-    # `tensors` keeps every meta tensor alive until here, so ids were never reused.
+                attrs = tuple((k, _freeze(a)) for k, a in node.attrs.items())
+                behaviour = _view_behaviour(node.op, key, attrs)
+            except TypeError:  # unhashable attributes: no aliasing known
+                behaviour = None
+            if behaviour is not None and len(behaviour) != len(node.outputs):
+                behaviour = None
+        for k, v in enumerate(node.outputs):
+            source, out_strides = behaviour[k] if behaviour is not None else (None, None)
+            if out_strides is None or len(out_strides) != v.type.rank:
+                out_strides = _contiguous_strides(v.type.shape)
+            roots[id(v)] = roots[id(node.inputs[source])] if source is not None else v
+            strides[id(v)] = out_strides
     return roots
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    hash(value)
+    return value
 
 
 def _bytes(t: TensorType, dtype: str | None) -> int:
@@ -132,6 +170,7 @@ def node_costs(graph: Graph, dtype: str | None = None) -> list[CostRow]:
                 continue
             saved_values.add(key)
             size = _bytes(local, dtype)
+            storage: Any
             if resharded:  # the node works on a resharded copy: storage of its own
                 storage, cap = key, size
             else:

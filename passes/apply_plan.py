@@ -208,6 +208,10 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
     kwargs = dims.as_kwargs()
     kwargs["layers"] = max(dims.layers, 1) if plan.stages == 1 else dims.layers
     validate_plan(plan, devices=plan.devices, **kwargs)
+    if not graph.layers:  # before partitioning: block classes must not depend on layouts
+        from shardc.passes.group_layers import group_layers
+
+        group_layers(graph)
     mesh = plan_mesh(plan)
     graph.mesh = mesh
     roles = dim_roles(graph)
@@ -248,11 +252,10 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
 
 def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
     """Give every layer its pipeline stage and the plan's recompute/zero/offload (module docstring)."""
-    if not graph.layers:
-        from shardc.passes.group_layers import group_layers
+    from shardc.passes.group_layers import group_layers, layer_of_path
 
+    if not graph.layers:
         group_layers(graph)
-    from shardc.passes.group_layers import layer_of_path
 
     names = list(graph.layers)
     blocks = [n for n in names if layer_of_path(n) == n]

@@ -12,6 +12,8 @@ Rules:
   nodes right after its last layer join that layer too, so all its layers look alike. Any
   other run between layers becomes a layer named after the first top module in it (or
   `between<k>`).
+- Nodes inside a layer's span that come from no indexed module and read nothing the layer
+  computed (a mask that torch.export materialised lazily) first move to just before the layer.
 - Each layer gets a structural hash: its ops, attributes, output types, layouts and
   partitions, module paths relative to the layer, parameter shapes and names relative to the
   layer, and its wiring (operands as positions inside the layer, or as the k-th value from
@@ -145,8 +147,45 @@ def assign_layers(graph: Graph) -> list[str]:
     return result
 
 
+def hoist_foreign_nodes(graph: Graph) -> None:
+    """Move nodes that sit inside a layer's span but neither come from an indexed module nor
+    read anything the layer computed to just before the layer (order among them kept)."""
+    named = [layer_of_path(n.location.module_path) for n in graph.nodes]
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, name in enumerate(named):
+        if name is not None:
+            first.setdefault(name, i)
+            last[name] = i
+    moves: dict[int, list[Node]] = {}  # index of a layer's first node -> nodes to put before it
+    moved: set[int] = set()
+    depends: set[int] = set()  # ids of values computed from the current layer
+    current: str | None = None
+    for i, (node, name) in enumerate(zip(graph.nodes, named)):
+        if name is not None:
+            if name != current:
+                current, depends = name, set()
+            depends.update(id(v) for v in node.outputs)
+            continue
+        inside = current is not None and i < last[current]
+        if inside and not any(id(v) in depends for v in node.inputs):
+            moves.setdefault(first[current], []).append(node)  # type: ignore[index]
+            moved.add(i)
+        else:
+            depends.update(id(v) for v in node.outputs)
+    if not moved:
+        return
+    nodes: list[Node] = []
+    for i, node in enumerate(graph.nodes):
+        nodes.extend(moves.get(i, []))
+        if i not in moved:
+            nodes.append(node)
+    graph.nodes = nodes
+
+
 def group_layers(graph: Graph) -> Graph:
     """Set `node.layer` on every node and rebuild `graph.layers` with block classes."""
+    hoist_foreign_nodes(graph)
     names = assign_layers(graph)
     members: dict[str, list[Node]] = {}
     for node, name in zip(graph.nodes, names):

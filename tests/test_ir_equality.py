@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from shardc.equality import assert_graphs_equal, first_difference, graphs_equal
 from shardc.ir import Layout, Location, Partition, Replicate, Shard, TensorType
 from shardc.parser import parse
@@ -54,6 +53,7 @@ def test_equal_graphs() -> None:
      "layer 0: layer blocks.0 block=block0 stage=none recompute=none zero=0 offload=false != "
      "layer blocks.0 block=block1"),
     (lambda g: setattr(g, "mesh", None), "mesh mesh<tp=2> != None"),
+    (lambda g: g.attrs.update(microbatches=2), "graph attribute microbatches only in the second graph"),
     (lambda g: setattr(g, "name", "h"), "graph name @g != @h"),
     (lambda g: g.outputs.append(g.nodes[0].outputs[0]), "outputs %x2 != %x2, %x1"),
 ])

@@ -114,3 +114,28 @@ def test_loop_body_in_the_parent_joins_every_layer() -> None:
 def test_a_model_without_indexed_modules_is_one_layer() -> None:
     graph = group_layers(parse(BETWEEN.replace(".layer.", ".layer")))
     assert list(graph.layers) == ["model"] and {n.layer for n in graph.nodes} == {"model"}
+
+
+HOIST = """\
+graph @hoist {
+  input %x : f32[2,8]
+  input %m : f32[2,8]
+  %a = relu(%x) : f32[2,8] @blocks.0.fc
+  %k = neg(%m) : f32[2,8] @model
+  %b = add(%a, %k) : f32[2,8] @blocks.0
+  %c = relu(%b) : f32[2,8] @blocks.1.fc
+  %d = add(%c, %k) : f32[2,8] @blocks.1
+  return %d
+}
+"""
+
+
+def test_foreign_nodes_inside_a_layer_move_before_it() -> None:
+    graph = group_layers(parse(HOIST))
+    assert [(n.outputs[0].name, n.layer) for n in graph.nodes] == [
+        ("k", "embed"), ("a", "blocks.0"), ("b", "blocks.0"), ("c", "blocks.1"), ("d", "blocks.1")]
+    assert graph.layers["blocks.0"].block == graph.layers["blocks.1"].block == "block0"
+    # a node that reads the layer's values stays where it is
+    graph = group_layers(parse(HOIST.replace("%k = neg(%m)", "%k = neg(%a)")))
+    assert [n.outputs[0].name for n in graph.nodes] == ["a", "k", "b", "c", "d"]
+    assert graph.nodes[1].layer == "blocks.0"

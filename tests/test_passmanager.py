@@ -7,12 +7,18 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import pytest
-
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, TensorType
 from shardc.parser import parse
 from shardc.passmanager import (
-    Pass, PassContext, PassError, available_passes, parse_pipeline, pass_text, register_pass, run_pipeline,
+    Pass,
+    PassContext,
+    PassError,
+    available_passes,
+    parse_pipeline,
+    pass_text,
+    register_pass,
+    run_pipeline,
 )
 from shardc.printer import print_graph
 

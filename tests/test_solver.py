@@ -7,17 +7,16 @@ import dataclasses
 import itertools
 
 import pytest
-from test_candidates import mlp_graph
-
 from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, evaluate
 from shardc.search.outer import mesh_shapes, search
-from shardc.search.planfile import assignment_from_plan, load_plan, plan_dict, save_plan
+from shardc.search.planfile import assignment_from_plan, load_plan, plan_dict
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.report import run_plan
 from shardc.search.synthetic import PRESETS, transformer_graph
+from test_candidates import mlp_graph
 
 
 def _splits(layers: int, stages: int):
@@ -40,9 +39,9 @@ def brute_force(problem, limit):
 
 
 @pytest.mark.parametrize("shape,limit", [(MeshShape(1, 1, 1, 2), 80e9), (MeshShape(2, 1, 1, 2), 80e9),
-                                         (MeshShape(1, 2, 1, 2), 80e9), (MeshShape(2, 1, 1, 2), 60e3)])
+                                         (MeshShape(1, 2, 1, 2), 80e9), (MeshShape(2, 1, 1, 2), 40e3)])
 def test_optimal_against_brute_force(shape, limit):
-    g = mlp_graph(layers=3)
+    g = mlp_graph(layers=2)
     cluster = parse_cluster("8xH100")
     problem = build_problem(graph_facts(g, cluster), cluster, shape, 2, 8, rotate=False, chunk=False)
     want = brute_force(problem, limit)
@@ -68,7 +67,7 @@ def test_memory_limit_changes_the_plan():
     assert ev.fits and ev.step_time_s >= free.step_time_s
 
 
-def _plan(seed=0, limit=80e9, time_limit=8.0, name="tiny", cluster="8xH100", gbs=16, **dims):
+def _plan(seed=0, limit=80e9, time_limit=3.0, name="tiny", cluster="8xH100", gbs=16, **dims):
     g = transformer_graph(dataclasses.replace(PRESETS[name], **dims))
     c = parse_cluster(cluster)
     return search(graph_facts(g, c), c, gbs, limit, time_limit, seed)
@@ -95,9 +94,9 @@ def test_memory_tight_case_beats_the_grid():
     # 4 blocks of h=1024 on 4 small devices: the grid must recompute everything; the solver
     # mixes recomputation per stage and partitions the activations.
     dims = {"layers": 4, "hidden": 1024, "heads": 16, "seq": 2048, "vocab": 32000}
-    roomy = _plan(cluster="4xA100-40GB", gbs=8, time_limit=10, **dims)
+    roomy = _plan(cluster="4xA100-40GB", gbs=8, time_limit=4, **dims)
     grid_mem = roomy.grid.evaluation.memory_per_device_bytes
-    tight = _plan(cluster="4xA100-40GB", gbs=8, limit=0.6 * grid_mem, time_limit=10, **dims)
+    tight = _plan(cluster="4xA100-40GB", gbs=8, limit=0.6 * grid_mem, time_limit=4, **dims)
     assert tight.best is not None
     if tight.grid is not None:
         assert tight.best.evaluation.step_time_s <= tight.grid.evaluation.step_time_s
@@ -109,17 +108,17 @@ def test_no_plan_fits_names_the_smallest_memory_and_category():
 
 
 def test_bad_time_limit_and_mesh():
-    with pytest.raises(ShardcError, match="time limit"):
+    with pytest.raises(ShardcError, match="time-limit must be positive"):
         run_plan("synthetic:tiny", "8xH100", 16, time_limit=0)
     with pytest.raises(ShardcError, match="cannot factor"):
         mesh_shapes(0, 8, 2, 16, 32)
     with pytest.raises(ShardcError, match="no mesh shape"):
-        mesh_shapes(8, 8, 0, 3, 32) if False else mesh_shapes(16, 8, 1, 1, 32) and mesh_shapes(9, 3, 0, 2, 32)
+        mesh_shapes(16, 8, 1, 1, 32)  # one block, batch 1: 16 devices would need tp=16 across nodes
 
 
 def test_plan_file_round_trip_and_warm_start(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert run_plan("synthetic:tiny", "8xH100", 16, time_limit=5, out=str(out), json_out=True) == 0
+    assert run_plan("synthetic:tiny", "8xH100", 16, time_limit=2, out=str(out), json_out=True) == 0
     first = capsys.readouterr().out
     data = load_plan(out)
     assert (tmp_path / "plan.json.ir").read_text().count("partition<") > 10
@@ -129,5 +128,5 @@ def test_plan_file_round_trip_and_warm_start(tmp_path, capsys):
     problem = build_problem(graph_facts(g, c), c, shape, data["mb"], 16)
     a = assignment_from_plan(data, problem)
     assert evaluate(problem, a, 80e9).step_time_s == pytest.approx(data["step_time_s"])
-    assert run_plan("synthetic:tiny", "8xH100", 16, time_limit=5, json_out=True, warm_start=str(out)) == 0
+    assert run_plan("synthetic:tiny", "8xH100", 16, time_limit=2, json_out=True, warm_start=str(out)) == 0
     assert '"step_time_s"' in first and '"optimality_gap"' in first and '"grid_best_step_time_s"' in first

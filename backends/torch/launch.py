@@ -105,6 +105,11 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 180
                 continue
             if status == "error":
                 failure = f"rank {rank} failed: {payload}"
+                time.sleep(0.5)  # a peer that died is the root cause of a connection error here
+                dead = [r for r, p in enumerate(procs) if r != rank and not p.is_alive() and p.exitcode]
+                if dead:
+                    failure = (f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}; then rank {rank} "
+                               f"failed: {payload.splitlines()[0]}")
             else:
                 import torch
 
@@ -155,3 +160,233 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+# ---- the `shardc run` worker ----------------------------------------------------------------
+
+class PeakMemory:
+    """Peak bytes of live tensor storage on this process during a block (CPU), or CUDA's own counter.
+
+    On CPU a TorchDispatchMode sees every op's outputs; each new storage is counted once (by data
+    pointer) until it is freed (a weakref finalizer on the storage). `baseline` counts what lived
+    before the block (parameters, gradients, optimizer state). On CUDA it is
+    `torch.cuda.max_memory_allocated` after a reset.
+    """
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+        self.peak = baseline
+        self._mode: Any = None
+
+    def __enter__(self) -> PeakMemory:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+            return self
+        self._mode = _StorageCounter(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.peak = int(torch.cuda.max_memory_allocated())
+
+
+def _storage_counter_class() -> type:
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Counter(TorchDispatchMode):
+        def __init__(self, owner: PeakMemory) -> None:
+            super().__init__()
+            self.owner = owner
+            self.live: dict[int, int] = {}
+            self.current = owner.baseline
+
+        def _free(self, key: int) -> None:
+            self.current -= self.live.pop(key, 0)
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            import torch
+
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key == 0 or key in self.live:
+                    continue
+                self.live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                self.owner.peak = max(self.owner.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+            return out
+
+    return Counter
+
+
+def _StorageCounter(owner: PeakMemory) -> Any:  # noqa: N802 - a class built on first use
+    return _storage_counter_class()(owner)
+
+
+def synthetic_batch(example_inputs: Sequence[Any], vocab: int, seed: int, step: int) -> list[Any]:
+    """Step `step`'s batch: integer inputs uniform in [0, vocab), float inputs normal; fixed by seed and step."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    out: list[Any] = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and not x.is_floating_point():
+            out.append(torch.randint(0, vocab, tuple(x.shape), generator=g, dtype=x.dtype))
+        elif isinstance(x, torch.Tensor):
+            out.append(torch.randn(tuple(x.shape), generator=g, dtype=x.dtype))
+        else:
+            out.append(x)
+    return out
+
+
+def _vocab_of(model: Any) -> int:
+    from torch import nn
+
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return int(m.num_embeddings)
+    return 2
+
+
+def _state_bytes(params: Sequence[Any], optimizer: Any) -> int:
+    total = 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size() * (2 if p.grad is not None else 1)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if hasattr(v, "numel"):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _build_trainer(config: dict[str, Any], model: Any, example: Sequence[Any]) -> tuple[Any, Callable[..., Any]]:
+    """(object holding this rank's parameters, step(batch) -> loss tensor) for the plan."""
+    import torch
+    import torch.nn.functional as F
+    from torch import fx
+
+    from shardc.plan import ParallelPlan
+
+    plan = ParallelPlan.parse(config["plan"])
+    if plan.pp == 1:
+        from shardc.api import compile as shardc_compile
+
+        compiled = shardc_compile(model, tuple(example), plan=plan)
+        module = compiled.parallelize(model)
+        return module, lambda batch: module(*batch)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardc.backends.torch.eject import apply_tensor_parallel
+    from shardc.backends.torch.pipeline import PipelineRunner
+
+    if plan.cp > 1:
+        from shardc.diagnostics import ShardcError
+
+        raise ShardcError(f"plan {config['plan']}: context parallelism inside a pipeline is not supported by the runner")
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (plan.pp, plan.dp, plan.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
+    if plan.tp > 1:
+        model = apply_tensor_parallel(model, mesh["tp"])
+    import inspect
+
+    names = list(inspect.signature(model.forward).parameters)
+    traced = fx.symbolic_trace(model, concrete_args={n: None for n in names[1:]})
+
+    def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    batch = example[0].shape[0]
+    share = batch // plan.dp
+    micro = max(1, share // plan.mb)
+    runner = PipelineRunner(model, mesh, lm_loss, n_microbatches=micro, schedule=plan.schedule,
+                            virtual_stages=plan.vpp, traced=traced)
+    dp_rank = mesh["dp"].get_local_rank()
+
+    def step(b: Sequence[torch.Tensor]) -> torch.Tensor:
+        part = slice(dp_rank * share, (dp_rank + 1) * share)
+        return runner.step(b[0][part], b[1][part])
+
+    return runner, step
+
+
+def worker_main(config_path: str) -> int:
+    """One rank of `shardc run`: build, parallelize, train `steps` AdamW steps, write `rank<k>.json`."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    config = json.loads(Path(config_path).read_text())
+    out_dir = Path(config["out_dir"])
+    rank = int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    try:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.get("pg_timeout_s", PG_TIMEOUT_S)))
+        from shardc.models import load_model
+
+        torch.manual_seed(config["seed"])
+        loaded = load_model(config["model"], device="cpu")
+        model, example = loaded.model, list(loaded.example_inputs)
+        holder, step_fn = _build_trainer(config, model, example)
+        params = [p for p in holder.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=config.get("lr", 1e-3))
+        vocab = _vocab_of(model)
+        fail_rank, fail_step = os.environ.get("SHARDC_FAIL_RANK"), int(os.environ.get("SHARDC_FAIL_STEP", "0"))
+        losses: list[float] = []
+        times: list[float] = []
+        peak = 0
+        for step in range(config["steps"]):
+            if fail_rank is not None and int(fail_rank) == rank and step == fail_step:
+                raise RuntimeError(f"injected failure (SHARDC_FAIL_RANK={fail_rank}, step {step})")
+            batch = synthetic_batch(example, vocab, config["seed"], step)
+            dist.barrier()
+            start = time.perf_counter()
+            if step == 0:  # memory is measured on the first step (it also creates the optimizer state)
+                with PeakMemory(_state_bytes(params, optimizer)) as mem:
+                    loss = step_fn(batch)
+                    loss.backward() if loss.requires_grad else None
+                    optimizer.step()
+                peak = mem.peak
+            else:
+                loss = step_fn(batch)
+                loss.backward() if loss.requires_grad else None
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.detach().reshape(()).clone()
+            dist.all_reduce(value)  # tp/pp replicas agree, dp shares are averaged: the global mean
+            value /= dist.get_world_size()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            losses.append(float(value))
+        timed = times[1:] or times
+        write_json(out_dir / f"rank{rank}.json", {"rank": rank, "losses": losses, "step_times_s": times,
+                                                  "median_step_time_s": statistics.median(timed),
+                                                  "peak_memory_bytes": int(peak), "backend": backend})
+        dist.destroy_process_group()
+        return 0
+    except BaseException as err:
+        (out_dir / f"rank{rank}.error").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1]))

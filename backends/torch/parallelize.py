@@ -135,7 +135,10 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
         return module
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(module, process_group=sub.get_group())
+    # Every rank already holds its own pieces: no broadcast from rank 0 (buffers may be sharded
+    # along cp, which this group spans).
+    return DistributedDataParallel(module, process_group=sub.get_group(), init_sync=False,
+                                   forward_sync_buffers=False)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

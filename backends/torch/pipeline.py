@@ -239,13 +239,15 @@ class PipelineRunner:
     gradients in the parameters ready for any torch optimizer: averaged over dp, summed over
     stages for tied parameters, scaled by 1/n_microbatches (so a mean loss gives the gradient
     of the whole batch's mean loss). It returns the mean micro-batch loss on every rank.
-    `shard_stage(module, tp_mesh) -> module` shards each stage over tp when tp > 1.
+    `shard_model(model, tp_mesh) -> model` shards the whole model over tp when tp > 1, before it
+    is traced and cut (so hooks of torch's `parallelize_module` and shrunk head counts are seen
+    by the tracer); `eject.apply_tensor_parallel` is torch's Megatron plan.
     """
 
     def __init__(self, model: nn.Module, mesh: Any, loss_fn: Callable[..., torch.Tensor], *,
                  n_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1,
                  stage_of: Mapping[str, int] | None = None, traced: fx.GraphModule | None = None,
-                 shard_stage: Callable[[nn.Module, Any], nn.Module] | None = None) -> None:
+                 shard_model: Callable[[nn.Module, Any], nn.Module] | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         names = mesh.mesh_dim_names or ()
@@ -262,14 +264,14 @@ class PipelineRunner:
         tp_mesh = mesh["tp"] if "tp" in names and mesh["tp"].size() > 1 else None
         if n_microbatches < self.pp and virtual_stages > 1:
             raise ShardcError(f"interleaved schedule needs n_microbatches ({n_microbatches}) >= pp ({self.pp})")
+        if tp_mesh is not None:
+            if shard_model is None:
+                raise ShardcError(f"the mesh has tp={tp_mesh.size()} but no shard_model function was given",
+                                  hint="pass shard_model=shardc.backends.torch.eject.apply_tensor_parallel")
+            model = shard_model(model, tp_mesh)
         all_stages = split_stages(model, self.num_stages, stage_of, traced)
         self.stage_ids = stages_of_rank(self.pp_rank, self.pp, virtual_stages)
-        self.modules: list[nn.Module] = []
-        for s in self.stage_ids:
-            mod = all_stages[s]
-            if tp_mesh is not None and shard_stage is not None:
-                mod = shard_stage(mod, tp_mesh)
-            self.modules.append(mod)
+        self.modules: list[nn.Module] = [all_stages[s] for s in self.stage_ids]
         self._tied = _tied_names(model)
         self._tied_shapes = {names[0]: model.get_parameter(names[0]).shape for names in self._tied}
         device = _device_of(model)

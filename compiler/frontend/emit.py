@@ -34,7 +34,11 @@ def tensor_type(t: torch.Tensor) -> TensorType:
 
 
 def to_meta(t: torch.Tensor) -> torch.Tensor:
-    return t if t.device.type == "meta" else torch.empty(t.shape, dtype=t.dtype, device="meta")
+    """A contiguous meta tensor like `t`: the IR has no strides, so `.view` after a transpose
+    traces as the reshape it is (`.contiguous()` leaves no node behind)."""
+    if t.device.type == "meta" and t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 def typed_key(x: Any) -> Any:

@@ -54,7 +54,7 @@ def _binary_rule(op: str, commutative: bool) -> Any:
     return lower
 
 
-for _op, _comm, _keys in (
+_BINARY: tuple[tuple[str, bool, tuple[Any, ...]], ...] = (
     ("add", True, (torch.add, operator.add, operator.iadd, "add", "add_", "__add__", "__iadd__", aten("add"))),
     ("sub", False, (torch.sub, torch.subtract, operator.sub, operator.isub, "sub", "sub_", "__sub__", aten("sub"))),
     ("mul", True, (torch.mul, torch.multiply, operator.mul, operator.imul, "mul", "mul_", "__mul__", aten("mul"))),
@@ -65,7 +65,8 @@ for _op, _comm, _keys in (
     ("minimum", True, (torch.minimum, "minimum", aten("minimum"))),
     ("eq", True, (torch.eq, operator.eq, "eq", "__eq__", aten("eq"))),
     ("ne", True, (torch.ne, operator.ne, "ne", "__ne__", aten("ne"))),
-):
+)
+for _op, _comm, _keys in _BINARY:
     rule(*_keys)(_binary_rule(_op, _comm))
 
 _FLIPPED = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
@@ -119,7 +120,7 @@ def _unary(op: str) -> Any:
     return lower
 
 
-for _op, _keys in (
+_UNARY: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("neg", (torch.neg, operator.neg, "neg", "__neg__", aten("neg"))),
     ("abs", (torch.abs, operator.abs, "abs", aten("abs"))),
     ("exp", (torch.exp, "exp", aten("exp"))),
@@ -134,8 +135,9 @@ for _op, _keys in (
     ("erf", (torch.erf, torch.special.erf, "erf", aten("erf"))),
     ("relu", (torch.relu, F.relu, "relu", "relu_", aten("relu"))),
     ("silu", (F.silu, aten("silu"))),
-):
-    rule(*_keys)(_unary(_op))
+)
+for _op, _unary_keys in _UNARY:
+    rule(*_unary_keys)(_unary(_op))
 
 
 @rule(F.gelu, aten("gelu"))
@@ -394,57 +396,6 @@ def _max(e: Emitter, res: Any, x: Value, *args: Any, **kwargs: Any) -> Value:
             return e.emit("maximum", [x, other])
         raise Unsupported("max over a dim (it also returns indices); use amax")
     return e.emit("amax", [x])
-
-
-# ---- creation ----------------------------------------------------------------------------------
-
-def _fill(e: Emitter, res: Any, value: Any) -> Value:
-    dtype = dtype_name(res.dtype)
-    value = bool(value) if dtype == "bool" else (float(value) if res.dtype.is_floating_point else int(value))
-    return e.emit("full", [], shape=tuple(res.shape), value=value, dtype=dtype)
-
-
-@rule(torch.ones, torch.ones_like, "new_ones", aten("ones"), aten("ones_like"), aten("new_ones"))
-def _ones(e: Emitter, res: Any, *_: Any, **__: Any) -> Value:
-    return _fill(e, res, 1)
-
-
-@rule(torch.zeros, torch.zeros_like, torch.empty, torch.empty_like, "new_zeros", "new_empty", aten("zeros"),
-      aten("zeros_like"), aten("new_zeros"), aten("empty"), aten("empty_like"), aten("new_empty"))
-def _zeros(e: Emitter, res: Any, *_: Any, **__: Any) -> Value:
-    return _fill(e, res, 0)
-
-
-@rule(torch.full, aten("full"))
-def _full(e: Emitter, res: Any, size: Any, fill_value: Any, **_: Any) -> Value:
-    return _fill(e, res, _scalar(fill_value))
-
-
-@rule(torch.full_like, "new_full", aten("full_like"), aten("new_full"))
-def _full_like(e: Emitter, res: Any, x: Any, fill_value: Any, *_: Any, **__: Any) -> Value:
-    return _fill(e, res, _scalar(fill_value))
-
-
-@rule(torch.tensor, torch.as_tensor, aten("scalar_tensor"))
-def _tensor(e: Emitter, res: Any, data: Any, *_: Any, **__: Any) -> Value:
-    if not isinstance(data, bool | int | float):
-        raise Unsupported("torch.tensor of a sequence (kept as a constant)")
-    return _fill(e, res, data)
-
-
-@rule(torch.arange, aten("arange"))
-def _arange(e: Emitter, res: Any, *args: Any, start: Any = None, end: Any = None, step: Any = None,
-            **_: Any) -> Value:
-    nums = [a for a in args if isinstance(a, int | float) and not isinstance(a, bool)]
-    if len(nums) == 1 and end is None:
-        end = nums[0]
-    elif nums:
-        start, end = nums[0], nums[1]
-        step = nums[2] if len(nums) > 2 else step
-    attrs: dict[str, Any] = {"start": start if start is not None else 0, "end": end}
-    if step not in (None, 1):
-        attrs["step"] = step
-    return e.emit("arange", [], **attrs, dtype=dtype_name(res.dtype))
 
 
 @rule(torch.gather, "gather", aten("gather"))

@@ -3,8 +3,8 @@
 A rule is `rule(e, res, *args, **kwargs)`: `e` is the `Emitter`, `res` the call's own result
 computed on meta tensors (its shapes and dtypes are the truth the rule may read), and `args`
 the call's arguments with tensors replaced by IR `Value`s. It returns a `Value`, a tuple of
-them, or the input value itself when the call is a no-op. Rules live in `normalize.py` and
-`views.py`; they are filled in when those modules are imported (`lookup` imports them).
+them, or the input value itself when the call is a no-op. Rules live in `normalize.py`,
+`views.py` and `creation.py`; they are filled in when those modules are imported (`lookup` imports them).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def aten(name: str) -> Any:
 
 def lookup(kind: str, target: Any) -> Rule | None:
     """The rule for an fx node (`call_function` or `call_method`), or None."""
-    from shardc.frontend import normalize, views  # noqa: F401  (fill the tables)
+    from shardc.frontend import creation, normalize, views  # noqa: F401  (fill the tables)
 
     if kind == "call_method":
         return METHODS.get(target)
@@ -70,11 +70,11 @@ def target_name(kind: str, target: Any) -> str:
         return f"torch.ops.{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
     module = getattr(target, "__module__", None) or ""
     qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
-    if module in ("torch._C._nn", "torch._C._VariableFunctions", "torch._VariableFunctionsClass"):
-        for home in ("torch.nn.functional", "torch"):
-            if _resolve(f"{home}.{qualname}") is target:
-                return f"{home}.{qualname}"
-    return f"{module}.{qualname}" if module else qualname
+    short = getattr(target, "__name__", qualname)
+    for home in ("torch", "torch.nn.functional", "torch.special", "torch.linalg", "torch.fft"):
+        if module.startswith("torch") and _resolve(f"{home}.{short}") is target:
+            return f"{home}.{short}"
+    return f"{module}.{qualname}" if module else str(qualname)
 
 
 def _resolve(name: str) -> Any:

@@ -120,8 +120,9 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
         return [()]
     roles = iteration_roles(group.anchor, space, shapes.roles)
     sizes = _sizes(space, roles, shapes.batch_scale)
-    plain = [d for d in space.splittable() if sizes[d] > 1]
     special = dict(space.special)
+    # Sizes are the scaled ones: a graph traced at batch 1 still splits its batch.
+    plain = [d for d in space.dims if d not in space.unsplittable and d not in special and sizes[d] > 1]
     per_axis: list[list[str | None]] = []
     for axis in mesh.names:
         if axis == "dp":

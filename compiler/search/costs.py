@@ -78,6 +78,11 @@ class Pricer:
         needed = Layout(tuple((a, p) for a, p in produced.placements if not _is_partial(p)))
         return self.reshard_time(produced, required, value), self.reshard_time(grad, needed, value)
 
+    def _no_dp(self, value: Value, layout: Layout) -> Layout:
+        if not self.shapes.scales(value):
+            return layout
+        return Layout(tuple((a, p) for a, p in layout.placements if a != "dp"))
+
     def candidate(self, group: NodeGroup, cand: Candidate) -> Priced:
         device = self.cluster.device
         fwd = bwd = core = 0.0
@@ -87,11 +92,14 @@ class Pricer:
                 continue
             op = get_op(node.op)
             ins, outs = cand.layouts[j]
-            in_t = [local_type(v.type, lay, self.mesh, self.ir_dtype) for v, lay in zip(node.inputs, ins)]
-            out_t = [local_type(v.type, lay, self.mesh, self.ir_dtype) for v, lay in zip(node.outputs, outs)]
+            # Batched tensors are priced at the per-replica batch (the dp split is in the scale),
+            # so a graph traced at batch 1 is not rounded up by ceil division.
+            in_t = [local_type(v.type, self._no_dp(v, lay), self.mesh, self.ir_dtype) for v, lay in zip(node.inputs, ins)]
+            out_t = [local_type(v.type, self._no_dp(v, lay), self.mesh, self.ir_dtype)
+                     for v, lay in zip(node.outputs, outs)]
             cost = node_compute_time(op, in_t, out_t, node.attrs, device, self.ir_dtype,
                                      needs_grad=[id(v) in self.needs_grad for v in node.inputs],
-                                     scale=self.shapes.batch_scale,
+                                     scale=self.shapes.batch_scale / self.mesh.axis_size("dp"),
                                      scaled_in=[self.shapes.scales(v) for v in node.inputs],
                                      scaled_out=[self.shapes.scales(v) for v in node.outputs])
             f = cost.fwd_s + (cand.steps - 1) * device.kernel_latency

@@ -58,21 +58,36 @@ def _megatron_legal(var: GroupVar, cand: Candidate) -> bool:
 
 
 def megatron_choice(problem: Problem) -> tuple[int, ...]:
-    """Per group, the Megatron-legal candidate cheapest given the producers chosen so far."""
+    """Per group, the Megatron-legal candidate (tensor-parallel whenever the op has a tp rule)
+    cheapest given the producers chosen so far."""
     choice: list[int] = []
     incoming: dict[int, list] = {}
     for e in problem.edges:
         incoming.setdefault(e.consumer, []).append(e)
     for g, var in enumerate(problem.groups):
-        legal = [c for c, cand in enumerate(var.cands) if _megatron_legal(var, cand)] or list(range(len(var.cands)))
-
-        def score(c: int, var: GroupVar = var, g: int = g) -> float:
-            t = var.costs[c].time
+        def _incoming(c: int, g: int = g) -> float:
+            t = 0.0
             for e in incoming.get(g, []):
                 if e.producer < len(choice):
                     a, b = e.prod_class[choice[e.producer]], e.cons_class[c]
                     t += e.fwd[a][b] + e.bwd[a][b]
             return t
+
+        def score(c: int, var: GroupVar = var) -> float:
+            return var.costs[c].time + _incoming(c)
+
+        legal = [c for c, cand in enumerate(var.cands) if _megatron_legal(var, cand)] or list(range(len(var.cands)))
+        # A Megatron user splits every op that has a tensor-parallel rule.
+        split = [c for c in legal if var.cands[c].partitions[0] is not None
+                 and var.cands[c].partitions[0].axes_of and any(a == "tp" for a, _ in var.cands[c].partitions[0].spatial)]
+        legal = split or legal
+        node = var.group.anchor
+        if len(node.inputs) > 1 and node.inputs[1].kind == "parameter" and any(
+                a == "tp" and d == "n" for c in legal for a, d in var.cands[c].partitions[0].spatial):
+            # Column-parallel unless the input already arrives split on its last dim (then row).
+            row = [c for c in legal if any(a == "tp" and d == "k" for a, d in var.cands[c].partitions[0].spatial)]
+            free_row = [c for c in row if _incoming(c) == 0.0]
+            legal = free_row or [c for c in legal if c not in row] or legal
 
         choice.append(min(legal, key=lambda c: (score(c), c)))
     return tuple(choice)

@@ -91,15 +91,21 @@ def dim_roles(graph: Graph) -> dict[int, tuple[str | None, ...]]:
         if space is None:
             continue
         it_roles = iteration_roles(node, space, roles)
+        lead = [roles.get(id(v), (None,))[:1] == ("batch",) and v.type.rank >= 1 for v in node.inputs]
         for operand, out in zip(space.outputs, node.outputs):
-            roles[id(out)] = tuple(it_roles.get(f[0]) if f else None for f in operand)
+            out_roles = [it_roles.get(f[0]) if f else None for f in operand]
+            # A batch of one binds as a broadcast dim: keep the batch role on dim 0 by position.
+            if out_roles and out_roles[0] is None and any(
+                    ok and v.type.shape[0] == out.type.shape[0] for ok, v in zip(lead, node.inputs)):
+                out_roles[0] = "batch"
+            roles[id(out)] = tuple(out_roles)
     return roles
 
 
 def iteration_roles(node: Node, space: IterationSpace, roles: dict[int, tuple[str | None, ...]]) -> dict[str, str]:
-    """Iteration dim -> role, read off the node's activation inputs."""
+    """Iteration dim -> role, read off the node's operands (inputs first, then outputs)."""
     out: dict[str, str] = {}
-    for operand, v in zip(space.inputs, node.inputs):
+    for operand, v in list(zip(space.inputs, node.inputs)) + list(zip(space.outputs, node.outputs)):
         for factors, role in zip(operand, roles.get(id(v), ())):
             if factors and role and factors[0] not in out:
                 out[factors[0]] = role

@@ -47,7 +47,15 @@ def load_graph(model_spec: str) -> Graph:
     from shardc.models import load_model
     from shardc.passes.group_layers import group_layers
 
-    loaded = load_model(model_spec, device="meta")
+    if ".py:" in model_spec and "batch=" not in model_spec:
+        # Trace at batch 2: the registry binds a batch of one as a broadcast dim that no mesh
+        # axis can split; the planner rescales the batch to the micro-batch anyway.
+        try:
+            loaded = load_model(model_spec + ("&" if "?" in model_spec else "?") + "batch=2", device="meta")
+        except ShardcError:
+            loaded = load_model(model_spec, device="meta")
+    else:
+        loaded = load_model(model_spec, device="meta")
     graph = trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names)
     return group_layers(graph)
 

@@ -44,13 +44,14 @@ class TransformerDims:
         return 4 * self.hidden if self.style == "gpt" else 256 * ((8 * self.hidden // 3 + 255) // 256)
 
 
-# Sizes from the papers and model cards (Llama FFN sizes are the published ones).
+# Sizes from the papers and model cards (Llama FFN sizes are the published ones). Batch 2:
+# the registry binds a batch of one as a broadcast dim, which no mesh axis can split.
 PRESETS: dict[str, TransformerDims] = {
     "tiny": TransformerDims("tiny", 2, 64, 4, 128, 32, 2),
-    "gpt2_1.5b": TransformerDims("gpt2_1.5b", 48, 1600, 25, 50257, 1024, 1),
-    "gpt3_175b": TransformerDims("gpt3_175b", 96, 12288, 96, 51200, 2048, 1),
-    "llama_7b": TransformerDims("llama_7b", 32, 4096, 32, 32000, 4096, 1, 11008, None, "llama"),
-    "llama_70b": TransformerDims("llama_70b", 80, 8192, 64, 32000, 4096, 1, 28672, 8, "llama"),
+    "gpt2_1.5b": TransformerDims("gpt2_1.5b", 48, 1600, 25, 50257, 1024, 2),
+    "gpt3_175b": TransformerDims("gpt3_175b", 96, 12288, 96, 51200, 2048, 2),
+    "llama_7b": TransformerDims("llama_7b", 32, 4096, 32, 32000, 4096, 2, 11008, None, "llama"),
+    "llama_70b": TransformerDims("llama_70b", 80, 8192, 64, 32000, 4096, 2, 28672, 8, "llama"),
 }
 
 

@@ -1,0 +1,331 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), loadable under any plan.
+
+Layout of a checkpoint root: `step-00000005/` directories, each holding DCP's files, a
+`manifest.json` (format, step, every parameter's full shape and dtype, tied names, the plan,
+free-form `extra`) and a `COMMITTED` marker; and a `latest` file naming the newest one.
+
+Rules:
+- State is keyed by parameter name in the original model (the fully qualified name), never by
+  rank or position, so DCP reshards by name: a checkpoint saved under one plan (dp/tp/pp, DTensor
+  shards, pipeline stages) loads under any other, into the plain unpartitioned model, and back.
+  Tied parameters (GPT's embedding and head) are stored once, under their first name.
+- A save writes into `step-N.tmp-<id>/`, and only after every rank has finished and the manifest
+  is on disk does rank 0 rename it to `step-N/`, write `COMMITTED` last, then replace `latest`.
+  A save interrupted at any point (a rank killed mid-write) therefore leaves the previous
+  checkpoint and `latest` untouched; leftover `*.tmp-*` directories are ignored and cleaned by
+  the next save.
+- Loading checks the manifest against the model first: a checkpoint from another model is an
+  error listing the missing, unexpected and differently shaped parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardc.diagnostics import ShardcError
+
+FORMAT = "shardc-checkpoint/1"
+MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """What a load found: the directory, the step, the saved plan and the `extra` dictionary."""
+
+    path: Path
+    step: int
+    plan: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- the model as named parameters --------------------------------------------------------
+
+def _modules_of(model: Any) -> list[nn.Module]:
+    if isinstance(model, nn.Module):
+        return [model]
+    if hasattr(model, "modules") and isinstance(model.modules, list):  # PipelineRunner
+        return list(model.modules)
+    if isinstance(model, Sequence):
+        return list(model)
+    raise ShardcError(f"cannot checkpoint a {type(model).__name__}; give an nn.Module, a list of stage "
+                      "modules or a PipelineRunner")
+
+
+def _tied_of(model: Any, modules: list[nn.Module]) -> list[tuple[str, ...]]:
+    tied = getattr(model, "_tied", None)
+    if tied is not None:
+        return list(tied)
+    groups: dict[int, list[str]] = {}
+    for m in modules:
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if name not in groups.setdefault(id(p), []):
+                groups[id(p)].append(name)
+    return [tuple(v) for v in groups.values() if len(v) > 1]
+
+
+def _canonical(tied: Iterable[tuple[str, ...]]) -> dict[str, str]:
+    return {alias: names[0] for names in tied for alias in names}
+
+
+def named_state(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], list[tuple[str, ...]]]:
+    """This rank's parameters and buffers by canonical name, plus alias->canonical and tied groups.
+
+    A parameter wrapped for sharding by shardc's code generator may carry `_shardc_dtensor`
+    (a callable returning a DTensor view of it); DTensors are kept as they are.
+    """
+    modules = _modules_of(model)
+    tied = _tied_of(model, modules)
+    canon = _canonical(tied)
+    out: dict[str, torch.Tensor] = {}
+    names: dict[str, str] = {}
+    for m in modules:
+        for name, t in [*m.named_parameters(remove_duplicate=False), *m.named_buffers()]:
+            key = canon.get(name, name)
+            if key in out:
+                continue
+            view = getattr(t, "_shardc_dtensor", None)
+            out[key] = view() if callable(view) else t
+            names[key] = name
+    return out, names, tied
+
+
+def _global_shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)  # a DTensor reports its global shape
+
+
+def _describe(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    return {k: {"shape": _global_shape(v), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()}
+
+
+def _gather_union(local: dict[str, Any]) -> dict[str, Any]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(local)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged: dict[str, Any] = {}
+    for p in parts:
+        merged.update(p)
+    return merged
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast_text(text: str) -> str:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return text
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+# ---- optimizer state ----------------------------------------------------------------------
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazy state (Adam moments) by one step with zero gradients and lr 0."""
+    if optimizer.state:
+        return
+    saved_grads = []
+    lrs = []
+    for group in optimizer.param_groups:
+        lrs.append(group.get("lr"))
+        if "lr" in group:
+            group["lr"] = 0.0
+        for p in group["params"]:
+            saved_grads.append(p.grad)
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    it = iter(saved_grads)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        if lr is not None:
+            group["lr"] = lr
+        for p in group["params"]:
+            p.grad = next(it)
+
+
+def _optimizer_entries(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor],
+                       model: Any) -> dict[str, Any]:
+    """Optimizer state keyed `optim.<param name>.<state name>`, hyperparameters `optim.groups`."""
+    by_id: dict[int, str] = {}
+    modules = _modules_of(model)
+    canon = _canonical(_tied_of(model, modules))
+    for m in modules:
+        for name, p in m.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), canon.get(name, name))
+    out: dict[str, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise ShardcError("the optimizer holds a parameter that is not in the model being checkpointed",
+                                  hint="build the optimizer from this rank's parameters (runner.parameters())")
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim.{by_id[id(p)]}.{key}"] = value
+    out["optim.groups"] = groups
+    return out
+
+
+# ---- save ---------------------------------------------------------------------------------
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest committed checkpoint under `root` (the `latest` pointer, else the highest step)."""
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.exists():
+        target = root / pointer.read_text().strip()
+        if (target / MARKER).exists():
+            return target
+    done = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name and (p / MARKER).exists())
+    return done[-1] if done else None
+
+
+def save_checkpoint(root: str | Path, model: Any, optimizer: torch.optim.Optimizer | None = None, *,
+                    step: int, plan: str = "", extra: Mapping[str, Any] | None = None) -> Path:
+    """Save model (and optimizer) state of every rank as one checkpoint `root/step-N`; collective.
+
+    `model` is an nn.Module (plain or holding DTensor shards), a list of pipeline stage modules,
+    or a PipelineRunner. Every rank must call it. Returns the committed directory.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    params, _, tied = named_state(model)
+    state: dict[str, Any] = {f"model.{k}": v for k, v in params.items()}
+    if optimizer is not None:
+        state.update(_optimizer_entries(optimizer, params, model))
+    described = _gather_union(_describe(params))
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step-*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{step:08d}"
+    tmp = Path(_broadcast_text(str(root / f"step-{step:08d}.tmp-{uuid.uuid4().hex[:8]}")))
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not (dist.is_available() and dist.is_initialized()))
+    _barrier()  # every rank's shard is on disk before anything is committed
+    if _rank() == 0:
+        manifest = {"format": FORMAT, "step": step, "plan": plan, "params": described,
+                    "tied": [list(t) for t in tied], "optimizer": optimizer is not None,
+                    "extra": dict(extra or {})}
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_synced(final / MARKER, "ok\n")
+        _write_synced(root / "latest.tmp", final.name + "\n")
+        os.replace(root / "latest.tmp", root / "latest")
+    _barrier()
+    return final
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- load ---------------------------------------------------------------------------------
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a committed checkpoint directory (or of `latest` under a root)."""
+    path = Path(path)
+    if not (path / MARKER).exists():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise ShardcError(f"no committed checkpoint at {path}",
+                              hint="a directory without COMMITTED is an interrupted save; give the checkpoint root or a step-N directory")
+        path = found
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise ShardcError(f"{path} is not a shardc checkpoint (format {manifest.get('format')!r})")
+    manifest["_path"] = str(path)
+    return manifest
+
+
+def check_compatible(manifest: Mapping[str, Any], expected: Mapping[str, Mapping[str, Any]]) -> None:
+    """Raise a ShardcError naming what differs between a checkpoint's parameters and the model's."""
+    saved = manifest["params"]
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    shapes = sorted(k for k in set(saved) & set(expected)
+                    if list(saved[k]["shape"]) != list(expected[k]["shape"]))
+    if not (missing or unexpected or shapes):
+        return
+    lines = [f"checkpoint {manifest['_path']} is from another model:"]
+    if missing:
+        lines.append(f"  {len(missing)} parameters missing from the checkpoint: {', '.join(missing[:6])}"
+                     + (" ..." if len(missing) > 6 else ""))
+    if unexpected:
+        lines.append(f"  {len(unexpected)} parameters not in the model: {', '.join(unexpected[:6])}"
+                     + (" ..." if len(unexpected) > 6 else ""))
+    for k in shapes[:6]:
+        lines.append(f"  {k}: checkpoint shape {tuple(saved[k]['shape'])}, model shape {tuple(expected[k]['shape'])}")
+    raise ShardcError("\n".join(lines), hint="load a checkpoint saved from the same model configuration")
+
+
+def load_checkpoint(path: str | Path, model: Any, optimizer: torch.optim.Optimizer | None = None) -> CheckpointInfo:
+    """Load a checkpoint (a root: its latest; or a step-N directory) into `model` in place; collective.
+
+    Works across plans: each rank asks DCP for the slices its own parameters (plain tensors or
+    DTensor shards) need. Loading the optimizer requires a checkpoint saved with one.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    manifest = read_manifest(path)
+    params, _, _ = named_state(model)
+    check_compatible(manifest, _gather_union(_describe(params)))
+    state: dict[str, Any] = {f"model.{k}": v for k, v in params.items()}
+    if optimizer is not None:
+        if not manifest.get("optimizer"):
+            raise ShardcError(f"checkpoint {manifest['_path']} holds no optimizer state",
+                              hint="load it without an optimizer, or save with one")
+        _init_optimizer_state(optimizer)
+        state.update(_optimizer_entries(optimizer, params, model))
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    with torch.no_grad():
+        dcp.load(state, checkpoint_id=manifest["_path"], no_dist=no_dist)
+    if optimizer is not None:
+        for group, saved in zip(optimizer.param_groups, state["optim.groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    return CheckpointInfo(Path(manifest["_path"]), int(manifest["step"]), manifest.get("plan", ""),
+                          dict(manifest.get("extra", {})))
+
+
+def full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model state of a checkpoint as plain tensors on one process (for `load_state_dict`).
+
+    Every tied name gets the shared tensor, so the result loads into the unpartitioned model.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    manifest = read_manifest(path)
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+              "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+    state = {f"model.{k}": torch.empty(v["shape"], dtype=dtypes[v["dtype"]]) for k, v in manifest["params"].items()}
+    dcp.load(state, checkpoint_id=manifest["_path"], no_dist=True)
+    out = {k.removeprefix("model."): v for k, v in state.items()}
+    for group in manifest["tied"]:
+        for alias in group[1:]:
+            out[alias] = out[group[0]]
+    return out

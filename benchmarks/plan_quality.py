@@ -1,0 +1,87 @@
+"""Plan quality: the solver's plan against the best grid plan, on the cases of issue 4.
+
+    .venv/bin/python benchmarks/plan_quality.py [--time-limit S] [--only NAME] [--markdown]
+
+For each case: predicted step time of the solver's plan and of the best grid plan (same model),
+their ratio, memory per device, and wall-clock solve time on this machine (tracing excluded:
+models are built straight in the IR by `shardc.search.synthetic`). GPT-3 175B is also compared
+with Megatron's published configuration (t=8, p=16, d=8, full recomputation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from shardc.hardware import parse_cluster
+from shardc.search.evaluate import evaluate
+from shardc.search.grid import grid_assignments
+from shardc.search.outer import search
+from shardc.search.problem import MeshShape, build_problem, graph_facts
+from shardc.search.synthetic import PRESETS, transformer_graph
+
+CASES = [
+    # name, preset, overrides, cluster, gbs, memory limit GiB (None: the device's)
+    ("GPT-2 1.5B, 8xA100-40GB", "gpt2_1.5b", {}, "8xA100-40GB", 64, None),
+    ("Llama-7B, 8xH100", "llama_7b", {"seq": 2048}, "8xH100", 64, None),
+    ("Llama-70B, 64xH100", "llama_70b", {}, "64xH100", 128, None),
+    ("GPT-3 175B, 1024xA100-80GB", "gpt3_175b", {}, "1024xA100-80GB", 1536, None),
+    ("Llama-7B 32k seq, 8xH100", "llama_7b", {"seq": 32768}, "8xH100", 8, None),
+    ("memory-tight: Llama-7B, 8xA100-40GB at 20 GiB", "llama_7b", {"seq": 2048}, "8xA100-40GB", 64, 20.0),
+]
+
+
+def run_case(name, preset, overrides, cluster_name, gbs, limit_gb, time_limit):
+    t0 = time.perf_counter()
+    graph = transformer_graph(dataclasses.replace(PRESETS[preset], **overrides))
+    cluster = parse_cluster(cluster_name)
+    limit = limit_gb * 2**30 if limit_gb else float(cluster.device.memory_bytes)
+    facts = graph_facts(graph, cluster)
+    result = search(facts, cluster, gbs, limit, time_limit)
+    wall = time.perf_counter() - t0
+    best, grid = result.best, result.grid
+    row = {"case": name, "solve_s": result.solve_time_s, "total_s": wall, "gap": result.gap,
+           "solved": result.shapes_solved, "pruned": result.shapes_pruned}
+    if best is not None:
+        row |= {"step_s": best.evaluation.step_time_s, "mem_gib": best.evaluation.memory_per_device_bytes / 2**30,
+                "plan": f"{best.problem.shape}, mb={best.problem.mb}, zero={best.assignment.zero}"}
+    if grid is not None:
+        row |= {"grid_step_s": grid.evaluation.step_time_s, "grid_mem_gib": grid.evaluation.memory_per_device_bytes / 2**30,
+                "grid_plan": grid.grid_point.plan_string(gbs)}
+    if preset == "gpt3_175b":
+        problem = build_problem(facts, cluster, MeshShape(16, 8, 1, 8), 1, gbs)
+        evs = [evaluate(problem, a, limit) for p, a in grid_assignments(problem) if p.recompute == "full"]
+        fit = [e for e in evs if e.fits]
+        if fit:
+            row["megatron_step_s"] = min(e.step_time_s for e in fit)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--only", default=None, help="run the cases whose name contains this text")
+    args = ap.parse_args()
+    rows = []
+    for case in CASES:
+        if args.only and args.only.lower() not in case[0].lower():
+            continue
+        row = run_case(*case, args.time_limit)
+        rows.append(row)
+        print(row, flush=True)
+    print()
+    print("| case | solver step (s) | grid step (s) | grid / solver | solver mem (GiB) | grid mem (GiB) | solve (s) | gap | solver plan | best grid plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = r["grid_step_s"] / r["step_s"] if "grid_step_s" in r and "step_s" in r else float("nan")
+        print(f"| {r['case']} | {r.get('step_s', float('nan')):.3f} | {r.get('grid_step_s', float('nan')):.3f} | "
+              f"{ratio:.3f} | {r.get('mem_gib', float('nan')):.1f} | {r.get('grid_mem_gib', float('nan')):.1f} | "
+              f"{r['solve_s']:.1f} | {r['gap']:.1%} | {r.get('plan', '-')} | {r.get('grid_plan', 'none fits')} |")
+        if "megatron_step_s" in r:
+            print(f"| (Megatron t=8, p=16, d=8, full recompute) | {r['megatron_step_s']:.3f} | | "
+                  f"{r['megatron_step_s'] / r['step_s']:.3f} | | | | | | |")
+
+
+if __name__ == "__main__":
+    main()

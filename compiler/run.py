@@ -1,0 +1,165 @@
+"""`shardc run MODEL --nproc N --steps K [--plan P | --cluster C]`: compile, train on N local processes.
+
+Rule: the plan (from `--plan`, else data parallel over all processes) must use exactly N
+devices. The cost model predicts step time and per-rank memory for the cluster (`--cluster`,
+else this machine's calibrated `local` profile when one is cached); torchrun then starts N
+workers (`shardc.backends.torch.launch`), gloo on CPU, NCCL when every worker has a GPU. Each
+worker builds the model with `--seed`, trains K AdamW steps on synthetic data fixed by the
+seed, and reports its losses, step times (median of steps after the first) and peak memory
+(the first step, which also creates the optimizer state: live tensor storage on CPU,
+`torch.cuda.max_memory_allocated` on GPU). A worker that fails makes torchrun stop the others;
+the error names the rank and its exception. The whole run is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+from shardc.plan import ParallelPlan
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def resolve_plan(plan: str | None, nproc: int) -> ParallelPlan:
+    """The plan to run: `plan` (fp32 unless it names a dtype) or data parallel over `nproc`; checks the size."""
+    if nproc < 1:
+        raise ShardcError(f"--nproc must be >= 1, got {nproc}")
+    text = plan if plan else f"dp={nproc}"
+    if "dtype" not in text:
+        text += ",dtype=fp32"  # CPU training runs in fp32; the prediction must assume the same
+    parsed = ParallelPlan.parse(text)
+    if parsed.devices != nproc:
+        raise ShardcError(f"plan {plan!r} uses dp*tp*pp*cp = {parsed.devices} devices but --nproc is {nproc}",
+                          hint=f"run with --nproc {parsed.devices}, or change the plan's degrees to multiply to {nproc}")
+    return parsed
+
+
+def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int) -> tuple[Any, str]:
+    """(Estimate or None, a note on where the prediction came from or why there is none)."""
+    try:
+        from shardc.cost import estimate
+        from shardc.frontend import trace
+        from shardc.hardware import parse_cluster
+        from shardc.models import load_model
+
+        if cluster is None:
+            from shardc.calibrate import load_profile
+
+            load_profile(calibrate_if_missing=False)  # raises when this machine was never calibrated
+            cluster = f"local{nproc}"
+        elif cluster == "local":
+            cluster = f"local{nproc}"
+        loaded = load_model(spec, device="meta")
+        graph = trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names)
+        return estimate(graph, parse_cluster(cluster), plan), f"cost model on cluster {cluster}"
+    except ShardcError as err:
+        return None, f"no prediction: {err.message}"
+    except Exception as err:  # the prediction is a report, never a reason not to train
+        return None, f"no prediction: {type(err).__name__}: {err}"
+
+
+def _predicted_memory(est: Any, plan: ParallelPlan, rank: int) -> int | None:
+    if est is None or not est.stages:
+        return None
+    pp_rank = rank // (plan.dp * plan.cp * plan.tp)
+    stage = est.stages[min(pp_rank, len(est.stages) - 1)]
+    return int(stage.memory_bytes)
+
+
+def launch(spec: str, plan: ParallelPlan, *, nproc: int, steps: int, seed: int, timeout_s: float,
+           env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Train on `nproc` torchrun workers; each rank's report, or a ShardcError naming the failed rank."""
+    from shardc.backends.torch.launch import torchrun
+
+    with tempfile.TemporaryDirectory(prefix="shardc-run-") as tmp:
+        out = Path(tmp)
+        config = {"model": spec, "plan": str(plan), "steps": steps, "seed": seed, "out_dir": str(out),
+                  "pg_timeout_s": min(60.0, timeout_s)}
+        (out / "config.json").write_text(json.dumps(config))
+        code, log = torchrun(nproc, "shardc.backends.torch.launch", [str(out / "config.json")],
+                             timeout_s=timeout_s, log_dir=out, env=env)
+        errors = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
+        if code != 0 or errors:
+            if errors:
+                first = errors[0]
+                rank = first.stem.removeprefix("rank")
+                text = first.read_text().strip()
+                head = text.splitlines()[0]
+                raise ShardcError(f"rank {rank} failed: {head}; the other ranks were stopped "
+                                  f"(torchrun exit code {code})", hint=_last_frame(text))
+            if code == -9:
+                raise ShardcError(f"the run did not finish within {timeout_s:.0f} s and was killed",
+                                  hint="raise the timeout or use fewer steps")
+            raise ShardcError(f"torchrun failed with exit code {code}:\n{log[-3000:]}")
+        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return reports
+
+
+def _last_frame(traceback_text: str) -> str:
+    frames = [line.strip() for line in traceback_text.splitlines() if line.strip().startswith("File ")]
+    return f"raised at {frames[-1]}" if frames else ""
+
+
+def summarize(spec: str, plan: ParallelPlan, reports: list[dict[str, Any]], est: Any, note: str) -> dict[str, Any]:
+    """The JSON `shardc run --json` prints."""
+    ranks = []
+    for r in reports:
+        ranks.append({"rank": r["rank"], "peak_memory_bytes": r["peak_memory_bytes"],
+                      "predicted_peak_memory_bytes": _predicted_memory(est, plan, r["rank"]),
+                      "median_step_time_s": r["median_step_time_s"]})
+    return {
+        "model": spec, "plan": str(plan), "nproc": len(reports), "backend": reports[0]["backend"],
+        "losses": reports[0]["losses"],
+        "measured_step_time_s": max(r["median_step_time_s"] for r in reports),
+        "predicted_step_time_s": None if est is None else float(est.step_time_s),
+        "prediction": note,
+        "ranks": ranks,
+    }
+
+
+def print_summary(summary: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    from shardc.cost.estimate import format_bytes
+
+    def mem(v: Any) -> str:
+        return "-" if v is None else format_bytes(v)
+
+    console.print(f"[bold]shardc run[/bold] {summary['model']} on {summary['nproc']} processes ({summary['backend']})")
+    console.print(f"plan: {summary['plan']}")
+    console.print(f"prediction: {summary['prediction']}")
+    table = Table(title="predicted vs measured")
+    for col in ("rank", "step time predicted", "step time measured", "peak memory predicted", "peak memory measured"):
+        table.add_column(col, justify="right")
+    pred = summary["predicted_step_time_s"]
+    for r in summary["ranks"]:
+        table.add_row(str(r["rank"]), "-" if pred is None else f"{pred * 1e3:.2f} ms",
+                      f"{r['median_step_time_s'] * 1e3:.2f} ms", mem(r["predicted_peak_memory_bytes"]),
+                      mem(r["peak_memory_bytes"]))
+    console.print(table)
+    console.print("losses: " + ", ".join(f"{v:.4f}" for v in summary["losses"]))
+
+
+def run_model(spec: str, *, nproc: int, steps: int, plan: str | None = None, cluster: str | None = None,
+              seed: int = 0, json_out: bool = False, console: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              env: dict[str, str] | None = None) -> int:
+    """`shardc run`: see the module docstring. Returns the exit code; failures raise ShardcError."""
+    if steps < 1:
+        raise ShardcError(f"--steps must be >= 1, got {steps}")
+    parsed = resolve_plan(plan, nproc)
+    est, note = predict(spec, parsed, cluster, nproc)
+    reports = launch(spec, parsed, nproc=nproc, steps=steps, seed=seed, timeout_s=timeout_s, env=env)
+    summary = summarize(spec, parsed, reports, est, note)
+    if json_out:
+        print(json.dumps(summary, indent=2))
+    else:
+        if console is None:
+            from rich.console import Console
+
+            console = Console()
+        print_summary(summary, console)
+    return 0

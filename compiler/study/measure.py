@@ -1,0 +1,341 @@
+"""Measuring one rank's training step: memory by category, collectives, and a time breakdown.
+
+Memory (CPU has no allocator statistics, so every tensor is accounted for by hand):
+- At the start of the measured step, every tensor Python can reach (`gc.get_objects()`, a
+  DTensor counted as its local shard) is filed by its role: `parameters` (the module's
+  parameters), `gradients` (their `.grad`), `optimizer` (the optimizer's state), `buffers`
+  (communication buffers; DDP's gradient buckets live in C++ and are added from DDP's own
+  `bucket_sizes` log), `model_buffers` (registered module buffers) and `other` (inputs,
+  leftovers). Each storage is counted once, by data pointer.
+- During the step a `TorchDispatchMode` sees every op the rank runs (backward included: the
+  autograd engine carries the mode) and files each new output storage: saved for backward
+  (a `saved_tensors_hooks` pack hook marks it) -> `activations`; produced by a collective ->
+  `buffers`; produced while the optimizer steps -> `optimizer`; anything else produced in
+  forward or backward (gradients of activations, temporaries, recomputed forwards) ->
+  `other`. A `weakref.finalize` on the storage takes it off the books when it is freed.
+  Storages are re-measured after every op, so in-place `resize_` (FSDP2's gather buffers)
+  is seen too.
+- The peak is the largest total of live bytes after any op; its breakdown by category is
+  kept, and the largest bytes each category reached on its own.
+
+Collectives: the same dispatch mode records every c10d op (kind, message bytes, group size)
+and the bytes this rank sends under a ring algorithm: all_reduce 2(n-1)/n of the buffer,
+all_gather and reduce_scatter (n-1)/n of the full buffer, broadcast (n-1)/n, send all of it.
+
+Time (`profile_breakdown`, torch.profiler on one step): `compute` is the union of the main
+thread's op intervals other than communication; `communication` the union of collective
+intervals on any thread (gloo runs them on its own threads); `exposed_communication` the
+part of it not hidden under compute; `waiting` the part of each collective spent for peers
+to arrive, taken as its duration minus the shortest duration any rank saw for the same call
+(the last rank to arrive does not wait; calls are matched by name, shapes and order), which
+needs no clock shared between processes; `other` the rest of the step (Python, idle).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "model_buffers", "other")
+COMM_MARKERS = ("c10d", "gloo", "nccl", "record_param_comms", "wait_tensor", "barrier")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def _storage(t: torch.Tensor) -> Any | None:
+    t = _local(t)
+    if t.device.type == "meta":
+        return None
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return s if s.data_ptr() else None
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def roles(modules: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, str]:
+    """Data pointer -> category for parameters, gradients, optimizer state and module buffers."""
+    out: dict[int, str] = {}
+
+    def put(t: torch.Tensor | None, cat: str) -> None:
+        s = _storage(t) if t is not None else None
+        if s is not None:
+            out.setdefault(s.data_ptr(), cat)
+
+    for m in modules:
+        for p in m.parameters():
+            put(p, "parameters")
+            put(p.grad, "gradients")
+        for b in m.buffers():
+            put(b, "model_buffers")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for t in _tensors(state):
+                put(t, "optimizer")
+    return out
+
+
+def ddp_bucket_bytes(module: Any) -> int:
+    """Bytes of DDP's flat gradient buckets (C++-side tensors Python cannot reach), from DDP's log."""
+    get = getattr(module, "_get_ddp_logging_data", None)
+    if get is None:
+        return 0
+    data = get()
+    if data.get("gradient_as_bucket_view"):
+        return 0
+    text = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+    return sum(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live tensor bytes by category during one step (see the module docstring)."""
+
+    def __init__(self, known: dict[int, str], extra: dict[str, float] | None = None) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[Any, str]] = {}
+        self.phase = "forward"
+        self.extra = dict(extra or {})
+        self.collectives: list[dict[str, Any]] = []
+        self.peak = 0.0
+        self.peak_breakdown: dict[str, float] = {}
+        self.category_peaks: dict[str, float] = {}
+        with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    s = _storage(obj)
+                    if s is not None:
+                        self._add(obj, known.get(s.data_ptr(), "other"))
+        self._sample()
+
+    def _add(self, t: torch.Tensor, category: str) -> None:
+        s = _storage(t)
+        if s is None:
+            return
+        key = s.data_ptr()
+        if key in self.live:
+            return
+        self.live[key] = (weakref.ref(s), category)
+        weakref.finalize(s, self.live.pop, key, None)
+
+    def mark_saved(self, t: torch.Tensor) -> None:
+        """A tensor saved for backward: its storage counts as activations (unless static)."""
+        s = _storage(t) if isinstance(t, torch.Tensor) else None
+        if s is None:
+            return
+        entry = self.live.get(s.data_ptr())
+        if entry is not None and entry[1] == "other":
+            self.live[s.data_ptr()] = (entry[0], "activations")
+
+    def _sample(self) -> None:
+        totals = dict.fromkeys(CATEGORIES, 0.0)
+        for ref, cat in list(self.live.values()):
+            s = ref()
+            if s is not None:
+                totals[cat] += s.nbytes()
+        for k, v in self.extra.items():
+            totals[k] = totals.get(k, 0.0) + v
+        total = sum(totals.values())
+        for k, v in totals.items():
+            self.category_peaks[k] = max(self.category_peaks.get(k, 0.0), v)
+        if total > self.peak:
+            self.peak, self.peak_breakdown = total, totals
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        comm = "c10d" in name
+        if comm:
+            self._record_collective(name, args)
+        if self.phase == "optimizer":
+            cat = "optimizer"
+        else:
+            cat = "buffers" if comm else "other"
+        for t in _tensors(out):
+            self._add(t, cat)
+        self._sample()
+        return out
+
+    def _record_collective(self, name: str, args: tuple) -> None:
+        kind = collective_kind(name)
+        if kind is None:
+            return
+        # The full buffer: what all_reduce reduces, all_gather assembles, reduce_scatter splits.
+        which = args[1] if kind == "reduce_scatter" and len(args) > 1 else args[0] if args else ()
+        nbytes = sum(_local(t).numel() * _local(t).element_size() for t in _tensors(which))
+        size = _group_size(args)
+        self.collectives.append({"kind": kind, "bytes": nbytes, "group_size": size,
+                                 "sent_bytes": ring_sent_bytes(kind, nbytes, size), "phase": self._phase()})
+
+    def _phase(self) -> str:
+        if self.phase == "optimizer":
+            return "optimizer"
+        return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+    def result(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak, "peak_breakdown": self.peak_breakdown,
+                "category_peaks": self.category_peaks, "collectives": self.collectives}
+
+
+def _group_size(args: tuple) -> int:
+    import torch.distributed as dist
+
+    for a in args:
+        size = getattr(a, "size", None)
+        if callable(size) and not isinstance(a, torch.Tensor):
+            try:
+                return int(size())
+            except Exception:  # a ScriptObject without size()
+                continue
+        if isinstance(a, str):
+            try:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                return dist.get_world_size(_resolve_process_group(a))
+            except Exception:
+                continue
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+_KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
+          "_allgather_base": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+          "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+          "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast": "broadcast", "alltoall": "all_to_all",
+          "alltoall_base": "all_to_all", "send": "send", "recv": "recv", "all_reduce": "all_reduce",
+          "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def collective_kind(op_name: str) -> str | None:
+    """`c10d.allreduce_.default` -> `all_reduce`; None for waits, barriers and unknown ops."""
+    parts = op_name.split(".")
+    base = parts[1] if len(parts) > 1 else parts[0]
+    return _KINDS.get(base.rstrip("_"))
+
+
+def ring_sent_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends for a collective on a full buffer of `nbytes` over `n` ranks (ring
+    algorithms; a send sends all of it, a receive nothing)."""
+    if kind == "send":
+        return float(nbytes)
+    if n <= 1 or kind == "recv":
+        return 0.0
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
+
+
+@contextmanager
+def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict[str, float] | None = None
+                 ) -> Iterator[MemoryTracker]:
+    """Account every tensor during the `with` body; set `tracker.phase = "optimizer"` around the step."""
+    mods = list(modules)
+    gc.collect()
+    tracker = MemoryTracker(roles(mods, optimizer), extra)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.mark_saved(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+        yield tracker
+
+
+# ---- time breakdown from torch.profiler -------------------------------------------------------
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, hi - lo)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def is_comm(name: str) -> bool:
+    return any(m in name for m in COMM_MARKERS)
+
+
+def profile_events(prof: Any, marker: str) -> dict[str, Any]:
+    """The profiled step as plain data: the step interval, compute and communication intervals
+    (microseconds) and each collective call's (key, duration) in order, for `profile_breakdown`."""
+    events = list(prof.events())
+    step = next((e for e in events if e.name == marker), None)
+    if step is None:
+        return {}
+    main = step.thread
+    lo, hi = step.time_range.start, step.time_range.end
+    compute, comm, calls = [], [], []
+    counts: dict[tuple, int] = {}
+    for e in events:
+        if e is step or e.time_range.end < lo or e.time_range.start > hi:
+            continue
+        span = (max(lo, e.time_range.start), min(hi, e.time_range.end))
+        if is_comm(e.name):
+            comm.append(span)
+            if e.name.startswith(("gloo:", "nccl:")) or (e.thread == main and e.name.startswith("c10d::")
+                                                         and ("send" in e.name or "recv" in e.name)):
+                key = (e.name, str(e.input_shapes))
+                counts[key] = counts.get(key, 0) + 1
+                calls.append((f"{key[0]}|{key[1]}|{counts[key]}", e.time_range.elapsed_us()))
+        elif e.thread == main:
+            compute.append(span)
+    return {"step_us": hi - lo, "compute": _union(compute), "comm": _union(comm), "calls": calls}
+
+
+def profile_breakdown(per_rank: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Seconds per category for each rank's profiled step (see the module docstring)."""
+    shortest: dict[str, float] = {}
+    for data in per_rank:
+        for key, dur in data.get("calls", []):
+            shortest[key] = min(shortest.get(key, dur), dur)
+    out = []
+    for data in per_rank:
+        if not data:
+            out.append({})
+            continue
+        compute, comm = _union(data["compute"]), _union(data["comm"])
+        comp_s, comm_s = _length(compute), _length(comm)
+        overlap = _intersect(compute, comm)
+        waiting = sum(d - shortest[k] for k, d in data["calls"])
+        step = data["step_us"]
+        exposed = comm_s - overlap
+        out.append({"step_s": step / 1e6, "compute_s": (comp_s - 0.0) / 1e6, "communication_s": comm_s / 1e6,
+                    "exposed_communication_s": exposed / 1e6, "waiting_s": min(waiting, comm_s) / 1e6,
+                    "other_s": max(0.0, step - comp_s - exposed) / 1e6})
+    return out

@@ -1,0 +1,146 @@
+"""The plans a study runs: the default sweep, `--sweep KEYS`, or a `--plans FILE`.
+
+A study plan is a `ParallelPlan` (the `--plan` syntax) plus two keys only the study knows:
+`split=3+1` (repeated blocks per pipeline stage, for deliberately unbalanced partitions) and
+`bucket_mb=1` (DDP's gradient bucket size, for the block-size experiment). The torch backend
+trains in the model's own dtype, so study plans default to `dtype=fp32`; `mb` defaults to the
+whole per-replica batch when there is no pipeline (no gradient accumulation) and to one
+quarter of it... with a pipeline (4 micro-batches), unless written.
+
+`--sweep dp,tp,pp,zero,recompute,mb` varies the named keys one at a time around a base plan
+for every factorisation of the process count into the named degrees (dp, tp, pp) that the
+model allows: zero over 0/1/3 where dp > 1, recompute over none/selective/full, mb over
+the per-replica batch and its half (micro-batching or accumulation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from shardc.diagnostics import ShardcError
+from shardc.plan import ParallelPlan
+
+STUDY_KEYS = ("split", "bucket_mb")
+SWEEP_KEYS = ("dp", "tp", "pp", "zero", "recompute", "mb")
+
+# The default sweep (GPT example, batch 8): written for 2 and 4 processes. `mb` is explicit.
+DEFAULT_SWEEP: dict[int, tuple[str, ...]] = {
+    2: ("dp=2,mb=4", "dp=2,mb=4,zero=1", "dp=2,mb=4,zero=3", "dp=2,mb=4,recompute=full", "dp=2,mb=2",
+        "tp=2,mb=8", "tp=2,sp=1,mb=8", "pp=2,mb=2", "pp=2,mb=2,schedule=gpipe", "pp=2,mb=2,split=3+1",
+        "dp=2,mb=4,bucket_mb=0.01", "dp=2,mb=4,bucket_mb=0.1", "dp=2,mb=4,bucket_mb=1"),
+    4: ("dp=4,mb=2", "dp=2,tp=2,mb=4", "tp=4,mb=8", "pp=4,mb=2", "dp=2,pp=2,mb=2", "tp=2,pp=2,mb=2"),
+}
+DEFAULT_MODEL = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """One plan of the study: the parallel plan, an optional stage split and DDP bucket size."""
+
+    text: str
+    plan: ParallelPlan
+    split: tuple[int, ...] | None = None
+    bucket_mb: float | None = None
+
+    @property
+    def id(self) -> str:
+        """A stable file-name-safe id: the plan's keys, then a short hash of the full text."""
+        short = re.sub(r"[^A-Za-z0-9=._+-]", "_", self.text)[:60]
+        return f"{short}-{hashlib.sha1(self.text.encode()).hexdigest()[:6]}"
+
+    @property
+    def devices(self) -> int:
+        return self.plan.devices
+
+
+def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:
+    """`dp=2,pp=2,split=3+1,bucket_mb=1` -> StudyPlan; fills the study's defaults (dtype, mb)."""
+    keys: dict[str, str] = {}
+    rest: list[str] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        if key.strip().lower() in STUDY_KEYS:
+            keys[key.strip().lower()] = value.strip()
+        else:
+            rest.append(item)
+    plan = ParallelPlan.parse(",".join(rest))
+    written = {p.partition("=")[0].strip().lower() for p in rest}
+    if "dtype" not in written:
+        plan = replace(plan, dtype="fp32")
+    if "mb" not in written and batch is not None and batch % plan.dp == 0:
+        per = batch // plan.dp
+        mb = per if plan.pp == 1 else max(1, per // 4)
+        plan = replace(plan, mb=mb)
+    split = None
+    if "split" in keys:
+        try:
+            split = tuple(int(x) for x in keys["split"].split("+"))
+        except ValueError:
+            raise ShardcError(f"study plan {text!r}: split={keys['split']!r} is not blocks per stage "
+                              "like 3+1") from None
+        if len(split) != plan.stages or min(split) < 1:
+            raise ShardcError(f"study plan {text!r}: split={keys['split']} names {len(split)} stages but the "
+                              f"plan has pp*vpp = {plan.stages}; give one positive count per stage")
+    bucket = None
+    if "bucket_mb" in keys:
+        try:
+            bucket = float(keys["bucket_mb"])
+        except ValueError:
+            raise ShardcError(f"study plan {text!r}: bucket_mb={keys['bucket_mb']!r} is not a number") from None
+    canonical = str(plan) + (f",split={'+'.join(map(str, split))}" if split else "") + \
+        (f",bucket_mb={bucket:g}" if bucket is not None else "")
+    return StudyPlan(canonical, plan, split, bucket)
+
+
+def read_plans_file(path: str | Path) -> list[str]:
+    """One plan a line; blank lines and `#` comments skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise ShardcError(f"plans file {path} does not exist", hint="write one plan a line, e.g. dp=2,mb=4")
+    lines = [line.split("#", 1)[0].strip() for line in p.read_text().splitlines()]
+    return [line for line in lines if line]
+
+
+def _factorisations(n: int, names: Sequence[str]) -> list[dict[str, int]]:
+    if not names:
+        return [{}] if n == 1 else []
+    out = []
+    for d in range(1, n + 1):
+        if n % d == 0:
+            out += [{names[0]: d, **rest} for rest in _factorisations(n // d, names[1:])]
+    return out
+
+
+def sweep_plans(keys: Iterable[str], nprocs: Sequence[int], batch: int) -> list[str]:
+    """Plans varying `keys` one at a time around each degree factorisation (see module doc)."""
+    keys = [k.strip().lower() for k in keys if k.strip()]
+    unknown = [k for k in keys if k not in SWEEP_KEYS]
+    if unknown:
+        raise ShardcError(f"--sweep {','.join(keys)}: unknown key(s) {', '.join(unknown)}; sweepable keys: "
+                          + ", ".join(SWEEP_KEYS))
+    degrees = [k for k in ("dp", "tp", "pp") if k in keys] or ["dp"]
+    out: list[str] = []
+    for n in nprocs:
+        for combo in _factorisations(n, degrees):
+            if any(combo.get(k, 1) > 1 and k not in keys for k in ("dp", "tp", "pp")):
+                continue
+            dp, pp = combo.get("dp", 1), combo.get("pp", 1)
+            if batch % dp:
+                continue
+            per = batch // dp
+            mb = per if pp == 1 else max(1, per // 4)
+            base = ",".join(f"{k}={v}" for k, v in combo.items()) + f",mb={mb}"
+            out.append(base)
+            if "zero" in keys and dp > 1:
+                out += [f"{base},zero={z}" for z in (1, 3)]
+            if "recompute" in keys:
+                out += [f"{base},recompute={r}" for r in ("selective", "full")]
+            if "mb" in keys and mb > 1:
+                out.append(base.replace(f"mb={mb}", f"mb={mb // 2}"))
+    return list(dict.fromkeys(out))

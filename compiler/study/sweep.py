@@ -1,0 +1,264 @@
+"""`shardc study`: run every plan of a sweep for real, predict it, compare, report.
+
+Order of work: parse the plans; for each one not already in `DIR/results.json` (a resumed
+study keeps what it has), predict it with the cost model; a plan predicted not to fit the
+local memory is recorded as `does_not_fit` and not run; the others run in one process group
+per process count (`launch.spawn`), after an all_reduce-by-size benchmark. Every finished
+plan is written to `results.json` at once (atomically), so an interrupted study loses at most
+the plan in flight and resumes with the next. A plan that fails is recorded with its error
+(the failing rank's exception) and the rest of the group restarts in a fresh process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+from shardc.study.plans import DEFAULT_SWEEP, StudyPlan, parse_study_plan, read_plans_file, sweep_plans
+
+RESULTS_VERSION = 1
+ALLREDUCE_SIZES = (64, 1024, 16384, 131072, 1 << 20, 4 << 20)
+JOB_TIMEOUT_S = 150.0
+
+
+class ResultsStore:
+    """`results.json`: the study's every number, rewritten atomically after each plan."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"version": RESULTS_VERSION, **meta, "plans": [], "allreduce": {}}
+        if path.exists():
+            try:
+                old = json.loads(path.read_text())
+            except ValueError:
+                old = None
+            if old and old.get("version") == RESULTS_VERSION and old.get("model") == meta.get("model"):
+                self.data["plans"] = old.get("plans", [])
+                self.data["allreduce"] = old.get("allreduce", {})
+
+    def done(self, plan_id: str) -> bool:
+        return any(p["id"] == plan_id for p in self.data["plans"])
+
+    def record(self, entry: dict[str, Any]) -> None:
+        self.data["plans"] = [p for p in self.data["plans"] if p["id"] != entry["id"]] + [entry]
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+def _nprocs(nproc: int | str | Sequence[int]) -> list[int]:
+    if isinstance(nproc, int):
+        return [nproc]
+    if isinstance(nproc, str):
+        return [int(x) for x in nproc.split(",") if x.strip()]
+    return [int(x) for x in nproc]
+
+
+def plan_texts(nprocs: list[int], plans_file: str | None, sweep: str | None, batch: int) -> list[str]:
+    if plans_file:
+        return read_plans_file(plans_file)
+    if sweep:
+        return sweep_plans(sweep.split(","), nprocs, batch)
+    return [t for n in nprocs for t in DEFAULT_SWEEP.get(n, ("dp=%d" % n,))]
+
+
+def _entry(sp: StudyPlan | None, text: str, status: str, **kw: Any) -> dict[str, Any]:
+    return {"id": sp.id if sp else text, "plan": sp.text if sp else text, "nproc": sp.devices if sp else None,
+            "status": status, **kw}
+
+
+def prepare(model_spec: str, loaded: Any, sp: StudyPlan, cluster: Any, common: dict[str, Any]
+            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(the job to run or None, the predicted figures) for one plan."""
+    from shardc.study.predict import predict
+
+    _, predicted = predict(model_spec, sp, cluster)
+    if not predicted["fits"]:
+        return None, predicted
+    plan = sp.plan
+    batch = loaded.example_inputs[0].shape[0]
+    m = plan.micro_batches(batch)
+    job = {"id": sp.id, "kind": "plan", "plan": plan, "bucket_mb": sp.bucket_mb, "micro_batches": m,
+           "mesh_axes": [tuple(a) for a in predicted["mesh_axes"]], **common}
+    if plan.pp > 1:
+        job["stage_of"] = predicted["stage_of"]
+    else:
+        import shardc
+
+        per = plan.dp * plan.mb
+        inputs = tuple(x[:per] for x in loaded.example_inputs)
+        job["compiled"] = shardc.compile(loaded.model, inputs, plan=plan, input_names=loaded.input_names)
+        job["traced_batch"] = per
+    return job, predicted
+
+
+def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: str | None = None,
+              sweep: str | None = None, device: str = "cpu", out_dir: str | os.PathLike[str],
+              steps: int = 5, warmup: int = 2, console: Any = None, profile: Any = None,
+              memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
+              allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True) -> int:
+    """Run the study (see the module doc) and write the report to `out_dir`; returns 0.
+
+    `nproc`: process counts (`2`, `"2,4"`); plans of other device counts in a sweep are left
+    out, plans from a file run at their own count. `profile` (a LocalProfile) and
+    `memory_limit_bytes` replace the cached local profile and the per-process memory.
+    """
+    from rich.console import Console
+
+    from shardc.models import load_model
+    from shardc.study.predict import study_cluster
+
+    console = console or Console(stderr=True)
+    if device not in ("cpu", "cuda"):
+        raise ShardcError(f"--device {device!r}: use cpu or cuda")
+    out = Path(out_dir)
+    work = out / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    nprocs = _nprocs(nproc)
+    started = time.perf_counter()
+    import torch
+
+    torch.manual_seed(0)
+    loaded = load_model(model_spec, device="cpu")
+    batch = int(loaded.example_inputs[0].shape[0])
+    texts = plan_texts(nprocs, plans_file, sweep, batch)
+    clusters: dict[int, Any] = {}
+
+    def cluster_for(n: int) -> Any:
+        if n not in clusters:
+            clusters[n] = study_cluster(n, device, profile=profile, memory_limit_bytes=memory_limit_bytes)
+        return clusters[n]
+
+    store = ResultsStore(out / "results.json", {"model": model_spec, "device": device, "steps": steps,
+                                                "warmup": warmup})
+    common = {"model": model_spec, "steps": steps, "warmup": warmup, "seed": 0, "device": device}
+    jobs: dict[int, list[dict[str, Any]]] = {}
+    predictions: dict[str, tuple[StudyPlan, dict[str, Any]]] = {}
+    for text in texts:
+        try:
+            sp = parse_study_plan(text, batch)
+        except ShardcError as err:
+            if not store.done(text):
+                store.record(_entry(None, text, "invalid", error=str(err)))
+            continue
+        if store.done(sp.id) or (not plans_file and sp.devices not in nprocs):
+            continue
+        try:
+            cluster = cluster_for(sp.devices)
+            job, predicted = prepare(model_spec, loaded, sp, cluster, common)
+        except Exception as err:  # a plan the compiler rejects is a result too
+            store.record(_entry(sp, text, "invalid", error=f"{type(err).__name__}: {err}"))
+            continue
+        if job is None:
+            store.record(_entry(sp, text, "does_not_fit", predicted=predicted, cluster=str(cluster),
+                                error=f"predicted not to fit: {predicted['overflow']}"))
+            continue
+        predictions[sp.id] = (sp, {**predicted, "cluster": str(cluster)})
+        jobs.setdefault(sp.devices, []).append(job)
+    for n in sorted(jobs):
+        if str(n) not in store.data["allreduce"]:
+            jobs[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes)})
+    total = sum(len(j) for j in jobs.values())
+    _run_groups(jobs, work, store, predictions, cluster_for, total, job_timeout_s, console)
+    store.data["wall_time_s"] = store.data.get("wall_time_s", 0.0) + time.perf_counter() - started
+    store.save()
+    if report:
+        from shardc.study.report import write_report
+
+        write_report(store.data, out)
+        console.print(f"study written to {out}/ (report.md, results.json, plots)")
+    return 0
+
+
+def _run_groups(jobs: dict[int, list[dict[str, Any]]], work: Path, store: ResultsStore,
+                predictions: dict[str, tuple[StudyPlan, dict[str, Any]]], cluster_for: Any, total: int,
+                job_timeout_s: float, console: Any) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("study", total=total)
+        for n in sorted(jobs):
+            pending = list(jobs[n])
+            while pending:
+                for job in pending:
+                    for r in range(n):
+                        (work / f"{job['id']}.rank{r}.json").unlink(missing_ok=True)
+                failure = _launch(n, pending, work, job_timeout_s, progress, task)
+                finished = 0
+                for job in pending:
+                    files = [work / f"{job['id']}.rank{r}.json" for r in range(n)]
+                    results = [json.loads(f.read_text()) for f in files if f.exists()]
+                    errors = [x for x in results if "error" in x]
+                    if len(results) == n and not errors:
+                        _collect(job, results, store, predictions, cluster_for)
+                        finished += 1
+                        continue
+                    message = errors[0]["error"] if errors else (failure or "process group stopped")
+                    tb = errors[0].get("traceback", "") if errors else ""
+                    _record_error(job, message, tb, store, predictions)
+                    finished += 1
+                    break
+                pending = pending[finished:]
+
+
+def _launch(n: int, pending: list[dict[str, Any]], work: Path, job_timeout_s: float, progress: Any,
+            task: Any) -> str | None:
+    """Run `pending` on a fresh group of `n` processes, advancing the bar as files appear."""
+    from shardc.backends.torch.launch import spawn
+    from shardc.study.worker import run_jobs
+
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            spawn(run_jobs, n, pending, str(work), timeout_s=job_timeout_s * len(pending) + 60)
+        except Exception as err:
+            outcome["error"] = str(err)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    seen: set[str] = set()
+    while thread.is_alive():
+        thread.join(0.5)
+        for job in pending:
+            if job["id"] not in seen and all((work / f"{job['id']}.rank{r}.json").exists() for r in range(n)):
+                seen.add(job["id"])
+                progress.advance(task)
+                progress.update(task, description=f"{n} processes: {job['id'][:40]}")
+    return outcome.get("error")
+
+
+def _record_error(job: dict[str, Any], message: str, tb: str, store: ResultsStore,
+                  predictions: dict[str, tuple[StudyPlan, dict[str, Any]]]) -> None:
+    if job["kind"] != "plan":
+        store.data["allreduce"][job["id"].split("-")[1]] = {"error": message}
+        store.save()
+        return
+    sp, predicted = predictions[job["id"]]
+    store.record(_entry(sp, sp.text, "error", error=message.strip().splitlines()[0][:500] if message else "",
+                        traceback=tb[-2000:], predicted=predicted))
+
+
+def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsStore,
+             predictions: dict[str, tuple[StudyPlan, dict[str, Any]]], cluster_for: Any) -> None:
+    from shardc.study.compare import allreduce_entry, plan_entry
+
+    if job["kind"] == "allreduce_sizes":
+        n = len(results)
+        store.data["allreduce"][str(n)] = allreduce_entry(results[0]["points"], cluster_for(n))
+        store.save()
+        return
+    sp, predicted = predictions[job["id"]]
+    store.record(plan_entry(sp, predicted, results))
+
+
