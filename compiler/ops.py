@@ -502,3 +502,8 @@ register(OpDef(
     flops=lambda i, o, a: 0, saves=lambda i, o, a: [("in", 1)],
     doc="torch.gather: out takes the index's shape; x's gathered dim cannot be split",
 ))
+register(OpDef(
+    "cumsum", "elementwise", lambda i, o, a: _aligned_space(i, o, fixed=(a["dim"],)),
+    lambda x, dim: torch.cumsum(x, dim), flops=lambda i, o, a: o[0].numel, saves=lambda i, o, a: [],
+    doc="running sum along dim (integers widen to i64 as in torch); a scan: that dim cannot be split",
+))

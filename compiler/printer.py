@@ -1,6 +1,6 @@
 """The textual form of the IR. `shardc.parser.parse(print_graph(g))` gives back an equal graph.
 
-    graph @gpt mesh<dp=2, tp=4> {
+    graph @gpt mesh<dp=2, tp=4> [microbatches=4] {
       input %idx : i64[8,1024]{dp:S(0)}
       param %blocks.0.mlp.fc1.weight : f32[3072,768]{tp:S(0)}
       buffer %mask : bool[1,1,1024,1024]
@@ -10,7 +10,8 @@
       return %x9
     }
 
-Layouts print after a type only when set; `ann[...]` holds analysis results (annotate-cost).
+Layouts print after a type only when set (`S(2/3)`: a shard interleaved in 3 blocks);
+`ann[...]` holds analysis results (annotate-cost); graph attributes follow the mesh.
 Names made only of letters, digits, `_`, `.` and `-` print bare; any other name prints as a
 JSON string (`%"onnx::MatMul_7"`). A node without outputs prints without `%... =` and types.
 """
@@ -77,8 +78,8 @@ def format_typed(value: Value) -> str:
 def format_layer(layer: Layer) -> str:
     a = layer.annotation
     stage = "none" if a.stage is None else str(a.stage)
-    return (f"layer {format_name(layer.name)} block={format_name(layer.block)} stage={stage} recompute={a.recompute} "
-            f"zero={a.zero} offload={'true' if a.offload else 'false'}")
+    return (f"layer {format_name(layer.name)} block={format_name(layer.block)} stage={stage} "
+            f"recompute={a.recompute} zero={a.zero} offload={'true' if a.offload else 'false'}")
 
 
 def format_node(node: Node) -> str:

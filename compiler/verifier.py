@@ -6,7 +6,7 @@ Rules (each violation is a `VerificationError` naming the node, value or layer):
   declared values have the kind of their declaration and no producer; returned values exist.
 - Ops: every op has a registry entry, the registry's number of outputs, and output types equal
   to what the op's torch implementation gives on meta tensors (cached per signature, so a
-  96-layer model costs a few dozen inferences). Collective and opaque ops are not inferred.
+  96-layer model costs a few dozen inferences). Opaque ops are not inferred.
 - Layouts: name only mesh axes, shard a dim the tensor has, and (unless `allow_uneven`) split
   it evenly: the product of the sizes of the mesh axes sharding a dim divides that dim.
 - Partitions: name mesh axes; split only iteration dims that are splittable (a `ring` dim
@@ -24,13 +24,12 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
-
 from shardc.diagnostics import VerificationError
 from shardc.ir import Graph, Layout, Mesh, Node, Replicate, Shard, TensorType, Value
 from shardc.registry import IterationSpace, OpDef, get_op, has_op, node_layouts
 
-# Ops whose implementation needs a process group or stands for unknown code.
-UNINFERRED_KINDS = frozenset({"collective", "opaque"})
+# Ops that stand for unknown code (collectives are the identity on one device: inferred).
+UNINFERRED_KINDS = frozenset({"opaque"})
 
 
 def meta_tensor(type_: TensorType) -> torch.Tensor:

@@ -56,6 +56,7 @@ from shardc.ir import (
     TemporalSplit,
     Value,
 )
+from shardc.passes.group_layers import group_layers, layer_of_path
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.plan import ParallelPlan, model_dims, validate_plan
 from shardc.propagate import derives_from_input, dim_roles, follow, io_layouts, iteration_space, node_roles
@@ -66,7 +67,7 @@ MESH_AXES = ("pp", "dp", "cp", "tp")
 
 def plan_mesh(plan: ParallelPlan) -> Mesh:
     """The mesh of a plan: pp, dp, cp, tp in that order (tp innermost, on the fastest links)."""
-    return Mesh((("pp", plan.pp), ("dp", plan.dp), ("cp", plan.cp), ("tp", plan.tp)))
+    return Mesh(tuple((axis, getattr(plan, axis)) for axis in MESH_AXES))
 
 
 @dataclass
@@ -201,17 +202,16 @@ def _held(layout: Layout) -> Layout:
 
 def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
     """Partition `graph` by `plan` in place (rules in the module docstring) and return it."""
+    if not graph.layers:  # first: block classes must not depend on layouts, and validation counts them
+        group_layers(graph)
     dims = model_dims(graph)
     if graph.inputs and dims.batch is None:
         dims = type(dims)(dims.layers, dims.heads, dims.kv_heads, dims.hidden, dims.vocab, dims.seq,
                           graph.inputs[0].type.shape[0] if graph.inputs[0].type.rank else None)
     kwargs = dims.as_kwargs()
-    kwargs["layers"] = max(dims.layers, 1) if plan.stages == 1 else dims.layers
+    blocks = [name for name in graph.layers if layer_of_path(name) == name]
+    kwargs["layers"] = max(dims.layers, len(blocks), 1 if plan.stages == 1 else 0)
     validate_plan(plan, devices=plan.devices, **kwargs)
-    if not graph.layers:  # before partitioning: block classes must not depend on layouts
-        from shardc.passes.group_layers import group_layers
-
-        group_layers(graph)
     mesh = plan_mesh(plan)
     graph.mesh = mesh
     roles = dim_roles(graph)
@@ -252,11 +252,8 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
 
 def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
     """Give every layer its pipeline stage and the plan's recompute/zero/offload (module docstring)."""
-    from shardc.passes.group_layers import group_layers, layer_of_path
-
     if not graph.layers:
         group_layers(graph)
-
     names = list(graph.layers)
     blocks = [n for n in names if layer_of_path(n) == n]
     stages = plan.stages

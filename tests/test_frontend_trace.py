@@ -17,7 +17,8 @@ from shardc.verifier import verify
 
 EXAMPLES = ["examples/gpt.py:tiny", "examples/gpt.py:tiny?tie=false&bias=false", "examples/llama.py:tiny",
             "examples/bert.py:tiny", "examples/mlp.py:tiny", "examples/mlp.py:tiny?loss=mse"]
-HF = ["hf:bert?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&intermediate_size=128&vocab_size=128&seq=16"]
+HF = ["hf:bert?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&intermediate_size=128&vocab_size=128&seq=16",
+      "hf:roberta?num_hidden_layers=1&hidden_size=64&num_attention_heads=4&intermediate_size=128&vocab_size=128&seq=16"]
 
 
 def _hf_direct(kind: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:

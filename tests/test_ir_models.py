@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from shardc.equality import assert_graphs_equal
 from shardc.frontend import trace
 from shardc.models import load_model
@@ -73,3 +72,13 @@ def test_gpt3_175b_verifies_quickly() -> None:
     blocks = {layer.block for layer in graph.layers.values()}
     assert blocks == {"embed", "block0", "head"} and len(graph.layers) == 98
     assert abs(graph.param_count() / 175e9 - 1) < 0.005
+
+
+@pytest.mark.parametrize("plan", ["dp=2,tp=2", "tp=2,sp=true,pp=2", "cp=2,dp=2"])
+def test_partitioned_and_lowered_graphs_round_trip(plan: str) -> None:
+    """Layouts, partitions, collectives and stages made by apply-plan and lower print, parse
+    back equal, and after lowering every operand already has the layout its node needs."""
+    graph = run_pipeline(traced("examples/gpt.py:tiny"), f"apply-plan{{{plan}}},annotate-cost,lower")
+    verify(graph, check_input_layouts=True)
+    assert graph.mesh is not None and any(n.partition is not None for n in graph.nodes)
+    assert_graphs_equal(graph, parse(print_graph(graph)))

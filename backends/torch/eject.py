@@ -29,6 +29,7 @@ COLWISE = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj",
 ROWWISE = frozenset({"proj", "o", "o_proj", "out_proj", "c_proj", "wo", "fc2", "fc_out", "down", "down_proj", "w2"})
 # A fused q/k/v projection is Megatron-sharded per q, k and v block (interleaved), which torch's
 # ColwiseParallel (one contiguous shard) cannot say.
+HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads")
 FUSED_QKV = frozenset({"qkv", "c_attn", "query_key_value", "Wqkv"})
 
 
@@ -156,26 +157,26 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
 
         kwargs = parse_query(query, model_spec)
     missing = unsupported_parts(plan, graph)
-    header = "\n".join(f"#   - {m}" for m in missing) or "#   (none)"
     tp_block = ""
     if plan.tp > 1:
-        tp_block = f"""
-            # Tensor parallelism: Megatron's column/row pairing per block.
-            tp_plan = {{}}
-            for path, mod in model.named_modules():
-                leaf = path.rsplit(".", 1)[-1]
-                if isinstance(mod, torch.nn.Linear) and path.startswith("{_block_prefix(plan)}"):
-                    if leaf in COLWISE:
-                        tp_plan[path] = ColwiseParallel()
-                    elif leaf in ROWWISE:
-                        tp_plan[path] = RowwiseParallel()
-            {"" if not plan.sp else "# Sequence parallel norms (SequenceParallel) need the rowwise outputs sharded too."}
-            parallelize_module(model, mesh["tp"], tp_plan)
-            for mod in model.modules():  # attention sees its local heads
-                for attr in ("n_head", "n_heads", "n_embd"):
-                    if isinstance(getattr(mod, attr, None), int) and any(isinstance(c, torch.nn.Linear) for c in mod.children()):
-                        setattr(mod, attr, getattr(mod, attr) // mesh["tp"].size())
-        """
+        try:
+            from shardc.models import load_model
+
+            styles = megatron_plan(load_model(model_spec, device="meta").model)
+        except ShardcError as err:
+            missing.append(f"tensor parallelism tp={plan.tp}: {err.message} (not emitted)")
+            styles = {}
+        if styles:
+            lines = ["", "# Tensor parallelism: Megatron's column/row pairing in every block.",
+                     'parallelize_module(model, mesh["tp"], {']
+            lines += [f"    {k!r}: {'ColwiseParallel' if v == 'colwise' else 'RowwiseParallel'}()," for k, v in styles.items()]
+            lines += ["})",
+                      "for mod in model.modules():  # attention modules reshape by their local head count",
+                      "    if any(isinstance(c, torch.nn.Linear) for c in mod.children()):",
+                      "        for attr in HEAD_ATTRS:",
+                      "            if isinstance(getattr(mod, attr, None), int):",
+                      '                setattr(mod, attr, getattr(mod, attr) // mesh["tp"].size())', ""]
+            tp_block = "\n".join(lines)
     if plan.zero >= 1:
         dp_block = f"""
             fully_shard(model, mesh=mesh["dp"], reshard_after_forward={plan.zero >= 3})
@@ -190,6 +191,7 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
                    f"torch.distributed.pipelining.PipelineStage and Schedule{'Interleaved1F1B' if plan.vpp > 1 else ('GPipe' if plan.schedule == 'gpipe' else '1F1B')};\n"
                    "# see shardc.backends.torch.pipeline for a stage cutter. This file trains pp=1 only.\n")
         missing = [*missing, f"pipeline pp={plan.pp}: stage modules must be cut by hand (PipelineStage needs one module per stage)"]
+    header = "\n".join(f"  - {m}" for m in missing) or "  (none)"
     body = f'''"""Ejected by shardc from plan {plan} for {model_spec}. Needs only torch.
 
 Run: torchrun --nproc-per-node {plan.dp * plan.tp} this_file.py
@@ -207,8 +209,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-COLWISE = {sorted(COLWISE)!r}
-ROWWISE = {sorted(ROWWISE)!r}
+HEAD_ATTRS = {HEAD_ATTRS!r}
 MODEL_FILE = {path!r}
 FACTORY = {factory or "default"!r}
 FACTORY_KWARGS = {kwargs!r}
@@ -253,7 +254,3 @@ if __name__ == "__main__":
     main(int(os.environ.get("STEPS", "3")))
 '''
     return Ejected(body, tuple(missing))
-
-
-def _block_prefix(plan: Any) -> str:
-    return ""

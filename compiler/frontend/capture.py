@@ -95,7 +95,16 @@ def capture_fx(model: torch.nn.Module, inputs: tuple[Any, ...], input_names: lis
             raise TypeError(f"forward argument {p.name!r} has no example input and no default")
         concrete[p.name] = p.default
     before = set(vars(model))
-    graph = _Tracer().trace(model, concrete_args=concrete or None)
+    try:
+        graph = _Tracer().trace(model, concrete_args=concrete or None)
+        return _fx_leaves(model, graph, inputs, input_names, params, concrete)
+    finally:
+        for attr in set(vars(model)) - before:  # fx parks tensor constants on the root; take them back
+            delattr(model, attr)
+
+
+def _fx_leaves(model: torch.nn.Module, graph: torch.fx.Graph, inputs: tuple[Any, ...], input_names: list[str],
+               params: list[inspect.Parameter], concrete: dict[str, Any]) -> Captured:
     pnames, bnames = _names(model)
     captured = Captured(graph, "fx")
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -110,8 +119,6 @@ def capture_fx(model: torch.nn.Module, inputs: tuple[Any, ...], input_names: lis
             for atom in str(node.target).split("."):
                 obj = getattr(obj, atom)
             captured.leaves[node.name] = _classify(obj, pnames, bnames)
-    for attr in set(vars(model)) - before:  # fx parks tensor constants on the root; take them back
-        delattr(model, attr)
     return captured
 
 

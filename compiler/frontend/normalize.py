@@ -401,3 +401,10 @@ def _max(e: Emitter, res: Any, x: Value, *args: Any, **kwargs: Any) -> Value:
 @rule(torch.gather, "gather", aten("gather"))
 def _gather(e: Emitter, res: Any, x: Value, dim: int, index: Value, *_: Any, **__: Any) -> Value:
     return e.emit("gather", [x, index], dim=_dim(dim, x.type.rank))
+
+
+@rule(torch.cumsum, "cumsum", aten("cumsum"))
+def _cumsum(e: Emitter, res: Any, x: Value, dim: int, *, dtype: Any = None, **_: Any) -> Value:
+    if dtype is not None:
+        x = e.emit("cast", [x], dtype=dtype_name(dtype))
+    return e.emit("cumsum", [x], dim=_dim(dim, x.type.rank))

@@ -56,11 +56,11 @@ def _storage(t: torch.Tensor) -> Any | None:
     t = _local(t)
     if t.device.type == "meta":
         return None
-    try:
+    try:  # fake and functional tensors (left over from tracing) own no memory
         s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        return s if s.data_ptr() else None
+    except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return s if s.data_ptr() else None
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

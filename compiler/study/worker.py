@@ -90,7 +90,9 @@ def allreduce_sizes(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
 
 # ---- a plan -----------------------------------------------------------------------------------
 
-def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+    if isinstance(output, tuple | list):
+        output = output[0]
     return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
@@ -155,7 +157,6 @@ def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float) ->
 
 
 def _pipeline(job: dict[str, Any], model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], world: int):
-    import torch.fx as fx
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardc.backends.torch.pipeline import PipelineRunner
@@ -169,8 +170,9 @@ def _pipeline(job: dict[str, Any], model: torch.nn.Module, inputs: tuple[torch.T
         raise ShardcError("pipelined study plans need example inputs (inputs, targets)")
     axes = job["mesh_axes"]
     mesh = init_device_mesh("cpu", tuple(s for _, s in axes), mesh_dim_names=tuple(a for a, _ in axes))
-    traced = fx.symbolic_trace(model, concrete_args={"targets": None}) if "targets" in \
-        model.forward.__code__.co_varnames else None
+    # torch.export keeps module paths (nn_module_stack) and specialises shapes (GPT slices its
+    # mask by the sequence length), at the micro-batch size the schedule feeds each stage.
+    traced = torch.export.export(model, (inputs[0][:plan.mb],), strict=False).module()
     runner = PipelineRunner(model, mesh, _loss_fn, n_microbatches=job["micro_batches"], schedule=plan.schedule,
                             virtual_stages=plan.vpp, stage_of=job.get("stage_of"), traced=traced)
     dp = plan.dp

@@ -1,0 +1,71 @@
+"""`shardc run` end to end under torchrun: JSON report, losses against one process, failures, bad input."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from shardc.backends.torch.launch import synthetic_batch
+from shardc.cli import main
+from shardc.diagnostics import ShardcError
+from shardc.run import resolve_plan, run_model
+
+SPEC = "examples/gpt.py:tiny"
+
+
+def reference_losses(steps: int, seed: int) -> list[float]:
+    """One process, the same seed, data and optimizer as the workers."""
+    from shardc.backends.torch.launch import _vocab_of
+    from shardc.models import load_model
+
+    torch.manual_seed(seed)
+    loaded = load_model(SPEC, device="cpu")
+    model, example = loaded.model, list(loaded.example_inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        loss = model(*synthetic_batch(example, _vocab_of(model), seed, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_run_json_on_two_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", SPEC, "--nproc", "2", "--steps", "3", "--plan", "dp=2", "--seed", "3", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["losses"]) == 3
+    for got, want in zip(out["losses"], reference_losses(3, 3)):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert out["measured_step_time_s"] > 0
+    assert "predicted_step_time_s" in out
+    assert [r["rank"] for r in out["ranks"]] == [0, 1]
+    for r in out["ranks"]:
+        assert r["peak_memory_bytes"] > 0
+        assert "predicted_peak_memory_bytes" in r
+
+
+def test_failing_rank_stops_the_others_in_bounded_time() -> None:
+    start = time.monotonic()
+    with pytest.raises(ShardcError) as err:
+        run_model(SPEC, nproc=2, steps=4, plan="dp=2", timeout_s=150,
+                  env={"SHARDC_FAIL_RANK": "1", "SHARDC_FAIL_STEP": "1"})
+    assert "rank 1 failed: RuntimeError: injected failure" in str(err.value)
+    assert "other ranks were stopped" in str(err.value)
+    assert time.monotonic() - start < 150
+
+
+def test_world_size_must_match_the_plan() -> None:
+    with pytest.raises(ShardcError, match=r"uses dp\*tp\*pp\*cp = 4 devices but --nproc is 2"):
+        resolve_plan("dp=2,tp=2", 2)
+    assert resolve_plan(None, 3).dp == 3
+
+
+def test_cli_reports_bad_plan_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", SPEC, "--nproc", "2", "--plan", "tp=4"]) == 2
+    assert "--nproc is 2" in capsys.readouterr().err
