@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from shardc.ir import Graph, Layout, Mesh, Node, Partition, Placement, Shard, Value
@@ -52,7 +53,7 @@ def input_roles(graph: Graph) -> dict[int, tuple[str | None, ...]]:
     """Roles of the graph inputs: dim 0 is the batch when its extent is the first input's, dim 1
     the sequence when its extent is the first input's dim 1."""
     out: dict[int, tuple[str | None, ...]] = {}
-    first = graph.inputs[0].type.shape if graph.inputs else ()
+    first: tuple[int, ...] = graph.inputs[0].type.shape if graph.inputs else ()
     for v in graph.inputs:
         roles: list[str | None] = [None] * v.type.rank
         if v.type.rank >= 1 and first and v.type.shape[0] == first[0]:
@@ -101,11 +102,14 @@ def follow(space: IterationSpace, operand: int, placement: Placement, axis: str,
            mesh: Mesh, allowed: Callable[[str], bool] | None = None) -> tuple[str, int] | None:
     """(iteration dim, stride) such that a node split that way along `axis` (after the outer
     axes already in `outer`) needs input `operand` with exactly `placement` on `axis`; None if
-    no split does. Only Shard placements can be followed; `allowed` filters the dims."""
+    no split does. Only Shard placements can be followed; `allowed` filters the dims. Of several
+    such splits (a shard of a flattened `(batch seq)` dim may read as either factor when the
+    outer axes leave one batch row), the first whose dim the axes divide evenly wins."""
     if not isinstance(placement, Shard) or placement.dim >= len(space.inputs[operand]):
         return None
     factors = space.inputs[operand][placement.dim]
     strides = [k for k in range(1, placement.interleave + 1) if placement.interleave % k == 0]
+    found: list[tuple[str, int]] = []
     for dim in factors:
         if allowed is not None and not allowed(dim):
             continue
@@ -117,8 +121,11 @@ def follow(space: IterationSpace, operand: int, placement: Placement, axis: str,
             except ValueError:
                 continue
             if got.on(axis) == placement:
-                return dim, stride
-    return None
+                found.append((dim, stride))
+    even = [(d, k) for d, k in found if space.size(d) % (k * math.prod(
+        mesh.axis_size(a) for a, e in outer.spatial + ((axis, d),) if e == d)) == 0]
+    best = even or found
+    return best[0] if best else None
 
 
 def derives_from_input(graph: Graph, value: Value) -> bool:

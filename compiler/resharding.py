@@ -37,7 +37,20 @@ import math
 from dataclasses import dataclass
 
 from shardc.diagnostics import ShardcError
-from shardc.ir import DTYPE_BYTES, Graph, Layout, Mesh, Node, Partial, Placement, Replicate, Shard, TensorType
+from shardc.ir import (
+    DTYPE_BYTES,
+    Graph,
+    Layout,
+    Mesh,
+    Node,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    TensorType,
+    Value,
+)
+from shardc.propagate import io_layouts, iteration_space, requires_grad
 
 COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send_recv", "rotate",
                            "rotate_reverse"})
@@ -170,11 +183,11 @@ def _dims_of(*placements: Placement) -> set[int]:
 def redistribute(src: Layout, dst: Layout, type: TensorType, mesh: Mesh) -> list[ReshardStep]:
     """The steps turning a `type` tensor laid out `src` into `dst` on `mesh` (rules in the module
     docstring); `[]` when they already agree. Each step's `backward` is `conjugate(kind)`."""
-    for layout in (src, dst):
-        for a, p in layout.placements:
+    for given in (src, dst):
+        for a, p in given.placements:
             mesh.axis_size(a)
             if isinstance(p, Shard) and p.dim >= type.rank:
-                raise ShardcError(f"layout {layout} shards dim {p.dim} of a rank-{type.rank} tensor {type}")
+                raise ShardcError(f"layout {given} shards dim {p.dim} of a rank-{type.rank} tensor {type}")
     names = mesh.names
     cur = {a: src.on(a) for a in names}
     want = {a: dst.on(a) for a in names}
@@ -274,7 +287,8 @@ def node_stage(graph: Graph, node: Node) -> int | None:
 def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edge, list[ReshardStep]]:
     """Every (value, needed layout) of a partitioned graph whose producer layout differs from what
     its consumers need, or that crosses a pipeline stage, or whose gradient needs an all_reduce,
-    with the steps: `send_recv` on `pp` first (in the producer's layout), then `redistribute`.
+    with the steps: one `send_recv` on `pp` first (in the producer's layout; the edge's
+    `dst_stage - src_stage` says how many stage boundaries it crosses), then `redistribute`.
 
     Backward: on data axes (`data_axes`, default dp and cp) the gradient of a replicated value is
     partial (every rank backpropagates its own loss; parameters are averaged by the gradient
@@ -285,15 +299,13 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     layout share one edge (one collective, as the lowering emits it). Graph outputs are made
     replicated on model axes and kept on data axes (edges with no consumers).
     """
-    from shardc.propagate import io_layouts, requires_grad
-
     mesh = graph.mesh
     if mesh is None:
         raise ShardcError(f"graph @{graph.name} has no mesh; run apply-plan (or the solver) first")
     grads = requires_grad(graph)
     stage_of: dict[int, int | None] = {}
     groups: dict[tuple[int, Layout, int | None], list[tuple[int, int]]] = {}
-    values: dict[int, object] = {}
+    values: dict[int, Value] = {}
     splits: dict[int, set[str]] = {}
     for index, node in enumerate(graph.nodes):
         stage = node_stage(graph, node)
@@ -308,26 +320,26 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     out: dict[Edge, list[ReshardStep]] = {}
     for (vid, need, stage), consumers in groups.items():
         v = values[vid]
-        src = normalize(v.layout or Layout(), mesh)  # type: ignore[attr-defined]
+        src = normalize(v.layout or Layout(), mesh)
         src_stage = stage_of.get(vid)
         steps: list[ReshardStep] = []
         if src_stage is not None and stage is not None and src_stage != stage:
-            nbytes = local_bytes(v.type, src, mesh)  # type: ignore[attr-defined]
+            nbytes = local_bytes(v.type, src, mesh)
             steps.append(ReshardStep("send_recv", "pp", src, src, nbytes, nbytes, 2, "send_recv"))
-        steps += _with_gradients(redistribute(src, need, v.type, mesh), src, need, v, mesh,  # type: ignore[attr-defined]
-                                 data_axes, grads.get(vid, False), set().union(*(splits[i] for i, _ in consumers)))
+        steps += _with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes,
+                                 grads.get(vid, False), set().union(*(splits[i] for i, _ in consumers)))
         if steps:
-            out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps  # type: ignore[attr-defined]
+            out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
     for v in graph.outputs:
         src = normalize(v.layout or Layout(), mesh)
         need = Layout(tuple((a, p) for a, p in src.placements if a in data_axes))
-        steps = _with_gradients(redistribute(src, need, v.type, mesh), src, need, v, mesh, data_axes, False, set())
+        steps = _with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, False, set())
         if steps:
             out[Edge(v.name, src, need, (), stage_of.get(id(v)), stage_of.get(id(v)))] = steps
     return out
 
 
-def _with_gradients(steps: list[ReshardStep], src: Layout, need: Layout, value: object, mesh: Mesh,
+def _with_gradients(steps: list[ReshardStep], need: Layout, value: Value, mesh: Mesh,
                     data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> list[ReshardStep]:
     """Set each step's backward kind and add the `identity` markers (see `edge_steps`)."""
     marked = {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1 and a in split_axes
@@ -340,7 +352,7 @@ def _with_gradients(steps: list[ReshardStep], src: Layout, need: Layout, value: 
     covered = {s.axis for s in result if s.axis in marked and s.backward in ("reduce_scatter", "all_reduce")}
     for a in mesh.names:
         if a in marked and a not in covered:
-            nbytes = local_bytes(value.type, need, mesh)  # type: ignore[attr-defined]
+            nbytes = local_bytes(value.type, need, mesh)
             result.append(ReshardStep("identity", a, need, need, nbytes, nbytes, mesh.axis_size(a), "all_reduce"))
     return result
 
@@ -349,31 +361,18 @@ def node_rotations(node: Node, mesh: Mesh) -> list[ReshardStep]:
     """The point-to-point shifts a rotating temporal split makes inside `node`: for each input
     sharded along the rotation axis on the rotated dim, `steps - 1` `rotate` steps of its
     local shard (backward: the same number of `rotate_reverse`)."""
-    from shardc.propagate import io_layouts
-
-    if node.partition is None:
+    if node.partition is None or not node.partition.temporal:
         return []
     ins, _ = io_layouts(node, mesh)
+    space = iteration_space(node)
     out = []
     for split in node.partition.temporal:
         if split.rotate is None or mesh.axis_size(split.rotate) == 1:
             continue
-        for v, layout in zip(node.inputs, ins):
-            if isinstance(layout.on(split.rotate), Shard) and _indexes(node, v, split.dim, layout.on(split.rotate)):
+        for operand, v, layout in zip(space.inputs, node.inputs, ins):
+            p = layout.on(split.rotate)
+            if isinstance(p, Shard) and operand[p.dim][:1] == (split.dim,):
                 nbytes = local_bytes(v.type, layout, mesh)
                 out += [ReshardStep("rotate", split.rotate, layout, layout, nbytes, nbytes,
                                     mesh.axis_size(split.rotate), "rotate_reverse")] * (split.steps - 1)
     return out
-
-
-def _indexes(node: Node, value: object, dim: str, placement: Placement) -> bool:
-    """Whether `value`'s shard on the placement's tensor dim is the rotated iteration dim."""
-    from shardc.registry import get_op
-
-    space = get_op(node.op).iteration_space([v.type for v in node.inputs], [v.type for v in node.outputs],
-                                            node.attrs)
-    for operand, v in zip(space.inputs, node.inputs):
-        if v is value and isinstance(placement, Shard):
-            factors = operand[placement.dim]
-            return bool(factors) and factors[0] == dim
-    return False

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
+
 from shardc.diagnostics import VerificationError
 from shardc.ir import Graph, Layout, Mesh, Node, Replicate, Shard, TensorType, Value
 from shardc.registry import IterationSpace, OpDef, get_op, has_op, node_layouts

@@ -29,6 +29,14 @@ class BertConfig:
     eps: float = 1e-12
 
 
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) for linear and embedding weights, zero biases."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -82,6 +90,7 @@ class Bert(nn.Module):
         self.head_ln = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.decoder = nn.Linear(cfg.hidden, cfg.vocab_size)
         self.decoder.weight = self.word_emb.weight
+        self.apply(init_weights)
         self.register_buffer("position_ids", torch.arange(cfg.max_positions).unsqueeze(0), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -29,6 +29,14 @@ class GPTConfig:
     bias: bool = True
 
 
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) for linear and embedding weights, zero biases."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class CausalSelfAttention(nn.Module):
     future: torch.Tensor
 
@@ -98,6 +106,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie:
             self.lm_head.weight = self.wte.weight
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         s = idx.size(1)

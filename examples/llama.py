@@ -29,6 +29,14 @@ class LlamaConfig:
     tie: bool = False
 
 
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) for linear and embedding weights, zero biases."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -104,6 +112,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie:
             self.lm_head.weight = self.tok_emb.weight
+        self.apply(init_weights)
         head_dim = cfg.dim // cfg.n_head
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         angles = torch.outer(torch.arange(cfg.max_seq, dtype=torch.float32), inv_freq)

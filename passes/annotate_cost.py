@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
 from shardc.ir import DTYPE_BYTES, Graph, Layout, Mesh, Node, TensorType, Value
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.registry import CostRow, OpDef, get_op, has_op, node_layouts

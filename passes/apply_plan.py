@@ -11,10 +11,11 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   traced from the graph inputs. A node with a ring dim (attention's keys) split on cp in
   space gets `time t/C rotate cp` (ring attention; an attention written out as matmuls gets
   its keys all-gathered instead).
-- tp (Megatron, from the dataflow, not from names): a linear with a parameter weight is
+- tp (Megatron, from the dataflow, not from names): a linear (or a matmul by a parameter
+  matrix, as transformers' Conv1D) with a parameter weight is
   row-parallel (splits k, its output is `P(sum)`) when its input arrives sharded on the last
   dim, else column-parallel (splits n; strided `n/k` when a `split` into k equal pieces reads
-  it: a fused qkv). So q/k/v and fc1 (gate and up) are column, the output projection and fc2
+  it, possibly through a bias add and views: a fused qkv). So q/k/v and fc1 (gate and up) are column, the output projection and fc2
   row; heads split by following. The token embedding (ids from a graph input) is
   vocab-parallel (splits v, `P(sum)` out); the LM head is column-parallel and cross entropy
   follows it on its vocab dim (rule "vocab").
@@ -38,6 +39,7 @@ blocks, a batch not divisible by dp) is a ShardcError naming the node and the co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -134,7 +136,8 @@ class _Planner:
 
     def megatron(self, node: Node, space: IterationSpace) -> tuple[str, int] | None:
         """Column/row-parallel linears and the vocab-parallel token embedding (module docstring)."""
-        if node.op == "linear" and len(node.inputs) >= 2 and node.inputs[1].kind == "parameter":
+        if (node.op == "linear" or (node.op == "matmul" and node.inputs[1].type.rank == 2)) and \
+                len(node.inputs) >= 2 and node.inputs[1].kind == "parameter":
             x = node.inputs[0]
             p = (x.layout or Layout()).on("tp")
             if isinstance(p, Shard) and p.dim == x.type.rank - 1 and p.interleave == 1:
@@ -149,7 +152,9 @@ class _Planner:
         """Every split dim must divide evenly (the vocabulary may not: its shards are padded)."""
         for axis, dim in partition.spatial:
             size, n, stride = space.size(dim), self.mesh.axis_size(axis), partition.stride_of(axis)
-            if size % (n * stride) == 0 or (axis == "tp" and self.vocab is not None and size == self.vocab):
+            together = math.prod(self.mesh.axis_size(a) * partition.stride_of(a) for a, d in partition.spatial
+                                 if d == dim)
+            if size % together == 0 or (axis == "tp" and self.vocab is not None and size == self.vocab):
                 continue
             what = f"iteration dim {dim} (size {size}"
             what += f" in {stride} interleaved pieces)" if stride > 1 else ")"
@@ -172,14 +177,21 @@ def _query_dim(space: IterationSpace, ring: str) -> str | None:
 
 
 def _equal_split_readers(graph: Graph, node: Node) -> int:
-    """k when the node's output is read by a split of its last dim into k equal pieces, else 1."""
+    """k when the node's output reaches a split of its last dim into k equal pieces (directly, or
+    through elementwise ops and views that keep the last dim: a bias add, a reshape), else 1."""
     out = node.outputs[0]
-    for reader in graph.nodes:
-        if reader.op == "split" and reader.inputs and reader.inputs[0] is out:
-            dim = reader.attrs.get("dim", 0)
-            sizes = reader.attrs.get("sizes", ())
-            if dim in (-1, out.type.rank - 1) and len(sizes) > 1 and len(set(sizes)) == 1:
+    for _ in range(8):
+        readers = [n for n in graph.nodes if any(v is out for v in n.inputs)]
+        for reader in readers:
+            dim, sizes = reader.attrs.get("dim", 0), reader.attrs.get("sizes", ())
+            if reader.op == "split" and reader.inputs[0] is out and dim in (-1, out.type.rank - 1) \
+                    and len(sizes) > 1 and len(set(sizes)) == 1:
                 return len(sizes)
+        onward = [r for r in readers if get_op(r.op).kind in ("elementwise", "view") and r.op != "split"
+                  and len(r.outputs) == 1 and r.output.type.shape[-1:] == out.type.shape[-1:]]
+        if len(readers) != 1 or not onward:
+            return 1
+        out = onward[0].output
     return 1
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 from shardc.diagnostics import ShardcError
-from shardc.ir import Graph, Layout, Partition, Shard, TemporalSplit, TensorType
+from shardc.equality import assert_graphs_equal
+from shardc.ir import Graph, Layout, Mesh, Partition, Shard, TemporalSplit, TensorType
+from shardc.parser import parse
 from shardc.passes.apply_plan import ApplyPlan, apply_plan
 from shardc.passmanager import PassContext, run_pipeline
 from shardc.plan import ParallelPlan
@@ -35,6 +37,7 @@ def assert_ir(graph: Graph, expected_file: str) -> None:
 def test_printed_ir(build: object, plan: str, expected: str) -> None:
     graph = apply_plan(build(), ParallelPlan.parse(plan))  # type: ignore[operator]
     assert_ir(graph, expected)
+    assert_graphs_equal(parse(print_graph(graph)), graph)
 
 
 def node(graph: Graph, module: str, op: str | None = None):  # noqa: ANN201
@@ -155,6 +158,4 @@ def test_more_stages_than_blocks() -> None:
 def test_interleaved_type_is_local_shape() -> None:
     # S(d/k) keeps k blocks and splits each: 3 blocks of 12 over 4 devices leave 3 of 3.
     layout = Layout((("tp", Shard(1, 3)),))
-    from shardc.ir import Mesh
-
     assert layout.local_shape(TensorType((2, 36), "f32").shape, Mesh((("tp", 4),))) == (2, 9)

@@ -7,11 +7,13 @@ import copy
 from collections import Counter
 
 import pytest
-
+from shardc.equality import assert_graphs_equal
 from shardc.frontend import trace
 from shardc.ir import Graph, Partition, TemporalSplit
 from shardc.models import load_model
+from shardc.parser import parse
 from shardc.passmanager import run_pipeline
+from shardc.printer import print_graph
 from shardc.resharding import backward_step, edge_steps
 
 
@@ -25,8 +27,11 @@ def traced() -> dict[str, Graph]:
 
 
 def planned(traced: dict[str, Graph], model: str, options: str) -> Graph:
-    """A copy of the traced model after `apply-plan{options}` (the verifier runs after the pass)."""
-    return run_pipeline(copy.deepcopy(traced[model]), f"apply-plan{{{options}}}")
+    """A copy of the traced model after `apply-plan{options}` (the verifier runs after the pass);
+    the printed IR parses back to an equal graph."""
+    graph = run_pipeline(copy.deepcopy(traced[model]), f"apply-plan{{{options}}}")
+    assert_graphs_equal(parse(print_graph(graph)), graph)
+    return graph
 
 
 def collectives(graph: Graph, *, backward: bool = False) -> Counter[str]:
@@ -112,3 +117,14 @@ def test_pipeline_stages_on_gpt(traced: dict[str, Graph]) -> None:
     assert g.attrs["microbatches"] == 4
     cuts = [e for e, steps in edge_steps(g).items() if any(s.kind == "send_recv" for s in steps)]
     assert len(cuts) == 1 and (cuts[0].src_stage, cuts[0].dst_stage) == (0, 1)
+
+
+def test_transformers_gpt2_conv1d_is_megatron_too() -> None:
+    # transformers' GPT2 writes its projections as Conv1D: x @ W + b with W[k, n] a parameter,
+    # and splits a fused c_attn through a bias add and a reshape.
+    loaded = load_model("hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=128&n_positions=32&batch=2&seq=16")
+    g = planned({"gpt2": trace(loaded.model, loaded.example_inputs)}, "gpt2", "tp=2")
+    c_attn = next(n for n in g.nodes if n.op == "matmul" and n.location.module_path.endswith("0.attn.c_attn"))
+    assert str(c_attn.partition) == "partition<tp:n/3>"
+    # The model returns the logits: they are gathered over tp at the output.
+    assert collectives(g) == Counter({"all_reduce": 2 * 2 + 1, "all_gather": 1})

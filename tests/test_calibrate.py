@@ -7,6 +7,7 @@ import json
 
 import pytest
 from rich.console import Console
+
 from shardc import calibrate
 from shardc.calibrate import (
     COLLECTIVES,

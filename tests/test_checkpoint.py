@@ -12,13 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pipeline import BATCH, MICRO, TinyLM, batches, lm_loss
 
 from shardc.backends.torch.checkpoint import (
-    full_state_dict, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint,
+    full_state_dict,
+    latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
 )
 from shardc.backends.torch.launch import spawn
 from shardc.diagnostics import ShardcError
-from test_pipeline import BATCH, MICRO, TinyLM, batches, lm_loss
 
 
 def _full(state: dict) -> dict[str, torch.Tensor]:

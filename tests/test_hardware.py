@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, write_profile
 from shardc.diagnostics import ShardcError
 from shardc.hardware import (

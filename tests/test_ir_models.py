@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from shardc.equality import assert_graphs_equal
 from shardc.frontend import trace
 from shardc.models import load_model

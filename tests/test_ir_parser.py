@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from shardc.diagnostics import ParseError
 from shardc.parser import parse, parse_file
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from shardc.equality import assert_graphs_equal, first_difference
 from shardc.ir import (
     Graph,

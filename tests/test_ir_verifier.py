@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from shardc.diagnostics import VerificationError
 from shardc.ir import Layout, Shard, TensorType, Value
 from shardc.parser import parse

@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+
 from shardc.frontend.onnx import OnnxModule, import_onnx
 from shardc.models import load_model
 

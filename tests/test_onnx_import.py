@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+
 from shardc.diagnostics import ShardcError
 from shardc.frontend.onnx import import_onnx, parse_input_shapes, write_onnx
 from shardc.registry import get_op

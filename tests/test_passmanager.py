@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import pytest
+
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, TensorType
 from shardc.parser import parse

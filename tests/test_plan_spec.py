@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layer, Location, Node, TensorType, Value
 from shardc.plan import PLAN_KEYS, ModelDims, ParallelPlan, model_dims, plan_keys_help, validate_plan

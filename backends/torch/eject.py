@@ -177,9 +177,10 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
                       "            if isinstance(getattr(mod, attr, None), int):",
                       '                setattr(mod, attr, getattr(mod, attr) // mesh["tp"].size())', ""]
             tp_block = "\n".join(lines)
-    if plan.zero >= 1:
+    if plan.zero >= 1 or plan.tp > 1:  # DDP takes no DTensor parameters; FSDP2 over dp is torch's 2-D recipe
         dp_block = f"""
-            fully_shard(model, mesh=mesh["dp"], reshard_after_forward={plan.zero >= 3})
+            if mesh["dp"].size() > 1:
+                fully_shard(model, mesh=mesh["dp"], reshard_after_forward={plan.zero >= 3})
         """
     else:
         dp_block = """
@@ -200,6 +201,7 @@ Not expressed in torch's vocabulary (left out):
 """
 {pp_note}import importlib.util
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -219,6 +221,7 @@ DP, TP = {plan.dp}, {plan.tp}
 def build_model(seed: int = 0):
     spec = importlib.util.spec_from_file_location("ejected_model", MODEL_FILE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the model file look their module up
     spec.loader.exec_module(module)
     torch.manual_seed(seed)
     return getattr(module, FACTORY)(**FACTORY_KWARGS)

@@ -279,7 +279,6 @@ def _build_trainer(config: dict[str, Any], model: Any, example: Sequence[Any]) -
     """(object holding this rank's parameters, step(batch) -> loss tensor) for the plan."""
     import torch
     import torch.nn.functional as F
-    from torch import fx
 
     from shardc.plan import ParallelPlan
 
@@ -293,7 +292,7 @@ def _build_trainer(config: dict[str, Any], model: Any, example: Sequence[Any]) -
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardc.backends.torch.eject import apply_tensor_parallel
-    from shardc.backends.torch.pipeline import PipelineRunner
+    from shardc.backends.torch.pipeline import PipelineRunner, trace_model
 
     if plan.cp > 1:
         from shardc.diagnostics import ShardcError
@@ -303,10 +302,7 @@ def _build_trainer(config: dict[str, Any], model: Any, example: Sequence[Any]) -
                             mesh_dim_names=("pp", "dp", "tp"))
     if plan.tp > 1:
         model = apply_tensor_parallel(model, mesh["tp"])
-    import inspect
-
-    names = list(inspect.signature(model.forward).parameters)
-    traced = fx.symbolic_trace(model, concrete_args={n: None for n in names[1:]})
+    traced = trace_model(model, num_inputs=1)  # logits from the tokens; the loss is computed here
 
     def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -132,10 +132,10 @@ def split_stages(model: nn.Module, num_stages: int, stage_of: Mapping[str, int] 
     """Cut `model` into `num_stages` GraphModules; stage k's inputs are stage k-1's outputs.
 
     `stage_of` maps module paths to stages (default: `block_stages`); `traced` is the model
-    already traced by torch.fx (default: `fx.symbolic_trace(model)`). Parameters are shared with
+    already traced by torch.fx (default: `trace_model(model)`). Parameters are shared with
     `model`, not copied, and keep their qualified names.
     """
-    gm = traced if traced is not None else _trace(model)
+    gm = traced if traced is not None else trace_model(model)
     stage_of = dict(stage_of) if stage_of is not None else block_stages(model, num_stages)
     stage = assign_stages(gm, stage_of, num_stages)
     nodes = list(gm.graph.nodes)
@@ -167,11 +167,11 @@ def split_stages(model: nn.Module, num_stages: int, stage_of: Mapping[str, int] 
             env[n] = g.placeholder(n.name)
         for n in nodes:
             if n.op == "get_attr" and any(stage.get(u) == k for u in n.users):
-                env[n] = g.node_copy(n, lambda a: env[a])
+                env[n] = g.node_copy(n, env.__getitem__)
             elif n.op not in ("placeholder", "get_attr", "output") and stage[n] == k:
-                env[n] = g.node_copy(n, lambda a: env[a])
+                env[n] = g.node_copy(n, env.__getitem__)
         if k == num_stages - 1:
-            g.output(fx.map_arg(output_node.args[0], lambda a: env[a]))
+            g.output(fx.map_arg(output_node.args[0], env.__getitem__))
         else:
             outs = tuple(env[n] for n in carried[k + 1])
             g.output(outs[0] if len(outs) == 1 else outs)
@@ -180,12 +180,24 @@ def split_stages(model: nn.Module, num_stages: int, stage_of: Mapping[str, int] 
     return out
 
 
-def _trace(model: nn.Module) -> fx.GraphModule:
+def trace_model(model: nn.Module, num_inputs: int = 1) -> fx.GraphModule:
+    """torch.fx trace of `model` fed its first `num_inputs` forward arguments; later ones are None.
+
+    Buffers are traced as graph values (not baked-in tensors), so slicing a buffer by an input's
+    length (`mask[:s, :s]`, `rope_cos[:s]`) traces.
+    """
+    import inspect
+
+    class Tracer(fx.Tracer):
+        proxy_buffer_attributes = True
+
+    names = list(inspect.signature(model.forward).parameters)[num_inputs:]
     try:
-        return fx.symbolic_trace(model)
+        graph = Tracer().trace(model, concrete_args={n: None for n in names} or None)
     except Exception as err:  # fx raises many types; the reason is what the user needs
         raise ShardcError(f"cannot cut {type(model).__name__} into pipeline stages: torch.fx could not trace it "
                           f"({type(err).__name__}: {err})", hint="pass an already traced GraphModule as traced=") from err
+    return fx.GraphModule(model, graph)
 
 
 def _is_tensor_node(n: fx.Node) -> bool:

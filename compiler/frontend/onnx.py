@@ -15,16 +15,17 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
+
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Location, Node, TensorType, Value
 from shardc.ops import DTYPE_NAMES, TORCH_DTYPES
 from shardc.registry import get_op
 
 MIN_OPSET = 17
-Operand = Value | torch.Tensor
+Operand: TypeAlias = Value | torch.Tensor
 
 
 @dataclass
@@ -83,7 +84,9 @@ def _read_model(path: str) -> Any:
             hint=f"convert it with onnx.version_converter.convert_version(model, {MIN_OPSET}) "
             "or re-export with a newer opset")
     if model.functions:
-        model = onnx.inliner.inline_local_functions(model)
+        from onnx import inliner
+
+        model = inliner.inline_local_functions(model)
     return model
 
 
@@ -157,7 +160,7 @@ class _Importer:
                 key = ("init", init_name)
                 break
         else:
-            init_name, key = "", ("const", id(operand))
+            init_name, key = "", ("const", str(id(operand)))
         cached = self.env.get(f"\0{key}")
         if isinstance(cached, Value):
             return cached
@@ -241,7 +244,7 @@ class _Importer:
 def _onnx_torch_dtype(elem_type: int) -> torch.dtype:
     from onnx import TensorProto
 
-    table = {TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
+    table: dict[int, torch.dtype] = {TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
              TensorProto.BFLOAT16: torch.bfloat16, TensorProto.INT64: torch.int64, TensorProto.INT32: torch.int32,
              TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8, TensorProto.BOOL: torch.bool,
              TensorProto.INT16: torch.int16}

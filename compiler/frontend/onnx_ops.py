@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from shardc.diagnostics import ShardcError
 from shardc.frontend.onnx import HANDLERS, Operand, _Importer, _onnx_torch_dtype
 from shardc.ir import Value

@@ -10,6 +10,8 @@ import re
 import statistics
 from typing import Any
 
+from shardc.study.plans import label
+
 MiB = 2**20
 
 
@@ -19,13 +21,6 @@ def _keys(plan_text: str) -> dict[str, str]:
 
 def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in data["plans"] if p["status"] == "ok"]
-
-
-def label(plan_text: str) -> str:
-    """The keys that differ from the study's defaults: `dp=2,mb=4,zero=1`."""
-    defaults = {"dp": "1", "tp": "1", "pp": "1", "vpp": "1", "cp": "1", "sp": "0", "gbs": "auto",
-                "schedule": "1f1b", "recompute": "none", "zero": "0", "dtype": "fp32", "offload": "0"}
-    return ",".join(f"{k}={v}" for k, v in _keys(plan_text).items() if defaults.get(k) != v) or plan_text
 
 
 def pure(p: dict[str, Any]) -> str | None:

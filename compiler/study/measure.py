@@ -9,10 +9,10 @@ Memory (CPU has no allocator statistics, so every tensor is accounted for by han
   leftovers). Each storage is counted once, by data pointer.
 - During the step a `TorchDispatchMode` sees every op the rank runs (backward included: the
   autograd engine carries the mode) and files each new output storage: saved for backward
-  (a `saved_tensors_hooks` pack hook marks it) -> `activations`; produced by a collective ->
-  `buffers`; produced while the optimizer steps -> `optimizer`; anything else produced in
-  forward or backward (gradients of activations, temporaries, recomputed forwards) ->
-  `other`. A `weakref.finalize` on the storage takes it off the books when it is freed.
+  (a `saved_tensors_hooks` pack hook marks it) -> `activations`; produced by or handed to a
+  collective -> `buffers`; anything else (gradients of activations, temporaries of forward,
+  backward and the optimizer step, recomputed forwards) -> `other`; the optimizer's state
+  exists before the measured step (it follows warm-up) and is counted as `optimizer`. A `weakref.finalize` on the storage takes it off the books when it is freed.
   Storages are re-measured after every op, so in-place `resize_` (FSDP2's gather buffers)
   is seen too.
 - The peak is the largest total of live bytes after any op; its breakdown by category is
@@ -140,13 +140,16 @@ class MemoryTracker(TorchDispatchMode):
         weakref.finalize(s, self.live.pop, key, None)
 
     def mark_saved(self, t: torch.Tensor) -> None:
-        """A tensor saved for backward: its storage counts as activations (unless static)."""
-        s = _storage(t) if isinstance(t, torch.Tensor) else None
-        if s is None:
-            return
-        entry = self.live.get(s.data_ptr())
-        if entry is not None and entry[1] == "other":
-            self.live[s.data_ptr()] = (entry[0], "activations")
+        """A tensor saved for backward: its storage counts as activations. Parameters (FSDP's
+        gathered weights among them) are not activations."""
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            self._reclassify(t, ("other", "buffers"), "activations")
+
+    def _reclassify(self, t: torch.Tensor, old: tuple[str, ...], new: str) -> None:
+        s = _storage(t)
+        entry = self.live.get(s.data_ptr()) if s is not None else None
+        if entry is not None and entry[1] in old:
+            self.live[s.data_ptr()] = (entry[0], new)
 
     def _sample(self) -> None:
         totals = dict.fromkeys(CATEGORIES, 0.0)
@@ -168,10 +171,9 @@ class MemoryTracker(TorchDispatchMode):
         comm = "c10d" in name
         if comm:
             self._record_collective(name, args)
-        if self.phase == "optimizer":
-            cat = "optimizer"
-        else:
-            cat = "buffers" if comm else "other"
+            for t in _tensors(args):  # a buffer allocated before and filled by the collective
+                self._reclassify(t, ("other",), "buffers")
+        cat = "buffers" if comm and self.phase != "optimizer" else "other"
         for t in _tensors(out):
             self._add(t, cat)
         self._sample()

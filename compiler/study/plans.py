@@ -4,8 +4,8 @@ A study plan is a `ParallelPlan` (the `--plan` syntax) plus two keys only the st
 `split=3+1` (repeated blocks per pipeline stage, for deliberately unbalanced partitions) and
 `bucket_mb=1` (DDP's gradient bucket size, for the block-size experiment). The torch backend
 trains in the model's own dtype, so study plans default to `dtype=fp32`; `mb` defaults to the
-whole per-replica batch when there is no pipeline (no gradient accumulation) and to one
-quarter of it... with a pipeline (4 micro-batches), unless written.
+whole per-replica batch when there is no pipeline (no gradient accumulation) and to a
+quarter of it with a pipeline (4 micro-batches), unless written.
 
 `--sweep dp,tp,pp,zero,recompute,mb` varies the named keys one at a time around a base plan
 for every factorisation of the process count into the named degrees (dp, tp, pp) that the
@@ -49,12 +49,20 @@ class StudyPlan:
     @property
     def id(self) -> str:
         """A stable file-name-safe id: the plan's keys, then a short hash of the full text."""
-        short = re.sub(r"[^A-Za-z0-9=._+-]", "_", self.text)[:60]
+        short = re.sub(r"[^A-Za-z0-9=._+-]", "_", label(self.text))[:60]
         return f"{short}-{hashlib.sha1(self.text.encode()).hexdigest()[:6]}"
 
     @property
     def devices(self) -> int:
         return self.plan.devices
+
+
+def label(plan_text: str) -> str:
+    """The keys that differ from the study's defaults: `dp=2,mb=4,zero=1`."""
+    defaults = {"dp": "1", "tp": "1", "pp": "1", "vpp": "1", "cp": "1", "sp": "0", "gbs": "auto",
+                "schedule": "1f1b", "recompute": "none", "zero": "0", "dtype": "fp32", "offload": "0"}
+    keys = dict(p.split("=", 1) for p in plan_text.split(",") if "=" in p)
+    return ",".join(f"{k}={v}" for k, v in keys.items() if defaults.get(k) != v) or plan_text
 
 
 def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:

@@ -1,4 +1,292 @@
-"""placeholder"""
+"""The study's report: `report.md` (tables, targets, findings), PNG plots, and `results.json`'s summary.
+
+Plots (matplotlib, Agg): `time.png` predicted vs measured step time per plan;
+`memory.png` predicted vs measured peak memory per rank; `pipeline_memory.png` per-stage
+memory of pipelined plans (balanced and unbalanced partitions side by side);
+`block_size.png` all_reduce time and bus bandwidth by message size, and step time by DDP
+bucket size; `parallelism.png` DP vs PP vs TP step time and memory at equal process counts;
+`time_breakdown.png` where each plan's measured step goes (compute, exposed communication,
+waiting, other).
+"""
+
+from __future__ import annotations
+
 import json
-def write_report(data, out):
-    (out / "report.md").write_text(json.dumps(data.get("plans", [])[:1])[:1000])
+from pathlib import Path
+from typing import Any
+
+from shardc.study.compare import summary as make_summary
+from shardc.study.findings import findings, pure
+from shardc.study.plans import label
+
+MiB = 2**20
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in data["plans"] if p["status"] == "ok"]
+
+
+def plot_time(data: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    ran = _ok(data)
+    fig, ax = plt.subplots(figsize=(7, 6))
+    xs = [p["measured_step_time_s"] * 1e3 for p in ran]
+    ys = [p["predicted_step_time_s"] * 1e3 for p in ran]
+    ax.scatter(xs, ys, c=[p["nproc"] for p in ran], cmap="viridis")
+    for p, x, y in zip(ran, xs, ys):
+        ax.annotate(label(p["plan"]), (x, y), fontsize=6)
+    if xs:
+        lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.2
+        ax.plot([lo, hi], [lo, hi], "k--", linewidth=1, label="predicted = measured")
+        ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], alpha=0.1, label="+-15%")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title("step time: predicted vs measured (colour: processes)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(data: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    ran = _ok(data)
+    names = [f"{label(p['plan'])} r{r['rank']}" for p in ran for r in p["ranks"]]
+    meas = [r["measured_peak_memory_bytes"] / MiB for p in ran for r in p["ranks"]]
+    pred = [r["predicted_peak_memory_bytes"] / MiB for p in ran for r in p["ranks"]]
+    fig, ax = plt.subplots(figsize=(max(8, 0.28 * len(names) + 2), 5))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], meas, width=0.4, label="measured")
+    ax.bar([x + 0.2 for x in xs], pred, width=0.4, label="predicted")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=80, fontsize=6)
+    ax.set_ylabel("peak memory per rank (MiB)")
+    ax.set_title("peak memory per rank: measured vs predicted")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_pipeline_memory(data: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    piped = [p for p in _ok(data) if p["predicted"].get("stages") and len(p["predicted"]["stages"]) > 1]
+    fig, axes = plt.subplots(1, max(1, len(piped)), figsize=(3.2 * max(1, len(piped)) + 1, 4.5), squeeze=False)
+    for ax, p in zip(axes[0], piped):
+        stages = sorted({r["stage"] for r in p["ranks"]})
+        meas = [max(r["measured_peak_memory_bytes"] for r in p["ranks"] if r["stage"] == s) / MiB for s in stages]
+        pred = [next(x["memory_bytes"] for x in p["predicted"]["stages"] if x["stage"] == s) / MiB for s in stages]
+        ax.bar([s - 0.2 for s in stages], meas, width=0.4, label="measured")
+        ax.bar([s + 0.2 for s in stages], pred, width=0.4, label="predicted")
+        ax.set_xticks(stages)
+        ax.set_xlabel("stage")
+        split = "+".join(map(str, p["split"])) if p.get("split") else "balanced"
+        ax.set_title(f"{label(p['plan'])}\n{split}: total {sum(meas):.1f} MiB", fontsize=7)
+    axes[0][0].set_ylabel("peak memory (MiB)")
+    axes[0][0].legend(fontsize=7)
+    if not piped:
+        axes[0][0].text(0.5, 0.5, "no pipelined plan ran", ha="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_block_size(data: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for n, entry in sorted(data.get("allreduce", {}).items()):
+        pts = entry.get("points") or []
+        if not pts:
+            continue
+        b = [x["bytes"] for x in pts]
+        ax1.plot(b, [x["measured_s"] * 1e3 for x in pts], "o-", label=f"{n} proc measured")
+        ax1.plot(b, [x["predicted_s"] * 1e3 for x in pts], "x--", label=f"{n} proc predicted")
+        ax2.plot(b, [x["measured_bus_gbps"] for x in pts], "o-", label=f"{n} proc")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.legend(fontsize=7)
+    ax1.set_ylabel("all_reduce time (ms)")
+    ax1.set_title("all_reduce time by message size")
+    ax2.set_ylabel("bus bandwidth (GB/s)")
+    ax2.set_title("all_reduce bus bandwidth by message size")
+    buckets = sorted((p for p in _ok(data) if p.get("bucket_mb") is not None), key=lambda p: p["bucket_mb"])
+    if buckets:
+        xs = [p["bucket_mb"] for p in buckets]
+        ax3.plot(xs, [p["measured_step_time_s"] * 1e3 for p in buckets], "o-", label="measured")
+        ax3.plot(xs, [p["predicted_step_time_s"] * 1e3 for p in buckets], "x--", label="predicted")
+        ax3.set_xscale("log")
+        ax3.legend(fontsize=7)
+        ax3.set_title(f"step time by DDP bucket size\n{label(buckets[0]['plan'].split(',bucket_mb')[0])}", fontsize=8)
+    ax3.set_xlabel("bucket size (MiB)")
+    ax3.set_ylabel("step time (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_parallelism(data: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    rows = [(p["nproc"], pure(p), p) for p in _ok(data) if pure(p)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    names = [f"{k}={n}" for n, k, _ in sorted(rows, key=lambda r: (r[0], r[1]))]
+    ordered = [p for _, _, p in sorted(rows, key=lambda r: (r[0], r[1]))]
+    xs = range(len(names))
+    ax1.bar([x - 0.2 for x in xs], [p["measured_step_time_s"] * 1e3 for p in ordered], width=0.4, label="measured")
+    ax1.bar([x + 0.2 for x in xs], [p["predicted_step_time_s"] * 1e3 for p in ordered], width=0.4, label="predicted")
+    ax2.bar([x - 0.2 for x in xs], [max(p["measured_peak_memory_bytes"]) / MiB for p in ordered], width=0.4,
+            label="measured")
+    ax2.bar([x + 0.2 for x in xs], [max(p["predicted_peak_memory_bytes"]) / MiB for p in ordered], width=0.4,
+            label="predicted")
+    for ax, what in ((ax1, "step time (ms)"), (ax2, "largest rank peak memory (MiB)")):
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names)
+        ax.set_ylabel(what)
+        ax.legend(fontsize=7)
+    ax1.set_title("DP vs PP vs TP at equal process counts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_breakdown(data: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    ran = _ok(data)
+    cats = ("compute_s", "exposed_communication_s", "other_s")
+    names = [label(p["plan"]) for p in ran]
+    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(names) + 2), 5))
+    bottom = [0.0] * len(ran)
+    for cat in cats:
+        vals = [max(r["time_breakdown"].get(cat, 0.0) for r in p["ranks"]) * 1e3 for p in ran]
+        ax.bar(names, vals, bottom=bottom, label=cat.replace("_s", ""))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    waits = [max(r["time_breakdown"].get("waiting_s", 0.0) for r in p["ranks"]) * 1e3 for p in ran]
+    ax.scatter(names, waits, color="black", marker="_", s=200, label="waiting (part of communication)", zorder=3)
+    ax.set_ylabel("ms (slowest rank per category)")
+    ax.set_title("measured step breakdown (torch.profiler)")
+    ax.tick_params(axis="x", rotation=80, labelsize=6)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTS = {"time.png": plot_time, "memory.png": plot_memory, "pipeline_memory.png": plot_pipeline_memory,
+         "block_size.png": plot_block_size, "parallelism.png": plot_parallelism,
+         "time_breakdown.png": plot_breakdown}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
+    ok = lambda b: "met" if b else "NOT met"  # noqa: E731
+    t = summary["targets"]
+    lines = [f"# shardc study: {data['model']}", "",
+             f"Device: {data['device']}; {data.get('warmup')} warm-up and {data.get('steps')} measured steps per plan; "
+             f"study wall time {data.get('wall_time_s', 0.0):.0f} s. Predictions: the cost model on "
+             + ", ".join(sorted({p.get('cluster') or '' for p in data['plans'] if p.get('cluster')})) + ".", "",
+             "## Targets", "",
+             "| target | result | status |", "|---|---|---|",
+             f"| memory within 5% per rank, every plan | {summary['plans_memory_within_5pct']}/{summary['ran']} plans; "
+             f"max error {_pct(summary['max_abs_memory_error'])} | {ok(t['memory_within_5pct_every_plan'])} |",
+             f"| step time within 15%, median over plans | {_pct(summary['median_abs_step_time_error'])} | "
+             f"{ok(t['median_time_error_within_15pct'])} |",
+             f"| rank order (Spearman) | {summary['spearman_step_time'] if summary['spearman_step_time'] is None else round(summary['spearman_step_time'], 3)} | reported |",
+             f"| sweep under 10 minutes | {data.get('wall_time_s', 0.0):.0f} s | {ok(t['wall_time_under_10_min'])} |", "",
+             f"{summary['ran']} plans ran, {summary['errors']} failed, {summary['does_not_fit']} predicted not to fit, "
+             f"{summary['invalid']} invalid.", "",
+             "## Plans", "",
+             "| plan | procs | status | step measured | step predicted | error | peak memory measured (MiB, per rank) "
+             "| predicted | worst memory error |", "|---|---|---|---|---|---|---|---|---|"]
+    for p in data["plans"]:
+        if p["status"] == "ok":
+            lines.append(
+                f"| {label(p['plan'])} | {p['nproc']} | ok | {p['measured_step_time_s'] * 1e3:.1f} ms | "
+                f"{p['predicted_step_time_s'] * 1e3:.1f} ms | {_pct(p['step_time_error'])} | "
+                + " / ".join(f"{b / MiB:.2f}" for b in p["measured_peak_memory_bytes"]) + " | "
+                + " / ".join(f"{b / MiB:.2f}" for b in p["predicted_peak_memory_bytes"])
+                + f" | {p['max_abs_memory_error']:.1%} |")
+        else:
+            err = (p.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
+            lines.append(f"| {label(p['plan'])} | {p.get('nproc') or '-'} | {p['status']} | - | - | - | - | - | {err} |")
+    lines += ["", "## Where the time goes (measured, slowest rank per category)", "",
+              "| plan | step | compute | communication | exposed communication | waiting | other | "
+              "predicted breakdown (critical stage) |", "|---|---|---|---|---|---|---|---|"]
+    for p in _ok(data):
+        worst = max(p["ranks"], key=lambda r: r["time_breakdown"].get("step_s", 0.0))
+        tb = worst["time_breakdown"]
+        pred = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in p["predicted"]["time_breakdown"].items() if v > 1e-5)
+        lines.append(f"| {label(p['plan'])} | " + " | ".join(
+            f"{tb.get(k, 0.0) * 1e3:.1f}" for k in ("step_s", "compute_s", "communication_s",
+                                                     "exposed_communication_s", "waiting_s", "other_s"))
+            + f" | {pred} |")
+    lines += ["", "## Memory at the peak by category (rank 0 of each plan and the last stage; MiB, measured / predicted)", "",
+              "| plan | rank | parameters | gradients | optimizer | activations | buffers | other (unmodelled) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for p in _ok(data):
+        shown = {p["ranks"][0]["rank"], p["ranks"][-1]["rank"]}
+        for r in (x for x in p["ranks"] if x["rank"] in shown):
+            m, q = r["measured_memory"], r["predicted_memory"]
+            cells = [f"{m.get(c, 0) / MiB:.2f} / {q.get(c, 0) / MiB:.2f}"
+                     for c in ("parameters", "gradients", "optimizer", "activations", "buffers")]
+            other = (m.get("other", 0) + m.get("model_buffers", 0)) / MiB
+            lines.append(f"| {label(p['plan'])} | {r['rank']} | " + " | ".join(cells) + f" | {other:.2f} / "
+                         f"{q.get('recompute_working', 0) / MiB:.2f} |")
+    lines += ["", "## Communication per step (rank 0)", "", "| plan | collective | count | message sizes (min / median / max B) | sent (ring, B) |",
+              "|---|---|---|---|---|"]
+    for p in _ok(data):
+        for kind, c in p["ranks"][0]["collectives"].items():
+            mb = c["message_bytes"]
+            lines.append(f"| {label(p['plan'])} | {kind} | {c['count']} | {mb['min']:.0f} / {mb['median']:.0f} / "
+                         f"{mb['max']:.0f} | {c['sent_bytes']:.0f} |")
+    lines += ["", "## Findings", "", findings(data, summary), "", "## Plots", ""]
+    lines += [f"![{name}]({name})" for name in PLOTS]
+    lines += ["", "## Method", "", METHOD]
+    return "\n".join(lines) + "\n"
+
+
+METHOD = """\
+- Every plan trains for real on local processes (gloo on CPU, NCCL on GPUs): AdamW, gradients kept
+  between steps (`zero_grad(set_to_none=False)`), fp32. Warm-up steps, then measured steps, each started
+  together after a barrier; the step time is the slowest rank's, median over steps.
+- Time breakdown: torch.profiler on one more step. compute = the main thread's ops; communication =
+  collective intervals on any thread; exposed = not under compute; waiting = each collective's duration
+  minus the shortest any rank saw for the same call (the last to arrive does not wait).
+- Memory: one more step under a TorchDispatchMode that accounts every tensor storage the rank holds
+  (those alive at the start found through the garbage collector, the rest as ops create them, freed
+  through weak references), filed by role: parameters, gradients, optimizer state, saved for backward
+  (activations, via saved-tensor hooks), collective buffers (plus DDP's C++ gradient buckets from its
+  own log), model buffers and other (activation gradients and temporaries of backward). The peak is the
+  largest live total after any op.
+- Predictions: `shardc.cost.estimate` on the same plan (the plan's stage split and DDP bucket size passed
+  as model inputs), on the calibrated `local` profile for that process count; nothing fitted per plan.
+- Bytes sent per collective: message size from the op's tensors, ring volume for the group size.
+"""
+
+
+def write_report(data: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Write report.md and the plots into `out`, and the summary into results.json; returns the summary."""
+    out = Path(out)
+    summary = make_summary(data)
+    data["summary"] = summary
+    for name, fn in PLOTS.items():
+        fn(data, out / name)
+    (out / "report.md").write_text(markdown(data, summary))
+    tmp = out / ".results.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out / "results.json")
+    return summary

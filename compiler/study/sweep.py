@@ -68,7 +68,7 @@ def plan_texts(nprocs: list[int], plans_file: str | None, sweep: str | None, bat
         return read_plans_file(plans_file)
     if sweep:
         return sweep_plans(sweep.split(","), nprocs, batch)
-    return [t for n in nprocs for t in DEFAULT_SWEEP.get(n, ("dp=%d" % n,))]
+    return [t for n in nprocs for t in DEFAULT_SWEEP.get(n, (f"dp={n}",))]
 
 
 def _entry(sp: StudyPlan | None, text: str, status: str, **kw: Any) -> dict[str, Any]:
@@ -113,7 +113,6 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     `memory_limit_bytes` replace the cached local profile and the per-process memory.
     """
     from rich.console import Console
-
     from shardc.models import load_model
     from shardc.study.predict import study_cluster
 

@@ -1,0 +1,134 @@
+"""`shardc study` end to end on 2 gloo processes, resume, failures, does-not-fit, and memory accounting.
+
+The sweep is tiny (the tiny GPT, 2 measured steps) so that the whole file stays well under 90 s;
+the numbers are real measurements, so the tests check structure and accounting, not speed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardc.study import run_study
+from shardc.study.compare import spearman
+from shardc.study.measure import track_memory
+from shardc.study.plans import parse_study_plan
+
+MODEL = "examples/gpt.py:tiny?batch=4"
+SIZES = (1024, 65536)
+
+
+def _write(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _study(out: Path, plans: list[str], **kw) -> dict:
+    run_study(MODEL, 2, plans_file=_write(out.parent / f"{out.name}.plans", plans), out_dir=out, steps=2, warmup=1,
+              allreduce_sizes=SIZES, **kw)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def studies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+    out = tmp_path_factory.mktemp("study") / "out"
+    # A pipelined plan with recomputation is something the pipeline runtime rejects on every rank:
+    # the group stops, the error is recorded and the study goes on.
+    first = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full"])
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
+    second = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full", "pp=2,mb=1"])
+    return first, second, out, stamps
+
+
+def test_results_schema_and_report_files(studies) -> None:
+    first, _, out, _ = studies
+    ok = [p for p in first["plans"] if p["status"] == "ok"]
+    assert [p["plan"].split(",")[0] for p in ok] == ["dp=2"]
+    p = ok[0]
+    for key in ("plan", "measured_step_time_s", "predicted_step_time_s", "measured_peak_memory_bytes",
+                "predicted_peak_memory_bytes", "step_time_error", "memory_errors", "ranks"):
+        assert key in p, key
+    assert len(p["measured_peak_memory_bytes"]) == 2 and len(p["predicted_peak_memory_bytes"]) == 2
+    assert p["measured_step_time_s"] > 0 and p["predicted_step_time_s"] > 0
+    rank = p["ranks"][0]
+    assert rank["measured_memory"]["parameters"] == pytest.approx(rank["predicted_memory"]["parameters"], rel=1e-6)
+    assert rank["collectives"]["all_reduce"]["count"] >= 1
+    assert set(rank["time_breakdown"]) >= {"compute_s", "communication_s", "waiting_s", "exposed_communication_s"}
+    assert [x["bytes"] for x in first["allreduce"]["2"]["points"]] == list(SIZES)
+    assert "summary" in first and "spearman_step_time" in first["summary"]
+    text = (out / "report.md").read_text()
+    assert "## Targets" in text and "## Findings" in text
+    for name in ("time.png", "memory.png", "pipeline_memory.png", "block_size.png", "parallelism.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_failing_plan_is_recorded_and_sweep_goes_on(studies) -> None:
+    first, second, _, _ = studies
+    failed = [p for p in first["plans"] if p["status"] == "error"]
+    assert len(failed) == 1 and "recompute" in failed[0]["plan"]
+    assert "PipelineRunner" in failed[0]["error"] or "pipeline" in failed[0]["error"]
+    assert any(p["status"] == "ok" and p["plan"].startswith("dp=1,tp=1,pp=2") for p in second["plans"])
+
+
+def test_resume_runs_only_the_rest(studies) -> None:
+    first, second, out, stamps = studies
+    before = {p["id"]: p for p in first["plans"]}
+    after = {p["id"]: p for p in second["plans"]}
+    assert set(after) == set(before) | {parse_study_plan("pp=2,mb=1", 4).id}
+    for pid, entry in before.items():  # kept as they were, not run again
+        assert after[pid]["status"] == entry["status"]
+        assert after[pid].get("measured_step_time_s") == entry.get("measured_step_time_s")
+    for path in (out / "runs").iterdir():
+        if path.name in stamps:
+            assert path.stat().st_mtime_ns == stamps[path.name], f"{path.name} was rewritten"
+    pipelined = after[parse_study_plan("pp=2,mb=1", 4).id]
+    assert pipelined["status"] == "ok" and [r["stage"] for r in pipelined["ranks"]] == [0, 1]
+
+
+def test_plans_that_do_not_fit_are_not_run(tmp_path: Path) -> None:
+    data = _study(tmp_path / "small", ["dp=2,mb=2", "tp=2,mb=4"], memory_limit_bytes=64 * 1024)
+    assert [p["status"] for p in data["plans"]] == ["does_not_fit", "does_not_fit"]
+    assert "predicted not to fit" in data["plans"][0]["error"]
+    assert not any((tmp_path / "small" / "runs").iterdir())
+
+
+def test_memory_accounting_by_category_matches_hand_count() -> None:
+    """One process, a two-layer MLP: every category against a count made by hand."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(32, 64)
+
+    def step(tracker=None) -> None:
+        loss = model(x).square().mean()
+        loss.backward()
+        if tracker is not None:
+            tracker.phase = "optimizer"
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    step()
+    with track_memory([model], opt) as tracker:
+        step(tracker)
+    got = tracker.result()
+    params = (64 * 128 + 128 + 128 * 10 + 10) * 4
+    # AdamW: exp_avg and exp_avg_sq per parameter, plus a 4-byte `step` tensor per parameter tensor.
+    optimizer = 2 * params + 4 * 4
+    # Saved for backward: the first linear's input x, the ReLU's output (also the second linear's
+    # input: one storage), and square's input (the model output).
+    activations = (32 * 64 + 32 * 128 + 32 * 10) * 4
+    peak = got["peak_breakdown"]
+    assert peak["parameters"] == params
+    assert peak["gradients"] == params
+    assert peak["optimizer"] == optimizer
+    assert got["category_peaks"]["activations"] == activations
+    assert got["peak_bytes"] >= params * 2 + optimizer + activations
+
+
+def test_spearman() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2], [1, 2]) is None
