@@ -11,19 +11,22 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   traced from the graph inputs. A node with a ring dim (attention's keys) split on cp in
   space gets `time t/C rotate cp` (ring attention; an attention written out as matmuls gets
   its keys all-gathered instead).
-- tp (Megatron, from the dataflow, not from names): a linear (or a matmul by a parameter
-  matrix, as transformers' Conv1D) with a parameter weight is
-  row-parallel (splits k, its output is `P(sum)`) when its input arrives sharded on the last
-  dim, else column-parallel (splits n; strided `n/k` when a `split` into k equal pieces reads
-  it, possibly through a bias add and views: a fused qkv). So q/k/v and fc1 (gate and up) are column, the output projection and fc2
-  row; heads split by following. The token embedding (ids from a graph input) is
+- tp (Megatron, from the dataflow, not from names): a linear with a parameter weight (or a
+  matmul by a parameter matrix: transformers' Conv1D) is row-parallel (splits k, its output is
+  `P(sum)`) when its input arrives sharded on the last dim, else column-parallel (splits n;
+  strided `n/k` when a `split` into k equal pieces reads it, possibly through a bias add and
+  views: a fused qkv). So q/k/v and fc1 (gate and up) are column, the output projection and
+  fc2 row; heads split by following. The token embedding (ids from a graph input) is
   vocab-parallel (splits v, `P(sum)` out); the LM head is column-parallel and cross entropy
   follows it on its vocab dim (rule "vocab").
 - partial inputs are resolved where they are read: all_reduce (replicated), or with sequence
   parallelism (sp=1, tp>1) reduce_scatter onto the sequence: norms, dropouts and residual
   adds then run sequence-sharded over tp, and column-parallel inputs are all-gathered.
 - with sp, float graph inputs (a block traced alone) start sequence-sharded over tp as well.
-- parameters and buffers are held as their first reader needs them (`Partial` held replicated).
+- parameters and buffers are held as their first reader needs them (`Partial` held replicated;
+  a row-parallel bias is then zeroed on all but one rank, `to_partial`).
+- a split dim must divide evenly by the axes splitting it, except the vocabulary on tp (shards
+  padded; torch's Shard does the same).
 - pp: layers (group-layers runs first if the graph has none) get stages: the repeated blocks
   are cut into pp*vpp contiguous chunks as even as possible (extra blocks go to the middle
   stages first), layers before the first block join stage 0, after the last the last stage,

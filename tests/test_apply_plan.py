@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_apply_plan_graphs import GraphBuilder, attention_block, mlp_block, tiny_lm
+
 from shardc.diagnostics import ShardcError
 from shardc.equality import assert_graphs_equal
 from shardc.ir import Graph, Layout, Mesh, Partition, Shard, TemporalSplit, TensorType
@@ -14,7 +16,6 @@ from shardc.passmanager import PassContext, run_pipeline
 from shardc.plan import ParallelPlan
 from shardc.printer import print_graph
 from shardc.resharding import node_rotations
-from test_apply_plan_graphs import GraphBuilder, attention_block, mlp_block, tiny_lm
 
 HERE = Path(__file__).parent / "ir"
 

@@ -7,6 +7,7 @@ import copy
 from collections import Counter
 
 import pytest
+
 from shardc.equality import assert_graphs_equal
 from shardc.frontend import trace
 from shardc.ir import Graph, Partition, TemporalSplit

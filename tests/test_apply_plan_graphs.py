@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from shardc.ir import Graph, Location, Node, TensorType, Value
 from shardc.ops import DTYPE_NAMES, TORCH_DTYPES
 from shardc.registry import get_op

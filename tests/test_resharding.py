@@ -4,6 +4,7 @@ axes, strided shards, conjugates and backward steps."""
 from __future__ import annotations
 
 import pytest
+
 from shardc.diagnostics import ShardcError
 from shardc.ir import Layout, Mesh, Partial, Replicate, Shard, TensorType
 from shardc.resharding import ReshardStep, backward_step, conjugate, redistribute

@@ -4,7 +4,8 @@ Rule: the parts of a plan that torch.distributed names are written in torch's wo
 tensor parallelism as `parallelize_module` with `ColwiseParallel`/`RowwiseParallel` on each
 block's linears (Megatron's pairing: the first linear of attention and of the MLP column-wise,
 the one that closes it row-wise), sequence parallelism as `SequenceParallel` on the norms,
-data parallelism as `DistributedDataParallel` (zero=0) or `fully_shard` (zero>=1), pipelines as
+data parallelism as `DistributedDataParallel` (zero=0 without tp) or `fully_shard` (zero>=1, or with
+tp: DDP takes no DTensor parameters, FSDP2 over dp is torch's 2-D recipe), pipelines as
 `PipelineStage` plus a schedule class. What torch has no word for is listed in `unsupported`
 and left out of the code: temporal or rotating partitions, context parallelism (ring attention),
 per-node partitions that differ from Megatron's pairing, offload, selective recomputation.

@@ -197,6 +197,12 @@ def trace_model(model: nn.Module, num_inputs: int = 1) -> fx.GraphModule:
     except Exception as err:  # fx raises many types; the reason is what the user needs
         raise ShardcError(f"cannot cut {type(model).__name__} into pipeline stages: torch.fx could not trace it "
                           f"({type(err).__name__}: {err})", hint="pass an already traced GraphModule as traced=") from err
+    for node in list(graph.nodes):  # the None arguments are not inputs of the pipeline
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and not node.users and node.target.rstrip("_1") in names:
+            graph.erase_node(node)
     return fx.GraphModule(model, graph)
 
 

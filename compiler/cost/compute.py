@@ -60,8 +60,8 @@ def local_type(t: TensorType, layout: Layout, mesh: Mesh | None, dtype: str) -> 
 def localize(node: Node, mesh: Mesh | None, dtype: str) -> LocalNode:
     """Required layouts and local types of `node` under its partition on `mesh`.
 
-    Temporal splits that rotate around a mesh axis (ring attention) keep the rotating operands
-    sharded along that axis: every operand indexed by the rotated dim is `Shard` there.
+    Temporal splits that rotate around a mesh axis (ring attention, PrimePar) keep the rotating
+    operands sharded along that axis (`rotating_operands`).
     """
     op = get_op(node.op)
     in_t = [v.type for v in node.inputs]
@@ -76,8 +76,8 @@ def localize(node: Node, mesh: Mesh | None, dtype: str) -> LocalNode:
         for split in node.partition.temporal:
             if split.rotate is None:
                 continue
-            for i, operand in enumerate(space.inputs):
-                for d, factors in enumerate(operand):
+            for i in rotating_operands(space, node.partition, split):
+                for d, factors in enumerate(space.inputs[i]):
                     if factors and factors[0] == split.dim:
                         in_l[i] = Layout(tuple(p for p in in_l[i].placements if p[0] != split.rotate)
                                          + ((split.rotate, Shard(d)),))
@@ -85,6 +85,30 @@ def localize(node: Node, mesh: Mesh | None, dtype: str) -> LocalNode:
     return LocalNode(op, ins, outs,
                      tuple(local_type(t, l, mesh, dtype) for t, l in zip(in_t, ins)),
                      tuple(local_type(t, l, mesh, dtype) for t, l in zip(out_t, outs)), space)
+
+
+def rotating_operands(space: IterationSpace, partition, split) -> list[int]:
+    """Inputs that move around `split.rotate` between steps: those indexed by the rotated dim
+    (as a major factor) and not by the dim that axis splits in space (that operand stays put)."""
+    fixed = {d for a, d in partition.spatial if a == split.rotate}
+    out = []
+    for i, operand in enumerate(space.inputs):
+        if any(f and f[0] == split.dim for f in operand) and not any(d in f for f in operand for d in fixed):
+            out.append(i)
+    return out
+
+
+def working_bytes(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
+                  steps: int = 1, scale: float = 1.0) -> float:
+    """The node's transient allocation while it runs: its outputs (a view allocates nothing), plus
+    a loss's fp32 probabilities and their gradient (two copies of its input); a temporal split
+    into `steps` chunks on the same devices holds one chunk at a time. `scale`: the batch scale."""
+    if op.kind in FREE_KINDS:
+        return 0.0
+    total = float(sum(t.nbytes for t in out_types))
+    if op.kind == "loss" and in_types:
+        total += 2.0 * in_types[0].nbytes
+    return total * scale / max(1, steps)
 
 
 def kernel_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *, matmul: bool) -> float:

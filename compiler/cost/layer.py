@@ -28,18 +28,20 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.comm import CommStep, collective_time, combine_gradients, reshard_steps
-from shardc.cost.compute import node_compute_time, saved_bytes_of
+from shardc.cost.compute import node_compute_time, rotating_operands, saved_bytes_of, working_bytes
 from shardc.cost.context import CostContext, axis_category
 from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
 
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """One layer, one micro-batch, one device. Times in seconds by category.
+    """One layer, one micro-batch, one device, under one recomputation. Times in seconds.
 
     `fwd` and `bwd` map categories (compute_fwd, compute_bwd, recompute, tp_comm, cp_comm, ...)
     to seconds; `bwd` includes the recomputation. FLOPs are local hardware FLOPs;
     `matmul_flops` the global forward contraction FLOPs (model FLOPs are 3x these).
+    `saved_bytes` is what a micro-batch keeps until its backward, `working_bytes` what the
+    recomputation regenerates at once, `transient_bytes` the largest allocation while running.
     """
 
     fwd: dict[str, float]
@@ -53,6 +55,7 @@ class LayerCost:
     full_saved_bytes: float
     working_bytes: float
     collectives: tuple[tuple[str, CommStep], ...] = field(default=())
+    transient_bytes: float = 0.0
 
     @property
     def fwd_s(self) -> float:
@@ -61,6 +64,73 @@ class LayerCost:
     @property
     def bwd_s(self) -> float:
         return sum(self.bwd.values())
+
+
+@dataclass
+class LayerTerms:
+    """A layer's per-micro-batch sums before recomputation is applied (`finish_layer`).
+
+    `core_*` is the attention core (QK^T through PV), what selective recomputation repeats and
+    drops: `core_fwd` its forward time by category, `core_saved` the bytes produced and saved
+    inside it. `inputs` are the layer's input activations (what full recomputation keeps).
+    """
+
+    fwd: dict[str, float] = field(default_factory=dict)
+    bwd: dict[str, float] = field(default_factory=dict)
+    core_fwd: dict[str, float] = field(default_factory=dict)
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    core_flops: float = 0.0
+    matmul_flops: float = 0.0
+    core_matmul_flops: float = 0.0
+    saved: float = 0.0
+    core_saved: float = 0.0
+    inputs: float = 0.0
+    transient: float = 0.0
+    collectives: list[tuple[str, CommStep]] = field(default_factory=list)
+
+
+def finish_layer(t: LayerTerms, recompute: str = "none") -> LayerCost:
+    """Apply a recomputation to a layer's terms. none: keep everything. selective: drop what the
+    attention core saves and run its forward again in backward. full: keep only the layer's
+    inputs and run the whole forward (its collectives included) again in backward."""
+    bwd = dict(t.bwd)
+    if recompute == "full":
+        again, flops, matmul = t.fwd, t.fwd_flops, t.matmul_flops
+        kept, working = t.inputs, t.saved
+    elif recompute == "selective":
+        again, flops, matmul = t.core_fwd, t.core_flops, t.core_matmul_flops
+        kept, working = t.saved - t.core_saved, t.core_saved
+    else:
+        again, flops, matmul = {}, 0.0, 0.0
+        kept, working = t.saved, 0.0
+    for key, val in again.items():
+        _add(bwd, "recompute" if key == "compute_fwd" else key, val)
+    return LayerCost(dict(t.fwd), bwd, t.fwd_flops, t.bwd_flops, flops, t.matmul_flops, matmul, kept, t.saved,
+                     working, tuple(t.collectives), t.transient)
+
+
+def vocab_steps(axis: str, rows: float) -> list[CommStep]:
+    """A loss split over the vocabulary on `axis`: the row maximum and the sum of exponentials are
+    all-reduced, one fp32 per row each (the target logit rides along with the sum)."""
+    return [CommStep("all_reduce", axis, 4.0 * rows)] * 2
+
+
+def rotation_exposure(one: float, steps: int, fwd_s: float, bwd_s: float) -> tuple[float, float]:
+    """Exposed forward and backward seconds of a rotating split: `steps - 1` neighbour sends of
+    `one` seconds each (backward moves operand and gradient: twice), each overlapping one step
+    of the node's compute; only what outlasts the compute is charged."""
+    sends = steps - 1
+    if sends <= 0:
+        return 0.0, 0.0
+    return (max(0.0, sends * one - fwd_s * sends / steps), max(0.0, 2 * sends * one - bwd_s * sends / steps))
+
+
+def regather_exposed(gather_s: float, kind: str, bwd_s: float) -> float:
+    """An input saved sharded but used gathered (sequence parallelism) is gathered again in
+    backward, launched before the input gradient's matmul and waited for by the weight
+    gradient's: a contraction hides it behind half its backward."""
+    return max(0.0, gather_s - (bwd_s / 2 if kind == "contraction" else 0.0))
 
 
 def _add(acc: dict[str, float], key: str, value: float) -> None:
@@ -93,7 +163,7 @@ def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
     return Layout(tuple(placements))
 
 
-def _needed_gradient(layout: Layout, passthrough: Collection[str] = ()) -> Layout:
+def needed_gradient(layout: Layout, passthrough: Collection[str] = ()) -> Layout:
     """The gradient layout a producer's backward needs: its output layout, Partial read as R;
     on `passthrough` axes a Partial gradient is accepted as it is."""
     return Layout(tuple((a, p) for a, p in layout.placements if isinstance(p, Shard))
@@ -106,14 +176,17 @@ def _output_gradient(ctx: CostContext, v: Value) -> Layout | None:
     return combine_gradients(contributions, ctx.mesh) if contributions and ctx.mesh is not None else None
 
 
+def feeds_only_parameters(node: Node, needs_grad: Collection[int]) -> bool:
+    """A single-output node whose only inputs needing a gradient are parameters."""
+    return len(node.outputs) == 1 and not any(id(v) in needs_grad and v.kind != "parameter" for v in node.inputs)
+
+
 def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:
     """Axes on which a node that only differentiates into parameters (a position embedding)
     and is not split there takes its Partial output gradient as it is: backward is linear in
     the output gradient, so its weight gradient is Partial too and joins the step's gradient
     sync instead of costing an all_reduce per micro-batch."""
-    if ctx.mesh is None or len(node.outputs) != 1:
-        return set()
-    if any(id(v) in ctx.needs_grad and v.kind != "parameter" for v in node.inputs):
+    if ctx.mesh is None or not feeds_only_parameters(node, ctx.needs_grad):
         return set()
     split = {a for a, _ in node.partition.spatial} if node.partition else set()
     grad = _output_gradient(ctx, node.outputs[0])
@@ -141,16 +214,16 @@ def attention_core(ctx: CostContext, nodes: Sequence[Node]) -> set[int]:
 
 def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none") -> LayerCost:
     """The `LayerCost` of the layer made of `nodes` (in graph order) under `recompute`."""
+    return finish_layer(layer_terms(ctx, nodes), recompute)
+
+
+def layer_terms(ctx: CostContext, nodes: Sequence[Node]) -> LayerTerms:
+    """The layer's `LayerTerms`, node by node over its partitioned IR (see the module rules)."""
     device, dtype = ctx.device, ctx.dtype
     produced = {id(v) for n in nodes for v in n.outputs}
-    core = attention_core(ctx, nodes) if recompute == "selective" else set()
-    fwd: dict[str, float] = {}
-    bwd: dict[str, float] = {}
-    core_fwd: dict[str, float] = {}
-    steps: list[tuple[str, CommStep]] = []
-    flops = [0.0, 0.0, 0.0]  # fwd, bwd, recompute
-    matmul = [0.0, 0.0]  # global forward contraction FLOPs, of which recomputed
-    saved: dict[str, tuple[float, bool]] = {}  # storage -> (bytes, produced in the attention core)
+    core = attention_core(ctx, nodes)
+    t = LayerTerms()
+    saved: dict[int, tuple[float, bool]] = {}  # storage -> (bytes, produced and saved in the attention core)
     layer_inputs: dict[int, float] = {}
     for node in nodes:
         local = ctx.local(node)
@@ -162,17 +235,19 @@ def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none"
                                  scaled_out=[id(v) in ctx.batched for v in node.outputs])
         in_core = id(node) in core
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
-        _add(bwd, "compute_bwd", cost.bwd_s)
-        flops[0] += cost.fwd_flops
-        flops[1] += cost.bwd_flops
+        _add(t.bwd, "compute_bwd", cost.bwd_s)
+        t.fwd_flops += cost.fwd_flops
+        t.bwd_flops += cost.bwd_flops
         if op.kind in ("contraction", "attention"):
             g = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
             g *= max((ctx.scale_of(v) for v in node.inputs), default=1.0)
-            matmul[0] += g
-            if recompute == "full" or in_core:
-                matmul[1] += g
-        if recompute == "full" or in_core:
-            flops[2] += cost.fwd_flops
+            t.matmul_flops += g
+            t.core_matmul_flops += g if in_core else 0.0
+        t.core_flops += cost.fwd_flops if in_core else 0.0
+        batched_out = any(id(o) in ctx.batched for o in node.outputs)
+        chunks = max([s.steps for s in node.partition.temporal if s.rotate is None] or [1]) if node.partition else 1
+        t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
+                                                     ctx.batch_scale if batched_out else 1.0))
         saves = saved_bytes_of(op, local.in_types, local.out_types, node.attrs)
         saved_inputs = {idx for kind, idx, _ in saves if kind == "in"}
         # Forward edges: the value's layout into the layout this node requires.
@@ -184,18 +259,15 @@ def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none"
             for step in reshard_steps(ctx.layout(v), local.in_layouts[i], v.type, ctx.mesh, ctx.elem_bytes(v)):
                 step = CommStep(step.kind, step.axis, step.nbytes * ctx.scale_of(v))
                 _add(node_fwd, axis_category(step.axis), _comm_time(ctx, step))
-                steps.append(("fwd", step))
+                t.collectives.append(("fwd", step))
                 if step.kind == "all_gather" and i in saved_inputs:
-                    # Saved sharded, gathered again for backward (sequence parallelism), launched
-                    # before the input gradient's matmul and waited for by the weight gradient's.
-                    hidden = cost.bwd_s / 2 if op.kind == "contraction" else 0.0
-                    _add(bwd, axis_category(step.axis), max(0.0, _comm_time(ctx, step) - hidden))
-                    steps.append(("bwd", step))
-        _charge_special(ctx, node, local, cost, node_fwd, bwd, steps)
+                    _add(t.bwd, axis_category(step.axis), regather_exposed(_comm_time(ctx, step), op.kind, cost.bwd_s))
+                    t.collectives.append(("bwd", step))
+        _charge_special(ctx, node, local, cost, node_fwd, t.bwd, t.collectives)
         for key, val in node_fwd.items():
-            _add(fwd, key, val)
-            if in_core or recompute == "full":
-                _add(core_fwd, key, val)
+            _add(t.fwd, key, val)
+            if in_core:
+                _add(t.core_fwd, key, val)
         # Backward: gradients of this node's outputs, from all their consumers.
         for v in node.outputs:
             if id(v) not in ctx.needs_grad or ctx.mesh is None:
@@ -203,16 +275,15 @@ def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none"
             have = _output_gradient(ctx, v)
             if have is None:
                 continue
-            need = _needed_gradient(ctx.layout(v), passthrough_axes(ctx, node))
+            need = needed_gradient(ctx.layout(v), passthrough_axes(ctx, node))
             for step in reshard_steps(have, need, v.type, ctx.mesh, ctx.elem_bytes(v)):
                 step = CommStep(step.kind, step.axis, step.nbytes * ctx.scale_of(v))
-                _add(bwd, axis_category(step.axis), _comm_time(ctx, step))
-                steps.append(("bwd", step))
+                _add(t.bwd, axis_category(step.axis), _comm_time(ctx, step))
+                t.collectives.append(("bwd", step))
         # Saved for backward, each storage once.
         for k, (kind, idx, nbytes) in enumerate(saves):
             if kind == "bytes":
-                scale = ctx.batch_scale if any(id(o) in ctx.batched for o in node.outputs) else 1.0
-                saved[f"{id(node)}#{k}"] = (nbytes * scale, in_core)
+                saved[-(len(saved) + 1)] = (nbytes * (ctx.batch_scale if batched_out else 1.0), in_core)
                 continue
             v = node.inputs[idx] if kind == "in" else node.outputs[idx]
             root = ctx.root(v)
@@ -221,51 +292,37 @@ def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none"
             # Dropped under selective recomputation: what the core saves of its own tensors
             # (the core's output, saved by the projection after it, is kept).
             root_in_core = in_core and root.producer is not None and id(root.producer) in core
-            saved[str(id(root))] = (ctx.local_bytes(root), root_in_core)
-    full = sum(b for b, _ in saved.values())
-    core_saved = sum(b for b, c in saved.values() if c)
-    if recompute == "full":
-        kept, working = sum(layer_inputs.values()), full
-    elif recompute == "selective":
-        kept, working = full - core_saved, core_saved
-    else:
-        kept, working = full, 0.0
-    if recompute != "none":
-        _add(bwd, "recompute", core_fwd.pop("compute_fwd", 0.0))
-        for key, val in core_fwd.items():
-            _add(bwd, key, val)
-    return LayerCost(fwd, bwd, flops[0], flops[1], flops[2], matmul[0], matmul[1], kept, full, working,
-                     tuple(steps))
+            saved[id(root)] = (ctx.local_bytes(root), root_in_core)
+    t.saved = sum(b for b, _ in saved.values())
+    t.core_saved = sum(b for b, c in saved.values() if c)
+    t.inputs = sum(layer_inputs.values())
+    return t
 
 
 def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[str, float],
                     bwd: dict[str, float], steps: list[tuple[str, CommStep]]) -> None:
-    """Vocab-parallel loss reductions and rotating temporal splits (ring attention)."""
+    """Vocab-parallel loss reductions and temporal splits (chunks; rotations as in ring attention)."""
     if ctx.mesh is None or node.partition is None or local.space is None:
         return
     special = dict(local.space.special)
     for axis, dim in node.partition.spatial:
         if special.get(dim) == "vocab" and len(local.in_types) > 1:
-            rows = local.in_types[1].numel * ctx.batch_scale
-            step = CommStep("all_reduce", axis, 4.0 * rows)
-            t = _comm_time(ctx, step)
-            _add(node_fwd, axis_category(axis), 2 * t)
-            steps += [("fwd", step), ("fwd", step)]
+            for step in vocab_steps(axis, local.in_types[1].numel * ctx.batch_scale):
+                _add(node_fwd, axis_category(axis), _comm_time(ctx, step))
+                steps.append(("fwd", step))
     for split in node.partition.temporal:
         if split.steps <= 1:
             continue
         node_fwd["compute_fwd"] += (split.steps - 1) * ctx.device.kernel_latency
         if split.rotate is None:
             continue
-        moving = sum(t.nbytes for t, operand in zip(local.in_types, local.space.inputs)
-                     if any(f and f[0] == split.dim for f in operand)) * ctx.batch_scale
+        moving = sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i])
+                     for i in rotating_operands(local.space, node.partition, split))
         step = CommStep("rotate", split.rotate, moving)
-        one = _comm_time(ctx, step)
-        sends = split.steps - 1
-        exposed_fwd = max(0.0, sends * one - cost.fwd_s * sends / split.steps)
-        exposed_bwd = max(0.0, 2 * sends * one - cost.bwd_s * sends / split.steps)
+        exposed_fwd, exposed_bwd = rotation_exposure(_comm_time(ctx, step), split.steps, cost.fwd_s, cost.bwd_s)
         _add(node_fwd, axis_category(split.rotate), exposed_fwd)
         _add(bwd, axis_category(split.rotate), exposed_bwd)
+        sends = split.steps - 1
         steps += [("fwd", step)] * sends + [("bwd", CommStep("rotate", split.rotate, 2 * moving))] * sends
 
 

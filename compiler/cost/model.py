@@ -25,40 +25,21 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from shardc.cost.comm import collective_time, neighbour_link
+from shardc.cost.compose import EstimateOptions, LayerWork, compose
 from shardc.cost.context import CostContext
-from shardc.cost.estimate import Estimate, StageEstimate
+from shardc.cost.estimate import Estimate
 from shardc.cost.layer import LayerCost, layer_costs, layer_params
-from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
-from shardc.cost.pipeline import bubble_fraction, simulate
+from shardc.cost.pipeline import bubble_fraction
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster
-from shardc.ir import Graph, LayerAnnotation, Node
+from shardc.ir import Graph, LayerAnnotation
 from shardc.plan import ParallelPlan
 
-ZERO_AXES = ("dp", "cp")
+__all__ = ["EstimateOptions", "estimate", "plan_of"]
 
-
-@dataclass(frozen=True, slots=True)
-class EstimateOptions:
-    """Knobs of the model that are not part of the plan."""
-
-    bucket_bytes: float = 25 * 2**20  # DDP's default bucket_cap_mb=25
-    algorithm: str = "auto"  # collective algorithm: auto, ring, tree, hierarchical
-    host_optimizer_bandwidth: float = 50e9  # CPU Adam's memory bandwidth when offloading
-
-
-@dataclass(slots=True)
-class _Layer:
-    name: str
-    block: str
-    annotation: LayerAnnotation
-    nodes: list[Node]
-    stage: int = 0
-    cost: LayerCost | None = None
-    params: dict[str, tuple[float, frozenset[str]]] = field(default_factory=dict)
+_Layer = LayerWork
 
 
 def _layers(graph: Graph, plan: ParallelPlan) -> list[_Layer]:
@@ -112,16 +93,29 @@ def _param_names(layer: _Layer) -> list[str]:
 
 
 def _batch_scale(graph: Graph, plan: ParallelPlan) -> tuple[float, int]:
-    """(scale from the graph's local batch to the plan's micro-batch, the graph's batch)."""
+    """(scale from the graph's local batch to the plan's micro-batch, the graph's batch).
+
+    The local batch is the first input's batch dim under its layout (ceil division, as the
+    local shapes of every batched tensor are), so a graph traced at a batch smaller than the
+    data-parallel degree is still costed at `mb` sequences per device."""
     if not graph.inputs or not graph.inputs[0].type.shape:
         return 1.0, plan.mb
     first = graph.inputs[0]
     batch = first.type.shape[0]
-    split = 1
+    local = batch
     if graph.mesh is not None and first.layout is not None:
-        for axis in first.layout.sharded_dims().get(0, []):
-            split *= graph.mesh.axis_size(axis)
-    return plan.mb * split / batch, batch
+        local = first.layout.local_shape(first.type.shape, graph.mesh)[0]
+    return plan.mb / max(local, 1), batch
+
+
+def plan_of(graph: Graph) -> ParallelPlan:
+    """The plan a partitioned graph was written with: `graph.attrs["plan"]` (apply-plan and the
+    solver record it); recomputation, ZeRO and stages per layer come from the layers."""
+    text = graph.attrs.get("plan")
+    if not text:
+        raise ShardcError(f"graph @{graph.name} records no plan (graph.attrs['plan']); pass the plan to "
+                          "estimate, or partition the graph with apply-plan or the solver first")
+    return ParallelPlan.parse(str(text))
 
 
 def _sequence(graph: Graph) -> int:
@@ -131,10 +125,16 @@ def _sequence(graph: Graph) -> int:
     return 1
 
 
-def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan, *,
+def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *,
              options: EstimateOptions | None = None) -> Estimate:
-    """Predict step time and per-device memory of training `graph` under `plan` on `cluster`."""
+    """Predict step time and per-device memory of training `graph` under `plan` on `cluster`.
+
+    `graph` may be any partitioned IR: per-node partitions (temporal and rotating ones
+    included), per-layer stages, recomputation and ZeRO stages, as apply-plan or the solver
+    wrote them. With `plan=None` the plan the graph records (`plan_of`) gives the mesh degrees,
+    micro-batch, global batch, schedule and dtype."""
     options = options or EstimateOptions()
+    plan = plan if plan is not None else plan_of(graph)
     if graph.mesh is None and plan.devices > 1:
         try:
             from shardc.passes.apply_plan import apply_plan
@@ -157,10 +157,13 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan, *,
                           [(found[n][1], found[n][2]) for n in names])
         layer.cost, params = cache[key]
         layer.params = dict(zip(names, params))
-    return _assemble(graph, cluster, plan, options, ctx, layers, m, gbs)
+    sends = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
+    result = compose(layers, sends, ctx, plan, m, options)
+    return Estimate.build(graph, cluster, plan, layers, list(result.stages), result.step_time_s, m, gbs,
+                          _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp), cluster.device.memory_bytes, ctx)
 
 
-def _stage_sends(ctx: CostContext, layers: Sequence[_Layer], stages: int, cluster: Cluster) -> list[float]:
+def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int, cluster: Cluster) -> list[float]:
     """Seconds to send the activations leaving each stage for the next (one micro-batch)."""
     stage_of = {l.name: l.stage for l in layers}
     out = [0.0] * stages
@@ -176,85 +179,3 @@ def _stage_sends(ctx: CostContext, layers: Sequence[_Layer], stages: int, cluste
                     sent.add(id(v))
                     out[src] += collective_time("send_recv", ctx.local_bytes(v), ((link, 2),))
     return out
-
-
-def _zero3_gather(ctx: CostContext, layer: _Layer, shard_levels, elem: int) -> tuple[float, float]:
-    """Exposed forward and backward seconds of a ZeRO-3 layer's weight all-gathers."""
-    nbytes = sum(n for n, _ in layer.params.values()) * elem
-    t = collective_time("all_gather", nbytes, shard_levels, ctx.algorithm)
-    cost = layer.cost
-    assert cost is not None
-    return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t - cost.bwd.get("compute_bwd", 0.0))
-
-
-def _assemble(graph: Graph, cluster: Cluster, plan: ParallelPlan, options: EstimateOptions, ctx: CostContext,
-              layers: list[_Layer], m: int, gbs: int) -> Estimate:
-    from shardc.cost.sync import gradient_sync
-
-    p, v = plan.pp, plan.vpp
-    S = p * v
-    mesh = ctx.mesh
-    zero_axes = tuple(a for a in ZERO_AXES if mesh is not None and a in mesh.names)
-    shard = 1
-    for a in zero_axes:
-        shard *= mesh.axis_size(a) if mesh is not None else 1
-    shard_levels = ctx.levels(zero_axes)
-    w_elem, g_elem, _ = state_bytes_per_param(plan.dtype)
-    sends = _stage_sends(ctx, layers, S, cluster)
-    times = [dict[str, float]() for _ in range(S)]
-    fwd, bwd = [0.0] * S, [0.0] * S
-    for layer in layers:
-        cost = layer.cost
-        assert cost is not None
-        s = layer.stage
-        for key, val in cost.fwd.items():
-            times[s][key] = times[s].get(key, 0.0) + val * m
-        for key, val in cost.bwd.items():
-            times[s][key] = times[s].get(key, 0.0) + val * m
-        fwd[s] += cost.fwd_s
-        bwd[s] += cost.bwd_s
-        if layer.annotation.zero >= 3 and shard > 1:
-            ef, eb = _zero3_gather(ctx, layer, shard_levels, w_elem)
-            fwd[s] += ef
-            bwd[s] += eb
-            times[s]["dp_comm"] = times[s].get("dp_comm", 0.0) + (ef + eb) * m
-    for s in range(S):
-        back = sends[s - 1] if s > 0 else 0.0
-        fwd[s] += sends[s]
-        bwd[s] += back
-        if sends[s] or back:
-            times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + (sends[s] + back) * m
-    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
-    syncs = gradient_sync(ctx, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem)
-    end = max(pipe.last_end[d] + syncs[d].tail for d in range(p))
-    step = end + max(s.after for s in syncs)
-    stages: list[StageEstimate] = []
-    capacity = cluster.device.memory_bytes
-    for d in range(p):
-        mine = [l for l in layers if l.stage % p == d]
-        cat: dict[str, float] = {}
-        for s in range(d, S, p):
-            for key, val in times[s].items():
-                cat[key] = cat.get(key, 0.0) + val
-        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
-        cat["optimizer"] = syncs[d].optimizer
-        cat["bubble"] = max(0.0, step - sum(cat.values()))
-        params = syncs[d].params
-        states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
-        for numel, zero in params:
-            for key, val in model_state_bytes(numel, plan.dtype, zero, shard, plan.offload).items():
-                states[key] += val
-        saved = sum(l.cost.saved_bytes for l in mine if l.cost)
-        flight = in_flight(plan.schedule, p, d, m, v)
-        activations = saved * flight / (v if plan.schedule == "interleaved" else 1)
-        grad_bytes = sum(n for n, _ in params) * g_elem
-        largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
-        zero = max((l.annotation.zero for l in mine), default=0)
-        memory = {**states, "activations": activations,
-                  "recompute_working": max((l.cost.working_bytes for l in mine if l.cost), default=0.0),
-                  "buffers": buffer_bytes(grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)}
-        stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight,
-                                    sum(l.cost.saved_bytes for l in mine if l.cost), syncs[d].grad_bytes,
-                                    syncs[d].comm_bytes))
-    return Estimate.build(graph, cluster, plan, layers, stages, step, m, gbs, _sequence(graph),
-                          bubble_fraction(p, m, v), capacity, ctx)

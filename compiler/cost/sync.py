@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.cost.comm import collective_time
-from shardc.cost.context import CostContext
 from shardc.cost.pipeline import PipelineTimes
 from shardc.plan import ParallelPlan
 
@@ -63,15 +62,20 @@ def bucket_tail(ready: Sequence[tuple[float, float]], window: float, levels, kin
     return max(0.0, finish - window)
 
 
-def gradient_sync(ctx: CostContext, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
+def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
                   pipe: PipelineTimes, stage_bwd: Sequence[float], g_elem: int, w_elem: int) -> list[DeviceSync]:
-    """A `DeviceSync` per pipeline device (see module rules)."""
+    """A `DeviceSync` per pipeline device (see module rules). `ctx`: a `CostContext` or a
+    `compose.Links` (link levels, algorithm, device)."""
     p = plan.pp
     out: list[DeviceSync] = []
     levels = ctx.levels(zero_axes)
     device = ctx.device
+    position = {id(l): i for i, l in enumerate(layers)}
+    by_device: list[list] = [[] for _ in range(p)]
+    for layer in layers:
+        by_device[layer.stage % p].append(layer)
     for d in range(p):
-        mine = [l for l in layers if l.stage % p == d]
+        mine = by_device[d]
         last_stage = d  # the final backward on device d is its first model chunk's
         seen: set[str] = set()
         params: list[tuple[float, int]] = []
@@ -80,7 +84,7 @@ def gradient_sync(ctx: CostContext, layers, plan: ParallelPlan, options, zero_ax
         window = pipe.last_backward[d]
         total_b = max(stage_bwd[last_stage], 1e-30)
         t = 0.0
-        for layer in sorted(mine, key=lambda l: (l.stage != last_stage, -layers.index(l))):
+        for layer in sorted(mine, key=lambda l: (l.stage != last_stage, -position[id(l)])):
             if layer.stage == last_stage:
                 t += layer.cost.bwd_s * window / total_b
             at = t if layer.stage == last_stage else 0.0

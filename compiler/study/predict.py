@@ -34,6 +34,7 @@ def study_cluster(nproc: int, device: str = "cpu", *, profile: Any = None, memor
 def gpu_cluster(nproc: int):
     """`{nproc}x<preset>` for the local GPU model (H100, H200, A100, V100 by name)."""
     import torch
+
     from shardc.hardware import make_cluster
 
     if not torch.cuda.is_available():

@@ -31,6 +31,11 @@ def _plt() -> Any:
     return plt
 
 
+def _legend(ax: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
 def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in data["plans"] if p["status"] == "ok"]
 
@@ -53,7 +58,7 @@ def plot_time(data: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title("step time: predicted vs measured (colour: processes)")
-    ax.legend(fontsize=7)
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -73,7 +78,7 @@ def plot_memory(data: dict[str, Any], path: Path) -> None:
     ax.set_xticklabels(names, rotation=80, fontsize=6)
     ax.set_ylabel("peak memory per rank (MiB)")
     ax.set_title("peak memory per rank: measured vs predicted")
-    ax.legend()
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -94,7 +99,7 @@ def plot_pipeline_memory(data: dict[str, Any], path: Path) -> None:
         split = "+".join(map(str, p["split"])) if p.get("split") else "balanced"
         ax.set_title(f"{label(p['plan'])}\n{split}: total {sum(meas):.1f} MiB", fontsize=7)
     axes[0][0].set_ylabel("peak memory (MiB)")
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0])
     if not piped:
         axes[0][0].text(0.5, 0.5, "no pipelined plan ran", ha="center")
     fig.tight_layout()
@@ -117,7 +122,7 @@ def plot_block_size(data: dict[str, Any], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")
-        ax.legend(fontsize=7)
+        _legend(ax)
     ax1.set_ylabel("all_reduce time (ms)")
     ax1.set_title("all_reduce time by message size")
     ax2.set_ylabel("bus bandwidth (GB/s)")
@@ -128,7 +133,7 @@ def plot_block_size(data: dict[str, Any], path: Path) -> None:
         ax3.plot(xs, [p["measured_step_time_s"] * 1e3 for p in buckets], "o-", label="measured")
         ax3.plot(xs, [p["predicted_step_time_s"] * 1e3 for p in buckets], "x--", label="predicted")
         ax3.set_xscale("log")
-        ax3.legend(fontsize=7)
+        _legend(ax3)
         ax3.set_title(f"step time by DDP bucket size\n{label(buckets[0]['plan'].split(',bucket_mb')[0])}", fontsize=8)
     ax3.set_xlabel("bucket size (MiB)")
     ax3.set_ylabel("step time (ms)")
@@ -154,7 +159,7 @@ def plot_parallelism(data: dict[str, Any], path: Path) -> None:
         ax.set_xticks(list(xs))
         ax.set_xticklabels(names)
         ax.set_ylabel(what)
-        ax.legend(fontsize=7)
+        _legend(ax)
     ax1.set_title("DP vs PP vs TP at equal process counts")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -177,7 +182,7 @@ def plot_breakdown(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms (slowest rank per category)")
     ax.set_title("measured step breakdown (torch.profiler)")
     ax.tick_params(axis="x", rotation=80, labelsize=6)
-    ax.legend(fontsize=7)
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -105,20 +105,28 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
               sweep: str | None = None, device: str = "cpu", out_dir: str | os.PathLike[str],
               steps: int = 5, warmup: int = 2, console: Any = None, profile: Any = None,
               memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
-              allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True) -> int:
+              allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True,
+              fresh_profile: bool = False) -> int:
     """Run the study (see the module doc) and write the report to `out_dir`; returns 0.
 
     `nproc`: process counts (`2`, `"2,4"`); plans of other device counts in a sweep are left
     out, plans from a file run at their own count. `profile` (a LocalProfile) and
     `memory_limit_bytes` replace the cached local profile and the per-process memory.
+    `fresh_profile=True` recalibrates this machine first (`shardc calibrate --quick` for these
+    process counts, written to `out_dir/local-profile.json`): on a shared machine the load of
+    the moment, not that of the last calibration, is what the plans will run under.
     """
     from rich.console import Console
+
     from shardc.models import load_model
     from shardc.study.predict import study_cluster
 
     console = console or Console(stderr=True)
     if device not in ("cpu", "cuda"):
         raise ShardcError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda":  # the worker builds, feeds and times on CPU; CUDA needs inputs moved and syncs
+        raise ShardcError("--device cuda is not wired into the study's worker yet (inputs on the GPU, "
+                          "CUDA synchronisation around timed steps, allocator peaks)", hint="use --device cpu")
     out = Path(out_dir)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
@@ -129,6 +137,11 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     torch.manual_seed(0)
     loaded = load_model(model_spec, device="cpu")
     batch = int(loaded.example_inputs[0].shape[0])
+    if fresh_profile and device == "cpu" and profile is None:
+        from shardc.calibrate import run_calibration
+
+        profile = run_calibration(out / "local-profile.json", quick=True, nprocs=tuple(n for n in nprocs if n > 1),
+                                  console=console)
     texts = plan_texts(nprocs, plans_file, sweep, batch)
     clusters: dict[int, Any] = {}
 

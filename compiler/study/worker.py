@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from shardc.diagnostics import ShardcError
 from shardc.study.measure import ddp_bucket_bytes, profile_events, track_memory
 
@@ -129,6 +130,8 @@ def _build(job: dict[str, Any], world: int) -> tuple[Any, list[torch.nn.Module],
 
 def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float) -> torch.nn.Module:
     """plan.parallelize for a DDP plan, with DDP's bucket size set (for the block-size study)."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from shardc.backends.torch.codegen import generate
     from shardc.backends.torch.parallelize import (
         check_model,
@@ -137,7 +140,6 @@ def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float) ->
         local_tensors,
         mesh_groups,
     )
-    from torch.nn.parallel import DistributedDataParallel
 
     graph = compiled.graph
     axes, via, zero = data_parallel_info(graph)
@@ -155,8 +157,9 @@ def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float) ->
 
 
 def _pipeline(job: dict[str, Any], model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], world: int):
-    from shardc.backends.torch.pipeline import PipelineRunner
     from torch.distributed.device_mesh import init_device_mesh
+
+    from shardc.backends.torch.pipeline import PipelineRunner
 
     plan = job["plan"]
     if plan.tp > 1 or plan.cp > 1 or plan.zero or plan.recompute != "none":

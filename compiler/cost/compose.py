@@ -1,0 +1,175 @@
+"""Step time and per-device memory from per-layer costs: the composition `estimate` and the solver share.
+
+Rules:
+- Per virtual stage and micro-batch, forward and backward times are sums over its layers
+  (`LayerCost`, recomputation included) plus the send of the activations leaving the stage
+  (forward) and of their gradients back (backward). ZeRO-3 all-gathers each layer's weights
+  before its forward and its backward, prefetched behind the previous layer's compute, so only
+  the excess is charged. `pipeline.simulate` turns these into the schedule's makespan (bubble
+  and waiting between stages included).
+- Gradient sync, the post-optimizer gather and the optimizer step per pipeline device are
+  `sync.gradient_sync`'s. The step ends when the slowest device has finished its last backward
+  and its exposed sync, plus the slowest device's gather and optimizer step.
+- Memory per device: model states by ZeRO stage over the data-parallel group (dp x cp),
+  activations saved per micro-batch times the micro-batches in flight on that device
+  (`in_flight`), the largest recomputation working set, the largest transient allocation of a
+  node (`transient_bytes`), and communication buffers (`buffer_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shardc.cost.comm import LinkLevels, collective_time, group_levels
+from shardc.cost.estimate import StageEstimate
+from shardc.cost.layer import LayerCost
+from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
+from shardc.cost.pipeline import PipelineTimes, simulate
+from shardc.hardware import Cluster, DeviceSpec
+from shardc.ir import LayerAnnotation, Mesh, Node
+from shardc.plan import ParallelPlan
+
+ZERO_AXES = ("dp", "cp")
+
+
+@dataclass(frozen=True, slots=True)
+class EstimateOptions:
+    """Knobs of the model that are not part of the plan."""
+
+    bucket_bytes: float = 25 * 2**20  # DDP's default bucket_cap_mb=25
+    algorithm: str = "auto"  # collective algorithm: auto, ring, tree, hierarchical
+    host_optimizer_bandwidth: float = 50e9  # CPU Adam's memory bandwidth when offloading
+
+
+@dataclass(slots=True)
+class LayerWork:
+    """One layer as the composition sees it: its stage (virtual), recomputation and ZeRO stage,
+    its cost per micro-batch, and its parameters (name -> local elements, gradient-sum axes)."""
+
+    name: str
+    block: str
+    annotation: LayerAnnotation
+    nodes: list[Node] = field(default_factory=list)
+    stage: int = 0
+    cost: LayerCost | None = None
+    params: dict[str, tuple[float, frozenset[str]]] = field(default_factory=dict)
+
+
+@dataclass
+class Links:
+    """The link levels of groups along mesh axes on a cluster (cached): what the composition
+    needs of a cost context when it has no graph."""
+
+    mesh: Mesh | None
+    cluster: Cluster
+    algorithm: str = "auto"
+    _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
+
+    @property
+    def device(self) -> DeviceSpec:
+        return self.cluster.device
+
+    def levels(self, axes: tuple[str, ...]) -> LinkLevels:
+        if self.mesh is None:
+            return ()
+        found = self._levels.get(axes)
+        if found is None:
+            found = self._levels[axes] = group_levels(self.mesh, axes, self.cluster)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Composition:
+    step_time_s: float
+    stages: tuple[StageEstimate, ...]
+    pipe: PipelineTimes
+
+
+def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
+    """The axes ZeRO shards over (dp and cp) and the group's size."""
+    axes = tuple(a for a in ZERO_AXES if mesh is not None and a in mesh.names)
+    size = 1
+    for a in axes:
+        size *= mesh.axis_size(a) if mesh is not None else 1
+    return axes, size
+
+
+def zero3_exposed(cost: LayerCost, param_elements: float, elem_bytes: int, levels: LinkLevels,
+                  algorithm: str = "auto") -> tuple[float, float]:
+    """Exposed forward and backward seconds of a ZeRO-3 layer's weight all-gathers."""
+    t = collective_time("all_gather", param_elements * elem_bytes, levels, algorithm)
+    return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t - cost.bwd.get("compute_bwd", 0.0))
+
+
+def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: ParallelPlan, m: int,
+            options: EstimateOptions) -> Composition:
+    """Step time and per-device breakdowns (see the module rules). `sends[s]`: seconds to send
+    the activations leaving virtual stage s for one micro-batch; `links`: a `Links` or a
+    `CostContext`; `plan` gives pp, vpp, schedule, dtype and offload."""
+    from shardc.cost.sync import gradient_sync
+
+    p, v = plan.pp, plan.vpp
+    S = p * v
+    zero_axes, shard = zero_group(links.mesh)
+    shard_levels = links.levels(zero_axes)
+    w_elem, g_elem, _ = state_bytes_per_param(plan.dtype)
+    times = [dict[str, float]() for _ in range(S)]
+    fwd, bwd = [0.0] * S, [0.0] * S
+    for layer in layers:
+        cost = layer.cost
+        assert cost is not None
+        s = layer.stage
+        for part in (cost.fwd, cost.bwd):
+            for key, val in part.items():
+                times[s][key] = times[s].get(key, 0.0) + val * m
+        fwd[s] += cost.fwd_s
+        bwd[s] += cost.bwd_s
+        if layer.annotation.zero >= 3 and shard > 1:
+            ef, eb = zero3_exposed(cost, sum(n for n, _ in layer.params.values()), w_elem, shard_levels,
+                                   links.algorithm)
+            fwd[s] += ef
+            bwd[s] += eb
+            times[s]["dp_comm"] = times[s].get("dp_comm", 0.0) + (ef + eb) * m
+    for s in range(S):
+        back = sends[s - 1] if s > 0 else 0.0
+        fwd[s] += sends[s]
+        bwd[s] += back
+        if sends[s] or back:
+            times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + (sends[s] + back) * m
+    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
+    syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem)
+    end = max(pipe.last_end[d] + syncs[d].tail for d in range(p))
+    step = end + max(s.after for s in syncs)
+    by_device: list[list[LayerWork]] = [[] for _ in range(p)]
+    for layer in layers:
+        by_device[layer.stage % p].append(layer)
+    stages: list[StageEstimate] = []
+    for d in range(p):
+        mine = by_device[d]
+        cat: dict[str, float] = {}
+        for s in range(d, S, p):
+            for key, val in times[s].items():
+                cat[key] = cat.get(key, 0.0) + val
+        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
+        cat["optimizer"] = syncs[d].optimizer
+        cat["bubble"] = max(0.0, step - sum(cat.values()))
+        params = syncs[d].params
+        states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
+        for numel, zero in params:
+            for key, val in model_state_bytes(numel, plan.dtype, zero, shard, plan.offload).items():
+                states[key] += val
+        costs = [l.cost for l in mine if l.cost is not None]
+        saved = sum(c.saved_bytes for c in costs)
+        flight = in_flight(plan.schedule, p, d, m, v)
+        activations = saved * flight / (v if plan.schedule == "interleaved" else 1)
+        grad_bytes = sum(n for n, _ in params) * g_elem
+        largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
+        zero = max((l.annotation.zero for l in mine), default=0)
+        memory = {**states, "activations": activations,
+                  "recompute_working": max((c.working_bytes for c in costs), default=0.0),
+                  "working": max((c.transient_bytes for c in costs), default=0.0),
+                  "buffers": buffer_bytes(grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)}
+        stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
+                                    syncs[d].grad_bytes, syncs[d].comm_bytes))
+    return Composition(step, tuple(stages), pipe)
