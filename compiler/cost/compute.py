@@ -57,8 +57,11 @@ def local_type(t: TensorType, layout: Layout, mesh: Mesh | None, dtype: str) -> 
     return TensorType(tuple(shape), dtype if t.is_float else t.dtype)
 
 
-def localize(node: Node, mesh: Mesh | None, dtype: str) -> LocalNode:
-    """Required layouts and local types of `node` under its partition on `mesh`.
+_OWN = object()
+
+
+def localize(node: Node, mesh: Mesh | None, dtype: str, partition=_OWN) -> LocalNode:
+    """Required layouts and local types of `node` under its partition (or `partition`) on `mesh`.
 
     Temporal splits that rotate around a mesh axis (ring attention, PrimePar) keep the rotating
     operands sharded along that axis (`rotating_operands`).
@@ -66,17 +69,18 @@ def localize(node: Node, mesh: Mesh | None, dtype: str) -> LocalNode:
     op = get_op(node.op)
     in_t = [v.type for v in node.inputs]
     out_t = [v.type for v in node.outputs]
-    if mesh is None or node.partition is None or not (node.partition.spatial or node.partition.temporal):
+    part = node.partition if partition is _OWN else partition
+    if mesh is None or part is None or not (part.spatial or part.temporal):
         ins = tuple(Layout() for _ in in_t)
         outs = tuple(Layout() for _ in out_t)
         space = None
     else:
         space = op.iteration_space(in_t, out_t, node.attrs)
-        in_l, out_l = node_layouts(space, node.partition, mesh)
-        for split in node.partition.temporal:
+        in_l, out_l = node_layouts(space, part, mesh)
+        for split in part.temporal:
             if split.rotate is None:
                 continue
-            for i in rotating_operands(space, node.partition, split):
+            for i in rotating_operands(space, part, split):
                 for d, factors in enumerate(space.inputs[i]):
                     if factors and factors[0] == split.dim:
                         in_l[i] = Layout(tuple(p for p in in_l[i].placements if p[0] != split.rotate)

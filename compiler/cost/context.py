@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from shardc.cost.comm import LinkLevels, group_levels
 from shardc.cost.compute import LocalNode, localize
 from shardc.hardware import Cluster, DeviceSpec
-from shardc.ir import Graph, Layout, Mesh, Node, Value
+from shardc.ir import Graph, Layout, Mesh, Node, Partition, Value
 from shardc.registry import get_op
 
 AXIS_CATEGORY = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm"}
@@ -39,6 +39,10 @@ class CostContext:
     needs_grad: set[int] = field(default_factory=set)
     users: dict[int, list[Node]] = field(default_factory=dict)
     layer_of: dict[int, str] = field(default_factory=dict)
+    # Overlays (id -> partition / layout) that take precedence over the IR's own annotations:
+    # the solver prices a candidate by costing its nodes as if they were so partitioned.
+    partitions: dict[int, Partition | None] = field(default_factory=dict)
+    layouts: dict[int, Layout] = field(default_factory=dict)
     _local: dict[int, LocalNode] = field(default_factory=dict)
     _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
 
@@ -70,11 +74,25 @@ class CostContext:
         ctx.users = graph.users()
         return ctx
 
+    def rescoped(self, mesh: Mesh | None, batch_scale: float) -> CostContext:
+        """The same dataflow facts on another mesh and batch scale (no overlays, fresh caches)."""
+        return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.batched,
+                           self.needs_grad, self.users, self.layer_of)
+
+    def with_overlay(self, partitions: dict[int, Partition | None], layouts: dict[int, Layout]) -> CostContext:
+        """This context with nodes partitioned and values laid out as given (ids as keys)."""
+        return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
+                           self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
+                           _levels=self._levels)
+
+    def partition(self, node: Node) -> Partition | None:
+        return self.partitions[id(node)] if id(node) in self.partitions else node.partition
+
     def local(self, node: Node) -> LocalNode:
         """The node's layouts and local types (cached)."""
         found = self._local.get(id(node))
         if found is None:
-            found = localize(node, self.mesh, self.dtype)
+            found = localize(node, self.mesh, self.dtype, self.partition(node))
             self._local[id(node)] = found
         return found
 
@@ -92,7 +110,8 @@ class CostContext:
         return self.batch_scale if id(value) in self.batched else 1.0
 
     def layout(self, value: Value) -> Layout:
-        return value.layout or Layout()
+        found = self.layouts.get(id(value))
+        return found if found is not None else value.layout or Layout()
 
     def root(self, value: Value) -> Value:
         """The value whose storage `value` aliases (through views), or itself."""

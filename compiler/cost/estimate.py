@@ -12,7 +12,8 @@ from shardc.plan import ParallelPlan
 
 TIME_CATEGORIES = ("compute_fwd", "compute_bwd", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
                    "bubble", "optimizer")
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "buffers")
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "working",
+                     "buffers")
 
 
 @dataclass(frozen=True, slots=True)

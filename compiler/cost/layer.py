@@ -88,6 +88,8 @@ class LayerTerms:
     inputs: float = 0.0
     transient: float = 0.0
     collectives: list[tuple[str, CommStep]] = field(default_factory=list)
+    saved_entries: dict[object, tuple[float, bool]] = field(default_factory=dict)  # storage -> (bytes, in core)
+    input_entries: dict[int, float] = field(default_factory=dict)  # input storage -> bytes
 
 
 def finish_layer(t: LayerTerms, recompute: str = "none") -> LayerCost:
@@ -149,12 +151,12 @@ def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
     """The layout of the gradient `node` sends back to its input `i`."""
     local = ctx.local(node)
     layout = local.in_layouts[i]
-    if node.partition is None or ctx.mesh is None:
+    if ctx.partition(node) is None or ctx.mesh is None:
         return layout
     indexed = _operand_dims(ctx, node, i)
     placements: list[tuple[str, Placement]] = []
     for axis in ctx.mesh.names:
-        split = [d for a, d in node.partition.spatial if a == axis]
+        split = [d for a, d in ctx.partition(node).spatial if a == axis]
         p = layout.on(axis)
         if split and isinstance(p, Replicate) and split[0] not in indexed:
             p = Partial("sum")
@@ -188,11 +190,40 @@ def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:
     sync instead of costing an all_reduce per micro-batch."""
     if ctx.mesh is None or not feeds_only_parameters(node, ctx.needs_grad):
         return set()
-    split = {a for a, _ in node.partition.spatial} if node.partition else set()
+    split = {a for a, _ in ctx.partition(node).spatial} if ctx.partition(node) else set()
     grad = _output_gradient(ctx, node.outputs[0])
     if grad is None:
         return set()
     return {a for a, p in grad.placements if isinstance(p, Partial) and a not in split}
+
+
+def input_steps(ctx: CostContext, value: Value, have: Layout, required: Layout) -> list[CommStep]:
+    """Forward collectives that turn `value` laid out `have` into `required` (batch-scaled)."""
+    if ctx.mesh is None:
+        return []
+    return [CommStep(s.kind, s.axis, s.nbytes * ctx.scale_of(value))
+            for s in reshard_steps(have, required, value.type, ctx.mesh, ctx.elem_bytes(value))]
+
+
+def gradient_steps(ctx: CostContext, value: Value, contributions: Sequence[Layout], layout: Layout,
+                   passthrough: bool = False, split: Collection[str] = ()) -> list[CommStep]:
+    """Backward collectives that bring the sum of the consumers' gradient `contributions` of
+    `value` (laid out `layout`) into the layout its producer's backward needs. `passthrough`:
+    the producer only differentiates into parameters and is split on the axes `split` only
+    (see `passthrough_axes`)."""
+    if not contributions or ctx.mesh is None:
+        return []
+    have = combine_gradients(contributions, ctx.mesh)
+    through = {a for a, p in have.placements if isinstance(p, Partial) and a not in split} if passthrough else ()
+    return input_steps(ctx, value, have, needed_gradient(layout, through))
+
+
+def steps_time(ctx: CostContext, steps: Sequence[CommStep]) -> dict[str, float]:
+    """Seconds of `steps` by time category."""
+    out: dict[str, float] = {}
+    for step in steps:
+        _add(out, axis_category(step.axis), _comm_time(ctx, step))
+    return out
 
 
 def _comm_time(ctx: CostContext, step: CommStep) -> float:
@@ -217,17 +248,21 @@ def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none"
     return finish_layer(layer_terms(ctx, nodes), recompute)
 
 
-def layer_terms(ctx: CostContext, nodes: Sequence[Node]) -> LayerTerms:
-    """The layer's `LayerTerms`, node by node over its partitioned IR (see the module rules)."""
+def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = False) -> LayerTerms:
+    """The `LayerTerms` of `nodes`, node by node over their partitioned IR (module rules).
+
+    `internal_only` prices a fragment (the solver's node group): activations produced outside
+    `nodes` are taken as they arrive (their resharding is the edge's, `input_steps`), and the
+    gradients of values also read outside are left to the edges (`gradient_steps`)."""
     device, dtype = ctx.device, ctx.dtype
+    inside = {id(n) for n in nodes}
     produced = {id(v) for n in nodes for v in n.outputs}
     core = attention_core(ctx, nodes)
     t = LayerTerms()
-    saved: dict[int, tuple[float, bool]] = {}  # storage -> (bytes, produced and saved in the attention core)
-    layer_inputs: dict[int, float] = {}
     for node in nodes:
         local = ctx.local(node)
         op = local.op
+        part = ctx.partition(node)
         grads = [id(v) in ctx.needs_grad for v in node.inputs]
         cost = node_compute_time(op, local.in_types, local.out_types, node.attrs, device, dtype,
                                  needs_grad=grads, scale=ctx.batch_scale,
@@ -245,7 +280,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node]) -> LayerTerms:
             t.core_matmul_flops += g if in_core else 0.0
         t.core_flops += cost.fwd_flops if in_core else 0.0
         batched_out = any(id(o) in ctx.batched for o in node.outputs)
-        chunks = max([s.steps for s in node.partition.temporal if s.rotate is None] or [1]) if node.partition else 1
+        chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
         t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
                                                      ctx.batch_scale if batched_out else 1.0))
         saves = saved_bytes_of(op, local.in_types, local.out_types, node.attrs)
@@ -255,9 +290,10 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node]) -> LayerTerms:
             if ctx.mesh is None:
                 break
             if id(v) not in produced and v.kind == "activation" and id(v) in ctx.batched:
-                layer_inputs[id(ctx.root(v))] = ctx.local_bytes(ctx.root(v))
-            for step in reshard_steps(ctx.layout(v), local.in_layouts[i], v.type, ctx.mesh, ctx.elem_bytes(v)):
-                step = CommStep(step.kind, step.axis, step.nbytes * ctx.scale_of(v))
+                t.input_entries[id(ctx.root(v))] = ctx.local_bytes(ctx.root(v))
+                if internal_only:
+                    continue
+            for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
                 _add(node_fwd, axis_category(step.axis), _comm_time(ctx, step))
                 t.collectives.append(("fwd", step))
                 if step.kind == "all_gather" and i in saved_inputs:
@@ -272,18 +308,19 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node]) -> LayerTerms:
         for v in node.outputs:
             if id(v) not in ctx.needs_grad or ctx.mesh is None:
                 continue
-            have = _output_gradient(ctx, v)
-            if have is None:
+            users = ctx.users.get(id(v), [])
+            if internal_only and any(id(u) not in inside for u in users):
                 continue
-            need = needed_gradient(ctx.layout(v), passthrough_axes(ctx, node))
-            for step in reshard_steps(have, need, v.type, ctx.mesh, ctx.elem_bytes(v)):
-                step = CommStep(step.kind, step.axis, step.nbytes * ctx.scale_of(v))
+            contributions = [gradient_contribution(ctx, u, i) for u in users for i, w in enumerate(u.inputs) if w is v]
+            split = {a for a, _ in part.spatial} if part else set()
+            for step in gradient_steps(ctx, v, contributions, ctx.layout(v), feeds_only_parameters(node, ctx.needs_grad),
+                                       split):
                 _add(t.bwd, axis_category(step.axis), _comm_time(ctx, step))
                 t.collectives.append(("bwd", step))
         # Saved for backward, each storage once.
         for k, (kind, idx, nbytes) in enumerate(saves):
             if kind == "bytes":
-                saved[-(len(saved) + 1)] = (nbytes * (ctx.batch_scale if batched_out else 1.0), in_core)
+                t.saved_entries[(id(node), k)] = (nbytes * (ctx.batch_scale if batched_out else 1.0), in_core)
                 continue
             v = node.inputs[idx] if kind == "in" else node.outputs[idx]
             root = ctx.root(v)
@@ -292,32 +329,32 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node]) -> LayerTerms:
             # Dropped under selective recomputation: what the core saves of its own tensors
             # (the core's output, saved by the projection after it, is kept).
             root_in_core = in_core and root.producer is not None and id(root.producer) in core
-            saved[id(root)] = (ctx.local_bytes(root), root_in_core)
-    t.saved = sum(b for b, _ in saved.values())
-    t.core_saved = sum(b for b, c in saved.values() if c)
-    t.inputs = sum(layer_inputs.values())
+            t.saved_entries[id(root)] = (ctx.local_bytes(root), root_in_core)
+    t.saved = sum(b for b, _ in t.saved_entries.values())
+    t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
+    t.inputs = sum(t.input_entries.values())
     return t
 
 
 def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[str, float],
                     bwd: dict[str, float], steps: list[tuple[str, CommStep]]) -> None:
     """Vocab-parallel loss reductions and temporal splits (chunks; rotations as in ring attention)."""
-    if ctx.mesh is None or node.partition is None or local.space is None:
+    if ctx.mesh is None or ctx.partition(node) is None or local.space is None:
         return
     special = dict(local.space.special)
-    for axis, dim in node.partition.spatial:
+    for axis, dim in ctx.partition(node).spatial:
         if special.get(dim) == "vocab" and len(local.in_types) > 1:
             for step in vocab_steps(axis, local.in_types[1].numel * ctx.batch_scale):
                 _add(node_fwd, axis_category(axis), _comm_time(ctx, step))
                 steps.append(("fwd", step))
-    for split in node.partition.temporal:
+    for split in ctx.partition(node).temporal:
         if split.steps <= 1:
             continue
         node_fwd["compute_fwd"] += (split.steps - 1) * ctx.device.kernel_latency
         if split.rotate is None:
             continue
         moving = sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i])
-                     for i in rotating_operands(local.space, node.partition, split))
+                     for i in rotating_operands(local.space, ctx.partition(node), split))
         step = CommStep("rotate", split.rotate, moving)
         exposed_fwd, exposed_bwd = rotation_exposure(_comm_time(ctx, step), split.steps, cost.fwd_s, cost.bwd_s)
         _add(node_fwd, axis_category(split.rotate), exposed_fwd)
@@ -339,7 +376,8 @@ def layer_params(ctx: CostContext, nodes: Sequence[Node]) -> dict[str, tuple[Val
                 contribution = gradient_contribution(ctx, node, i)
                 axes = {a for a, p in contribution.placements if isinstance(p, Partial)}
                 axes |= passthrough_axes(ctx, node)
-            layout = v.layout if v.layout is not None else ctx.local(node).in_layouts[i]
+            layout = ctx.layouts.get(id(v), v.layout)
+            layout = layout if layout is not None else ctx.local(node).in_layouts[i]
             numel = ctx.local_bytes(v, layout) / ctx.elem_bytes(v)
             prev = out.get(v.name)
             out[v.name] = (v, numel, frozenset(axes) | (prev[2] if prev else frozenset()))

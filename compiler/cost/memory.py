@@ -9,13 +9,16 @@ Rules:
   there at the peak: GPipe holds all m; 1F1B holds p - i on stage i (at most m); interleaved
   1F1B holds (p - i - 1) * 2 + (v - 1) * p + 1 model chunks' worth on device i (Megatron's
   warm-up count plus the one in progress), at most m * v.
+- Working: the largest transient allocation of one node while it runs (its outputs; a loss's
+  fp32 probabilities and their gradient), divided by its temporal chunks (`compute.working_bytes`).
 - Buffers: DDP gradient buckets (two in flight), ZeRO-3 all-gathered weights of the largest
   layer twice (the current one and the prefetched next).
 """
 
 from __future__ import annotations
 
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "buffers")
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "working",
+                     "buffers")
 
 
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:

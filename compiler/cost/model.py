@@ -1,21 +1,16 @@
 """`estimate(graph, cluster, plan)`: step time, throughput, MFU and memory of every pipeline stage.
 
 Rules:
-- The graph is costed as partitioned (`apply_plan` runs first when it has no mesh). Its batch
-  is rescaled to the plan's micro-batch: every batch-dependent tensor and FLOP is multiplied
-  by `mb / local batch`. Layers come from `graph.layers` (stage, recompute and ZeRO per layer);
-  copies of one block with equal partitions are costed once (`layer_costs`) and reused.
-- Per stage and micro-batch, forward and backward times are sums over its layers plus the
-  send of the boundary activations (and of their gradients back) over the pipeline link;
-  ZeRO-3 all-gathers weights before each layer's forward and backward, prefetched behind the
-  previous layer's compute, so only the excess is charged. `pipeline.simulate` turns these
-  into the schedule's makespan (bubble and waiting included).
-- Data-parallel gradient sync (all_reduce, or reduce_scatter with ZeRO) runs in buckets of
-  `bucket_bytes`, each launched when the last backward of the step has produced its
-  gradients, one after another on the link: only what outlasts that backward is exposed.
-  With ZeRO 1-2 the updated weights are all-gathered after the optimizer step.
-- The optimizer step is memory-bound: Adam reads and writes fp32 master weights, momentum and
-  variance, reads the gradient and writes the weight (28 bytes per local parameter).
+- The graph is costed as partitioned (`apply_plan` runs first when it has no mesh): any
+  partitioned IR, whether apply-plan wrote it from a plan string or the solver chose it node
+  by node. Its batch is rescaled to the plan's micro-batch: every batch-dependent tensor and
+  FLOP is multiplied by `mb / local batch`. Layers come from `graph.layers` (stage, recompute
+  and ZeRO per layer); copies of one block with equal partitions are costed once
+  (`layer_costs`) and reused.
+- The step and the memory per device are composed from the layers' costs by
+  `compose.compose` (pipeline schedule, ZeRO-3 gathers, bucketed gradient sync, optimizer,
+  memory in flight), the same composition the solver evaluates its plans with. The
+  activations leaving a stage are every batched value a later stage reads, sent once.
 - Model FLOPs count contractions only (3x the forward: forward, dgrad, wgrad) so they match
   Narayanan et al.'s 72Bslh^2(...) ; hardware FLOPs add the recomputed forward (their 96Bslh^2).
   MFU = model FLOPs / (step time x devices x peak); `tflops_per_device` uses hardware FLOPs,
@@ -78,8 +73,9 @@ def _layers(graph: Graph, plan: ParallelPlan) -> list[_Layer]:
 
 def _fingerprint(layer: _Layer) -> tuple:
     return (layer.block, layer.annotation.recompute,
-            tuple((n.op, n.partition, tuple(v.type for v in n.outputs), tuple(v.layout for v in n.outputs),
-                   tuple(v.layout for v in n.inputs), repr(sorted(n.attrs.items()))) for n in layer.nodes))
+            tuple((n.op, str(n.partition), tuple(str(v.type) for v in n.outputs),
+                   tuple(str(v.layout) for v in n.outputs), tuple(str(v.layout) for v in n.inputs),
+                   repr(sorted(n.attrs.items()))) for n in layer.nodes))
 
 
 def _param_names(layer: _Layer) -> list[str]:

@@ -119,6 +119,7 @@ def run_estimate(model_spec: str, cluster: str, plan: str, *, json_out: bool = F
     """`shardc estimate`: everything from the model spec to the printed estimate. Returns 0;
     a plan that does not fit is still printed (marked) and returns 0 as well."""
     from rich.console import Console
+
     from shardc.cost.model import estimate
     from shardc.hardware import parse_cluster
     from shardc.plan import ParallelPlan
