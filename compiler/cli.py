@@ -1,4 +1,4 @@
-"""The `shardc` command line: inspect, estimate, plan, compile, run, calibrate.
+"""The `shardc` command line: inspect, estimate, plan, compile, run, study, calibrate.
 
 Every command that takes a model accepts the one model syntax of `shardc.models`
 (`path/file.py:factory?k=v`, `hf:gpt2?n_layer=2`, `model.onnx`, or a printed `.ir` file for
@@ -79,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--cluster", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("study", help="run many plans for real and compare them with the model's predictions")
+    p.add_argument("model")
+    p.add_argument("--nproc", default="2,4", help="process counts, e.g. 2 or 2,4")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--plans", metavar="FILE", help="a file with one plan per line")
+    group.add_argument("--sweep", metavar="KEYS", help="vary these plan keys, e.g. dp,tp,pp,zero,recompute,mb")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", required=True, metavar="DIR", help="where the report and results.json go")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per plan")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--fresh-profile", action="store_true",
+                   help="recalibrate this machine before the sweep (its load changes the predictions)")
 
     p = sub.add_parser("calibrate", help="measure this machine and cache the local profile")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
@@ -170,6 +183,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                      seed=args.seed, json_out=args.json, console=_console())
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from shardc.study.sweep import run_study
+
+    return run_study(args.model, args.nproc, plans_file=args.plans, sweep=args.sweep, device=args.device,
+                     out_dir=args.out, steps=args.steps, warmup=args.warmup, console=_console(),
+                     fresh_profile=args.fresh_profile)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from shardc.calibrate import print_profile, run_calibration
 
@@ -180,7 +201,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "inspect": cmd_inspect, "estimate": cmd_estimate, "plan": cmd_plan, "compile": cmd_compile,
-    "run": cmd_run, "calibrate": cmd_calibrate,
+    "run": cmd_run, "study": cmd_study, "calibrate": cmd_calibrate,
 }
 
 

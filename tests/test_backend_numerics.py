@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardc.backends.torch.launch import spawn
 
 STEPS = 3
@@ -37,17 +38,40 @@ class WithLoss(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build(spec: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], tuple[str, ...]]:
+def build(spec: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], tuple[str, ...]]:
     """The model (same weights in every process: seeded) and its example inputs."""
     from shardc.models import load_model
 
     torch.manual_seed(0)
-    loaded = load_model(spec)
+    loaded = load_model(spec, device=device)
     model, inputs, names = loaded.model, tuple(loaded.example_inputs), tuple(loaded.input_names)
     if spec.startswith("hf:"):
         model = WithLoss(model)
         inputs, names = (inputs[0], inputs[0].clone()), ("input_ids", "labels")
     return model, inputs, names
+
+
+def gpt_init(name: str, tensor: torch.Tensor) -> None:
+    """What `plan.parallelize(meta_model, init=gpt_init)` fills each full tensor with."""
+    if name.endswith("future"):
+        n = tensor.shape[-1]
+        tensor.copy_(torch.ones(n, n, dtype=torch.bool).triu(1).view(tensor.shape))
+    elif tensor.dim() >= 2:
+        tensor.normal_(0.0, 0.05)
+    else:
+        tensor.uniform_(-0.1, 0.1)
+
+
+def materialize(model: torch.nn.Module, seed: int = 0) -> None:
+    """The single-process twin of the meta-device path: the same init, seeded per name."""
+    import zlib
+
+    from shardc.backends.torch.parallelize import model_tensors
+
+    for name, t in model_tensors(model).items():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed + zlib.crc32(name.encode()))
+            gpt_init(name, t)
 
 
 def batches(inputs: tuple[torch.Tensor, ...], vocab: int = 128) -> list[tuple[torch.Tensor, ...]]:
@@ -78,32 +102,44 @@ def compile_case(spec: str, plan: str, edit: str) -> object:
     import shardc
 
     model, inputs, names = build(spec)
-    return shardc.compile(model, inputs, plan=plan, input_names=names, before_lower=EDITS[edit])
+    return shardc.compile(model, inputs, plan=plan, input_names=names, before_lower=EDITS.get(edit))
 
 
-def run_cases(rank: int, world: int, cases: list[tuple[str, object]]) -> list[tuple[list[float], dict]]:
-    """On every rank: parallelize each compiled plan on a fresh copy of its model and train it."""
+def run_cases(rank: int, world: int, cases: list[tuple[str, object, str]]) -> list[tuple[list[float], dict] | str]:
+    """On every rank: parallelize each compiled plan on a fresh copy of its model and train it.
+    `mode` "meta" builds the model on the meta device and materialises it with `gpt_init`;
+    "world" and "shape" expect the bad-input errors and return their messages."""
+    from shardc.diagnostics import ShardcError
+
     torch.use_deterministic_algorithms(True)
-    results = []
-    for spec, compiled in cases:
-        model, inputs, _ = build(spec)
-        module = compiled.parallelize(model)  # type: ignore[attr-defined]
+    results: list[tuple[list[float], dict] | str] = []
+    for spec, compiled, mode in cases:
+        model, inputs, _ = build(spec, device="meta" if mode == "meta" else "cpu")
+        try:
+            module = compiled.parallelize(model, init=gpt_init if mode == "meta" else None)  # type: ignore[attr-defined]
+            if mode == "shape":
+                module(*(x[:, : x.shape[1] // 2] for x in inputs))
+        except ShardcError as err:
+            results.append(str(err))
+            continue
         losses = train(module, batches(inputs), average=True)
         full = compiled.full_state_dict(module)  # type: ignore[attr-defined]
         results.append((losses, {k: v.clone() for k, v in full.items()} if rank == 0 else {}))
     return results
 
 
-def reference(spec: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(spec: str, meta: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.use_deterministic_algorithms(True)
     model, inputs, _ = build(spec)
+    if meta:
+        materialize(model)
     losses = train(model, batches(inputs), average=False)
-    state = dict(model.named_parameters(remove_duplicate=False))
+    state = dict(model.named_parameters())  # tied weights once, under the name the graph uses
     return losses, {k: v.detach() for k, v in state.items()}
 
 
-def check(spec: str, plan: str, losses: list[float], full: dict[str, torch.Tensor]) -> None:
-    ref_losses, ref_state = reference(spec)
+def check(spec: str, plan: str, losses: list[float], full: dict[str, torch.Tensor], meta: bool = False) -> None:
+    ref_losses, ref_state = reference(spec, meta)
     assert losses == pytest.approx(ref_losses, rel=1e-5), f"{spec} {plan}: losses {losses} vs {ref_losses}"
     assert set(ref_state) <= set(full), f"{spec} {plan}: parameters missing: {set(ref_state) - set(full)}"
     for name, want in ref_state.items():
@@ -138,24 +174,56 @@ def _rotating_fc2(graph: object) -> None:
 EDITS = {"": None, "chunks": _sequence_chunks, "rotate": _rotating_fc2}
 
 
-CASES_4 = [
-    (GPT, "dp=2,tp=2", ""),
-    (GPT, "dp=4", ""),
-    (GPT, "dp=2,zero=1", ""),
-    (GPT, "tp=2,sp=1,dp=2,recompute=full", ""),
-    (GPT, "dp=2,cp=2", ""),
-    (GPT, "dp=2,zero=3", ""),
-    (GPT, "tp=2,dp=2", "rotate"),
-    (GPT, "tp=2,dp=2", "chunks"),
+def run_and_check(world: int, cases: list[tuple[str, str, str]]) -> list[str]:
+    """Spawn `world` processes for all cases; check the training ones, return the error messages."""
+    compiled = [(spec, compile_case(spec, plan, edit), edit) for spec, plan, edit in cases]
+    results = spawn(run_cases, world, compiled, timeout_s=600)
+    errors = []
+    for (spec, plan, edit), result in zip(cases, results[0]):
+        if isinstance(result, str):
+            errors.append(result)
+            continue
+        assert edit not in ("world", "shape"), f"{spec} {plan}: expected a {edit} error"
+        check(spec, plan + (f" +{edit}" if edit else ""), *result, meta=edit == "meta")
+    return errors
+
+
+GPT_CASES = [
+    (GPT, "dp=2,tp=2", ""),                          # dp x tp
+    (GPT, "dp=4", ""),                               # DDP
+    (GPT, "dp=4,zero=1", ""),                        # FSDP2, no reshard after forward
+    (GPT, "dp=2,tp=2,zero=3", ""),                   # FSDP2 + TP
+    (GPT, "tp=2,sp=1,dp=2,recompute=full", ""),      # TP + SP, checkpointed layers
+    (GPT, "tp=4", ""),                               # TP: vocab-parallel embedding and loss
+    (GPT, "dp=2,cp=2", ""),                          # context parallel (keys all-gathered)
+    (GPT, "dp=2,tp=2", "rotate"),                    # PrimePar-style rotating fc2
+    (GPT, "dp=2,tp=2", "chunks"),                    # sequence chunking (temporal, no rotation)
+    (GPT, "dp=2,tp=2", "meta"),                      # meta-device model, materialised shard by shard
+]
+LLAMA_CASES = [
+    (LLAMA, "dp=2,tp=2", ""),
+    (LLAMA, "cp=2,tp=2", ""),                        # ring attention (sdpa) + TP
+    (LLAMA, "tp=2,sp=1,dp=2,zero=2", ""),
+    (LLAMA, "cp=4,recompute=full", ""),              # ring of 4
+]
+HF_CASES = [
+    (HF_GPT2, "tp=2", ""),
+    (HF_GPT2, "cp=2", ""),
+    (HF_GPT2, "dp=2,zero=3", ""),
+    (HF_GPT2, "dp=4", "world"),                      # a plan for 4 devices on 2 processes
+    (HF_GPT2, "tp=2", "shape"),                      # inputs shorter than the traced ones
 ]
 
 
-def run_and_check(world: int, cases: list[tuple[str, str, str]]) -> None:
-    compiled = [(spec, compile_case(spec, plan, edit)) for spec, plan, edit in cases]
-    results = spawn(run_cases, world, compiled, timeout_s=600)
-    for (spec, plan, edit), (losses, full) in zip(cases, results[0]):
-        check(spec, plan + (f" +{edit}" if edit else ""), losses, full)
-
-
 def test_gpt_plans_match_single_process() -> None:
-    run_and_check(4, CASES_4)
+    assert run_and_check(4, GPT_CASES) == []
+
+
+def test_llama_plans_match_single_process() -> None:
+    assert run_and_check(4, LLAMA_CASES) == []
+
+
+def test_transformers_gpt2_plans_match_single_process_and_bad_inputs_fail_clearly() -> None:
+    world, shape = run_and_check(2, HF_CASES)
+    assert "the world has 2 processes but the plan's mesh<pp=1, dp=4, cp=1, tp=1> needs 4" in world
+    assert "input input_ids has shape (4, 8), but the plan was compiled for (4, 16)" in shape

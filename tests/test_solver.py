@@ -7,6 +7,8 @@ import dataclasses
 import itertools
 
 import pytest
+from test_candidates import mlp_graph
+
 from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
 from shardc.search.cpsat import solve
@@ -16,7 +18,6 @@ from shardc.search.planfile import assignment_from_plan, load_plan, plan_dict
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.report import run_plan
 from shardc.search.synthetic import PRESETS, transformer_graph
-from test_candidates import mlp_graph
 
 
 def _splits(layers: int, stages: int):

@@ -181,7 +181,8 @@ class _Emitter:
                 q = node.inputs[0]
                 attrs["q_offset"] = shard_offset(q, q.type.rank - 2, self.mesh, self.coords)
                 if len(node.inputs) > 3:
-                    attrs["rotate_mask"] = isinstance((node.inputs[3].layout or Layout()).on(axis), Shard)
+                    mask = node.inputs[3]
+                    attrs["rotate_mask"] = (mask.layout or Layout()).on(axis) == Shard(mask.type.rank - 1)
                 return self.call(T.ring_attention, tuple(args), {"mesh": self.mesh_node, "axis": axis, **attrs}, name)
             if split.dim not in space.reductions:
                 raise ShardcError(f"a rotating split must cut a reduction dim; {split.dim} is parallel", node=node)

@@ -108,7 +108,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
             else:
                 keep = causal_mask(q.shape[-2], chunk, q_offset, src * chunk, q.device)
                 scores = scores.masked_fill(~keep, float("-inf"))
-        if not skip:
+        if skip:
+            # Nothing to add, but the shards must stay in the autograd graph: every rank's backward
+            # has to run the same reverse rotations, or the ring deadlocks.
+            if acc is not None and (cur_k.requires_grad or cur_v.requires_grad):
+                acc = acc + 0.0 * (cur_k.sum() + cur_v.sum())
+        else:
             # The max is a constant shift (it cancels in the ratio), so no gradient flows through it.
             block_max = scores.detach().amax(-1)
             new_max = block_max if running_max is None else torch.maximum(running_max, block_max)

@@ -289,7 +289,8 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
         for i, v in enumerate(node.inputs):
             if ctx.mesh is None:
                 break
-            if id(v) not in produced and v.kind == "activation" and id(v) in ctx.batched:
+            if id(v) not in produced and v.kind == "activation" and id(v) in ctx.batched and (
+                    not internal_only or v.producer is None or v.producer.layer != node.layer):
                 t.input_entries[id(ctx.root(v))] = ctx.local_bytes(ctx.root(v))
                 if internal_only:
                     continue
@@ -329,7 +330,9 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
             # Dropped under selective recomputation: what the core saves of its own tensors
             # (the core's output, saved by the projection after it, is kept).
             root_in_core = in_core and root.producer is not None and id(root.producer) in core
-            t.saved_entries[id(root)] = (ctx.local_bytes(root), root_in_core)
+            # A fragment does not know how a storage made elsewhere is laid out: the view it reads.
+            known = not internal_only or id(root) in produced or id(root) in ctx.layouts
+            t.saved_entries[id(root)] = (ctx.local_bytes(root if known else v), root_in_core)
     t.saved = sum(b for b, _ in t.saved_entries.values())
     t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
     t.inputs = sum(t.input_entries.values())

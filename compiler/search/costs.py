@@ -56,7 +56,7 @@ class CandCost:
     terms: LayerTerms
     params: tuple[tuple[str, float, frozenset[str]], ...]  # (name, local elements, gradient-sum axes)
     ext: tuple[ExternalGrad, ...]
-    produced: dict[int, tuple[Layout, bool, frozenset[str]]]  # id(value) -> (layout, passthrough, split axes)
+    produced: tuple[tuple[Layout, bool, frozenset[str]], ...]  # per output: (layout, passthrough, split axes)
 
     @property
     def time(self) -> float:
@@ -97,14 +97,13 @@ class Pricer:
                 regather = (local.op.kind, cost.bwd_s)
             ext.append(ExternalGrad(e.member, e.index, e.value, e.required,
                                     gradient_contribution(ctx, node, e.index), regather))
-        produced = {}
-        for j, node in enumerate(group.members):
+        produced = []
+        for node in group.members:
             part = partitions[id(node)]
             split = frozenset(a for a, _ in part.spatial) if part else frozenset()
             through = feeds_only_parameters(node, ctx.needs_grad)
-            for v in node.outputs:
-                produced[id(v)] = (layouts.get(id(v), Layout()), through, split)
-        return CandCost(terms, params, tuple(ext), produced)
+            produced += [(layouts.get(id(v), Layout()), through, split) for v in node.outputs]
+        return CandCost(terms, params, tuple(ext), tuple(produced))
 
     def edge_forward(self, value: Value, have: Layout, ext: ExternalGrad) -> tuple[dict[str, float], dict[str, float]]:
         """Seconds by category of the forward redistribution, and of the backward re-gather of

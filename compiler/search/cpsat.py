@@ -3,10 +3,11 @@
 Variables: a boolean per (group, candidate); per edge, a boolean per (produced layout class,
 required layout class) pair, tied to the candidates by transportation constraints; per
 pipeline stage, block counts under each recomputation; one ZeRO stage. The objective and the
-memory constraints are `shardc.search.evaluate`'s formulas, with times in microseconds and
-bytes in KiB; products of block counts and per-block quantities use multiplication
-constraints. The search is bounded (deterministic time), seeded, warm-started from a hint,
-and reports the proven gap.
+memory constraints are `shardc.search.linear.objective`'s formulas (the linearisation of the
+analytical model), with times in integer units of about 1/20000 of one pass of the model and
+bytes in units of 1/100000 of the memory limit; products of block counts and per-block
+quantities use multiplication constraints. The search is bounded (deterministic time),
+seeded, warm-started from a hint, and reports the proven gap.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
+
 from shardc.cost.memory import in_flight
 from shardc.search.evaluate import Assignment
+from shardc.search.linear import CAND_KEYS, EDGE_SECTION, coefficients
 from shardc.search.problem import ZEROS, Problem
 
-# Units are chosen per model so that one block is ~20000 time units and the memory limit
-# ~100000 memory units: coarse enough for fast propagation, fine enough (1e-4) for ranking.
+SECTIONS = ("pre", "block", "post")
+TIME_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "other")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,171 +40,267 @@ class SolveResult:
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
 
-class _Units:
-    def __init__(self, problem: Problem, limit_bytes: float) -> None:
-        block = sum(max(c.time for c in v.costs) for v in problem.groups if v.section == "block")
-        total = block + sum(max(c.time for c in v.costs) for v in problem.groups if v.section != "block")
-        self.time = max(total, 1e-9) / 2e4
-        self.mem = max(limit_bytes, 1.0) / 1e5
+class _Model:
+    """The CP-SAT model under construction, with its unit conversions."""
+
+    def __init__(self, problem: Problem, limit_bytes: float, zeros: tuple[int, ...]) -> None:
+        self.p, self.co, self.md = problem, coefficients(problem), cp_model.CpModel()
+        L = max(problem.layers, 1)
+        one = sum(max(r["time"] for r in rows) * (L if v.section == "block" else 1)
+                  for rows, v in zip(self.co.cand, problem.groups))
+        self.tu = max(one, 1e-9) / 2e4
+        self.mu = max(limit_bytes, 1.0) / 1e5
+        self.limit = limit_bytes
+        self.x = [[self.md.NewBoolVar(f"x{g}_{c}") for c in range(len(v.cands))] for g, v in enumerate(problem.groups)]
+        for row in self.x:
+            self.md.AddExactlyOne(row)
+        self.z = {z: self.md.NewBoolVar(f"zero{z}") for z in ZEROS}
+        self.md.AddExactlyOne(self.z.values())
+        for z in ZEROS:
+            if z not in zeros:
+                self.md.Add(self.z[z] == 0)
+
+    def t(self, v: float) -> int:
+        return int(round(v / self.tu))
+
+    def m(self, v: float) -> int:
+        return int(round(v / self.mu))
+
+    def var(self, ub: float, name: str) -> cp_model.IntVar:
+        return self.md.NewIntVar(0, max(int(ub), 0), name)
+
+    def lin(self, section: str, key: str, unit) -> tuple[cp_model.LinearExpr, int]:
+        """sum of a candidate coefficient over a section's groups, and an upper bound."""
+        terms, ub = [], 0
+        for g, v in enumerate(self.p.groups):
+            if v.section == section:
+                vals = [unit(r[key]) for r in self.co.cand[g]]
+                terms += [k * x for k, x in zip(vals, self.x[g]) if k]
+                ub += max(vals)
+        return sum(terms), ub
+
+    def by_zero(self, section: str, name: str, per_zero) -> tuple[cp_model.IntVar, int]:
+        """A variable >= the section's sum of `per_zero(row, z)` for the selected ZeRO stage."""
+        exprs, ub = {}, 0
+        for z in ZEROS:
+            terms, top = [], 0
+            for g, v in enumerate(self.p.groups):
+                if v.section == section:
+                    vals = [per_zero(r, z) for r in self.co.cand[g]]
+                    terms += [k * x for k, x in zip(vals, self.x[g]) if k]
+                    top += max(vals)
+            exprs[z], ub = sum(terms), max(ub, top)
+        var = self.var(ub, f"{section}_{name}")
+        for z in ZEROS:
+            self.md.Add(var >= exprs[z]).OnlyEnforceIf(self.z[z])
+        return var, ub
 
 
 def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0, workers: int = 1,
           hint: Assignment | None = None, zeros: tuple[int, ...] = ZEROS,
           recomputes: tuple[int, ...] = (0, 1, 2)) -> SolveResult:
     """Build and solve the model; `hint` warm-starts it (a grid plan or a saved plan)."""
-    units = _Units(problem, limit_bytes)
-
-    def _t(v: float) -> int:
-        return int(round(v / units.time))
-
-    def _m(v: float) -> int:
-        return int(round(v / units.mem))
-
-    md = cp_model.CpModel()
+    M = _Model(problem, limit_bytes, zeros)
+    md, co, x = M.md, M.co, M.x
     p, m, L = problem.shape.pp, problem.micro_batches, problem.layers
-    groups = problem.groups
-    x = [[md.NewBoolVar(f"x{g}_{c}") for c in range(len(v.cands))] for g, v in enumerate(groups)]
-    for row in x:
-        md.AddExactlyOne(row)
-    zsel = {z: md.NewBoolVar(f"zero{z}") for z in ZEROS}
-    md.AddExactlyOne(zsel.values())
-    for z in ZEROS:
-        if z not in zeros:
-            md.Add(zsel[z] == 0)
-
-    def lin(section: str, attr: str) -> cp_model.LinearExpr:
-        return sum(_t(getattr(v.costs[c], attr)) * x[g][c] if attr in ("time", "fwd", "fwd_core", "bwd")
-                   else _m(getattr(v.costs[c], attr)) * x[g][c]
-                   for g, v in enumerate(groups) if v.section == section for c in range(len(v.cands)))
-
-    edge_t = {"pre": [], "block": [], "post": []}
-    edge_f = {"pre": [], "block": [], "post": []}
-    edge_b = {"pre": [], "block": [], "post": []}
+    # Edges: a boolean per class pair; forward costs to the consumer's section, gradients per share.
+    y = []
+    sec: dict[str, dict[str, list]] = {s: {"time": [], "fwd": [], "core": []} for s in SECTIONS}
+    ub_t = {s: 0 for s in SECTIONS}
     for i, e in enumerate(problem.edges):
-        na, nb = len(e.fwd), len(e.fwd[0])
-        y = [[md.NewBoolVar(f"y{i}_{a}_{b}") for b in range(nb)] for a in range(na)]
+        na, nb = len(e.prod_info), len(e.cons_grad)
+        yy = [[md.NewBoolVar(f"y{i}_{a}_{b}") for b in range(nb)] for a in range(na)]
         for a in range(na):
-            md.Add(sum(y[a]) == sum(x[e.producer][c] for c, k in enumerate(e.prod_class) if k == a))
+            md.Add(sum(yy[a]) == sum(x[e.producer][c] for c, k in enumerate(e.prod_class) if k == a))
         for b in range(nb):
-            md.Add(sum(y[a][b] for a in range(na)) == sum(x[e.consumer][c] for c, k in enumerate(e.cons_class) if k == b))
+            md.Add(sum(yy[a][b] for a in range(na)) == sum(x[e.consumer][c] for c, k in enumerate(e.cons_class) if k == b))
+        y.append(yy)
+        fsec = EDGE_SECTION[e.kind][0]
         for a in range(na):
             for b in range(nb):
-                edge_t[e.section].append(_t(e.fwd[a][b] + e.bwd[a][b]) * y[a][b])
-                edge_f[e.section].append(_t(e.fwd[a][b]) * y[a][b])
-                edge_b[e.section].append(_t(e.bwd[a][b]) * y[a][b])
-
-    upper: dict[str, int] = {}
-
-    def by_zero(section: str, attr: str, unit) -> cp_model.IntVar:
-        """max over the selected ZeRO stage of a per-candidate tuple attribute."""
-        exprs = {z: sum(unit(getattr(v.costs[c], attr)[z]) * x[g][c] for g, v in enumerate(groups)
-                        if v.section == section for c in range(len(v.cands))) for z in ZEROS}
-        ub = sum(max(unit(getattr(cc, attr)[z]) for cc in v.costs for z in ZEROS)
-                 for v in groups if v.section == section)
-        var = md.NewIntVar(0, max(ub, 0), f"{section}_{attr}")
-        upper[var.Name()] = max(ub, 0)
-        for z in zeros:
-            md.Add(var >= exprs[z]).OnlyEnforceIf(zsel[z])
-        return var
-
-    def ub_time(section: str, attr: str) -> int:
-        return sum(max(_t(getattr(cc, attr)) for cc in v.costs) for v in groups if v.section == section) + sum(
-            max(_t(e.fwd[a][b] + e.bwd[a][b]) for a in range(len(e.fwd)) for b in range(len(e.fwd[0])))
-            for e in problem.edges if e.section == section)
-
-    sec_time = {s: lin(s, "time") + sum(edge_t[s]) for s in ("pre", "block", "post")}
-    gather = {s: by_zero(s, "sync_mb", _t) for s in ("pre", "block", "post")}
-    state = {s: by_zero(s, "state", _m) for s in ("pre", "block", "post")}
-    sync = {s: by_zero(s, "sync_step", _t) for s in ("pre", "block", "post")}
-    trans = {}
-    for s in ("pre", "block", "post"):
-        ub = max([_m(cc.transient) for v in groups if v.section == s for cc in v.costs] or [0])
-        trans[s] = md.NewIntVar(0, ub, f"{s}_working")
-        upper[trans[s].Name()] = ub
-        for g, v in enumerate(groups):
+                sec[fsec]["time"].append(M.t(co.edge_fwd[i][a][b]) * yy[a][b])
+                sec[fsec]["fwd"].append(M.t(e.fwd_s(a, b)) * yy[a][b])
+                if e.core:
+                    sec[fsec]["core"].append(M.t(e.fwd_s(a, b)) * yy[a][b])
+        ub_t[fsec] += max(M.t(v) for row in co.edge_fwd[i] for v in row)
+    for k, ids in enumerate(problem.shares):
+        gsec = EDGE_SECTION[problem.edges[ids[0]].kind][1]
+        top = max(M.t(v) for i in ids for row in co.edge_grad[i] for v in row)
+        share = M.var(top, f"share{k}")
+        for i in ids:
+            md.Add(share >= sum(M.t(co.edge_grad[i][a][b]) * y[i][a][b]
+                                for a in range(len(y[i])) for b in range(len(y[i][a]))))
+        sec[gsec]["time"].append(share)
+        ub_t[gsec] += top
+    S: dict[str, dict] = {}
+    for s in SECTIONS:
+        d: dict = {}
+        for key in CAND_KEYS:
+            d[key], d[key + "_ub"] = M.lin(s, key, M.t if key in TIME_KEYS else M.m)
+        for key in ("time", "fwd", "core"):
+            d[key] = d[key] + sum(sec[s][key])
+            d[key + "_ub"] += ub_t[s]
+        d["work_ub"] = max([M.m(r["transient"]) for g, v in enumerate(problem.groups) if v.section == s
+                            for r in co.cand[g]] or [0])
+        work = M.var(d["work_ub"], f"{s}_working")
+        for g, v in enumerate(problem.groups):
             if v.section == s:
-                md.Add(trans[s] >= sum(_m(v.costs[c].transient) * x[g][c] for c in range(len(v.cands))))
-    send = 2 * _t(problem.pricer.p2p(problem.boundary_bytes)) if p > 1 else 0
-    pre_time = sec_time["pre"] + gather["pre"]
-    post_time = sec_time["post"] + gather["post"]
-    stage_times = []
-    exposed = []
-    big_t = ub_time("block", "time") * 2 + ub_time("block", "fwd") + max(
-        _t(sum(max(cc.sync_mb) for cc in v.costs)) for v in groups) + 1 if groups else 1
+                md.Add(work >= sum(M.m(r["transient"]) * xx for r, xx in zip(co.cand[g], x[g])))
+        d["work"] = work
+        d["sync"], d["sync_ub"] = M.by_zero(s, "sync", lambda r, z: M.t(co.rate[z] * r["gbytes"]))
+        d["state"], d["state_ub"] = M.by_zero(s, "state", lambda r, z: M.m(co.state[z] * r["numel"]))
+        d["after"], d["after_ub"] = M.by_zero(
+            s, "after", lambda r, z: M.t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)))
+        d["buf"], d["buf_ub"] = M.lin(s, "numel", lambda v: M.m(2 * v * co.w_elem))
+        d["pbytes"], d["pbytes_ub"] = d["buf"], d["buf_ub"]  # twice a layer's weights, in memory units
+        numel_ub = sum(max(r["numel"] for r in co.cand[g]) for g, v in enumerate(problem.groups) if v.section == s)
+        ag_ub = M.t(co.zero3[0]) + M.t(co.zero3[1] * co.w_elem * numel_ub) + 1
+        d["z3_ub"] = 2 * ag_ub
+        z3 = M.var(d["z3_ub"], f"{s}_z3")
+        if 3 in zeros and co.zero3[1] > 0:
+            ag = M.t(co.zero3[0]) + sum(M.t(co.zero3[1] * co.w_elem * r["numel"]) * xx
+                                        for g, v in enumerate(problem.groups) if v.section == s
+                                        for r, xx in zip(co.cand[g], x[g]))
+            zf, zb = M.var(ag_ub, f"{s}_z3f"), M.var(ag_ub, f"{s}_z3b")
+            md.Add(zf >= ag - d["cfwd"]).OnlyEnforceIf(M.z[3])
+            md.Add(zb >= ag - d["cbwd"]).OnlyEnforceIf(M.z[3])
+            md.Add(z3 == zf + zb)
+        else:
+            md.Add(z3 == 0)
+        d["z3"] = z3
+        S[s] = d
+    send_expr, send_ub = 0, 0
+    if p > 1:
+        for g in range(len(problem.groups)):
+            vals = [M.t(s) for s in co.send[g]]
+            send_expr += sum(k * xx for k, xx in zip(vals, x[g]) if k)
+            send_ub += max(vals)
+    blk, pre, post = S["block"], S["pre"], S["post"]
+    tl_ub = blk["time_ub"] + blk["fwd_ub"] + blk["z3_ub"] + 1
     counts = []
     if L > 0:
-        tl = [md.NewIntVar(0, big_t, f"layer_time_{r}") for r in range(3)]
-        md.Add(tl[0] == sec_time["block"] + gather["block"])
-        md.Add(tl[1] == sec_time["block"] + lin("block", "fwd_core") + gather["block"])
-        md.Add(tl[2] == sec_time["block"] + lin("block", "fwd") + sum(edge_f["block"]) + gather["block"])
-        act_ub = sum(max(_m(cc.saved) + _m(cc.layer_input) for cc in v.costs) for v in groups if v.section == "block")
-        act = [md.NewIntVar(0, act_ub, f"act_{r}") for r in range(3)]
-        md.Add(act[0] == lin("block", "saved"))
-        md.Add(act[1] == lin("block", "saved") - lin("block", "saved_core"))
-        md.Add(act[2] == lin("block", "layer_input"))
-        sync_ub = sum(max(_t(max(cc.sync_step)) for cc in v.costs) for v in groups if v.section == "block")
-        exposed_layer = md.NewIntVar(0, sync_ub, "exposed_per_layer")
-        md.Add(exposed_layer >= sync["block"] - lin("block", "bwd") - sum(edge_b["block"]))
+        tl = [M.var(tl_ub, f"layer_time_{r}") for r in range(3)]
+        md.Add(tl[0] == blk["time"] + blk["z3"])
+        md.Add(tl[1] == blk["time"] + blk["z3"] + blk["core"])
+        md.Add(tl[2] == blk["time"] + blk["z3"] + blk["fwd"])
+        act_ub = blk["saved_ub"] + blk["inputs_ub"] + 1
+        act = [M.var(act_ub, f"act_{r}") for r in range(3)]
+        md.Add(act[0] == blk["saved"])
+        md.Add(act[1] == blk["saved"] - blk["saved_core"])
+        md.Add(act[2] == blk["inputs"])
+        fwd_blk = M.var(blk["fwd_ub"], "block_fwd")
+        md.Add(fwd_blk == blk["fwd"])
+        core_saved = M.var(blk["saved_core_ub"], "block_saved_core")
+        md.Add(core_saved == blk["saved_core"])
+        other_blk = M.var(blk["other_ub"], "block_other")
+        md.Add(other_blk == blk["other"])
+    tail = M.var(max(M.t(t) for t in co.tail), "tail")
+    for z in ZEROS:
+        md.Add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
+    gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZEROS if co.gather[z][0])
+    stage_times, exposed, after = [], [], []
+    horizon = (L * tl_ub + pre["time_ub"] + post["time_ub"] + pre["z3_ub"] + post["z3_ub"] + 2 * send_ub + 1) * 2
+
+    def prod(a, b, ub, name):
+        v = M.var(ub, name)
+        md.AddMultiplicationEquality(v, [a, b])
+        return v
+
     for s in range(p):
         first, last = s == 0, s == p - 1
-        lo = 0 if (first or last or L == 0) else 1
-        k = [md.NewIntVar(0, L, f"k{s}_{r}") for r in range(3)]
+        k = [M.var(L, f"k{s}_{r}") for r in range(3)]
         for r in range(3):
             if r not in recomputes:
                 md.Add(k[r] == 0)
-        n = md.NewIntVar(lo, L, f"n{s}")
+        n = M.var(L, f"n{s}")
+        md.Add(n >= (0 if (first or last or L == 0) else 1))
         md.Add(sum(k) == n)
         counts.append((n, k))
-        terms, mem = [], []
-        f = in_flight("1f1b", p, s, m)
+        edge_sends = send_expr * ((not last) + (not first))
+        pre_t = (pre["time"] + pre["z3"]) if first else 0
+        post_t = (post["time"] + post["z3"]) if last else 0
+        mem = []
         if L > 0:
-            for r in range(3):
-                prod_t = md.NewIntVar(0, L * big_t, f"pt{s}_{r}")
-                md.AddMultiplicationEquality(prod_t, [k[r], tl[r]])
-                terms.append(prod_t)
-                prod_a = md.NewIntVar(0, L * act_ub, f"pa{s}_{r}")
-                md.AddMultiplicationEquality(prod_a, [k[r], act[r]])
-                mem.append(f * prod_a)
-            st = md.NewIntVar(0, L * upper[state["block"].Name()], f"state{s}")
-            md.AddMultiplicationEquality(st, [n, state["block"]])
-            mem.append(st)
-            ex = md.NewIntVar(0, L * sync_ub, f"exposed{s}")
-            md.AddMultiplicationEquality(ex, [n, exposed_layer])
-            has_full = md.NewBoolVar(f"full{s}")
+            pt = [prod(k[r], tl[r], L * tl_ub, f"pt{s}_{r}") for r in range(3)]
+            pa = [prod(k[r], act[r], L * act_ub, f"pa{s}_{r}") for r in range(3)]
+            nf = prod(n, fwd_blk, L * blk["fwd_ub"], f"nf{s}")
+            nsync = prod(n, blk["sync"], L * blk["sync_ub"], f"nsync{s}")
+            nstate = prod(n, blk["state"], L * blk["state_ub"], f"nstate{s}")
+            nafter = prod(n, blk["after"], L * blk["after_ub"], f"nafter{s}")
+            nbuf = prod(n, blk["buf"], L * blk["buf_ub"], f"nbuf{s}")
+            nother = prod(n, other_blk, L * blk["other_ub"], f"nother{s}") if blk["other_ub"] else 0
+            stage = sum(pt) + edge_sends + pre_t + post_t
+            window = sum(pt) - nf + send_expr * (not first)
+            f = in_flight("1f1b", p, s, m)
+            mem += [nstate, f * sum(pa)]
+            rw = M.var(act_ub, f"recompute_working{s}")
+            has_full, has_sel = md.NewBoolVar(f"full{s}"), md.NewBoolVar(f"sel{s}")
             md.Add(k[2] <= L * has_full)
-            rw = md.NewIntVar(0, act_ub, f"recompute_working{s}")
+            md.Add(k[1] <= L * has_sel)
             md.Add(rw >= act[0]).OnlyEnforceIf(has_full)
+            md.Add(rw >= core_saved).OnlyEnforceIf(has_sel)
             mem.append(rw)
+            grad_sync, numel_mem, after_t = nsync, nbuf, nafter
         else:
-            ex = 0
-        stage = sum(terms) + send + (pre_time if first else 0) + (post_time if last else 0)
-        stage_times.append(stage)
-        exposed.append(ex + (sync["pre"] if first else 0) + (sync["post"] if last else 0))
-        working = md.NewIntVar(0, max(upper[trans[t].Name()] for t in trans), f"working{s}")
-        md.Add(working >= trans["block"])
+            stage, window, nother = edge_sends + pre_t + post_t, 0, 0
+            grad_sync, numel_mem, after_t = 0, 0, 0
         if first:
-            md.Add(working >= trans["pre"])
-            mem += [state["pre"], f * lin("pre", "saved")]
+            window += pre["time"] + pre["z3"] - pre["fwd"]
+            grad_sync += pre["sync"]
+            numel_mem += pre["buf"]
+            after_t += pre["after"]
+            nother += pre["other"]
+            mem += [pre["state"], in_flight("1f1b", p, s, m) * pre["saved"]]
         if last:
-            md.Add(working >= trans["post"])
-            mem += [state["post"], f * lin("post", "saved")]
-        mem.append(working)
-        md.Add(sum(mem) <= _m(limit_bytes))
+            window += post["time"] + post["z3"] - post["fwd"]
+            grad_sync += post["sync"]
+            numel_mem += post["buf"]
+            after_t += post["after"]
+            nother += post["other"]
+            mem += [post["state"], in_flight("1f1b", p, s, m) * post["saved"]]
+        stage_times.append(stage)
+        ex = M.var(horizon, f"exposed{s}")
+        md.Add(ex >= grad_sync - window)
+        md.Add(ex >= tail + (pre["sync"] if first else 0))
+        exposed.append(ex + nother)
+        after.append(after_t + gather_alpha)
+        work = M.var(max(S[t]["work_ub"] for t in SECTIONS), f"work{s}")
+        md.Add(work >= blk["work"])
+        if first:
+            md.Add(work >= pre["work"])
+        if last:
+            md.Add(work >= post["work"])
+        mem.append(work)
+        if co.buffer_cap:
+            buf = M.var(M.m(co.buffer_cap), f"buffers{s}")
+            capped = md.NewBoolVar(f"capped{s}")
+            md.Add(buf >= M.m(co.buffer_cap)).OnlyEnforceIf(capped)
+            md.Add(buf >= numel_mem).OnlyEnforceIf(capped.Not())
+            mem.append(buf)
+            if 3 in zeros:
+                big = M.var(max(S[t]["pbytes_ub"] for t in SECTIONS), f"zero3_buffer{s}")
+                for t, on in (("block", True), ("pre", first), ("post", last)):
+                    if on:
+                        md.Add(big >= S[t]["pbytes"]).OnlyEnforceIf(M.z[3])
+                mem.append(big)
+        md.Add(sum(mem) <= M.m(limit_bytes))
     md.Add(sum(n for n, _ in counts) == L)
-    horizon = (L * big_t + 10 * (ub_time("pre", "time") + ub_time("post", "time")) + send + 1) * 4
-    bottleneck = md.NewIntVar(0, horizon, "bottleneck")
+    bottleneck = M.var(horizon, "bottleneck")
     for st in stage_times:
         md.Add(bottleneck >= st)
-    worst_exposed = md.NewIntVar(0, horizon, "exposed")
+    worst_exposed = M.var(horizon * 4, "worst_exposed")
     for ex in exposed:
         md.Add(worst_exposed >= ex)
-    md.Minimize(sum(stage_times) + (m - 1) * bottleneck + worst_exposed)
+    worst_after = M.var(horizon * 4, "worst_after")
+    for af in after:
+        md.Add(worst_after >= af)
+    md.Minimize(sum(stage_times) + (m - 1) * bottleneck + worst_exposed + worst_after)
     if hint is not None:
         for g, c in enumerate(hint.choice):
             for cc in range(len(x[g])):
                 md.AddHint(x[g][cc], cc == c)
         for z in ZEROS:
-            md.AddHint(zsel[z], z == hint.zero)
+            md.AddHint(M.z[z], z == hint.zero)
         for (n, k), row in zip(counts, hint.stages):
             md.AddHint(n, sum(row))
             for r in range(3):
@@ -217,10 +316,10 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
     status = solver.Solve(md)
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return SolveResult(None, name, float("inf"), solver.BestObjectiveBound() * units.time
+        return SolveResult(None, name, float("inf"), solver.BestObjectiveBound() * M.tu
                            if status != cp_model.INFEASIBLE else float("inf"), solver.WallTime())
     choice = tuple(next(c for c, var in enumerate(row) if solver.Value(var)) for row in x)
     stages = tuple(tuple(solver.Value(k[r]) for r in range(3)) for _, k in counts)
-    zero = next(z for z in ZEROS if solver.Value(zsel[z]))
-    return SolveResult(Assignment(choice, stages, zero), name, solver.ObjectiveValue() * units.time,
-                       solver.BestObjectiveBound() * units.time, solver.WallTime())
+    zero = next(z for z in ZEROS if solver.Value(M.z[z]))
+    return SolveResult(Assignment(choice, stages, zero), name, solver.ObjectiveValue() * M.tu,
+                       solver.BestObjectiveBound() * M.tu, solver.WallTime())

@@ -1,24 +1,27 @@
-"""Scores one point of the search space with the same formulas the CP-SAT model encodes.
+"""Scores one point of the search space with the analytical model: `shardc.cost.compose` over
+layer costs built from the chosen candidates' terms.
 
 A point (`Assignment`) is a candidate per group, per pipeline stage how many blocks it holds
-under each recomputation (none, selective, full), and one ZeRO stage. With the block's
-coefficients (see `shardc.search.problem`):
-
-    TL_r  = block fwd+bwd (+ selective: the attention core's forward, + full: the whole forward)
-            + ZeRO-3 weight gathers                                       time of one block
-    S_s   = sum_r k_{s,r} TL_r + [s=0] pre + [s=p-1] post + 2 send_recv   stage time per micro-batch
-    step  = sum_s S_s + (m-1) max_s S_s + max_s exposed gradient sync     1F1B with imbalance
-    mem_s = n_s state + in_flight_s sum_r k_{s,r} act_r + pre/post + working memory
-            + one block's activations when any block of the stage recomputes fully
-
-with in_flight_s = min(p - s, m) (1F1B). The plan is feasible when every mem_s fits.
+under each recomputation (none, selective, full), and one ZeRO stage. Its layers are the
+prefix, every block copy and the suffix, each with a `LayerCost` from `finish_layer` (the
+cost model's recomputation rules) over the sum of its groups' `LayerTerms` and its edges: an
+edge's forward redistribution belongs to the consumer's layer, the gradient to the
+producer's (once per produced value, the consumers' contributions summed, as `estimate`
+does), so the first block has the prefix's edges instead of a previous copy's and the last
+block the suffix's. The pipeline sends are the values one block passes to the next. Then the
+same `compose` as `estimate`: the schedule simulated, bucketed gradient sync, optimizer,
+memory per device in flight. The CP-SAT objective is its linearisation (`shardc.search.linear`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.cost.memory import in_flight
+from shardc.cost.compose import EstimateOptions, LayerWork, Links, compose
+from shardc.cost.estimate import StageEstimate
+from shardc.cost.layer import LayerCost, LayerTerms, finish_layer
+from shardc.ir import LayerAnnotation
+from shardc.plan import ParallelPlan
 from shardc.search.problem import Problem
 
 RECOMPUTES = ("none", "selective", "full")
@@ -36,98 +39,156 @@ class Assignment:
 @dataclass(frozen=True, slots=True)
 class Evaluation:
     step_time_s: float
-    stage_time_s: tuple[float, ...]
-    memory_bytes: tuple[float, ...]  # per stage (the busiest device of the stage)
-    memory_parts: tuple[dict[str, float], ...]
-    time_parts: dict[str, float]
+    stages: tuple[StageEstimate, ...]
     fits: bool
     limit: float
+
+    @property
+    def memory_bytes(self) -> tuple[float, ...]:
+        return tuple(s.memory_bytes for s in self.stages)
 
     @property
     def memory_per_device_bytes(self) -> float:
         return max(self.memory_bytes)
 
+    @property
+    def memory_parts(self) -> tuple[dict[str, float], ...]:
+        return tuple(dict(s.memory) for s in self.stages)
 
-@dataclass(frozen=True, slots=True)
-class Sections:
-    """Per-section sums of chosen coefficients (block per copy; pre and post once)."""
-
-    time: dict[str, float]
-    fwd: dict[str, float]
-    core: dict[str, float]
-    bwd: dict[str, float]
-    saved: dict[str, float]
-    saved_core: dict[str, float]
-    layer_input: dict[str, float]
-    transient: dict[str, float]
-    state: dict[str, float]
-    sync: dict[str, float]
-    gather: dict[str, float]
+    @property
+    def time_parts(self) -> dict[str, float]:
+        """Seconds by category on the busiest stage (the one with the least bubble)."""
+        return dict(min(self.stages, key=lambda s: s.time.get("bubble", 0.0)).time)
 
 
-def sections(problem: Problem, a: Assignment) -> Sections:
-    keys = ("pre", "block", "post")
-    acc = {name: dict.fromkeys(keys, 0.0) for name in Sections.__slots__}
+def plan_for(problem: Problem, zero: int = 0) -> ParallelPlan:
+    s = problem.shape
+    return ParallelPlan(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, mb=problem.mb, gbs=problem.gbs, zero=zero,
+                        dtype=problem.dtype)
+
+
+def _add(into: dict[str, float], part: dict[str, float]) -> None:
+    for key, val in part.items():
+        into[key] = into.get(key, 0.0) + val
+
+
+def _merge(parts: list[LayerTerms]) -> LayerTerms:
+    out = LayerTerms()
+    for t in parts:
+        _add(out.fwd, t.fwd)
+        _add(out.bwd, t.bwd)
+        _add(out.core_fwd, t.core_fwd)
+        out.fwd_flops += t.fwd_flops
+        out.bwd_flops += t.bwd_flops
+        out.core_flops += t.core_flops
+        out.matmul_flops += t.matmul_flops
+        out.core_matmul_flops += t.core_matmul_flops
+        out.transient = max(out.transient, t.transient)
+        for key, val in t.saved_entries.items():
+            out.saved_entries.setdefault(key, val)
+        for key, b in t.input_entries.items():
+            out.input_entries.setdefault(key, b)
+    out.saved = sum(b for b, _ in out.saved_entries.values())
+    out.core_saved = sum(b for b, c in out.saved_entries.values() if c)
+    out.inputs = sum(out.input_entries.values())
+    return out
+
+
+def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
+    """Terms of the prefix (`pre`), the first, a middle and the last block, and the suffix (`post`)."""
+    parts = {k: LayerTerms() for k in ("pre", "block", "post", "chain_fwd", "chain_bwd", "first_fwd", "last_bwd")}
+    own = {"pre": [], "block": [], "post": []}
     for var, c in zip(problem.groups, a.choice):
-        cost, s = var.costs[c], var.section
-        acc["time"][s] += cost.time
-        acc["fwd"][s] += cost.fwd
-        acc["core"][s] += cost.fwd_core
-        acc["bwd"][s] += cost.bwd
-        acc["saved"][s] += cost.saved
-        acc["saved_core"][s] += cost.saved_core
-        acc["layer_input"][s] += cost.layer_input
-        acc["transient"][s] = max(acc["transient"][s], cost.transient)
-        acc["state"][s] += cost.state[a.zero]
-        acc["sync"][s] += cost.sync_step[a.zero]
-        acc["gather"][s] += cost.sync_mb[a.zero]
+        own[var.section].append(var.costs[c].terms)
+    into_fwd = {"pre": "pre", "block": "block", "post": "post", "chain": "chain_fwd", "first": "first_fwd",
+                "last": "post", "skip": "post"}
+    into_grad = {"pre": "pre", "block": "block", "post": "post", "chain": "chain_bwd", "first": "pre",
+                 "last": "last_bwd", "skip": "pre"}
     for e in problem.edges:
-        pc = e.prod_class[a.choice[e.producer]]
-        cc = e.cons_class[a.choice[e.consumer]]
-        acc["time"][e.section] += e.fwd[pc][cc] + e.bwd[pc][cc]
-        acc["fwd"][e.section] += e.fwd[pc][cc]
-        acc["bwd"][e.section] += e.bwd[pc][cc]
-    return Sections(**acc)
+        pa, cb = e.prod_class[a.choice[e.producer]], e.cons_class[a.choice[e.consumer]]
+        t = parts[into_fwd[e.kind]]
+        _add(t.fwd, e.fwd[pa][cb])
+        _add(t.bwd, e.regather[pa][cb])
+        if e.core:
+            _add(t.core_fwd, e.fwd[pa][cb])
+    for ids in problem.shares:
+        e = problem.edges[ids[0]]
+        info = e.prod_info[e.prod_class[a.choice[e.producer]]]
+        grads = [problem.edges[i].cons_grad[problem.edges[i].cons_class[a.choice[problem.edges[i].consumer]]]
+                 for i in ids]
+        _add(parts[into_grad[e.kind]].bwd, problem.pricer.edge_backward(e.value, info, grads))
+    for key in ("pre", "block", "post"):
+        parts[key] = _merge(own[key] + [parts[key]])
+    blk = parts["block"]
+    middle = _merge([blk, parts["chain_fwd"], parts["chain_bwd"]])
+    if problem.layers <= 1:
+        first = last = _merge([blk, parts["first_fwd"], parts["last_bwd"]])
+    else:
+        first = _merge([blk, parts["first_fwd"], parts["chain_bwd"]])
+        last = _merge([blk, parts["chain_fwd"], parts["last_bwd"]])
+    return {"pre": parts["pre"], "first": first, "block": middle, "last": last, "post": parts["post"]}
 
 
-def evaluate(problem: Problem, a: Assignment, limit: float) -> Evaluation:
-    """Predicted step time and per-stage memory of `a` (see the module formulas)."""
-    sec = sections(problem, a)
-    p, m = len(a.stages), problem.micro_batches
-    layer_time = [sec.time["block"] + sec.gather["block"],
-                  sec.time["block"] + sec.core["block"] + sec.gather["block"],
-                  sec.time["block"] + sec.fwd["block"] + sec.gather["block"]]
-    act = [sec.saved["block"], sec.saved["block"] - sec.saved_core["block"], sec.layer_input["block"]]
-    exposed_per_layer = max(0.0, sec.sync["block"] - sec.bwd["block"])
-    send = 2 * problem.pricer.p2p(problem.boundary_bytes) if p > 1 else 0.0
-    stage_time, exposed, memory, parts = [], [], [], []
-    for s, counts in enumerate(a.stages):
-        n = sum(counts)
-        first, last = s == 0, s == p - 1
-        t = sum(k * lt for k, lt in zip(counts, layer_time)) + send
-        t += (sec.time["pre"] + sec.gather["pre"]) * first + (sec.time["post"] + sec.gather["post"]) * last
-        stage_time.append(t)
-        exposed.append(n * exposed_per_layer + sec.sync["pre"] * first + sec.sync["post"] * last)
-        f = in_flight("1f1b", p, s, m)
-        working = max([sec.transient["block"]] + [sec.transient["pre"]] * first + [sec.transient["post"]] * last)
-        part = {
-            "model_states": n * sec.state["block"] + sec.state["pre"] * first + sec.state["post"] * last,
-            "activations": f * (sum(k * ar for k, ar in zip(counts, act)) + sec.saved["pre"] * first
-                                + sec.saved["post"] * last),
-            "working": working,
-            "recompute_working": sec.saved["block"] if counts[2] > 0 else 0.0,
-        }
-        parts.append(part)
-        memory.append(sum(part.values()))
-    pipe = sum(stage_time) + (m - 1) * max(stage_time)
-    step = pipe + max(exposed)
-    time_parts = {
-        "compute_and_comm": m * sum(stage_time) / p,
-        "pipeline_bubble": pipe - m * sum(stage_time) / p,
-        "exposed_grad_sync": max(exposed),
-    }
-    return Evaluation(step, tuple(stage_time), tuple(memory), tuple(parts), time_parts,
-                      all(mem <= limit for mem in memory), limit)
+def layer_works(problem: Problem, a: Assignment) -> list[LayerWork]:
+    """The plan's layers in order, with stages, recomputation, costs and parameters."""
+    parts = layer_parts(problem, a)
+    cache: dict[tuple[str, str], LayerCost] = {}
+
+    def cost(kind: str, recompute: str) -> LayerCost:
+        if (kind, recompute) not in cache:
+            cache[(kind, recompute)] = finish_layer(parts[kind], recompute)
+        return cache[(kind, recompute)]
+
+    params = {"pre": {}, "block": {}, "post": {}}
+    for var, c in zip(problem.groups, a.choice):
+        for name, numel, axes in var.costs[c].params:
+            prev = params[var.section].get(name)
+            params[var.section][name] = (numel, axes | (prev[1] if prev else frozenset()))
+    lay = problem.facts.layering
+    last_stage = len(a.stages) - 1
+    out = []
+    if lay.pre:
+        out.append(LayerWork(lay.pre[0], "pre", LayerAnnotation(0, "none", a.zero), stage=0,
+                             cost=cost("pre", "none"), params=params["pre"]))
+    i = 0
+    for s, row in enumerate(a.stages):
+        for r in (2, 1, 0):  # as `annotate_graph` writes them: fully recomputed blocks first
+            for _ in range(row[r]):
+                kind = "first" if i == 0 else "last" if i == problem.layers - 1 else "block"
+                name = lay.blocks[i]
+                out.append(LayerWork(name, "block", LayerAnnotation(s, RECOMPUTES[r], a.zero), stage=s,
+                                     cost=cost(kind, RECOMPUTES[r]),
+                                     params={f"{name}/{k}": v for k, v in params["block"].items()}))
+                i += 1
+    if lay.post:
+        out.append(LayerWork(lay.post[0], "post", LayerAnnotation(last_stage, "none", a.zero), stage=last_stage,
+                             cost=cost("post", "none"), params=params["post"]))
+    return out
+
+
+def pipeline_send(problem: Problem, a: Assignment) -> float:
+    """Seconds to send what one block passes to the next (one micro-batch)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0.0
+    for e in problem.edges:
+        if e.kind == "chain" and (e.producer, e.out_index) not in seen:
+            seen.add((e.producer, e.out_index))
+            layout = e.prod_info[e.prod_class[a.choice[e.producer]]][0]
+            total += problem.pricer.p2p(problem.pricer.local_bytes(e.value, layout))
+    return total
+
+
+def evaluate(problem: Problem, a: Assignment, limit: float, options: EstimateOptions | None = None) -> Evaluation:
+    """Predicted step time and per-device memory of `a` (see the module rules)."""
+    p = len(a.stages)
+    send = pipeline_send(problem, a) if p > 1 else 0.0
+    sends = [send] * (p - 1) + [0.0]
+    links = Links(problem.pricer.ctx.mesh, problem.pricer.cluster, problem.pricer.ctx.algorithm)
+    links._levels = problem.pricer.ctx._levels
+    result = compose(layer_works(problem, a), sends, links, plan_for(problem, a.zero), problem.micro_batches,
+                     options or EstimateOptions())
+    fits = all(s.memory_bytes <= limit for s in result.stages)
+    return Evaluation(result.step_time_s, result.stages, fits, limit)
 
 
 def balanced_stages(layers: int, pp: int, recompute: str) -> tuple[tuple[int, int, int], ...] | None:

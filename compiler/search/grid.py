@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from shardc.registry import get_op, has_op
 from shardc.search.candidates import Candidate
 from shardc.search.evaluate import RECOMPUTES, Assignment, Evaluation, balanced_stages, evaluate
+from shardc.search.linear import coefficients
 from shardc.search.problem import GroupVar, MeshShape, Problem
 
 
@@ -60,21 +61,23 @@ def _megatron_legal(var: GroupVar, cand: Candidate) -> bool:
 def megatron_choice(problem: Problem) -> tuple[int, ...]:
     """Per group, the Megatron-legal candidate (tensor-parallel whenever the op has a tp rule)
     cheapest given the producers chosen so far."""
+    co = coefficients(problem)
     choice: list[int] = []
-    incoming: dict[int, list] = {}
-    for e in problem.edges:
-        incoming.setdefault(e.consumer, []).append(e)
+    incoming: dict[int, list[int]] = {}
+    for i, e in enumerate(problem.edges):
+        incoming.setdefault(e.consumer, []).append(i)
     for g, var in enumerate(problem.groups):
         def _incoming(c: int, g: int = g) -> float:
             t = 0.0
-            for e in incoming.get(g, []):
+            for i in incoming.get(g, []):
+                e = problem.edges[i]
                 if e.producer < len(choice):
                     a, b = e.prod_class[choice[e.producer]], e.cons_class[c]
-                    t += e.fwd[a][b] + e.bwd[a][b]
+                    t += co.edge_fwd[i][a][b] + co.edge_grad[i][a][b]
             return t
 
-        def score(c: int, var: GroupVar = var) -> float:
-            return var.costs[c].time + _incoming(c)
+        def score(c: int, g: int = g) -> float:
+            return co.cand[g][c]["time"] + _incoming(c)
 
         legal = [c for c, cand in enumerate(var.cands) if _megatron_legal(var, cand)] or list(range(len(var.cands)))
         # A Megatron user splits every op that has a tensor-parallel rule.

@@ -11,7 +11,13 @@ Rules:
   edge free, a perfectly balanced pipeline: (1 + (m-1)/p) * per-micro-batch time); a shape
   whose bound cannot beat the incumbent is pruned without solving.
 - The time limit is shared: each solve gets a slice of what is left, and the best plan found
-  when it runs out is returned with its proven gap (the largest over the shapes not proven).
+  when it runs out is returned with its proven gap (the largest over the shapes not proven,
+  on CP-SAT's linearised objective).
+- Every grid point and every solver plan is evaluated with `shardc.search.evaluate` (the cost
+  model's composition); the best few of each are then scored by `shardc.cost.estimate` on the
+  graph annotated with the plan, the very function `shardc estimate` runs, and those are the
+  numbers compared and reported. The grid's best plan is among the solver's candidates, so the
+  plan returned is never worse than it by the estimate.
 """
 
 from __future__ import annotations
@@ -19,15 +25,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from shardc.cost.estimate import Estimate
+from shardc.cost.model import estimate
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments
+from shardc.search.linear import coefficients
+from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, Problem, build_problem
 
 LONG_SEQUENCE = 8192
 MICRO_BATCHES = (1, 2, 4, 8)
+RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the end
 
 
 @dataclass
@@ -39,6 +50,17 @@ class Found:
     status: str = ""
     gap: float = 0.0
     grid_point: GridPoint | None = None
+    estimate: Estimate | None = None  # `shardc.cost.estimate` on the graph annotated with this plan
+
+    @property
+    def step_time_s(self) -> float:
+        """The analytical model's step time: the estimate's when scored, else the evaluation's."""
+        return self.estimate.step_time_s if self.estimate is not None else self.evaluation.step_time_s
+
+    @property
+    def memory_per_device_bytes(self) -> float:
+        return (self.estimate.memory_per_device_bytes if self.estimate is not None
+                else self.evaluation.memory_per_device_bytes)
 
 
 @dataclass
@@ -51,6 +73,24 @@ class SearchResult:
     shapes_solved: int
     shapes_pruned: int
     log: list[str] = field(default_factory=list)
+
+
+def score(found: Found, cluster: Cluster) -> Found:
+    """Annotate the graph with the plan and run `shardc.cost.estimate` on it (in place)."""
+    graph = annotate_graph(found.problem.facts.graph, found.problem, found.assignment)
+    found.estimate = estimate(graph, cluster)
+    return found
+
+
+def _rescore(founds: list[Found], cluster: Cluster, limit: float, keep: int) -> Found | None:
+    """The fastest of the `keep` best plans by evaluation, by the estimate, among those that fit."""
+    best = None
+    for found in sorted(founds, key=lambda f: f.evaluation.step_time_s)[:keep]:
+        score(found, cluster)
+        assert found.estimate is not None
+        if found.estimate.memory_per_device_bytes <= limit and (best is None or found.step_time_s < best.step_time_s):
+            best = found
+    return best
 
 
 def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int) -> list[MeshShape]:
@@ -90,8 +130,9 @@ def micro_batch_sizes(gbs: int, dp: int) -> list[int]:
 
 def lower_bound(problem: Problem) -> float:
     """Every group at its cheapest, edges free, stages perfectly balanced."""
-    per_mb = sum(min(c.time for c in v.costs) * (problem.layers if v.section == "block" else 1)
-                 for v in problem.groups)
+    co = coefficients(problem)
+    per_mb = sum(min(r["time"] for r in rows) * (problem.layers if v.section == "block" else 1)
+                 for rows, v in zip(co.cand, problem.groups))
     p, m = problem.shape.pp, problem.micro_batches
     return per_mb * (1 + (m - 1) / p)
 
@@ -112,54 +153,59 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         for mb in (mbs or micro_batch_sizes(gbs, shape.dp)):
             if (gbs // shape.dp) % mb == 0:
                 problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype))
-    grid: Found | None = None
+    grids: list[Found] = []
     closest: Found | None = None
-    hints: dict[int, Assignment] = {}
+    hints: dict[int, tuple[Assignment, float]] = {}
     for i, problem in enumerate(problems):
         for point, a in grid_assignments(problem):
             ev = evaluate(problem, a, limit)
+            found = Found(problem, a, ev, "grid", "grid", 0.0, point)
             if ev.fits:
-                if grid is None or ev.step_time_s < grid.evaluation.step_time_s:
-                    grid = Found(problem, a, ev, "grid", "grid", 0.0, point)
-                prev = hints.get(i)
-                if prev is None or ev.step_time_s < evaluate(problem, prev, limit).step_time_s:
-                    hints[i] = a
+                grids.append(found)
+                if i not in hints or ev.step_time_s < hints[i][1]:
+                    hints[i] = (a, ev.step_time_s)
             if closest is None or ev.memory_per_device_bytes < closest.evaluation.memory_per_device_bytes:
-                closest = Found(problem, a, ev, "grid", grid_point=point)
+                closest = found
     if warm is not None:
         for i, problem in enumerate(problems):
             if problem.shape == warm[0] and problem.mb == warm[1] and len(warm[2].choice) == len(problem.groups):
-                hints[i] = warm[2]
-    best = grid
+                hints[i] = (warm[2], 0.0)
+    incumbent = min((f.evaluation.step_time_s for f in grids), default=float("inf"))
     order = sorted(range(len(problems)), key=lambda i: (i not in hints or warm is None, lower_bound(problems[i]), i))
     solved = pruned = 0
     gap = 0.0
     log = []
+    founds: list[Found] = []
     for n_left, i in enumerate(order):
         problem = problems[i]
         bound = lower_bound(problem)
-        if best is not None and bound >= best.evaluation.step_time_s:
+        if bound >= incumbent:
             pruned += 1
             continue
         remaining = time_limit - (time.perf_counter() - start)
         if remaining <= 0:
-            gap = max(gap, 1.0 - bound / best.evaluation.step_time_s if best else 1.0)
+            gap = max(gap, 1.0 - bound / incumbent if incumbent < float("inf") else 1.0)
             pruned += 1
             continue
         budget = max(0.05, min(remaining / 2, remaining / max(1, (len(order) - n_left) / 4), 10.0))
-        result = solve(problem, limit, budget, seed, workers, hints.get(i))
+        hint = hints.get(i)
+        result = solve(problem, limit, budget, seed, workers, hint[0] if hint else None)
         solved += 1
         log.append(f"{problem.shape} mb={problem.mb}: {result.status} {result.objective_s:.4g}s "
                    f"bound {result.bound_s:.4g}s in {result.wall_s:.2f}s")
         if result.assignment is None:
             continue
-        ev = evaluate(problem, result.assignment, limit)
-        if not ev.fits:
-            continue
         if result.status != "OPTIMAL":
             gap = max(gap, result.gap)
-        if best is None or ev.step_time_s < best.evaluation.step_time_s - 1e-12:
-            best = Found(problem, result.assignment, ev, "solver", result.status, result.gap)
-    if best is not None and best.source == "solver" and best.status != "OPTIMAL":
-        gap = max(gap, best.gap)
+        ev = evaluate(problem, result.assignment, limit)
+        if ev.fits:
+            founds.append(Found(problem, result.assignment, ev, "solver", result.status, result.gap))
+            incumbent = min(incumbent, ev.step_time_s)
+    # The reported numbers are `estimate`'s, on the graph annotated with each plan.
+    grid = _rescore(grids, cluster, limit, RESCORED)
+    best = _rescore(founds + ([grid] if grid is not None else []), cluster, limit, RESCORED + 1)
+    if grid is not None and (best is None or grid.step_time_s <= best.step_time_s):
+        best = grid
+    if best is not None:
+        annotate_graph(facts.graph, best.problem, best.assignment)
     return SearchResult(best, grid, closest, time.perf_counter() - start, gap, solved, pruned, log)

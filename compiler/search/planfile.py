@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from shardc.diagnostics import ShardcError
-from shardc.ir import Graph, LayerAnnotation
-from shardc.search.evaluate import RECOMPUTES, Assignment, Evaluation
+from shardc.ir import Graph, LayerAnnotation, Layout, Partial
+from shardc.search.evaluate import RECOMPUTES, Assignment
 from shardc.search.problem import MeshShape, Problem
 
 FORMAT = "shardc-plan/1"
 
 
-def plan_dict(problem: Problem, a: Assignment, ev: Evaluation, gbs: int) -> dict[str, Any]:
+def plan_dict(problem: Problem, a: Assignment, ev: Any, gbs: int) -> dict[str, Any]:
+    """The plan file's content; `ev` is the plan's `Estimate` (or `Evaluation`)."""
     s = problem.shape
     return {
         "format": FORMAT,
@@ -37,7 +38,7 @@ def plan_dict(problem: Problem, a: Assignment, ev: Evaluation, gbs: int) -> dict
     }
 
 
-def save_plan(path: str | Path, problem: Problem, a: Assignment, ev: Evaluation, gbs: int) -> None:
+def save_plan(path: str | Path, problem: Problem, a: Assignment, ev: Any, gbs: int) -> None:
     Path(path).write_text(json.dumps(plan_dict(problem, a, ev, gbs), indent=1) + "\n")
 
 
@@ -72,10 +73,22 @@ def assignment_from_plan(data: dict[str, Any], problem: Problem) -> Assignment:
     return Assignment(tuple(choice), stages, int(data["zero"]))  # type: ignore[arg-type]
 
 
+def plan_text(problem: Problem, a: Assignment) -> str:
+    """The plan's uniform part in `ParallelPlan` syntax (degrees, micro-batch, batch, ZeRO)."""
+    from shardc.search.evaluate import plan_for
+
+    return str(plan_for(problem, a.zero))
+
+
 def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
-    """Write the plan into `graph` in place (mesh, partitions, layouts, layer annotations)."""
+    """Write the plan into `graph` in place: mesh, every node's partition, every value's layout
+    (graph inputs and parameters as their first reader needs them, Partial held replicated),
+    per layer its stage, recomputation and ZeRO stage, and the plan in `graph.attrs` (as
+    apply-plan records it), so that `shardc.cost.estimate(graph, cluster)` scores it."""
     facts = problem.facts
     graph.mesh = problem.shape.mesh()
+    for v in graph.inputs + graph.params + graph.buffers:
+        v.layout = None
     index = {v.key: i for i, v in enumerate(problem.groups)}
     rep_block = problem.groups[[v.section for v in problem.groups].index("block")].key[0] \
         if any(v.section == "block" for v in problem.groups) else None
@@ -90,6 +103,10 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
         outputs = [v for n in g.members for v in n.outputs]
         for j, node in enumerate(g.members):
             node.partition = cand.partitions[j] if j < len(cand.partitions) else None
+            needs = cand.layouts[j][0] if j < len(cand.layouts) else ()
+            for v, need in zip(node.inputs, needs):
+                if v.kind in ("input", "parameter", "buffer") and v.layout is None:
+                    v.layout = Layout(tuple((ax, p) for ax, p in need.placements if not isinstance(p, Partial)))
         for k, v in enumerate(outputs):
             if k < len(cand.outputs):
                 v.layout = cand.outputs[k][1]
@@ -110,4 +127,12 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
     for name, layer in graph.layers.items():
         stage, rc = stage_of.get(name, (0, "none"))
         layer.annotation = LayerAnnotation(stage, rc, a.zero, layer.annotation.offload)
+    for v in graph.params + graph.buffers:
+        if v.layout is None:
+            v.layout = Layout()
+    graph.attrs.update({
+        "plan": plan_text(problem, a), "microbatch_size": problem.mb, "microbatches": problem.micro_batches,
+        "global_batch": problem.gbs, "traced_batch": facts.batch, "schedule": "1f1b", "virtual_stages": 1,
+        "dtype": problem.pricer.ctx.dtype,
+    })
     return graph

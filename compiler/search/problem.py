@@ -4,12 +4,20 @@ and edges, in the form the CP-SAT model and the plan evaluator both read.
 Layer structure: the graph's layers in order are a prefix of singleton layers (embedding), a
 run of copies of one block, and a suffix (final norm, head, loss). The block is represented by
 one copy; its candidates are shared by all copies (solved once per distinct block), so a
-layer's time and memory are the same numbers on every stage. Models without such a run are
+block's time and memory are the same numbers on every stage. Models without such a run are
 planned with pp=1.
+
+Edges carry an activation from one group to another. Their kinds say where their costs go:
+the forward redistribution to the consumer's layer, the gradient back to the producer's:
+`pre`, `block`, `post` inside a section; `chain` from one block copy to the next (charged per
+copy); `first` from the prefix into the first block, `last` from the last block into the
+suffix, `skip` from the prefix into the suffix. Edges that read the same produced value from
+the same producer `share` one gradient (their contributions are summed, then redistributed once).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shardc.cost.context import CostContext
@@ -17,7 +25,7 @@ from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
 from shardc.ir import Graph, Layout, Mesh, Value
 from shardc.search.candidates import Candidate, Shapes, enumerate_group
-from shardc.search.costs import Pricer
+from shardc.search.costs import CandCost, Pricer
 from shardc.search.groups import NodeGroup, build_groups, dim_roles
 
 ZEROS = (0, 1, 2, 3)
@@ -46,23 +54,6 @@ class MeshShape:
         return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}"
 
 
-@dataclass(frozen=True, slots=True)
-class CandCost:
-    """A candidate's coefficients: seconds per micro-batch and bytes, by ZeRO stage where it matters."""
-
-    time: float  # forward + backward
-    fwd: float
-    fwd_core: float
-    bwd: float
-    saved: float
-    saved_core: float
-    layer_input: float
-    transient: float
-    state: tuple[float, ...]  # model-state bytes per ZeRO stage
-    sync_step: tuple[float, ...]  # gradient sync per step, per ZeRO stage
-    sync_mb: tuple[float, ...]  # per micro-batch parameter traffic (ZeRO 3)
-
-
 @dataclass
 class GroupVar:
     key: tuple[str, int]
@@ -74,16 +65,29 @@ class GroupVar:
 
 @dataclass
 class EdgeVar:
-    """Edge from group `producer` to group `consumer`, priced per (produced, required) layout class."""
+    """Edge from group `producer` (output `out_index`) to group `consumer` (member, input),
+    priced per (produced layout class, required layout class): seconds by category."""
 
     producer: int
     consumer: int
-    section: str  # block | pre | post
+    kind: str  # pre | block | post | chain | first | last | skip
     value: Value
+    out_index: int
+    core: bool  # the consumer is in an attention core (selective recomputation repeats it)
     prod_class: list[int]
     cons_class: list[int]
-    fwd: list[list[float]]
-    bwd: list[list[float]]
+    prod_info: list[tuple[Layout, bool, frozenset[str]]]
+    cons_grad: list[Layout]
+    fwd: list[list[dict[str, float]]]
+    regather: list[list[dict[str, float]]]
+    bwd: list[list[dict[str, float]]]
+    share: int = -1  # index into Problem.shares
+
+    def fwd_s(self, a: int, b: int) -> float:
+        return sum(self.fwd[a][b].values())
+
+    def bwd_s(self, a: int, b: int) -> float:
+        return sum(self.bwd[a][b].values()) + sum(self.regather[a][b].values())
 
 
 @dataclass
@@ -111,6 +115,7 @@ class GraphFacts:
     batched: frozenset[int]
     needs_grad: frozenset[int]
     core: frozenset[int]
+    ctx: CostContext
     by_layer: dict[str | None, list[NodeGroup]] = field(default_factory=dict)
 
 
@@ -135,7 +140,7 @@ def layering(graph: Graph) -> Layering:
 def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFacts:
     groups = build_groups(graph)
     roles = dim_roles(graph)
-    ctx = CostContext.build(graph, cluster, dtype)
+    ctx = CostContext.build(graph, cluster, PLAN_DTYPE_IR.get(dtype, dtype))
     batch = next((v.type.shape[0] for v in graph.inputs if roles.get(id(v), (None,))[0] == "batch"), 1)
     core: set[int] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
@@ -147,7 +152,10 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
     for nodes in nodes_of.values():
         core |= attention_core(ctx, nodes)
     return GraphFacts(graph, groups, roles, layering(graph), batch, frozenset(ctx.batched),
-                      frozenset(ctx.needs_grad), frozenset(core), by_layer)
+                      frozenset(ctx.needs_grad), frozenset(core), ctx, by_layer)
+
+
+PLAN_DTYPE_IR = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
 
 
 @dataclass
@@ -155,46 +163,53 @@ class Problem:
     facts: GraphFacts
     shape: MeshShape
     mb: int
+    gbs: int
     micro_batches: int
+    dtype: str
     pricer: Pricer
     groups: list[GroupVar]
     edges: list[EdgeVar]
-    boundary_bytes: float  # activation sent between pipeline stages per micro-batch
+    shares: list[list[int]]  # edges summed into one gradient
 
     @property
     def layers(self) -> int:
         return self.facts.layering.count
 
 
-def _layer_key(facts: GraphFacts, layer: str | None) -> str:
-    return "<graph>" if layer is None else layer
-
-
 def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int, gbs: int,
                   dtype: str = "bf16", rotate: bool = True, chunk: bool = True) -> Problem:
     """Enumerate and price every group of the represented layers on `shape` at micro-batch `mb`."""
     lay = facts.layering
-    scale = mb * shape.dp / facts.batch
-    shapes = Shapes(facts.roles, scale, facts.batched)
-    pricer = Pricer(cluster, shape.mesh(), dtype, shapes, facts.needs_grad, facts.core)
+    shapes = Shapes(facts.roles, mb * shape.dp / facts.batch, facts.batched)
+    ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
+    pricer = Pricer(cluster, shape.mesh(), dtype, ctx)
     intra = shape.intra()
-    block_class = None
-    rep = None
-    if lay.blocks:
-        rep = lay.blocks[1] if len(lay.blocks) > 1 else lay.blocks[0]
-        block_class = rep
+    rep = (lay.blocks[1] if len(lay.blocks) > 1 else lay.blocks[0]) if lay.blocks else None
     sections = [(name, "pre") for name in lay.pre] + ([(rep, "block")] if rep else []) + [(n, "post") for n in lay.post]
     vars_: list[GroupVar] = []
     index: dict[tuple[str, int], int] = {}
-    group_index: dict[int, int] = {}
     for layer, section in sections:
         for g in facts.by_layer.get(None if layer == "<graph>" else layer, []):
-            cands = enumerate_group(g, intra, shapes, rotate, chunk)
-            key = (layer, g.position)
-            index[key] = len(vars_)
-            group_index[id(g)] = len(vars_)
-            vars_.append(GroupVar(key, section, g, cands, []))
-    block_set = set(lay.blocks)
+            index[(layer, g.position)] = len(vars_)
+            vars_.append(GroupVar((layer, g.position), section, g, enumerate_group(g, intra, shapes, rotate, chunk), []))
+    for var in vars_:
+        var.costs = [pricer.candidate(var.group, c) for c in var.cands]
+    edges = _edges(facts, vars_, index, rep, pricer)
+    shares: dict[tuple[str, int, int], list[int]] = {}
+    for i, e in enumerate(edges):
+        shares.setdefault((e.kind, e.producer, e.out_index), []).append(i)
+    groups = [ids for ids in shares.values()]
+    for k, ids in enumerate(groups):
+        for i in ids:
+            edges[i].share = k
+    return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, pricer, vars_, edges, groups)
+
+
+def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int], int], rep: str | None,
+           pricer: Pricer) -> list[EdgeVar]:
+    lay = facts.layering
+    blocks = lay.blocks
+    section_of = {name: "pre" for name in lay.pre} | {name: "post" for name in lay.post}
     owner: dict[int, tuple[NodeGroup, int]] = {}
     for g in facts.groups:
         k = 0
@@ -203,93 +218,80 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
                 owner[id(v)] = (g, k)
                 k += 1
 
-    def var_of(g: NodeGroup) -> int | None:
-        if id(g) in group_index:
-            return group_index[id(g)]
-        if g.layer in block_set and block_class is not None:
-            return index.get((block_class, g.position))
-        return None
+    def where(g: NodeGroup) -> tuple[str, int | None]:
+        layer = "<graph>" if g.layer is None else g.layer
+        if layer in section_of:
+            return section_of[layer], index.get((layer, g.position))
+        if layer in blocks and rep is not None:
+            return f"block{blocks.index(layer)}", index.get((rep, g.position))
+        return "none", None
 
-    # Edges: inside the represented block and from the previous copy (per layer), pre -> first
-    # block (from copy 0), last block -> post.
     consumers: list[tuple[NodeGroup, int, str]] = [(v.group, i, v.section) for i, v in enumerate(vars_)]
-    if lay.blocks and rep != lay.blocks[0] and block_class is not None:
-        for g in facts.by_layer.get(lay.blocks[0], []):
-            consumers.append((g, index[(block_class, g.position)], "first"))
-    edges: list[EdgeVar] = []
-    first_saver: dict[int, int] = {}
+    if blocks and rep != blocks[0]:
+        consumers += [(g, index[(rep, g.position)], "first") for g in facts.by_layer.get(blocks[0], [])]
+    rep_at = blocks.index(rep) if rep in blocks else -1
+    out: list[EdgeVar] = []
     for g, ci, section in consumers:
-        seen: set[tuple[int, int]] = set()
         for j, node in enumerate(g.members):
             for k, v in enumerate(node.inputs):
-                if v.kind != "activation" or id(v) not in owner or (j, k) in seen:
+                if v.kind != "activation" or id(v) not in owner or owner[id(v)][0] is g:
                     continue
                 pg, out_idx = owner[id(v)]
-                if pg is g:
-                    continue
-                pi = var_of(pg)
+                place, pi = where(pg)
                 if pi is None:
                     continue
-                if section == "first" and vars_[pi].section != "pre":
+                kind = _kind(section, place, rep_at)
+                if kind is None:
                     continue
-                if section == "block" and vars_[pi].section == "pre":
-                    continue
-                seen.add((j, k))
-                edges.append(_edge(pricer, vars_, pi, ci, j, k, out_idx, v, section))
-    for i, var in enumerate(vars_):
-        for c in var.cands:
-            for key, _, _ in c.saved:
-                first_saver.setdefault(key, i)
-    for i, var in enumerate(vars_):
-        var.costs = [_cost(pricer, var, c, first_saver, i) for c in var.cands]
-    boundary = 0.0
-    if lay.blocks:
-        last = facts.by_layer.get(lay.blocks[-1], [])
-        outs = [v for g in last for n in g.members for v in n.outputs if v.type.is_float]
-        if outs:
-            boundary = shapes.nbytes(outs[-1], Layout(), intra) / shape.dp
-    micro = gbs // (shape.dp * mb)
-    return Problem(facts, shape, mb, micro, pricer, vars_, edges, boundary)
+                out.append(_edge(pricer, vars_, pi, ci, j, k, out_idx, v, kind, id(node) in facts.core))
+    return out
+
+
+def _kind(consumer: str, producer: str, rep_at: int) -> str | None:
+    """The edge kind for a consumer section (pre, block, post, or `first`: the first block's
+    groups) and a producer place (pre, post, blockN)."""
+    if consumer == "pre":
+        return "pre" if producer == "pre" else None
+    if consumer == "post":
+        return {"post": "post", "pre": "skip"}.get(producer, "last" if producer.startswith("block") else None)
+    if consumer == "first":
+        return "first" if producer == "pre" else None
+    if producer == f"block{rep_at}":
+        return "block"
+    if producer == f"block{rep_at - 1}":
+        return "chain"
+    if producer == "pre" and rep_at == 0:
+        return "first"
+    return None
 
 
 def _edge(pricer: Pricer, vars_: list[GroupVar], pi: int, ci: int, member: int, index: int, out_idx: int,
-          value: Value, section: str) -> EdgeVar:
-    prod_layouts: list[Layout] = []
+          value: Value, kind: str, core: bool) -> EdgeVar:
+    prod_info: list[tuple[Layout, bool, frozenset[str]]] = []
     prod_class = []
-    for c in vars_[pi].cands:
-        lay = c.outputs[out_idx][1] if out_idx < len(c.outputs) else Layout()
-        if lay not in prod_layouts:
-            prod_layouts.append(lay)
-        prod_class.append(prod_layouts.index(lay))
-    cons_layouts: list[tuple[Layout, Layout]] = []
+    for cost in vars_[pi].costs:
+        info = cost.produced[out_idx] if out_idx < len(cost.produced) else (Layout(), False, frozenset())
+        if info not in prod_info:
+            prod_info.append(info)
+        prod_class.append(prod_info.index(info))
+    cons_ext = []
     cons_class = []
-    for c in vars_[ci].cands:
-        req = next(((e.required, e.grad) for e in c.inputs if e.member == member and e.index == index),
-                   (Layout(), Layout()))
-        if req not in cons_layouts:
-            cons_layouts.append(req)
-        cons_class.append(cons_layouts.index(req))
-    fwd = [[0.0] * len(cons_layouts) for _ in prod_layouts]
-    bwd = [[0.0] * len(cons_layouts) for _ in prod_layouts]
-    for a, src in enumerate(prod_layouts):
-        for b, (req, grad) in enumerate(cons_layouts):
-            fwd[a][b], bwd[a][b] = pricer.edge(value, src, req, grad)
-    sec = vars_[ci].section if section != "first" else "pre"
-    if vars_[pi].section == "block" and vars_[ci].section == "post":
-        sec = "post"
-    return EdgeVar(pi, ci, sec, value, prod_class, cons_class, fwd, bwd)
-
-
-def _cost(pricer: Pricer, var: GroupVar, cand: Candidate, first_saver: dict[int, int], i: int) -> CandCost:
-    priced = pricer.candidate(var.group, cand)
-    saved = sum(b for k, b, _ in priced.saved if first_saver.get(k) == i)
-    core_ids = {id(n) for n in var.group.members if id(n) in pricer.core}
-    saved_core = saved if core_ids and var.group.anchor is not None and id(var.group.anchor) in core_ids else 0.0
-    layer_input = sum(pricer.shapes.nbytes(e.value, e.required, pricer.mesh) for e in cand.inputs
-                      if e.value.kind == "activation" and (e.value.producer is None or
-                                                           e.value.producer.layer != var.group.layer))
-    state = tuple(sum(pricer.state_bytes(n, axes, z) for _, n, axes in priced.params) for z in ZEROS)
-    syncs = [[pricer.grad_sync(n, axes, z) for _, n, axes in priced.params] for z in ZEROS]
-    return CandCost(priced.fwd + priced.bwd, priced.fwd, priced.fwd_core, priced.bwd, saved, saved_core,
-                    layer_input, priced.transient, state, tuple(sum(s for s, _ in row) for row in syncs),
-                    tuple(sum(m for _, m in row) for row in syncs))
+    for cost in vars_[ci].costs:
+        ext = next((e for e in cost.ext if e.member == member and e.index == index), None)
+        key = (ext.required, ext.contribution, ext.regather) if ext else None
+        keys = [(e.required, e.contribution, e.regather) if e else None for e in cons_ext]
+        if key not in keys:
+            cons_ext.append(ext)
+            keys.append(key)
+        cons_class.append(keys.index(key))
+    fwd = [[{} for _ in cons_ext] for _ in prod_info]
+    regather = [[{} for _ in cons_ext] for _ in prod_info]
+    bwd = [[{} for _ in cons_ext] for _ in prod_info]
+    for a, info in enumerate(prod_info):
+        for b, ext in enumerate(cons_ext):
+            if ext is None:
+                continue
+            fwd[a][b], regather[a][b] = pricer.edge_forward(value, info[0], ext)
+            bwd[a][b] = pricer.edge_backward(value, info, [ext.contribution])
+    grads = [ext.contribution if ext else Layout() for ext in cons_ext]
+    return EdgeVar(pi, ci, kind, value, out_idx, core, prod_class, cons_class, prod_info, grads, fwd, regather, bwd)

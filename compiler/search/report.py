@@ -104,24 +104,29 @@ def run_plan(model_spec: str, cluster: str | Cluster, gbs: int, memory_limit_gb:
     best, grid = result.best, result.grid
     unruled = sorted({n.op for n in graph.nodes if not has_op(n.op)})
     annotate_graph(graph, best.problem, best.assignment)
+    est = best.estimate
+    assert est is not None
     if out:
-        save_plan(out, best.problem, best.assignment, best.evaluation, gbs)
+        save_plan(out, best.problem, best.assignment, est, gbs)
         Path(str(out) + ".ir").write_text(str(graph))
-    ev = best.evaluation
-    payload = plan_dict(best.problem, best.assignment, ev, gbs)
+    payload = plan_dict(best.problem, best.assignment, est, gbs)
     summary = {
-        "step_time_s": ev.step_time_s,
-        "memory_per_device_bytes": ev.memory_per_device_bytes,
-        "grid_best_step_time_s": grid.evaluation.step_time_s if grid else None,
+        "step_time_s": est.step_time_s,
+        "memory_per_device_bytes": est.memory_per_device_bytes,
+        "mfu": est.mfu,
+        "source": best.source,
+        "grid_best_step_time_s": grid.step_time_s if grid else None,
+        "grid_best_memory_per_device_bytes": grid.memory_per_device_bytes if grid else None,
         "grid_best_plan": grid.grid_point.plan_string(gbs) if grid and grid.grid_point else None,
-        "speedup_over_grid": grid.evaluation.step_time_s / ev.step_time_s if grid else None,
+        "speedup_over_grid": grid.step_time_s / est.step_time_s if grid else None,
+        "solver_evaluation_step_time_s": best.evaluation.step_time_s,
         "solve_time_s": result.solve_time_s,
         "total_time_s": time.perf_counter() - started,
         "optimality_gap": result.gap,
         "shapes_solved": result.shapes_solved,
         "shapes_pruned": result.shapes_pruned,
-        "time_breakdown": ev.time_parts,
-        "memory_breakdown": dict(max(ev.memory_parts, key=lambda p: sum(p.values()))),
+        "time_breakdown": est.time_breakdown(),
+        "memory_breakdown": est.memory_breakdown,
         "replicated_ops": unruled,
         "plan": payload,
     }
@@ -136,25 +141,16 @@ def _print(console: Any, best: Found, grid: Found | None, summary: dict[str, Any
     from rich.console import Console
     from rich.table import Table
 
+    from shardc.cost.report import tables
+
     console = console or Console(highlight=False)
-    ev = best.evaluation
-    console.print(f"[bold]plan for @{graph.name}[/bold]: {describe(best)}")
-    console.print(f"predicted step time {ev.step_time_s:.4g} s, memory per device "
-                  f"{ev.memory_per_device_bytes / 2**30:.2f} GiB (limit {ev.limit / 2**30:.1f} GiB)")
-    t = Table(title="time per step")
-    t.add_column("category")
-    t.add_column("seconds", justify="right")
-    for k, v in ev.time_parts.items():
-        t.add_row(k, f"{v:.4g}")
-    console.print(t)
-    m = Table(title="memory per device, by stage (GiB)")
-    m.add_column("stage")
-    cats = list(ev.memory_parts[0])
-    for c in cats:
-        m.add_column(c, justify="right")
-    for s, part in enumerate(ev.memory_parts):
-        m.add_row(str(s), *(f"{part[c] / 2**30:.2f}" for c in cats))
-    console.print(m)
+    est = best.estimate
+    assert est is not None
+    console.print(f"[bold]plan for @{graph.name}[/bold] ({best.source}): {describe(best)}")
+    console.print(f"predicted step time {est.step_time_s:.4g} s, memory per device "
+                  f"{est.memory_per_device_bytes / 2**30:.2f} GiB (shardc.cost.estimate on the partitioned IR)")
+    for table in tables(est):
+        console.print(table)
     p = Table(title="partitions of the node groups")
     p.add_column("group")
     p.add_column("partition")
@@ -163,11 +159,12 @@ def _print(console: Any, best: Found, grid: Found | None, summary: dict[str, Any
     console.print(p)
     if grid is not None:
         console.print(f"best grid plan: {grid.grid_point.plan_string(gbs) if grid.grid_point else ''} -> "
-                      f"{grid.evaluation.step_time_s:.4g} s; solver / grid speedup "
-                      f"{grid.evaluation.step_time_s / ev.step_time_s:.3f}x")
+                      f"{grid.step_time_s:.4g} s, {grid.memory_per_device_bytes / 2**30:.2f} GiB; "
+                      f"solver / grid speedup {grid.step_time_s / est.step_time_s:.3f}x (both by estimate)")
     else:
         console.print("no grid plan fits in memory")
-    console.print(f"solve time {summary['solve_time_s']:.2f} s, optimality gap {summary['optimality_gap']:.2%}, "
-                  f"{summary['shapes_solved']} shapes solved, {summary['shapes_pruned']} pruned")
+    console.print(f"solve time {summary['solve_time_s']:.2f} s, optimality gap {summary['optimality_gap']:.2%} "
+                  f"(linearised objective), {summary['shapes_solved']} shapes solved, "
+                  f"{summary['shapes_pruned']} pruned")
     if summary["replicated_ops"]:
         console.print("kept replicated (no rule): " + ", ".join(summary["replicated_ops"]))

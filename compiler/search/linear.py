@@ -1,0 +1,217 @@
+"""The linearisation of the analytical model that the CP-SAT model minimises, and `objective`,
+the same formulas in Python (for brute-force checks and for reporting the solver's bound).
+
+Coefficients come from the problem's priced candidates and edges (`shardc.search.costs`,
+i.e. `shardc.cost`'s own per-node rules). Per section (prefix, one block, suffix), sums of the
+chosen coefficients; with k_{s,r} blocks on stage s under recomputation r (none, selective,
+full) and n_s = sum_r k_{s,r}:
+
+    TL_r    = T_block + Z3 + [r=selective] core forward + [r=full] forward      one block
+    S_s     = sum_r k_{s,r} TL_r + [s=0] T_pre + [s=p-1] T_post + sends          stage, per micro-batch
+    pipe    = sum_s S_s + (m-1) max_s S_s                                        1F1B (`makespan_closed_form`)
+    sync_s  = max(rate_z G_s - window_s, tail) + other axes                       exposed gradient sync
+    after_s = optimizer (28 B per local parameter, sharded by ZeRO) + ZeRO-1/2 gather
+    step    = pipe + max_s sync_s + max_s after_s
+    mem_s   = states_z + in_flight_s * activations_r + recompute working + working + buffers
+
+`compose` (what `evaluate` and `estimate` run) differs from this only where it is not linear:
+the event-simulated schedule instead of the closed form, gradient buckets instead of a rate,
+and exact first/last-block boundaries; the ZeRO-3 gather and the sync are affine in bytes here.
+Edges that share a gradient cost the largest of their gradient redistributions (exact when
+one consumer's contribution dominates, as Partial does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.cost.comm import collective_time
+from shardc.cost.compose import EstimateOptions, zero_group
+from shardc.cost.memory import in_flight, state_bytes_per_param
+from shardc.cost.sync import ADAM_BYTES_PER_PARAM
+from shardc.search.problem import ZEROS, Problem
+
+CAND_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "saved", "saved_core", "inputs", "transient", "numel",
+             "gbytes", "other")
+EDGE_SECTION = {"pre": ("pre", "pre"), "block": ("block", "block"), "post": ("post", "post"),
+                "chain": ("block", "block"), "first": ("pre", "pre"), "last": ("post", "post"),
+                "skip": ("post", "pre")}  # kind -> (forward section, gradient section)
+
+
+@dataclass
+class Coefficients:
+    """Scalars per candidate (`CAND_KEYS`), per edge class pair, and the problem's constants."""
+
+    cand: list[list[dict[str, float]]]
+    edge_fwd: list[list[list[float]]]  # forward redistribution + backward re-gather
+    edge_grad: list[list[list[float]]]
+    send: list[list[float]]  # per group var, per candidate: its share of the pipeline send
+    rate: tuple[float, ...]  # gradient sync seconds per byte, per ZeRO stage
+    tail: tuple[float, ...]  # the last bucket's seconds, per ZeRO stage
+    state: tuple[float, ...]  # model-state bytes per local parameter, per ZeRO stage
+    optimizer: tuple[float, ...]  # optimizer seconds per local parameter, per ZeRO stage
+    gather: tuple[tuple[float, float], ...]  # (seconds, seconds per byte) of the ZeRO-1/2 weight gather
+    zero3: tuple[float, float]  # (seconds, seconds per byte) of a ZeRO-3 layer all-gather
+    buffer_cap: float  # 2 x bucket when data-parallel, else 0
+    w_elem: int
+
+
+def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Coefficients:
+    """The problem's `Coefficients` (cached on the problem)."""
+    cached = getattr(problem, "_coefficients", None)
+    if cached is not None:
+        return cached
+    options = options or EstimateOptions()
+    ctx = problem.pricer.ctx
+    axes, shard = zero_group(ctx.mesh)
+    levels = ctx.levels(axes)
+    w, g, o = state_bytes_per_param(problem.dtype)
+    first_saver: dict[object, int] = {}
+    first_reader: dict[object, int] = {}
+    for i, var in enumerate(problem.groups):
+        for cost in var.costs:
+            for key in cost.terms.saved_entries:
+                first_saver.setdefault((var.section, key), i)
+            for key in cost.terms.input_entries:
+                first_reader.setdefault((var.section, key), i)
+    cand = []
+    for i, var in enumerate(problem.groups):
+        rows = []
+        for cost in var.costs:
+            t = cost.terms
+            other: dict[tuple[str, ...], float] = {}
+            gbytes = 0.0
+            for _, numel, grad_axes in cost.params:
+                if grad_axes & set(axes):
+                    gbytes += numel * g
+                rest = tuple(sorted(grad_axes - set(axes)))
+                if rest:
+                    other[rest] = other.get(rest, 0.0) + numel * g
+            rows.append({
+                "time": sum(t.fwd.values()) + sum(t.bwd.values()), "fwd": sum(t.fwd.values()),
+                "core": sum(t.core_fwd.values()), "cfwd": t.fwd.get("compute_fwd", 0.0),
+                "cbwd": t.bwd.get("compute_bwd", 0.0),
+                "saved": sum(b for k, (b, _) in t.saved_entries.items() if first_saver[(var.section, k)] == i),
+                "saved_core": sum(b for k, (b, c) in t.saved_entries.items()
+                                  if c and first_saver[(var.section, k)] == i),
+                "inputs": sum(b for k, b in t.input_entries.items() if first_reader[(var.section, k)] == i),
+                "transient": t.transient, "numel": sum(n for _, n, _ in cost.params), "gbytes": gbytes,
+                "other": sum(collective_time("all_reduce", b, ctx.levels(a), ctx.algorithm) for a, b in other.items()),
+            })
+        cand.append(rows)
+    edge_fwd = [[[e.fwd_s(a, b) + sum(e.regather[a][b].values()) for b in range(len(e.cons_grad))]
+                 for a in range(len(e.prod_info))] for e in problem.edges]
+    edge_grad = [[[sum(e.bwd[a][b].values()) for b in range(len(e.cons_grad))] for a in range(len(e.prod_info))]
+                 for e in problem.edges]
+    send = [[0.0] * len(var.cands) for var in problem.groups]
+    seen: set[tuple[int, int]] = set()
+    for e in problem.edges:
+        if e.kind == "chain" and (e.producer, e.out_index) not in seen:
+            seen.add((e.producer, e.out_index))
+            for c, cost in enumerate(problem.groups[e.producer].costs):
+                layout = cost.produced[e.out_index][0]
+                send[e.producer][c] += problem.pricer.p2p(problem.pricer.local_bytes(e.value, layout))
+    bucket = options.bucket_bytes
+    kinds = ["all_reduce" if z == 0 else "reduce_scatter" for z in ZEROS]
+    rate = tuple(collective_time(k, bucket, levels, ctx.algorithm) / bucket if shard > 1 else 0.0 for k in kinds)
+    block_grad = sum(min(r["gbytes"] for r in rows) for rows, var in zip(cand, problem.groups) if var.section == "block")
+    last = min(bucket, block_grad) if block_grad > 0 else bucket
+    tail = tuple(collective_time(k, last, levels, ctx.algorithm) if shard > 1 else 0.0 for k in kinds)
+    state = tuple(w / (shard if z >= 3 else 1) + g / (shard if z >= 2 else 1) + o / (shard if z >= 1 else 1)
+                  for z in ZEROS)
+    optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZEROS)
+    gather = tuple(_affine("all_gather", levels, ctx.algorithm) if z in (1, 2) and shard > 1 else (0.0, 0.0)
+                   for z in ZEROS)
+    zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 else (0.0, 0.0)
+    out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
+                       2 * bucket if shard > 1 else 0.0, w)
+    problem._coefficients = out  # type: ignore[attr-defined]
+    return out
+
+
+def _affine(kind: str, levels, algorithm: str, size: float = 256 * 2**20) -> tuple[float, float]:
+    """(latency, seconds per byte) of `kind` around `size` bytes: the alpha-beta line through it."""
+    big, half = collective_time(kind, size, levels, algorithm), collective_time(kind, size / 2, levels, algorithm)
+    beta = (big - half) / (size / 2)
+    return max(0.0, big - beta * size), beta
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    step_time_s: float
+    memory_bytes: tuple[float, ...]
+
+
+def section_sums(problem: Problem, choice: tuple[int, ...]) -> dict[str, dict[str, float]]:
+    """Per section (pre, block, post): the chosen coefficients summed, edges included."""
+    co = coefficients(problem)
+    acc = {s: dict.fromkeys((*CAND_KEYS, "pbytes", "send"), 0.0) for s in ("pre", "block", "post")}
+    for i, (var, c) in enumerate(zip(problem.groups, choice)):
+        row = co.cand[i][c]
+        sec = acc[var.section]
+        for key in CAND_KEYS:
+            sec[key] = max(sec[key], row[key]) if key == "transient" else sec[key] + row[key]
+        sec["send"] += co.send[i][c]
+    shares: dict[int, float] = {}
+    for i, e in enumerate(problem.edges):
+        a, b = e.prod_class[choice[e.producer]], e.cons_class[choice[e.consumer]]
+        fsec, gsec = EDGE_SECTION[e.kind]
+        f = co.edge_fwd[i][a][b]
+        acc[fsec]["time"] += f
+        acc[fsec]["fwd"] += e.fwd_s(a, b)
+        if e.core:
+            acc[fsec]["core"] += e.fwd_s(a, b)
+        shares[e.share] = max(shares.get(e.share, 0.0), co.edge_grad[i][a][b])
+    for k, ids in enumerate(problem.shares):
+        acc[EDGE_SECTION[problem.edges[ids[0]].kind][1]]["time"] += shares.get(k, 0.0)
+    for sec in acc.values():
+        sec["pbytes"] = sec["numel"] * co.w_elem
+    return acc
+
+
+def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int, int, int], ...],
+              zero: int) -> Linear:
+    """The linearised step time and per-stage memory CP-SAT works with (module formulas)."""
+    co = coefficients(problem)
+    sec = section_sums(problem, choice)
+    p, m = len(stages), problem.micro_batches
+    z3 = {}
+    for name, s in sec.items():
+        if zero >= 3 and co.zero3[1] > 0:
+            ag = co.zero3[0] + co.zero3[1] * s["pbytes"]
+            z3[name] = max(0.0, ag - s["cfwd"]) + max(0.0, ag - s["cbwd"])
+        else:
+            z3[name] = 0.0
+    blk = sec["block"]
+    layer = [blk["time"] + z3["block"], blk["time"] + z3["block"] + blk["core"],
+             blk["time"] + z3["block"] + blk["fwd"]]
+    back = [t - blk["fwd"] for t in layer]
+    act = [blk["saved"], blk["saved"] - blk["saved_core"], blk["inputs"]]
+    send = blk["send"] if p > 1 else 0.0
+    stage_time, exposed, after, memory = [], [], [], []
+    for s, k in enumerate(stages):
+        first, last = s == 0, s == p - 1
+        pre, post = sec["pre"], sec["post"]
+        t = sum(n * lt for n, lt in zip(k, layer)) + send * ((not last) + (not first))
+        t += (pre["time"] + z3["pre"]) * first + (post["time"] + z3["post"]) * last
+        stage_time.append(t)
+        window = sum(n * b for n, b in zip(k, back)) + send * (not first)
+        window += (pre["time"] + z3["pre"] - pre["fwd"]) * first + (post["time"] + z3["post"] - post["fwd"]) * last
+        n = sum(k)
+        grad = n * blk["gbytes"] + pre["gbytes"] * first + post["gbytes"] * last
+        floor = co.tail[zero] + (co.rate[zero] * pre["gbytes"] if first else 0.0)
+        other = n * blk["other"] + pre["other"] * first + post["other"] * last
+        exposed.append(max(co.rate[zero] * grad - window, floor) + other)
+        numel = n * blk["numel"] + pre["numel"] * first + post["numel"] * last
+        gather = co.gather[zero][0] + co.gather[zero][1] * numel * co.w_elem if co.gather[zero][1] else 0.0
+        after.append(numel * co.optimizer[zero] + gather)
+        f = in_flight("1f1b", p, s, m)
+        saved = sum(c * a for c, a in zip(k, act)) + pre["saved"] * first + post["saved"] * last
+        rw = max(blk["saved"] if k[2] else 0.0, blk["saved_core"] if k[1] else 0.0)
+        work = max(blk["transient"], pre["transient"] * first, post["transient"] * last)
+        buffers = min(co.buffer_cap, 2 * numel * co.w_elem) if co.buffer_cap else 0.0
+        if zero >= 3 and co.buffer_cap:
+            buffers += 2 * max(blk["pbytes"], pre["pbytes"] * first, post["pbytes"] * last)
+        memory.append(numel * co.state[zero] + f * saved + rw + work + buffers)
+    pipe = sum(stage_time) + (m - 1) * max(stage_time)
+    return Linear(pipe + max(exposed) + max(after), tuple(memory))
