@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/plan_quality.py [--time-limit S] [--only NAME] [--markdown]
 
-For each case: predicted step time of the solver's plan and of the best grid plan (same model),
-their ratio, memory per device, and wall-clock solve time on this machine (tracing excluded:
-models are built straight in the IR by `shardc.search.synthetic`). GPT-3 175B is also compared
-with Megatron's published configuration (t=8, p=16, d=8, full recomputation).
+For each case: predicted step time of the solver's plan and of the best grid plan, both by
+`shardc.cost.estimate` on the graph annotated with the plan (the numbers `shardc plan`
+prints), their ratio, memory per device, and wall-clock solve time on this machine (tracing
+excluded: models are built straight in the IR by `shardc.search.synthetic`). GPT-3 175B is
+also compared with Megatron's published configuration (t=8, p=16, d=8, full recomputation).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import dataclasses
 import time
 
 from shardc.hardware import parse_cluster
-from shardc.search.evaluate import evaluate
+from shardc.search.evaluate import RECOMPUTES, evaluate
 from shardc.search.grid import grid_assignments
-from shardc.search.outer import search
+from shardc.search.outer import Found, score, search
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.synthetic import PRESETS, transformer_graph
 
@@ -44,18 +45,28 @@ def run_case(name, preset, overrides, cluster_name, gbs, limit_gb, time_limit):
     row = {"case": name, "solve_s": result.solve_time_s, "total_s": wall, "gap": result.gap,
            "solved": result.shapes_solved, "pruned": result.shapes_pruned}
     if best is not None:
-        row |= {"step_s": best.evaluation.step_time_s, "mem_gib": best.evaluation.memory_per_device_bytes / 2**30,
-                "plan": f"{best.problem.shape}, mb={best.problem.mb}, zero={best.assignment.zero}"}
+        row |= {"step_s": best.step_time_s, "mem_gib": best.memory_per_device_bytes / 2**30, "source": best.source,
+                "eval_s": best.evaluation.step_time_s,
+                "plan": f"{best.problem.shape}, mb={best.problem.mb}, zero={best.assignment.zero}, "
+                        f"blocks {describe_stages(best)}"}
     if grid is not None:
-        row |= {"grid_step_s": grid.evaluation.step_time_s, "grid_mem_gib": grid.evaluation.memory_per_device_bytes / 2**30,
+        row |= {"grid_step_s": grid.step_time_s, "grid_mem_gib": grid.memory_per_device_bytes / 2**30,
                 "grid_plan": grid.grid_point.plan_string(gbs)}
     if preset == "gpt3_175b":
         problem = build_problem(facts, cluster, MeshShape(16, 8, 1, 8), 1, gbs)
-        evs = [evaluate(problem, a, limit) for p, a in grid_assignments(problem) if p.recompute == "full"]
-        fit = [e for e in evs if e.fits]
-        if fit:
-            row["megatron_step_s"] = min(e.step_time_s for e in fit)
+        found = [Found(problem, a, evaluate(problem, a, limit), "grid", grid_point=p)
+                 for p, a in grid_assignments(problem) if p.recompute == "full" and p.zero == 0]
+        for f in found:
+            score(f, cluster)
+            if f.memory_per_device_bytes <= limit:
+                row["megatron_step_s"] = f.step_time_s
     return row
+
+
+def describe_stages(found) -> str:
+    rows = found.assignment.stages
+    text = ["+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTES) if k) or "0" for row in rows]
+    return text[0] if len(set(text)) == 1 else "|".join(text)
 
 
 def main() -> None:

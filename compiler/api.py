@@ -142,7 +142,10 @@ def _as_plan(plan: Any) -> ParallelPlan:
         return plan
     if isinstance(plan, str):
         return ParallelPlan.parse(plan)
-    raise ShardcError(f"plan must be a ParallelPlan, its text ('dp=2,tp=2') or None, not {type(plan).__name__}")
+    if isinstance(plan, Graph):
+        return ParallelPlan.parse(str(plan.attrs["plan"])) if "plan" in plan.attrs else ParallelPlan()
+    raise ShardcError(f"plan must be a ParallelPlan, its text ('dp=2,tp=2'), a partitioned Graph or None, "
+                      f"not {type(plan).__name__}")
 
 
 def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: Any = None, *,
@@ -151,8 +154,9 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     """Trace, partition by `plan` and lower; see the module docstring.
 
     `model` is an nn.Module (with `example_inputs`) or a model spec (`examples/gpt.py:tiny`,
-    `hf:gpt2?n_layer=2`). `plan` is a ParallelPlan, its text, or None: the automatic planner
-    (`shardc.search`) when it is available and `cluster` is given, else one device.
+    `hf:gpt2?n_layer=2`). `plan` is a ParallelPlan, its text, None (one device), or an already
+    partitioned Graph of this model (what the solver writes, `shardc plan -o`), which is lowered
+    as it is.
     `before_lower(graph)` may edit the partitioned graph in place before lowering (hand-written
     partitions: temporal splits, rotations).
     """
@@ -175,7 +179,12 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     traced = trace_with_state(model, inputs, name=name, input_names=input_names)
     parallel = _as_plan(plan)
     ctx = PassContext(cluster=cluster, plan=parallel, seed=seed)
-    graph = run_pipeline(traced.graph, [GroupLayers(), ApplyPlan()], ctx, print_after_all=print_after_all)
+    if isinstance(plan, Graph):
+        graph = plan
+        if graph.mesh is None:
+            raise ShardcError(f"graph @{graph.name} given as the plan is not partitioned (it has no mesh)")
+    else:
+        graph = run_pipeline(traced.graph, [GroupLayers(), ApplyPlan()], ctx, print_after_all=print_after_all)
     if before_lower is not None:
         before_lower(graph)
     graph = run_pipeline(graph, [Lower()], ctx, print_after_all=print_after_all)

@@ -77,16 +77,3 @@ _collective("recv", "pipeline stage cut: the value arrives at stage `dst` from s
 _collective("grad_sync", "identity on a parameter; its gradient is averaged over the data `axes` "
                          "(by DDP, or FSDP2 for ZeRO stage `zero`, as `via` says)")
 
-
-def message_bytes(op: str, attrs: dict[str, Any], local_bytes: int, axis_size: int) -> int:
-    """Bytes one rank sends for a collective whose local input is `local_bytes` (ring algorithms)."""
-    n = axis_size
-    if n <= 1 or op in ("chunk", "to_partial", "pad", "grad_sync", "grad_all_reduce"):
-        return 0
-    if op == "all_reduce":
-        return 2 * local_bytes * (n - 1) // n
-    if op == "all_gather":
-        return local_bytes * (n - 1)
-    if op in ("reduce_scatter", "all_to_all"):
-        return local_bytes * (n - 1) // n
-    return local_bytes  # rotate, send, recv

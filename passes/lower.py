@@ -30,7 +30,6 @@ from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.propagate import io_layouts
-from shardc.registry import get_op
 from shardc.resharding import DATA_AXES, Edge, ReshardStep, edge_steps
 
 
@@ -198,6 +197,3 @@ class Lower(Pass):
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
         return lower(graph)
 
-
-def is_collective(node: Node) -> bool:
-    return get_op(node.op).kind == "collective"

@@ -66,9 +66,7 @@ def materialize(model: torch.nn.Module, seed: int = 0) -> None:
     """The single-process twin of the meta-device path: the same init, seeded per name."""
     import zlib
 
-    from shardc.backends.torch.parallelize import model_tensors
-
-    for name, t in model_tensors(model).items():
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):  # tied ones once
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed + zlib.crc32(name.encode()))
             gpt_init(name, t)

@@ -1,5 +1,6 @@
-"""The CP-SAT model: optimal against brute force, deterministic, never worse than the grid,
-bounded in time, warm-startable from a plan file, and clear when nothing fits."""
+"""The CP-SAT model: optimal against brute force (on the linearised objective it minimises),
+deterministic, never worse than the grid (both scored by `shardc.cost.estimate`), bounded in
+time, warm-startable from a plan file, and clear when nothing fits."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import itertools
 import pytest
 from test_candidates import mlp_graph
 
+from shardc.cost import estimate
 from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
 from shardc.search.cpsat import solve
-from shardc.search.evaluate import Assignment, evaluate
+from shardc.search.linear import objective
 from shardc.search.outer import mesh_shapes, search
-from shardc.search.planfile import assignment_from_plan, load_plan, plan_dict
+from shardc.search.planfile import annotate_graph, assignment_from_plan, load_plan, plan_dict
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.report import run_plan
 from shardc.search.synthetic import PRESETS, transformer_graph
@@ -28,14 +30,19 @@ def _splits(layers: int, stages: int):
             yield combo
 
 
+def _linear(problem, a):
+    return objective(problem, a.choice, a.stages, a.zero)
+
+
 def brute_force(problem, limit):
+    """The best linearised objective (what CP-SAT minimises) over every point that fits."""
     best = None
     for choice in itertools.product(*[range(len(v.cands)) for v in problem.groups]):
         for stages in _splits(problem.layers, problem.shape.pp):
             for z in (0, 1, 2, 3):
-                ev = evaluate(problem, Assignment(choice, stages, z), limit)
-                if ev.fits and (best is None or ev.step_time_s < best):
-                    best = ev.step_time_s
+                lin = objective(problem, choice, stages, z)
+                if max(lin.memory_bytes) <= limit and (best is None or lin.step_time_s < best):
+                    best = lin.step_time_s
     return best
 
 
@@ -48,24 +55,25 @@ def test_optimal_against_brute_force(shape, limit):
     want = brute_force(problem, limit)
     got = solve(problem, limit, 20.0)
     if want is None:
-        assert got.assignment is None or not evaluate(problem, got.assignment, limit).fits
+        assert got.assignment is None or max(_linear(problem, got.assignment).memory_bytes) > limit
         return
     assert got.status == "OPTIMAL"
-    ev = evaluate(problem, got.assignment, limit)
-    assert ev.fits
-    assert ev.step_time_s == pytest.approx(want, rel=2e-3)
+    lin = _linear(problem, got.assignment)
+    assert max(lin.memory_bytes) <= limit * (1 + 1e-3)
+    assert lin.step_time_s == pytest.approx(want, rel=2e-3)
+    assert got.objective_s == pytest.approx(lin.step_time_s, rel=2e-3)
 
 
 def test_memory_limit_changes_the_plan():
     g = mlp_graph(layers=3)
     cluster = parse_cluster("8xH100")
     problem = build_problem(graph_facts(g, cluster), cluster, MeshShape(2, 1, 1, 2), 2, 8, rotate=False, chunk=False)
-    free = evaluate(problem, solve(problem, 80e9, 10).assignment, 80e9)
-    tight_limit = 0.8 * free.memory_per_device_bytes
+    free = _linear(problem, solve(problem, 80e9, 10).assignment)
+    tight_limit = 0.8 * max(free.memory_bytes)
     tight = solve(problem, tight_limit, 10)
     assert tight.assignment is not None
-    ev = evaluate(problem, tight.assignment, tight_limit)
-    assert ev.fits and ev.step_time_s >= free.step_time_s
+    lin = _linear(problem, tight.assignment)
+    assert max(lin.memory_bytes) <= tight_limit * (1 + 1e-3) and lin.step_time_s >= free.step_time_s
 
 
 def _plan(seed=0, limit=80e9, time_limit=3.0, name="tiny", cluster="8xH100", gbs=16, **dims):
@@ -76,8 +84,8 @@ def _plan(seed=0, limit=80e9, time_limit=3.0, name="tiny", cluster="8xH100", gbs
 
 def test_deterministic_for_a_fixed_seed():
     a, b = _plan(seed=3), _plan(seed=3)
-    assert plan_dict(a.best.problem, a.best.assignment, a.best.evaluation, 16) == \
-        plan_dict(b.best.problem, b.best.assignment, b.best.evaluation, 16)
+    assert plan_dict(a.best.problem, a.best.assignment, a.best.estimate, 16) == \
+        plan_dict(b.best.problem, b.best.assignment, b.best.estimate, 16)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -86,9 +94,12 @@ def test_deterministic_for_a_fixed_seed():
     {"layers": 4, "hidden": 256, "seq": 256, "cluster": "8xA100-40GB", "gbs": 32},
 ])
 def test_never_worse_than_the_grid(kwargs):
+    # Both plans are scored by `shardc.cost.estimate` on the graph annotated with them.
     result = _plan(**kwargs)
     assert result.grid is not None and result.best is not None
-    assert result.best.evaluation.step_time_s <= result.grid.evaluation.step_time_s * (1 + 1e-9)
+    assert result.best.estimate is not None and result.grid.estimate is not None
+    assert result.best.step_time_s == result.best.estimate.step_time_s
+    assert result.best.estimate.step_time_s <= result.grid.estimate.step_time_s * (1 + 1e-9)
 
 
 def test_memory_tight_case_beats_the_grid():
@@ -96,11 +107,11 @@ def test_memory_tight_case_beats_the_grid():
     # mixes recomputation per stage and partitions the activations.
     dims = {"layers": 4, "hidden": 1024, "heads": 16, "seq": 2048, "vocab": 32000}
     roomy = _plan(cluster="4xA100-40GB", gbs=8, time_limit=4, **dims)
-    grid_mem = roomy.grid.evaluation.memory_per_device_bytes
+    grid_mem = roomy.grid.memory_per_device_bytes
     tight = _plan(cluster="4xA100-40GB", gbs=8, limit=0.6 * grid_mem, time_limit=4, **dims)
-    assert tight.best is not None
+    assert tight.best is not None and tight.best.estimate.memory_per_device_bytes <= 0.6 * grid_mem
     if tight.grid is not None:
-        assert tight.best.evaluation.step_time_s <= tight.grid.evaluation.step_time_s
+        assert tight.best.step_time_s <= tight.grid.step_time_s
 
 
 def test_no_plan_fits_names_the_smallest_memory_and_category():
@@ -128,6 +139,6 @@ def test_plan_file_round_trip_and_warm_start(tmp_path, capsys):
     shape = MeshShape(**data["mesh"])
     problem = build_problem(graph_facts(g, c), c, shape, data["mb"], 16)
     a = assignment_from_plan(data, problem)
-    assert evaluate(problem, a, 80e9).step_time_s == pytest.approx(data["step_time_s"])
+    assert estimate(annotate_graph(g, problem, a), c).step_time_s == pytest.approx(data["step_time_s"])
     assert run_plan("synthetic:tiny", "8xH100", 16, time_limit=2, json_out=True, warm_start=str(out)) == 0
     assert '"step_time_s"' in first and '"optimality_gap"' in first and '"grid_best_step_time_s"' in first

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
+
 from shardc.backends.torch import collectives as C
 from shardc.backends.torch import local_ops as L
 from shardc.backends.torch import temporal as T
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
 from shardc.registry import get_op
-from torch import nn
 
 MEAN_OPS = frozenset({"mean"})
 
@@ -67,15 +68,15 @@ def local_piece(tensor: torch.Tensor, layout: Layout, mesh: Mesh, coords: dict[s
 
 
 def local_input(x: torch.Tensor, mesh: C.MeshGroups, name: str, shape: tuple[int, ...],
-                shards: tuple[tuple[str, int, int], ...] = ()) -> torch.Tensor:
-    """Check a global input against its traced shape, then keep this rank's piece of it."""
+                shards: tuple[tuple[str, int, int], ...] = (), device: str = "cpu") -> torch.Tensor:
+    """Check a global input against its traced shape, then keep this rank's piece of it (on `device`)."""
     if tuple(x.shape) != tuple(shape):
         raise ShardcError(f"input {name} has shape {tuple(x.shape)}, but the plan was compiled for "
                           f"{tuple(shape)}", hint="shapes are static: compile the plan again with example "
                           "inputs of this shape")
     for axis, dim, interleave in shards:
         x = C._take(x, mesh.size(axis), mesh.coord(axis), dim, interleave)
-    return x
+    return x.to(device)
 
 
 @dataclass
@@ -190,8 +191,8 @@ class _Emitter:
                              and (node.inputs[i].layout or Layout()).on(axis) == Shard(d))
             indexed = tuple((i, d) for i, d in enumerate(dims) if d is not None and i not in rotating)
             once = tuple(i for i, d in enumerate(dims) if d is None and node.op == "linear")
-            kw = {"mesh": self.mesh_node, "axis": axis, "rotating": rotating, "indexed": indexed, "once": once}
-            return self.call(T.rotating_loop, (node.op, *args), {**kw, **attrs}, name)
+            loop = {"mesh": self.mesh_node, "axis": axis, "rotating": rotating, "indexed": indexed, "once": once}
+            return self.call(T.rotating_loop, (node.op, *args), {**loop, **attrs}, name)
         out_dims = [next((j for j, f in enumerate(o) if f and f[0] == split.dim), None) for o in space.outputs]
         reduce = "mean" if node.op in MEAN_OPS or (node.op == "cross_entropy" and attrs.get("reduction", "mean")
                                                    == "mean") else "sum"
@@ -232,7 +233,7 @@ def _under(path: str | None, name: str) -> str | None:
 
 
 def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = None,
-             groups: C.MeshGroups | None = None) -> fx.GraphModule:
+             groups: C.MeshGroups | None = None, device: str = "cpu") -> fx.GraphModule:
     """The module rank `rank` runs. `tensors` maps parameter/buffer names to this rank's local
     shards (meta tensors of the local shapes when None, e.g. to print code)."""
     mesh = graph.mesh
@@ -274,8 +275,8 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     for v in graph.inputs:
         ph = root_graph.placeholder(py_name(v.name))
         shards = tuple((a, p.dim, p.interleave) for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
-        env[id(v)] = emit_root.call(local_input, (ph, root_mesh), {"name": v.name, "shape": v.type.shape,
-                                                                    "shards": shards}, f"{v.name}_local")
+        kw = {"name": v.name, "shape": v.type.shape, "shards": shards} | ({"device": device} if device != "cpu" else {})
+        env[id(v)] = emit_root.call(local_input, (ph, root_mesh), kw, f"{v.name}_local")
 
     def root_state(v: Value) -> fx.Node:
         if id(v) not in env:
@@ -293,7 +294,7 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
             continue
         sub = fx.Graph()
         sub_env: dict[int, fx.Node] = {}
-        inputs: list[Value] = []
+        region_inputs: list[Value] = []
         produced = {id(v) for n in region.nodes for v in n.outputs}
         for n in region.nodes:
             for v in n.inputs:
@@ -302,7 +303,7 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
                 if id(v) in state and home.get(id(v)) == region.path:
                     continue
                 sub_env[id(v)] = sub.placeholder(py_name(v.name))
-                inputs.append(v)
+                region_inputs.append(v)
         sub_mesh = sub.get_attr("mesh")
         emit = _Emitter(sub, mesh, coords, sub_mesh)
         sub_attrs: dict[str, Any] = {"mesh": groups}
@@ -321,14 +322,15 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
         sub.output(tuple(sub_env[id(v)] for v in outputs))
         module = fx.GraphModule(sub_attrs, sub, class_name=f"Layer_{py_name(region.path)}")
         submodules.append((region.path, module))
-        args = tuple(root_state(v) if id(v) in state else env[id(v)] for v in inputs)
+        call_args = tuple(root_state(v) if id(v) in state else env[id(v)] for v in region_inputs)
         recompute = graph.layers.get(region.layer or "")
         if recompute is not None and recompute.annotation.recompute != "none":
             fn = root_graph.get_attr(region.path)
-            call = emit_root.call(torch.utils.checkpoint.checkpoint, (fn, *args), {"use_reentrant": False},
+            call = emit_root.call(torch.utils.checkpoint.checkpoint, (fn, *call_args), {"use_reentrant": False},
                                   f"{region.path}_out")
         else:
-            call = root_graph.create_node("call_module", region.path, args, {}, name=py_name(f"{region.path}_out"))
+            call = root_graph.create_node("call_module", region.path, call_args, {},
+                                          name=py_name(f"{region.path}_out"))
         for j, v in enumerate(outputs):
             env[id(v)] = root_graph.create_node("call_function", operator.getitem, (call, j), {}, name=py_name(v.name))
     outs = [env[id(v)] for v in graph.outputs]
@@ -346,7 +348,8 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
 
 def module_code(module: nn.Module) -> str:
     """The generated code of a rank's root module and of every layer module under it."""
-    parts = [f"# ---- {type(module).__name__} (root) ----\n{module.code.strip()}\n"]  # type: ignore[union-attr]
+    root_code = str(getattr(module, "code", ""))
+    parts = [f"# ---- {type(module).__name__} (root) ----\n{root_code.strip()}\n"]
     for path, sub in module.named_modules():
         if path and isinstance(sub, fx.GraphModule):
             parts.append(f"# ---- {path}: {type(sub).__name__} ----\n{sub.code.strip()}\n")

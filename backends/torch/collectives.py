@@ -172,7 +172,7 @@ def _run(x: torch.Tensor, mesh: MeshGroups, spec: tuple) -> torch.Tensor:
         return x
     if kind == "scale_avg":  # the conjugate of an averaging all_reduce under a replicated gradient
         return x / mesh.size(axis)
-    fn = {"all_reduce": _all_reduce, "all_gather": _all_gather, "chunk": _chunk, "pad": _pad,
+    fn: Any = {"all_reduce": _all_reduce, "all_gather": _all_gather, "chunk": _chunk, "pad": _pad,
           "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "rotate": _rotate,
           "zero_off_first": _zero_off_first}[kind]
     return fn(x, mesh, axis, *args)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from shardc.backends.torch.collectives import MeshGroups, all_reduce
 from shardc.registry import get_op
 

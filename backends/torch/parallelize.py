@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from shardc.backends.torch.codegen import generate, local_piece
 from shardc.backends.torch.collectives import MeshGroups, _all_gather
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Mesh, Shard
-from torch import nn
 
 InitFn = Callable[[str, torch.Tensor], Any]
 
@@ -55,7 +56,7 @@ def mesh_groups(mesh: Mesh, dm: Any, rank: int) -> MeshGroups:
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `model` by its path, tied ones under each of their names."""
-    out = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     out.update(dict(model.named_buffers(remove_duplicate=False)))
     return out
 
@@ -123,7 +124,7 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
     if device is None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if dm.device_type == "cuda" else "cpu"
     tensors = local_tensors(graph, model, rank, init=init, seed=seed, device=device)
-    module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank))
+    module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
     axes, via, zero = data_parallel_info(graph)
     if not axes:
         return module
@@ -151,7 +152,7 @@ def full_state_dict(graph: Graph, module: nn.Module) -> dict[str, torch.Tensor]:
 
     assert graph.mesh is not None
     inner = unwrap(module)
-    local = dict(inner.named_parameters(remove_duplicate=False))
+    local: dict[str, torch.Tensor] = dict(inner.named_parameters(remove_duplicate=False))
     local.update(dict(inner.named_buffers(remove_duplicate=False)))
     dm_groups = None
     out: dict[str, torch.Tensor] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from shardc.backends.torch.collectives import MeshGroups, rotate_finish, rotate_start
 from shardc.backends.torch.local_ops import causal_mask, compute_op
 
@@ -99,7 +100,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         vv = cur_v.repeat_interleave(rep, dim=-3) if rep > 1 else cur_v
         scores = torch.matmul(q, kk.transpose(-1, -2)) * scale
         if mask is not None:
-            piece = cur_mask if rotate_mask else mask[..., src * chunk:(src + 1) * chunk]
+            piece = cur_mask if rotate_mask and cur_mask is not None else mask[..., src * chunk:(src + 1) * chunk]
             scores = scores.masked_fill(~piece, float("-inf")) if piece.dtype == torch.bool else scores + piece
         skip = False
         if is_causal:
@@ -119,7 +120,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
             new_max = block_max if running_max is None else torch.maximum(running_max, block_max)
             p = torch.exp(scores - new_max.unsqueeze(-1))
             block = torch.matmul(p, vv)
-            if running_max is None:
+            if running_max is None or running_sum is None or acc is None:
                 running_sum, acc = p.sum(-1), block
             else:
                 alpha = torch.exp(running_max - new_max)

@@ -102,6 +102,24 @@ def rotating_operands(space: IterationSpace, partition, split) -> list[int]:
     return out
 
 
+def rotation_steps(partition) -> int:
+    """How many times a node runs its local kernel under `partition`: once per step of every
+    rotating split (the local shapes are one step's: the rotating operand's shard)."""
+    steps = 1
+    for split in partition.temporal if partition is not None else ():
+        if split.rotate is not None:
+            steps *= max(1, split.steps)
+    return steps
+
+
+def repeated(cost: NodeCost, steps: int) -> NodeCost:
+    """`cost` run `steps` times, one kernel after another."""
+    if steps <= 1:
+        return cost
+    return NodeCost(cost.fwd_s * steps, cost.bwd_s * steps, cost.fwd_flops * steps, cost.bwd_flops * steps,
+                    cost.fwd_bytes * steps)
+
+
 def working_bytes(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
                   steps: int = 1, scale: float = 1.0) -> float:
     """The node's transient allocation while it runs: its outputs (a view allocates nothing), plus

@@ -28,7 +28,14 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.cost.comm import CommStep, collective_time, combine_gradients, reshard_steps
-from shardc.cost.compute import node_compute_time, rotating_operands, saved_bytes_of, working_bytes
+from shardc.cost.compute import (
+    node_compute_time,
+    repeated,
+    rotating_operands,
+    rotation_steps,
+    saved_bytes_of,
+    working_bytes,
+)
 from shardc.cost.context import CostContext, axis_category
 from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
 
@@ -90,6 +97,8 @@ class LayerTerms:
     collectives: list[tuple[str, CommStep]] = field(default_factory=list)
     saved_entries: dict[object, tuple[float, bool]] = field(default_factory=dict)  # storage -> (bytes, in core)
     input_entries: dict[int, float] = field(default_factory=dict)  # input storage -> bytes
+    # Fragments only: saved storages made elsewhere, counted at the view read (see `layer_terms`).
+    roots: dict[int, Value] = field(default_factory=dict)
 
 
 def finish_layer(t: LayerTerms, recompute: str = "none") -> LayerCost:
@@ -248,16 +257,18 @@ def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none"
     return finish_layer(layer_terms(ctx, nodes), recompute)
 
 
-def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = False) -> LayerTerms:
+def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = False,
+                core: Collection[int] | None = None) -> LayerTerms:
     """The `LayerTerms` of `nodes`, node by node over their partitioned IR (module rules).
 
     `internal_only` prices a fragment (the solver's node group): activations produced outside
     `nodes` are taken as they arrive (their resharding is the edge's, `input_steps`), and the
-    gradients of values also read outside are left to the edges (`gradient_steps`)."""
+    gradients of values also read outside are left to the edges (`gradient_steps`); `core`
+    then gives the attention cores of the whole layer (`attention_core`)."""
     device, dtype = ctx.device, ctx.dtype
     inside = {id(n) for n in nodes}
     produced = {id(v) for n in nodes for v in n.outputs}
-    core = attention_core(ctx, nodes)
+    core = attention_core(ctx, nodes) if core is None else core
     t = LayerTerms()
     for node in nodes:
         local = ctx.local(node)
@@ -268,6 +279,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                                  needs_grad=grads, scale=ctx.batch_scale,
                                  scaled_in=[id(v) in ctx.batched for v in node.inputs],
                                  scaled_out=[id(v) in ctx.batched for v in node.outputs])
+        cost = repeated(cost, rotation_steps(part))
         in_core = id(node) in core
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
         _add(t.bwd, "compute_bwd", cost.bwd_s)
@@ -332,6 +344,8 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
             root_in_core = in_core and root.producer is not None and id(root.producer) in core
             # A fragment does not know how a storage made elsewhere is laid out: the view it reads.
             known = not internal_only or id(root) in produced or id(root) in ctx.layouts
+            if not known:
+                t.roots[id(root)] = root
             t.saved_entries[id(root)] = (ctx.local_bytes(root if known else v), root_in_core)
     t.saved = sum(b for b, _ in t.saved_entries.values())
     t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
@@ -353,8 +367,8 @@ def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[st
     for split in ctx.partition(node).temporal:
         if split.steps <= 1:
             continue
-        node_fwd["compute_fwd"] += (split.steps - 1) * ctx.device.kernel_latency
-        if split.rotate is None:
+        if split.rotate is None:  # chunks: one more launch per step (a rotation's are in its compute)
+            node_fwd["compute_fwd"] += (split.steps - 1) * ctx.device.kernel_latency
             continue
         moving = sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i])
                      for i in rotating_operands(local.space, ctx.partition(node), split))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.cost.comm import collective_time, neighbour_link
-from shardc.cost.compute import node_compute_time
+from shardc.cost.compute import node_compute_time, repeated, rotation_steps
 from shardc.cost.context import CostContext
 from shardc.cost.layer import (
     LayerTerms,
@@ -71,6 +71,7 @@ class Pricer:
     mesh: Mesh
     dtype: str
     ctx: CostContext  # the graph's dataflow facts on `mesh`, batch-scaled to the micro-batch
+    core: frozenset[int] = frozenset()  # ids of the nodes in attention cores (selective recomputation)
 
     def candidate(self, group: NodeGroup, cand: Candidate) -> CandCost:
         partitions = {id(n): cand.partitions[j] if j < len(cand.partitions) else None
@@ -78,7 +79,7 @@ class Pricer:
         layouts = {id(e.value): e.required for e in cand.inputs}
         layouts.update({id(v): lay for v, lay in cand.outputs})
         ctx = self.ctx.with_overlay(partitions, layouts)
-        terms = layer_terms(ctx, group.members, internal_only=True)
+        terms = layer_terms(ctx, group.members, internal_only=True, core=self.core)
         params = tuple((name, numel, axes) for name, (_, numel, axes) in layer_params(ctx, group.members).items())
         ext = []
         for e in cand.inputs:
@@ -94,6 +95,7 @@ class Pricer:
                                          needs_grad=[id(v) in ctx.needs_grad for v in node.inputs],
                                          scale=ctx.batch_scale, scaled_in=[id(v) in ctx.batched for v in node.inputs],
                                          scaled_out=[id(v) in ctx.batched for v in node.outputs])
+                cost = repeated(cost, rotation_steps(partitions[id(node)]))
                 regather = (local.op.kind, cost.bwd_s)
             ext.append(ExternalGrad(e.member, e.index, e.value, e.required,
                                     gradient_contribution(ctx, node, e.index), regather))

@@ -72,7 +72,9 @@ def _add(into: dict[str, float], part: dict[str, float]) -> None:
         into[key] = into.get(key, 0.0) + val
 
 
-def _merge(parts: list[LayerTerms]) -> LayerTerms:
+def _merge(parts: list[LayerTerms], problem: Problem | None = None, choice: tuple[int, ...] = ()) -> LayerTerms:
+    """The sum of `parts`; with `problem`, storages saved by one group and made by another are
+    counted at their producer's chosen layout."""
     out = LayerTerms()
     for t in parts:
         _add(out.fwd, t.fwd)
@@ -88,6 +90,12 @@ def _merge(parts: list[LayerTerms]) -> LayerTerms:
             out.saved_entries.setdefault(key, val)
         for key, b in t.input_entries.items():
             out.input_entries.setdefault(key, b)
+        out.roots.update(t.roots)
+    for key, root in out.roots.items() if problem is not None else ():
+        if key in problem.owner and key in out.saved_entries:
+            var, k = problem.owner[key]
+            layout = problem.groups[var].costs[choice[var]].produced[k][0]
+            out.saved_entries[key] = (problem.pricer.local_bytes(root, layout), out.saved_entries[key][1])
     out.saved = sum(b for b, _ in out.saved_entries.values())
     out.core_saved = sum(b for b, c in out.saved_entries.values() if c)
     out.inputs = sum(out.input_entries.values())
@@ -118,7 +126,7 @@ def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
                  for i in ids]
         _add(parts[into_grad[e.kind]].bwd, problem.pricer.edge_backward(e.value, info, grads))
     for key in ("pre", "block", "post"):
-        parts[key] = _merge(own[key] + [parts[key]])
+        parts[key] = _merge(own[key] + [parts[key]], problem, a.choice)
     blk = parts["block"]
     middle = _merge([blk, parts["chain_fwd"], parts["chain_bwd"]])
     if problem.layers <= 1:

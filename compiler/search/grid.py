@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.ir import Shard
 from shardc.registry import get_op, has_op
 from shardc.search.candidates import Candidate
 from shardc.search.evaluate import RECOMPUTES, Assignment, Evaluation, balanced_stages, evaluate
@@ -60,7 +61,8 @@ def _megatron_legal(var: GroupVar, cand: Candidate) -> bool:
 
 def megatron_choice(problem: Problem) -> tuple[int, ...]:
     """Per group, the Megatron-legal candidate (tensor-parallel whenever the op has a tp rule)
-    cheapest given the producers chosen so far."""
+    cheapest given the producers chosen so far. Other ops split over tp only by following
+    their input as it arrives (heads in an unfused attention), as apply-plan does."""
     co = coefficients(problem)
     choice: list[int] = []
     incoming: dict[int, list[int]] = {}
@@ -76,10 +78,20 @@ def megatron_choice(problem: Problem) -> tuple[int, ...]:
                     t += co.edge_fwd[i][a][b] + co.edge_grad[i][a][b]
             return t
 
+        def follows(c: int, g: int = g) -> bool:
+            """Split over tp exactly as the anchor's first input arrives."""
+            for i in incoming.get(g, []):
+                e = problem.edges[i]
+                if (e.member, e.index) == (0, 0) and e.producer < len(choice):
+                    have = e.prod_info[e.prod_class[choice[e.producer]]][0].on("tp")
+                    return isinstance(have, Shard) and e.cons_required[e.cons_class[c]].on("tp") == have
+            return False
+
         def score(c: int, g: int = g) -> float:
             return co.cand[g][c]["time"] + _incoming(c)
 
         legal = [c for c, cand in enumerate(var.cands) if _megatron_legal(var, cand)] or list(range(len(var.cands)))
+        legal += [c for c, cand in enumerate(var.cands) if c not in legal and _plain(cand) and follows(c)]
         # A Megatron user splits every op that has a tensor-parallel rule.
         split = [c for c in legal if var.cands[c].partitions[0] is not None
                  and var.cands[c].partitions[0].axes_of and any(a == "tp" for a, _ in var.cands[c].partitions[0].spatial)]
@@ -89,11 +101,18 @@ def megatron_choice(problem: Problem) -> tuple[int, ...]:
                 a == "tp" and d == "n" for c in legal for a, d in var.cands[c].partitions[0].spatial):
             # Column-parallel unless the input already arrives split on its last dim (then row).
             row = [c for c in legal if any(a == "tp" and d == "k" for a, d in var.cands[c].partitions[0].spatial)]
-            free_row = [c for c in row if _incoming(c) == 0.0]
+            free_row = [c for c in row if follows(c)]
             legal = free_row or [c for c in legal if c not in row] or legal
 
         choice.append(min(legal, key=lambda c: (score(c), c)))
     return tuple(choice)
+
+
+def _plain(cand: Candidate) -> bool:
+    """A candidate without temporal splits, cp, or a sequence-parallel resolution."""
+    part = cand.partitions[0]
+    return part is not None and not part.temporal and not any(a == "cp" for a, _ in part.spatial) \
+        and not ("->" in cand.label and "tp:S" in cand.label.split("->", 1)[1])
 
 
 def grid_assignments(problem: Problem, recomputes: tuple[str, ...] = RECOMPUTES, zeros: tuple[int, ...] = (0, 1)

@@ -1,8 +1,9 @@
 """Node groups and dim roles: the units the solver chooses partitions for.
 
 Rule: an elementwise or view node joins the group of the latest producer among its
-activation inputs when that producer is in the same layer; every other node anchors a new
-group. A group's partition is its anchor's; followers inherit it through their inputs'
+activation inputs when that producer is in the same layer (among the inputs of the output's
+own shape, when there are any: a broadcast addend does not decide); every other node anchors
+a new group. A group's partition is its anchor's; followers inherit it through their inputs'
 layouts (see `shardc.search.candidates`).
 
 Dim roles: the graph's integer inputs are `[batch, seq]` token ids; roles flow forward
@@ -61,8 +62,11 @@ def build_groups(graph: Graph) -> list[NodeGroup]:
         target: NodeGroup | None = None
         kind = get_op(node.op).kind if has_op(node.op) else "opaque"
         if kind in FOLLOWER_KINDS:
-            producers = [v.producer for v in node.inputs if v.producer is not None and id(v.producer) in group_of]
-            producers = [p for p in producers if p.layer == node.layer]
+            inputs = [v for v in node.inputs if v.producer is not None and id(v.producer) in group_of
+                      and v.producer.layer == node.layer]
+            # Prefer an input of the output's own shape over a broadcast one (a position embedding).
+            full = [v for v in inputs if node.outputs and v.type.shape == node.outputs[0].type.shape]
+            producers = [v.producer for v in (full or inputs) if v.producer is not None]
             if producers:
                 target = group_of[id(max(producers, key=lambda p: order[id(p)]))]
         if target is None:

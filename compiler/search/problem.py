@@ -73,10 +73,13 @@ class EdgeVar:
     kind: str  # pre | block | post | chain | first | last | skip
     value: Value
     out_index: int
+    member: int  # the consumer's member and input index that read the value
+    index: int
     core: bool  # the consumer is in an attention core (selective recomputation repeats it)
     prod_class: list[int]
     cons_class: list[int]
     prod_info: list[tuple[Layout, bool, frozenset[str]]]
+    cons_required: list[Layout]
     cons_grad: list[Layout]
     fwd: list[list[dict[str, float]]]
     regather: list[list[dict[str, float]]]
@@ -170,6 +173,7 @@ class Problem:
     groups: list[GroupVar]
     edges: list[EdgeVar]
     shares: list[list[int]]  # edges summed into one gradient
+    owner: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(value) -> (group var, output index)
 
     @property
     def layers(self) -> int:
@@ -182,7 +186,7 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
     lay = facts.layering
     shapes = Shapes(facts.roles, mb * shape.dp / facts.batch, facts.batched)
     ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
-    pricer = Pricer(cluster, shape.mesh(), dtype, ctx)
+    pricer = Pricer(cluster, shape.mesh(), dtype, ctx, facts.core)
     intra = shape.intra()
     rep = (lay.blocks[1] if len(lay.blocks) > 1 else lay.blocks[0]) if lay.blocks else None
     sections = [(name, "pre") for name in lay.pre] + ([(rep, "block")] if rep else []) + [(n, "post") for n in lay.post]
@@ -202,7 +206,14 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
     for k, ids in enumerate(groups):
         for i in ids:
             edges[i].share = k
-    return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, pricer, vars_, edges, groups)
+    owner = {}
+    for i, var in enumerate(vars_):
+        k = 0
+        for node in var.group.members:
+            for v in node.outputs:
+                owner[id(v)] = (i, k)
+                k += 1
+    return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, pricer, vars_, edges, groups, owner)
 
 
 def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int], int], rep: str | None,
@@ -294,4 +305,6 @@ def _edge(pricer: Pricer, vars_: list[GroupVar], pi: int, ci: int, member: int, 
             fwd[a][b], regather[a][b] = pricer.edge_forward(value, info[0], ext)
             bwd[a][b] = pricer.edge_backward(value, info, [ext.contribution])
     grads = [ext.contribution if ext else Layout() for ext in cons_ext]
-    return EdgeVar(pi, ci, kind, value, out_idx, core, prod_class, cons_class, prod_info, grads, fwd, regather, bwd)
+    required = [ext.required if ext else Layout() for ext in cons_ext]
+    return EdgeVar(pi, ci, kind, value, out_idx, member, index, core, prod_class, cons_class, prod_info, required,
+                   grads, fwd, regather, bwd)
