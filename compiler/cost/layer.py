@@ -206,6 +206,18 @@ def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:
     return {a for a, p in grad.placements if isinstance(p, Partial) and a not in split}
 
 
+def resolves(made: Layout, held: Layout) -> bool:
+    """The node makes a partial sum (`made`) that its output value holds reduced (`held`)."""
+    return any(isinstance(p, Partial) and not isinstance(held.on(a), Partial) for a, p in made.placements)
+
+
+def gradient_layout(made: Layout, held: Layout) -> Layout:
+    """The layout a producer's backward needs its output gradient in (before `needed_gradient`):
+    the value's, or, when the node resolved its partial sum, what the node made (a reduce_scatter
+    forward is an all_gather of the gradient backward)."""
+    return made if resolves(made, held) else held
+
+
 def input_steps(ctx: CostContext, value: Value, have: Layout, required: Layout) -> list[CommStep]:
     """Forward collectives that turn `value` laid out `have` into `required` (batch-scaled)."""
     if ctx.mesh is None:
@@ -313,6 +325,13 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                     _add(t.bwd, axis_category(step.axis), regather_exposed(_comm_time(ctx, step), op.kind, cost.bwd_s))
                     t.collectives.append(("bwd", step))
         _charge_special(ctx, node, local, cost, node_fwd, t.bwd, t.collectives)
+        # A partial sum the node's own output resolves (all_reduce, or reduce_scatter onto the
+        # sequence) is reduced where it is made.
+        for k, v in enumerate(node.outputs):
+            if part is not None and k < len(local.out_layouts) and resolves(local.out_layouts[k], ctx.layout(v)):
+                for step in input_steps(ctx, v, local.out_layouts[k], ctx.layout(v)):
+                    _add(node_fwd, axis_category(step.axis), _comm_time(ctx, step))
+                    t.collectives.append(("fwd", step))
         for key, val in node_fwd.items():
             _add(t.fwd, key, val)
             if in_core:
@@ -326,8 +345,10 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                 continue
             contributions = [gradient_contribution(ctx, u, i) for u in users for i, w in enumerate(u.inputs) if w is v]
             split = {a for a, _ in part.spatial} if part else set()
-            for step in gradient_steps(ctx, v, contributions, ctx.layout(v), feeds_only_parameters(node, ctx.needs_grad),
-                                       split):
+            k = node.outputs.index(v)
+            made = local.out_layouts[k] if part is not None and k < len(local.out_layouts) else ctx.layout(v)
+            for step in gradient_steps(ctx, v, contributions, gradient_layout(made, ctx.layout(v)),
+                                       feeds_only_parameters(node, ctx.needs_grad), split):
                 _add(t.bwd, axis_category(step.axis), _comm_time(ctx, step))
                 t.collectives.append(("bwd", step))
         # Saved for backward, each storage once.
@@ -344,7 +365,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
             root_in_core = in_core and root.producer is not None and id(root.producer) in core
             # A fragment does not know how a storage made elsewhere is laid out: the view it reads.
             known = not internal_only or id(root) in produced or id(root) in ctx.layouts
-            if not known:
+            if internal_only and id(root) not in produced:
                 t.roots[id(root)] = root
             t.saved_entries[id(root)] = (ctx.local_bytes(root if known else v), root_in_core)
     t.saved = sum(b for b, _ in t.saved_entries.values())

@@ -14,6 +14,7 @@ Pass those to `shardc.backends.reference.model_state(model, graph, constants)`.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +59,8 @@ def trace_with_state(model: torch.nn.Module, example_inputs: Any, *, name: str |
     start = time.perf_counter()
     imported = getattr(model, "shardc_graph", None)
     if isinstance(imported, Graph):  # an imported model (ONNX's OnnxModule) already is IR
-        return TraceResult(imported, {}, "import", time.perf_counter() - start)
+        # A copy: passes rewrite graphs in place, and the module keeps running its own.
+        return TraceResult(copy.deepcopy(imported), {}, "import", time.perf_counter() - start)
     inputs = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
     names = list(input_names) if input_names is not None else _default_input_names(model, len(inputs))
     captured = capture(model, inputs, names)

@@ -164,6 +164,26 @@ def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh
     return out
 
 
+def _split_pieces(group: NodeGroup) -> int:
+    """k when a member splits the anchor's output (directly or through members that keep its last
+    dim) along the last dim into k equal pieces, as a fused qkv projection is read; else 1. Such
+    an anchor splits that dim strided (`tp:n/3`), so that every piece is sharded alike."""
+    out = group.anchor.outputs[0] if group.anchor.outputs else None
+    if out is None or not out.type.rank:
+        return 1
+    carried = {id(out)}
+    for node in group.members[1:]:
+        if not any(id(v) in carried for v in node.inputs):
+            continue
+        sizes = node.attrs.get("sizes", ())
+        if node.op == "split" and node.attrs.get("dim", -1) % out.type.rank == out.type.rank - 1 \
+                and len(sizes) > 1 and len(set(sizes)) == 1:
+            return len(sizes)
+        if node.op != "split" and len(node.outputs) == 1 and node.outputs[0].type.shape[-1:] == out.type.shape[-1:]:
+            carried.add(id(node.outputs[0]))
+    return 1
+
+
 def _expands(group: NodeGroup) -> bool:
     """A contraction whose output is at least twice its first input (LM head, MLP up-projection)."""
     a = group.anchor
@@ -204,7 +224,11 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
     sizes = _sizes(space, roles, shapes.batch_scale)
     kind = get_op(group.anchor.op).kind
     out: list[Candidate] = []
+    pieces = _split_pieces(group)
+    last = space.outputs[0][-1][0] if space.outputs and space.outputs[0] and space.outputs[0][-1] else None
     for spatial in spatial_options(group, mesh, shapes):
+        strides = tuple((a, pieces) for a, d in spatial if pieces > 1 and d == last and a not in ("dp", "cp")
+                        and sizes[d] % (pieces * mesh.axis_size(a)) == 0)
         temporals: list[tuple[TemporalSplit, ...]] = [()]
         if rotate and kind in ("contraction", "attention"):
             temporals += [(t,) for t in _rotations(space, spatial, mesh, sizes, roles)]
@@ -213,7 +237,7 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
             local = {d: sizes[d] // math.prod(mesh.axis_size(a) for a, e in spatial if e == d) for d in seq}
             temporals += [(TemporalSplit(d, CHUNK_STEPS),) for d in seq[:1] if local[d] % CHUNK_STEPS == 0]
         for temporal in temporals:
-            partition = Partition(spatial, temporal)
+            partition = Partition(spatial, temporal, strides)
             try:
                 ins, outs = node_layouts(space, partition, mesh)
             except ValueError:
@@ -404,7 +428,6 @@ def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partit
     member = len(acc.flops)
     src_index = next((k for k, v in enumerate(node.inputs) if id(v) in acc.known), None)
     spatial: list[tuple[str, str]] = []
-    special_split = False
     if space is not None and src_index is not None:
         layout = acc.known[id(node.inputs[src_index])]
         operand = space.inputs[src_index]
@@ -415,9 +438,8 @@ def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partit
             dim = factors[0] if factors else None
             if dim is not None and dim not in space.unsplittable and dim not in dict(space.special):
                 spatial.append((axis, dim))
-            elif node.op == "split" and p.dim == node.attrs.get("dim", -1) % node.inputs[0].type.rank and all(
-                    s % mesh.axis_size(axis) == 0 for s in node.attrs.get("sizes", ())):
-                special_split = True  # the producer's weight is permuted so every piece shards evenly
+            elif dim in space.unsplittable and len(factors) > 1 and p.interleave == space.size(dim):
+                spatial.append((axis, factors[1]))  # a strided shard split into its pieces (fused qkv)
     partition = Partition(tuple(spatial)) if space is not None else None
     try:
         ins, outs = node_layouts(space, partition, mesh) if space is not None and partition is not None else (
@@ -425,9 +447,6 @@ def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partit
     except ValueError:
         partition = Partition()
         ins, outs = [Layout()] * len(node.inputs), [Layout()] * len(node.outputs)
-    if special_split:
-        ins = [acc.known[id(node.inputs[0])]]
-        outs = [acc.known[id(node.inputs[0])]] * len(node.outputs)
     for k, v in enumerate(node.inputs):
         req = ins[k] if k < len(ins) else Layout()
         rot = _rotating_axes(space, partition, k) if space is not None and partition is not None else frozenset()

@@ -20,6 +20,7 @@ from shardc.cost.layer import (
     LayerTerms,
     feeds_only_parameters,
     gradient_contribution,
+    gradient_layout,
     gradient_steps,
     input_steps,
     layer_params,
@@ -56,7 +57,8 @@ class CandCost:
     terms: LayerTerms
     params: tuple[tuple[str, float, frozenset[str]], ...]  # (name, local elements, gradient-sum axes)
     ext: tuple[ExternalGrad, ...]
-    produced: tuple[tuple[Layout, bool, frozenset[str]], ...]  # per output: (layout, passthrough, split axes)
+    # per output: (layout, passthrough, split axes, layout its gradient is needed in)
+    produced: tuple[tuple[Layout, bool, frozenset[str], Layout], ...]
 
     @property
     def time(self) -> float:
@@ -104,7 +106,11 @@ class Pricer:
             part = partitions[id(node)]
             split = frozenset(a for a, _ in part.spatial) if part else frozenset()
             through = feeds_only_parameters(node, ctx.needs_grad)
-            produced += [(layouts.get(id(v), Layout()), through, split) for v in node.outputs]
+            made = ctx.local(node).out_layouts
+            for k, v in enumerate(node.outputs):
+                held = layouts.get(id(v), Layout())
+                grad = gradient_layout(made[k], held) if part is not None and k < len(made) else held
+                produced.append((held, through, split, grad))
         return CandCost(terms, params, tuple(ext), tuple(produced))
 
     def edge_forward(self, value: Value, have: Layout, ext: ExternalGrad) -> tuple[dict[str, float], dict[str, float]]:
@@ -119,10 +125,10 @@ class Pricer:
                         regather[key] = regather.get(key, 0.0) + regather_exposed(val, *ext.regather)
         return steps_time(self.ctx, steps), regather
 
-    def edge_backward(self, value: Value, produced: tuple[Layout, bool, frozenset[str]],
+    def edge_backward(self, value: Value, produced: tuple[Layout, bool, frozenset[str], Layout],
                       contributions: list[Layout]) -> dict[str, float]:
         """Seconds by category of bringing the consumers' gradients back to the producer."""
-        layout, through, split = produced
+        _, through, split, layout = produced
         return steps_time(self.ctx, gradient_steps(self.ctx, value, contributions, layout, through, split))
 
     def p2p(self, nbytes: float) -> float:

@@ -78,7 +78,7 @@ class EdgeVar:
     core: bool  # the consumer is in an attention core (selective recomputation repeats it)
     prod_class: list[int]
     cons_class: list[int]
-    prod_info: list[tuple[Layout, bool, frozenset[str]]]
+    prod_info: list[tuple[Layout, bool, frozenset[str], Layout]]
     cons_required: list[Layout]
     cons_grad: list[Layout]
     fwd: list[list[dict[str, float]]]
@@ -207,11 +207,14 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
         for i in ids:
             edges[i].share = k
     owner = {}
-    for i, var in enumerate(vars_):
+    for g in facts.groups:  # every copy's values, mapped to the represented groups
+        layer = "<graph>" if g.layer is None else g.layer
+        i = index.get((rep, g.position) if layer in lay.blocks else (layer, g.position))
         k = 0
-        for node in var.group.members:
+        for node in g.members:
             for v in node.outputs:
-                owner[id(v)] = (i, k)
+                if i is not None:
+                    owner[id(v)] = (i, k)
                 k += 1
     return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, pricer, vars_, edges, groups, owner)
 
@@ -278,10 +281,10 @@ def _kind(consumer: str, producer: str, rep_at: int) -> str | None:
 
 def _edge(pricer: Pricer, vars_: list[GroupVar], pi: int, ci: int, member: int, index: int, out_idx: int,
           value: Value, kind: str, core: bool) -> EdgeVar:
-    prod_info: list[tuple[Layout, bool, frozenset[str]]] = []
+    prod_info: list[tuple[Layout, bool, frozenset[str], Layout]] = []
     prod_class = []
     for cost in vars_[pi].costs:
-        info = cost.produced[out_idx] if out_idx < len(cost.produced) else (Layout(), False, frozenset())
+        info = cost.produced[out_idx] if out_idx < len(cost.produced) else (Layout(), False, frozenset(), Layout())
         if info not in prod_info:
             prod_info.append(info)
         prod_class.append(prod_info.index(info))
