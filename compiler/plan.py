@@ -395,8 +395,8 @@ def model_dims(graph: Graph) -> ModelDims:
     """Read layers, heads, kv heads, hidden, vocab, sequence and batch off an IR graph.
 
     Layers: distinct layers (the group-layers annotation, else the module path up to its first
-    index, `blocks.3`) holding an attention; without attention, the count of the most repeated
-    block in `graph.layers`, else of indexed module paths. Heads, batch and sequence: from attention shapes. Hidden: the
+    index, `blocks.3`) holding an attention; without attention, the indexed layers of
+    `graph.layers` (else the most repeated block), else of indexed module paths. Heads, batch and sequence: from attention shapes. Hidden: the
     layer_norm/rms_norm width (the embedding's when both occur). Vocab: the largest embedding fed
     by a graph input (token ids), else the cross-entropy class count, else the largest embedding.
     """
@@ -404,7 +404,9 @@ def model_dims(graph: Graph) -> ModelDims:
     if attn:
         layers = len({_layer_key(n) for n, *_ in attn})
     elif graph.layers:
-        layers = Counter(layer.block for layer in graph.layers.values()).most_common(1)[0][1]
+        # Indexed layers (`layers.3`) count even when their shapes differ (an MLP's first layer).
+        indexed = [name for name in graph.layers if any(p.isdigit() for p in name.split("."))]
+        layers = len(indexed) or Counter(layer.block for layer in graph.layers.values()).most_common(1)[0][1]
     else:  # not grouped yet: indexed module paths (`layers.3`) under their most common prefix
         keys = {_layer_key(n) for n in graph.nodes if any(p.isdigit() for p in n.location.module_path.split("."))}
         prefixes = Counter(k.rsplit(".", 1)[0] for k in keys)

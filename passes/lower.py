@@ -18,7 +18,11 @@ averaged by DDP (or FSDP2 when a layer asks for ZeRO): each such parameter passe
 `grad_sync[axes, op="avg", via, zero]` node (via="ddp", or "fsdp" when any layer has zero>0),
 and collectives carry the backward they need as their `grad` attribute. Graph outputs are made replicated on model axes and stay local on
 data axes (the loss is each rank's mean: `P(avg)`). Where an activation crosses pipeline
-stages, a `send` (producer's layer) and `recv` (consumer's layer) pair cuts the graph.
+stages, a `send` (producer's layer) and `recv` (consumer's layer) pair cuts the graph: the send
+goes right after its producer and the recv (with the steps after it) right before the first
+consumer, so stages never decrease along the node list. A parameter read on several stages
+(a tied embedding and head) is held by each of them: it gets one `grad_sync` per stage and is
+never sent; the runtime sums its gradient over those stages.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.propagate import io_layouts
-from shardc.resharding import DATA_AXES, Edge, ReshardStep, edge_steps
+from shardc.resharding import DATA_AXES, Edge, ReshardStep, edge_steps, node_stage
 
 
 def splits_axis(node: Node, axis: str) -> bool:
@@ -89,14 +93,19 @@ class _Emit:
                                None, near.layer))
         return out
 
-    def chain(self, src: Value, edge: Edge, steps: list[ReshardStep], near: Node) -> Value:
+    def send(self, src: Value, edge: Edge, producer: Node) -> Value:
+        """The producer's half of a stage cut (emitted right after the producer)."""
+        attrs = {"axis": "pp", "src": edge.src_stage, "dst": edge.dst_stage}
+        return self("send", attrs, src, src.layout or Layout(), producer, "send")
+
+    def chain(self, src: Value, edge: Edge, steps: list[ReshardStep], near: Node, sent: Value | None = None) -> Value:
         cur = src
         for step in steps:
             if step.kind == "send_recv":
                 attrs = {"axis": "pp", "src": edge.src_stage, "dst": edge.dst_stage}
-                producer = src.producer or near
-                cur = self("send", attrs, cur, cur.layout or Layout(), producer, "send")
-                cur = self("recv", attrs, cur, cur.layout or Layout(), near, "recv")
+                if sent is None:
+                    sent = self.send(cur, edge, src.producer or near)
+                cur = self("recv", attrs, sent, cur.layout or Layout(), near, "recv")
                 continue
             op, attrs = step_node_attrs(step)
             cur = self(op, attrs, cur, step.layout_after, near, op)
@@ -119,21 +128,24 @@ def hold_layouts(graph: Graph) -> None:
 
 
 def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit) -> None:
-    """One `grad_sync` per trainable parameter replicated on a data axis its readers split."""
+    """One `grad_sync` per trainable parameter replicated on a data axis its readers split (one
+    per pipeline stage reading it)."""
     zero = {name: layer.annotation.zero for name, layer in graph.layers.items()}
     via = "fsdp" if any(zero.values()) else "ddp"
-    synced: dict[int, Value] = {}
+    synced: dict[tuple[int, int | None], Value] = {}
     nodes: list[Node] = []
     emit.nodes = nodes
     for node in graph.nodes:
+        key_stage = node_stage(graph, node)
         for i, v in enumerate(node.inputs):
-            if v.kind == "parameter" and v.requires_grad and id(v) not in synced:
+            key = (id(v), key_stage)
+            if v.kind == "parameter" and v.requires_grad and key not in synced:
                 axes = tuple(a for a in data if isinstance((v.layout or Layout()).on(a), Replicate)
                              and splits_axis(node, a))
                 if axes:
                     attrs = {"axes": axes, "op": "avg", "via": via, "zero": zero.get(node.layer or "", 0)}
-                    synced[id(v)] = emit("grad_sync", attrs, v, v.layout or Layout(), node, "grad_sync")
-            node.inputs[i] = synced.get(id(v), v)
+                    synced[key] = emit("grad_sync", attrs, v, v.layout or Layout(), node, "grad_sync")
+            node.inputs[i] = synced.get(key, v)
         nodes.append(node)
     graph.nodes = nodes
 
@@ -159,13 +171,22 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
         if edge.consumers:
             before.setdefault(min(i for i, _ in edge.consumers), []).append(edge)
     old = list(graph.nodes)
+    position = {id(n): i for i, n in enumerate(old)}
+    after: dict[int, list[Edge]] = {}  # producer index -> edges whose send goes right after it
+    for edge in edges:
+        producer = by_name[edge.value].producer
+        if edge.consumers and edges[edge][0].kind == "send_recv" and producer is not None:
+            after.setdefault(position[id(producer)], []).append(edge)
+    sent: dict[Edge, Value] = {}
     emit.nodes = []
     for index, node in enumerate(old):
         for edge in before.get(index, []):
-            new = emit.chain(by_name[edge.value], edge, edges[edge], node)
+            new = emit.chain(by_name[edge.value], edge, edges[edge], node, sent.get(edge))
             for i, pos in edge.consumers:
                 old[i].inputs[pos] = new
         emit.nodes.append(node)
+        for edge in after.get(index, []):
+            sent[edge] = emit.send(by_name[edge.value], edge, node)
     for edge, steps in edges.items():
         if not edge.consumers:
             k = next(j for j, v in enumerate(graph.outputs) if v.name == edge.value)

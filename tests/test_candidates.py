@@ -77,9 +77,17 @@ def test_ring_attention_and_vocab_parallel_loss():
     got = [c.label for c in enumerate_group(attn, mesh, Shapes(roles))]
     assert "partition<cp:s; time t/2 rotate cp>" in got
     assert not any("cp:t" in label or "tp:t" in label for label in got)  # t splits only by its ring rule
-    loss = next(gr for gr in groups if gr.anchor.op == "cross_entropy")
-    vocab = [c for c in enumerate_group(loss, mesh, Shapes(roles)) if "tp:v" in c.label]
-    assert vocab and all(any(k.kind == "all_reduce" for k in c.collectives) for c in vocab)
+    # Priced by the cost model: the vocab-parallel loss all-reduces its row max and sum over tp,
+    # the ring attention's rotation runs over cp.
+    cluster = parse_cluster("8xH100")
+    problem = build_problem(graph_facts(g, cluster), cluster, MeshShape(1, 1, 2, 2), 2, 8)
+    loss = next(v for v in problem.groups if v.group.anchor.op == "cross_entropy")
+    vocab = [cost for c, cost in zip(loss.cands, loss.costs) if "tp:v" in c.label]
+    assert vocab and all(cost.terms.fwd.get("tp_comm", 0.0) > 0 for cost in vocab)
+    assert all(any(s.kind == "all_reduce" and s.axis == "tp" for _, s in cost.terms.collectives) for cost in vocab)
+    attn = next(v for v in problem.groups if v.group.anchor.op == "scaled_dot_product_attention")
+    ring = [cost for c, cost in zip(attn.cands, attn.costs) if "rotate cp" in c.label]
+    assert ring and all(any(s.kind == "rotate" for _, s in cost.terms.collectives) for cost in ring)
 
 
 def test_op_without_rule_is_replicated():

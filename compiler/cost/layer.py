@@ -317,6 +317,8 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                     not internal_only or v.producer is None or v.producer.layer != node.layer):
                 t.input_entries[id(ctx.root(v))] = ctx.local_bytes(ctx.root(v))
                 if internal_only:
+                    t.roots[id(ctx.root(v))] = ctx.root(v)
+                if internal_only:
                     continue
             for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
                 _add(node_fwd, axis_category(step.axis), _comm_time(ctx, step))

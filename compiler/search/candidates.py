@@ -1,4 +1,7 @@
-"""Candidate partitions of a node group on an intra-stage mesh, with their layouts and raw costs.
+"""Candidate partitions of a node group on an intra-stage mesh, with their layouts.
+
+Candidates carry no costs of their own: `shardc.search.costs` prices each with the analytical
+model (`shardc.cost`), node by node, as `estimate` would price the graph partitioned so.
 
 Rules (one place):
 - Spatial: every mesh axis is assigned one iteration dim of the anchor or none. The data
@@ -10,12 +13,14 @@ Rules (one place):
   d2 of the operands that A would otherwise replicate is cut into |A| steps and those operands'
   shards move one neighbour along A per step: `partition<tp:n; time k/4 rotate tp>`. No operand
   is replicated, partial sums stay local, and the ring transfers overlap with compute.
-- Temporal chunks: a sequence dim cut into 4 steps on the same devices lowers the group's
+- Temporal chunks: a sequence dim cut into 4 steps on the same devices lowers the node's
   working memory (`time e1/4`), at a kernel-launch cost per step.
+- A linear whose output a member splits into k equal pieces (a fused qkv) splits that dim
+  strided (`tp:n/3`), so the split follows with every piece sharded alike.
 - A reduction split leaves the anchor's output Partial(sum); each candidate resolves it inside
   the group, by all_reduce to Replicate or reduce_scatter onto a batch/sequence dim.
-- Followers inherit the partition through their inputs' layouts; what cannot be inherited is
-  gathered first (an in-group all_gather).
+- Followers inherit the partition through their first in-group input's layout; what cannot be
+  inherited is gathered first (an in-group all_gather, priced like any redistribution).
 - An op without a registry rule is kept replicated (one candidate) and reported.
 """
 
@@ -27,21 +32,10 @@ from dataclasses import dataclass
 
 from shardc.ir import Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
 from shardc.registry import IterationSpace, get_op, has_op, node_layouts
-from shardc.search.groups import NodeGroup, iteration_roles, storage_root
+from shardc.search.groups import NodeGroup, iteration_roles
 
 CHUNK_STEPS = 4
 FLOAT_BYTES = 2  # bf16/fp16 compute; the planner prices every float tensor at this size
-
-
-@dataclass(frozen=True, slots=True)
-class Collective:
-    """One collective a candidate runs: `nbytes` is the per-device full-size buffer it moves."""
-
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | rotate
-    axis: str
-    nbytes: float
-    backward: bool = False
-    steps: int = 1  # rotate: transfers, each overlapping one compute step
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,19 +51,14 @@ class ExternalInput:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One way to run a group: per-member partitions, external layouts, and raw per-device costs."""
+    """One way to run a group: per-member partitions and layouts, and what it needs from outside
+    (priced by `shardc.search.costs` with the analytical model)."""
 
     label: str
     partitions: tuple[Partition | None, ...]
     inputs: tuple[ExternalInput, ...]
     outputs: tuple[tuple[Value, Layout], ...]
-    flops: tuple[float, ...]  # per member, one device, one micro-batch, forward
-    moved: tuple[float, ...]  # bytes read and written per member
     layouts: tuple[tuple[tuple[Layout, ...], tuple[Layout, ...]], ...]  # per member: (inputs, outputs)
-    collectives: tuple[Collective, ...]
-    saved: tuple[tuple[int, float, bool], ...]  # (id(root), bytes, saved by a contraction)
-    transient: float
-    steps: int = 1
 
     def output_layout(self, value: Value) -> Layout | None:
         for v, layout in self.outputs:
@@ -219,7 +208,7 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
     """All candidates of one group on `mesh` (intra-stage axes only), each fully priced in bytes/FLOPs."""
     space = group.spaces[0]
     if space is None or not has_op(group.anchor.op):
-        return [_replicated(group, mesh, shapes)]
+        return [_replicated(group, mesh)]
     roles = iteration_roles(group.anchor, space, shapes.roles)
     sizes = _sizes(space, roles, shapes.batch_scale)
     kind = get_op(group.anchor.op).kind
@@ -244,10 +233,8 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
                 continue
             ins = _with_rotation(space, partition, ins, mesh)
             for resolved in _resolutions(group, outs, mesh, shapes, roles):
-                cand = _complete(group, partition, ins, resolved, mesh, shapes, kind)
-                if cand is not None:
-                    out.append(cand)
-    return out or [_replicated(group, mesh, shapes)]
+                out.append(_complete(group, partition, ins, resolved, mesh))
+    return out or [_replicated(group, mesh)]
 
 
 def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shapes,
@@ -288,29 +275,6 @@ def _shardable(value: Value, layout: Layout, mesh: Mesh, shapes: Shapes) -> bool
     return True
 
 
-def reshard(src: Layout, dst: Layout, value: Value, mesh: Mesh, shapes: Shapes, backward: bool = False
-            ) -> list[Collective]:
-    """The collectives that turn `src` into `dst`, axis by axis (S->R all_gather, S->S' all_to_all,
-    P->R all_reduce, P->S reduce_scatter; R->S and anything->P are local and free)."""
-    out = []
-    current = src
-    for axis in mesh.names:
-        a, b = current.on(axis), dst.on(axis)
-        if a == b:
-            continue
-        after = Layout(tuple((x, (b if x == axis else current.on(x))) for x in mesh.names)).without_replicate()
-        if isinstance(a, Shard) and isinstance(b, Replicate):
-            out.append(Collective("all_gather", axis, shapes.nbytes(value, after, mesh), backward))
-        elif isinstance(a, Shard) and isinstance(b, Shard):
-            out.append(Collective("all_to_all", axis, shapes.nbytes(value, current, mesh), backward))
-        elif isinstance(a, Partial) and isinstance(b, Replicate):
-            out.append(Collective("all_reduce", axis, shapes.nbytes(value, current, mesh), backward))
-        elif isinstance(a, Partial) and isinstance(b, Shard):
-            out.append(Collective("reduce_scatter", axis, shapes.nbytes(value, current, mesh), backward))
-        current = after
-    return out
-
-
 def grad_layout(required: Layout, partition: Partition | None, mesh: Mesh, rotating: frozenset[str]) -> Layout:
     """An operand's gradient layout: Partial(sum) on every axis the node splits but the operand
     does not (unless the operand rotates along it), the operand's own placement elsewhere."""
@@ -333,99 +297,41 @@ def _rotating_axes(space: IterationSpace, partition: Partition, index: int) -> f
 
 
 class _Acc:
-    """Accumulates one candidate's layouts and costs while walking the group's members."""
+    """Accumulates one candidate's layouts while walking the group's members."""
 
-    def __init__(self, mesh: Mesh, shapes: Shapes) -> None:
-        self.mesh, self.shapes = mesh, shapes
+    def __init__(self) -> None:
         self.known: dict[int, Layout] = {}
         self.inputs: list[ExternalInput] = []
         self.outputs: list[tuple[Value, Layout]] = []
-        self.partitions: list[Partition | None] = []
-        self.flops: list[float] = []
-        self.moved: list[float] = []
-        self.collectives: list[Collective] = []
-        self.saved: dict[int, tuple[float, bool]] = {}
-        self.transient = 0.0
         self.layouts: list[tuple[tuple[Layout, ...], tuple[Layout, ...]]] = []
 
     def read(self, member: int, index: int, value: Value, required: Layout, grad: Layout) -> None:
-        if id(value) in self.known:
-            have = self.known[id(value)]
-            self.collectives += reshard(have, required, value, self.mesh, self.shapes)
-            self.collectives += reshard(grad, have, value, self.mesh, self.shapes, backward=True)
-        else:
+        if id(value) not in self.known:
             self.inputs.append(ExternalInput(member, index, value, required, grad))
-
-    def account(self, node_index: int, node, partition: Partition | None, ins: list[Layout], outs: list[Layout]) -> None:
-        op = get_op(node.op) if has_op(node.op) else None
-        self.layouts.append((tuple(ins), tuple(outs)))
-        split = math.prod(self.mesh.axis_size(a) for a, _ in partition.spatial) if partition else 1
-        scale = self.shapes.batch_scale if any(self.shapes.scales(v) for v in node.outputs) else 1.0
-        in_t, out_t = [v.type for v in node.inputs], [v.type for v in node.outputs]
-        self.flops.append(op.count_flops(in_t, out_t, node.attrs) * scale / split if op else 0.0)
-        is_view = op is not None and op.kind in ("view", "creation")
-        moved = 0.0 if is_view else sum(self.shapes.nbytes(v, lay, self.mesh) for v, lay in zip(node.inputs, ins)) \
-            + sum(self.shapes.nbytes(v, lay, self.mesh) for v, lay in zip(node.outputs, outs))
-        self.moved.append(moved)
-        if not is_view:
-            self.transient += sum(self.shapes.nbytes(v, lay, self.mesh) for v, lay in zip(node.outputs, outs))
-            if op is not None and op.kind == "loss" and node.inputs:
-                self.transient += 2 * self.shapes.nbytes(node.inputs[0], ins[0], self.mesh)
-        if op is None:
-            return
-        contraction = op.kind == "contraction"
-        for what, k in op.saved_for_backward(in_t, out_t, node.attrs):
-            if what == "bytes":
-                key, nbytes = -(node_index + 1) * 1000003 - k, k * scale / split
-            else:
-                value, lay = (node.inputs[k], ins[k]) if what == "in" else (node.outputs[k], outs[k])
-                key, nbytes = id(storage_root(value)), self.shapes.nbytes(value, lay, self.mesh)
-            old = self.saved.get(key)
-            self.saved[key] = (max(nbytes, old[0]) if old else nbytes, contraction or (old[1] if old else False))
 
 
 def _complete(group: NodeGroup, partition: Partition, ins: list[Layout], resolved: list[tuple[Layout, Layout]],
-              mesh: Mesh, shapes: Shapes, kind: str) -> Candidate | None:
-    acc = _Acc(mesh, shapes)
+              mesh: Mesh) -> Candidate:
+    acc = _Acc()
     anchor, space = group.anchor, group.spaces[0]
     assert space is not None
     for i, v in enumerate(anchor.inputs):
         req = ins[i] if i < len(ins) else Layout()
         acc.read(0, i, v, req, grad_layout(req, partition, mesh, _rotating_axes(space, partition, i)))
-    acc.account(id(anchor), anchor, partition, [e.required for e in acc.inputs], [p for p, _ in resolved])
-    for (produced, final), v in zip(resolved, anchor.outputs):
-        if produced != final:
-            acc.collectives += reshard(produced, final, v, mesh, shapes)
-            acc.collectives += reshard(final, produced.without_replicate(), v, mesh, shapes, backward=True) \
-                if any(isinstance(p, Shard) and not isinstance(produced.on(a), Shard) for a, p in final.placements) else []
+    acc.layouts.append((tuple(e.required for e in acc.inputs), tuple(p for p, _ in resolved)))
+    for (_, final), v in zip(resolved, anchor.outputs):
         acc.known[id(v)] = final
         acc.outputs.append((v, final))
-    for t in partition.temporal:
-        if t.rotate:
-            for i, v in enumerate(anchor.inputs):
-                if t.rotate in _rotating_axes(space, partition, i):
-                    nbytes = shapes.nbytes(v, ins[i], mesh)
-                    acc.collectives.append(Collective("rotate", t.rotate, nbytes, False, t.steps - 1))
-                    acc.collectives.append(Collective("rotate", t.rotate, 2 * nbytes, True, t.steps - 1))
-    rules = dict(space.special)
-    for axis, dim in partition.spatial:
-        if rules.get(dim) == "vocab":  # max, sum-exp and target logit per row, fp32
-            rows = shapes.nbytes(anchor.inputs[0], ins[0], mesh) / max(anchor.inputs[0].type.shape[-1], 1) * 2
-            acc.collectives.append(Collective("all_reduce", axis, 3 * rows))
     partitions: list[Partition | None] = [partition]
     for j, node in enumerate(group.members[1:], start=1):
-        p_j = _follow(node, group.spaces[j], acc, mesh)
-        partitions.append(p_j)
-    steps = max([t.steps for t in partition.temporal if t.rotate is None] or [1])
+        partitions.append(_follow(node, group.spaces[j], acc, mesh))
     label = str(partition) + "".join(f" ->{f}" for p, f in resolved if p != f)
-    return Candidate(label, tuple(partitions), tuple(acc.inputs), tuple(acc.outputs), tuple(acc.flops),
-                     tuple(acc.moved), tuple(acc.layouts), tuple(acc.collectives),
-                     tuple((k, b, c) for k, (b, c) in acc.saved.items()), acc.transient / steps, steps)
+    return Candidate(label, tuple(partitions), tuple(acc.inputs), tuple(acc.outputs), tuple(acc.layouts))
 
 
 def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partition | None:
     """A follower's partition, inherited from its first in-group input's layout."""
-    member = len(acc.flops)
+    member = len(acc.layouts)
     src_index = next((k for k, v in enumerate(node.inputs) if id(v) in acc.known), None)
     spatial: list[tuple[str, str]] = []
     if space is not None and src_index is not None:
@@ -451,24 +357,22 @@ def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partit
         req = ins[k] if k < len(ins) else Layout()
         rot = _rotating_axes(space, partition, k) if space is not None and partition is not None else frozenset()
         acc.read(member, k, v, req, grad_layout(req, partition, mesh, rot))
-    acc.account(member, node, partition, [ins[k] if k < len(ins) else Layout() for k in range(len(node.inputs))],
-                list(outs))
+    acc.layouts.append((tuple(ins[k] if k < len(ins) else Layout() for k in range(len(node.inputs))), tuple(outs)))
     for v, lay in zip(node.outputs, outs):
         acc.known[id(v)] = lay
         acc.outputs.append((v, lay))
     return partition
 
 
-def _replicated(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> Candidate:
+def _replicated(group: NodeGroup, mesh: Mesh) -> Candidate:
     """The fallback for ops without a rule: every member computes the whole tensor on every device."""
-    acc = _Acc(mesh, shapes)
+    acc = _Acc()
     for j, node in enumerate(group.members):
         for k, v in enumerate(node.inputs):
             acc.read(j, k, v, Layout(), Layout())
-        acc.account(j, node, None, [Layout()] * len(node.inputs), [Layout()] * len(node.outputs))
+        acc.layouts.append((tuple(Layout() for _ in node.inputs), tuple(Layout() for _ in node.outputs)))
         for v in node.outputs:
             acc.known[id(v)] = Layout()
             acc.outputs.append((v, Layout()))
     return Candidate("replicated", (None,) * len(group.members), tuple(acc.inputs), tuple(acc.outputs),
-                     tuple(acc.flops), tuple(acc.moved), tuple(acc.layouts), tuple(acc.collectives),
-                     tuple((k, b, c) for k, (b, c) in acc.saved.items()), acc.transient)
+                     tuple(acc.layouts))

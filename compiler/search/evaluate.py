@@ -92,10 +92,13 @@ def _merge(parts: list[LayerTerms], problem: Problem | None = None, choice: tupl
             out.input_entries.setdefault(key, b)
         out.roots.update(t.roots)
     for key, root in out.roots.items() if problem is not None else ():
-        if key in problem.owner and key in out.saved_entries:
+        if key in problem.owner:
             var, k = problem.owner[key]
-            layout = problem.groups[var].costs[choice[var]].produced[k][0]
-            out.saved_entries[key] = (problem.pricer.local_bytes(root, layout), out.saved_entries[key][1])
+            nbytes = problem.pricer.local_bytes(root, problem.groups[var].costs[choice[var]].produced[k][0])
+            if key in out.saved_entries:
+                out.saved_entries[key] = (nbytes, out.saved_entries[key][1])
+            if key in out.input_entries:
+                out.input_entries[key] = nbytes
     out.saved = sum(b for b, _ in out.saved_entries.values())
     out.core_saved = sum(b for b, c in out.saved_entries.values() if c)
     out.inputs = sum(out.input_entries.values())
@@ -134,7 +137,29 @@ def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
     else:
         first = _merge([blk, parts["first_fwd"], parts["chain_bwd"]])
         last = _merge([blk, parts["chain_fwd"], parts["last_bwd"]])
+    _rebase_first(problem, a, first)
     return {"pre": parts["pre"], "first": first, "block": middle, "last": last, "post": parts["post"]}
+
+
+def _rebase_first(problem: Problem, a: Assignment, first: LayerTerms) -> None:
+    """The first block reads the prefix's output where the others read the previous copy's: its
+    saved input and kept layer input are that value, at the prefix's layout."""
+    chain = {(e.consumer, e.member, e.index): e for e in problem.edges if e.kind == "chain"}
+    for e in problem.edges:
+        old = chain.get((e.consumer, e.member, e.index)) if e.kind == "first" else None
+        if old is None:
+            continue
+        layout = e.prod_info[e.prod_class[a.choice[e.producer]]][0]
+        nbytes = problem.pricer.local_bytes(e.value, layout)
+        if id(old.value) in first.input_entries:
+            del first.input_entries[id(old.value)]
+            first.input_entries[id(e.value)] = nbytes
+        if id(old.value) in first.saved_entries:
+            flag = first.saved_entries.pop(id(old.value))[1]
+            first.saved_entries[id(e.value)] = (nbytes, flag)
+    first.saved = sum(b for b, _ in first.saved_entries.values())
+    first.core_saved = sum(b for b, c in first.saved_entries.values() if c)
+    first.inputs = sum(first.input_entries.values())
 
 
 def layer_works(problem: Problem, a: Assignment) -> list[LayerWork]:

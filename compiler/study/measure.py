@@ -147,7 +147,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def _reclassify(self, t: torch.Tensor, old: tuple[str, ...], new: str) -> None:
         s = _storage(t)
-        entry = self.live.get(s.data_ptr()) if s is not None else None
+        if s is None:
+            return
+        entry = self.live.get(s.data_ptr())
         if entry is not None and entry[1] in old:
             self.live[s.data_ptr()] = (entry[0], new)
 
@@ -214,7 +216,7 @@ def _group_size(args: tuple) -> int:
             try:
                 from torch.distributed.distributed_c10d import _resolve_process_group
 
-                return dist.get_world_size(_resolve_process_group(a))
+                return dist.get_world_size(_resolve_process_group(a))  # type: ignore[arg-type]
             except Exception:
                 continue
     return dist.get_world_size() if dist.is_initialized() else 1
@@ -326,7 +328,7 @@ def profile_breakdown(per_rank: list[dict[str, Any]]) -> list[dict[str, float]]:
     for data in per_rank:
         for key, dur in data.get("calls", []):
             shortest[key] = min(shortest.get(key, dur), dur)
-    out = []
+    out: list[Any] = []
     for data in per_rank:
         if not data:
             out.append({})
