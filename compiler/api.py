@@ -5,7 +5,8 @@
     print(plan.code(rank=0))         # what rank 0 runs (torch.fx generated code)
     plan.estimate()                  # predicted step time and memory (shardc.cost)
     module = plan.parallelize(model) # on each rank, after init_process_group
-    loss = module(*batch); loss.backward(); optimizer.step()
+    loss = module(*batch); loss.backward(); optimizer.step()   # pp=1
+    loss = module.step(*batch); optimizer.step()              # any plan, pipelines included
 
 Compilation traces the model (`shardc.frontend`), files nodes under layers (group-layers),
 partitions it by the plan (apply-plan) and lowers it (lower). The returned plan is plain data;
@@ -35,7 +36,10 @@ class CompiledPlan:
 
     `graph` is the lowered IR (`print(plan)` shows it); `plan` the ParallelPlan; `cluster` the
     cluster it was planned for (for `estimate`); `constants` the values of the graph's
-    `const.N` buffers (folded constants the model itself does not hold).
+    `const.N` buffers (folded constants the model itself does not hold). `micro_graph` is the
+    same plan lowered for one micro-batch (the model traced with dp*mb sequences, every node
+    partitioned as in `graph`): what runs when the plan has more than one micro-batch; None when
+    `graph` already is one micro-batch (or the model cannot be traced again, an ONNX import).
     """
 
     graph: Graph
@@ -43,6 +47,13 @@ class CompiledPlan:
     cluster: Any = None
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     input_names: tuple[str, ...] = ()
+    micro_graph: Graph | None = None
+    micro_constants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def runtime_graph(self) -> Graph:
+        """The lowered graph each rank runs per micro-batch."""
+        return self.micro_graph if self.micro_graph is not None else self.graph
 
     @property
     def mesh(self) -> Mesh:
@@ -85,30 +96,41 @@ class CompiledPlan:
         return estimate(self.graph, cluster, self.plan)
 
     def parallelize(self, model: torch.nn.Module, *, init: Any = None, seed: int = 0,
-                    device: torch.device | str | None = None) -> torch.nn.Module:
+                    device: torch.device | str | None = None, loss_fn: Any = None) -> torch.nn.Module:
         """This rank's trainable module (call on every rank after `init_process_group`).
 
         Parameters come from `model`'s own tensors, each rank keeping its shard; for a model on
         the meta device, `init(name, tensor)` fills one full tensor at a time (seeded by `seed`
         and the name, so every rank agrees) and each rank keeps its piece. Inputs are the global
-        batch in the traced shapes; every rank slices its own part. The output is the loss (or
-        the model's outputs): replicated on model axes, each rank's own part on data axes
-        (the loss is the mean over this rank's share of the batch).
+        batch in the traced shapes; every rank slices its own part.
+
+        Every returned module has `step(*inputs) -> loss`: forward and backward over the plan's
+        micro-batches (gradient accumulation; the pipeline schedule when pp > 1), gradients
+        synchronised and ready for any torch optimizer, returning this rank's mean loss (detached;
+        replicated on model axes and pipeline ranks, each rank's own share on data axes: average
+        over dp/cp for the global loss). With pp=1 the module is also callable: `module(*inputs)`
+        returns that loss with its graph (micro-batches run one after another inside), for the
+        user's own `loss.backward()`. A pipelined plan (pp > 1) returns a
+        `shardc.backends.torch.pipelined.PipelinedModule`: only `step` runs it. The loss is the
+        graph's own output (the model computes it from a target input), or
+        `loss_fn(outputs, target)` when given (the model then returns e.g. logits, and `step`
+        takes `step(*inputs, target=...)`).
         """
+        if self.plan.pp > 1 or self.mesh.axis_size("pp") > 1:
+            from shardc.backends.torch.pipelined import parallelize_pipeline
+
+            return parallelize_pipeline(self, model, init=init, seed=seed, device=device, loss_fn=loss_fn)
         from shardc.backends.torch.parallelize import parallelize_graph
 
-        if self.plan.pp > 1:
-            raise ShardcError(f"plan {self.plan} is pipelined (pp={self.plan.pp})", hint="pipelined plans run "
-                              "through shardc.backends.torch.pipeline.PipelineRunner (one step function per "
-                              "schedule); plan.parallelize covers pp=1")
-        return parallelize_graph(self.graph, _with_constants(model, self.constants), init=init, seed=seed,
-                                 device=device)
+        return parallelize_graph(self.graph, _with_constants(model, {**self.constants, **self.micro_constants}),
+                                 init=init, seed=seed, device=device, micro_graph=self.micro_graph,
+                                 loss_fn=loss_fn)
 
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter and buffer unsharded, on every rank (a collective: call on all ranks)."""
         from shardc.backends.torch.parallelize import full_state_dict
 
-        return full_state_dict(self.graph, module)
+        return full_state_dict(self.runtime_graph, module)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -187,9 +209,70 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
         graph = run_pipeline(traced.graph, [GroupLayers(), ApplyPlan()], ctx, print_after_all=print_after_all)
     if before_lower is not None:
         before_lower(graph)
+    micro = micro_trace(model, inputs, graph, name=name, input_names=input_names)
     graph = run_pipeline(graph, [Lower()], ctx, print_after_all=print_after_all)
+    micro_graph, micro_constants = None, {}
+    if micro is not None:
+        micro_graph = micro.graph
+        if isinstance(plan, Graph):  # the solver's partitions, node by node
+            transfer_partitions(graph, micro_graph)
+        else:  # the plan's rules again, on the micro-batch's shapes
+            micro_graph = run_pipeline(micro_graph, [GroupLayers(), ApplyPlan()], ctx)
+            micro_graph.attrs = dict(graph.attrs)
+            if before_lower is not None:
+                before_lower(micro_graph)
+        micro_graph = run_pipeline(micro_graph, [Lower()], ctx)
+        micro_constants = dict(micro.constants)
     return CompiledPlan(graph, parallel, cluster, dict(traced.constants),
-                        tuple(v.name for v in graph.inputs))
+                        tuple(v.name for v in graph.inputs), micro_graph, micro_constants)
+
+
+def micro_trace(model: Any, inputs: tuple, partitioned: Graph, *, name: str | None = None,
+                input_names: tuple[str, ...] | None = None) -> Any:
+    """The model traced for one micro-batch (dp*mb sequences; not yet partitioned); None when the
+    plan has a single micro-batch or the model is an import."""
+    from shardc.frontend import trace_with_state
+
+    attrs = partitioned.attrs
+    micro = int(attrs.get("microbatches", 1))
+    if micro <= 1 or getattr(model, "shardc_graph", None) is not None or partitioned.mesh is None:
+        return None
+    rows = partitioned.mesh.axis_size("dp") * int(attrs.get("microbatch_size", 1))
+    batch = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
+    if batch is None or any(not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch for x in inputs):
+        raise ShardcError(f"plan {attrs.get('plan')} has {micro} micro-batches, but the inputs of graph "
+                          f"@{partitioned.name} do not all have the batch as their first dim",
+                          hint="use mb so that gbs = dp*mb (one micro-batch), or give batch-first inputs")
+    if rows > batch:
+        raise ShardcError(f"a micro-batch holds dp*mb = {rows} sequences but the model was traced with {batch}",
+                          hint="trace with a larger batch or lower mb")
+    traced = trace_with_state(model, tuple(x[:rows] for x in inputs), name=name or partitioned.name,
+                              input_names=input_names or tuple(v.name for v in partitioned.inputs))
+    return traced
+
+
+def transfer_partitions(src: Graph, dst: Graph) -> None:
+    """Give `dst` (the same model traced with another batch) `src`'s mesh, layers, attributes,
+    node partitions and the layouts of its inputs, parameters and buffers, node by node.
+    `src` may be lowered already: its collectives are skipped."""
+    from shardc.collectives import COLLECTIVE_OPS
+
+    src_nodes = [n for n in src.nodes if n.op not in COLLECTIVE_OPS]
+    ops_src, ops_dst = [n.op for n in src_nodes], [n.op for n in dst.nodes]
+    if ops_src != ops_dst:
+        first = next((i for i, (a, b) in enumerate(zip(ops_src, ops_dst)) if a != b), min(len(ops_src), len(ops_dst)))
+        raise ShardcError(f"graph @{src.name} traced for one micro-batch differs from the full batch at node {first} "
+                          f"({len(ops_src)} vs {len(ops_dst)} nodes)", hint="use one micro-batch (gbs = dp*mb)")
+    dst.mesh, dst.layers, dst.attrs = src.mesh, dict(src.layers), dict(src.attrs)
+    for a, b in zip(src_nodes, dst.nodes):
+        b.partition, b.layer = a.partition, a.layer
+        for va, vb in zip(a.outputs, b.outputs):
+            vb.layout = va.layout
+    for group_src, group_dst in ((src.inputs, dst.inputs), (src.params, dst.params), (src.buffers, dst.buffers)):
+        by_name = {v.name: v for v in group_src}
+        for v in group_dst:
+            if v.name in by_name:
+                v.layout = by_name[v.name].layout
 
 
 def compile_to_dir(spec: str, plan: Any, out_dir: str | os.PathLike[str], cluster: Any = None) -> Path:

@@ -16,6 +16,9 @@ Rules:
   the next save.
 - Loading checks the manifest against the model first: a checkpoint from another model is an
   error listing the missing, unexpected and differently shaped parameters.
+- Modules from `plan.parallelize` (any plan: pp=1 or pipelined, DDP or FSDP2 inside) hold plain
+  local shards; `shard_state.StateViews` presents them (and their optimizer state) as DTensors
+  by the plan's layouts, so they save and load like any DTensor model, across plans.
 """
 
 from __future__ import annotations
@@ -200,20 +203,55 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _shardc_state(model: Any, optimizer: torch.optim.Optimizer | None, loading: bool) -> tuple[
+        dict[str, Any], dict[str, torch.Tensor], list[tuple[str, ...]], Any]:
+    """(DCP state, the DTensor view of each parameter, tied names, the StateViews) of a shardc module."""
+    from shardc.backends.torch.shard_state import StateViews
+
+    views = StateViews(model)
+    named = views.named()
+    params = {k: views.view(k, t, loading) for k, t in named.items()}
+    state: dict[str, Any] = {f"model.{k}": v for k, v in params.items()}
+    if optimizer is not None:
+        if loading:
+            _init_optimizer_state(optimizer)
+        by_id = {id(p): k for k, p in named.items()}
+        groups = []
+        for group in optimizer.param_groups:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+            for p in group["params"]:
+                if id(p) not in by_id:
+                    raise ShardcError("the optimizer holds a parameter that is not in the module being checkpointed",
+                                      hint="build the optimizer from module.parameters()")
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        same = value.shape == p.shape and value.dim() > 0
+                        state[f"optim.{by_id[id(p)]}.{key}"] = views.view(by_id[id(p)], value, loading) if same \
+                            else value
+        state["optim.groups"] = groups
+    return state, params, [tuple(t) for t in getattr(views.inner, "shardc_tied", ())], views
+
+
 def save_checkpoint(root: str | Path, model: Any, optimizer: torch.optim.Optimizer | None = None, *,
                     step: int, plan: str = "", extra: Mapping[str, Any] | None = None) -> Path:
     """Save model (and optimizer) state of every rank as one checkpoint `root/step-N`; collective.
 
-    `model` is an nn.Module (plain or holding DTensor shards), a list of pipeline stage modules,
-    or a PipelineRunner. Every rank must call it. Returns the committed directory.
+    `model` is an nn.Module (plain, holding DTensor shards, or from `plan.parallelize`), a list
+    of pipeline stage modules, or a PipelineRunner. Every rank must call it. Returns the
+    committed directory.
     """
     import torch.distributed.checkpoint as dcp
 
+    from shardc.backends.torch.shard_state import shardc_parts
+
     root = Path(root)
-    params, _, tied = named_state(model)
-    state: dict[str, Any] = {f"model.{k}": v for k, v in params.items()}
-    if optimizer is not None:
-        state.update(_optimizer_entries(optimizer, params, model))
+    if shardc_parts(model) is not None:
+        state, params, tied, _ = _shardc_state(model, optimizer, loading=False)
+    else:
+        params, _, tied = named_state(model)
+        state = {f"model.{k}": v for k, v in params.items()}
+        if optimizer is not None:
+            state.update(_optimizer_entries(optimizer, params, model))
     described = _gather_union(_describe(params))
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -292,19 +330,28 @@ def load_checkpoint(path: str | Path, model: Any, optimizer: torch.optim.Optimiz
     """
     import torch.distributed.checkpoint as dcp
 
+    from shardc.backends.torch.shard_state import shardc_parts
+
     manifest = read_manifest(path)
-    params, _, _ = named_state(model)
-    check_compatible(manifest, _gather_union(_describe(params)))
-    state: dict[str, Any] = {f"model.{k}": v for k, v in params.items()}
-    if optimizer is not None:
-        if not manifest.get("optimizer"):
-            raise ShardcError(f"checkpoint {manifest['_path']} holds no optimizer state",
-                              hint="load it without an optimizer, or save with one")
-        _init_optimizer_state(optimizer)
-        state.update(_optimizer_entries(optimizer, params, model))
+    if optimizer is not None and not manifest.get("optimizer"):
+        raise ShardcError(f"checkpoint {manifest['_path']} holds no optimizer state",
+                          hint="load it without an optimizer, or save with one")
+    views = None
+    if shardc_parts(model) is not None:
+        state, params, _, views = _shardc_state(model, optimizer, loading=True)
+        check_compatible(manifest, _gather_union(_describe(params)))
+    else:
+        params, _, _ = named_state(model)
+        check_compatible(manifest, _gather_union(_describe(params)))
+        state = {f"model.{k}": v for k, v in params.items()}
+        if optimizer is not None:
+            _init_optimizer_state(optimizer)
+            state.update(_optimizer_entries(optimizer, params, model))
     no_dist = not (dist.is_available() and dist.is_initialized())
     with torch.no_grad():
         dcp.load(state, checkpoint_id=manifest["_path"], no_dist=no_dist)
+    if views is not None:
+        views.run_writebacks()
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, state["optim.groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})

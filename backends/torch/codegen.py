@@ -233,9 +233,11 @@ def _under(path: str | None, name: str) -> str | None:
 
 
 def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = None,
-             groups: C.MeshGroups | None = None, device: str = "cpu") -> fx.GraphModule:
+             groups: C.MeshGroups | None = None, device: str = "cpu", local_inputs: bool = False) -> fx.GraphModule:
     """The module rank `rank` runs. `tensors` maps parameter/buffer names to this rank's local
-    shards (meta tensors of the local shapes when None, e.g. to print code)."""
+    shards (meta tensors of the local shapes when None, e.g. to print code); an `nn.Parameter`
+    there is used as it is (shared by the modules of several pipeline stages on one rank).
+    With `local_inputs` the inputs are this rank's pieces already (a pipeline stage's)."""
     mesh = graph.mesh
     if mesh is None:
         raise ShardcError(f"graph @{graph.name} has no mesh; lower a partitioned graph before codegen")
@@ -247,6 +249,8 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     def tensor_of(v: Value, kind: str) -> torch.Tensor:
         if tensors is not None and v.name in tensors:
             t = tensors[v.name]
+            if isinstance(t, nn.Parameter):
+                return t
         else:
             from shardc.ops import TORCH_DTYPES
 
@@ -274,6 +278,9 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     env: dict[int, fx.Node] = {}
     for v in graph.inputs:
         ph = root_graph.placeholder(py_name(v.name))
+        if local_inputs:
+            env[id(v)] = ph
+            continue
         shards = tuple((a, p.dim, p.interleave) for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
         kw = {"name": v.name, "shape": v.type.shape, "shards": shards} | ({"device": device} if device != "cpu" else {})
         env[id(v)] = emit_root.call(local_input, (ph, root_mesh), kw, f"{v.name}_local")

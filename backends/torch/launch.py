@@ -276,49 +276,16 @@ def _state_bytes(params: Sequence[Any], optimizer: Any) -> int:
 
 
 def _build_trainer(config: dict[str, Any], model: Any, example: Sequence[Any]) -> tuple[Any, Callable[..., Any]]:
-    """(object holding this rank's parameters, step(batch) -> loss tensor) for the plan."""
-    import torch
-    import torch.nn.functional as F
-
+    """(module holding this rank's parameters, step(batch) -> loss tensor) for the plan: the
+    plan compiled and parallelized by shardc (pipelines included); `step` runs forward and
+    backward over the plan's micro-batches."""
+    from shardc.api import compile as shardc_compile
     from shardc.plan import ParallelPlan
 
     plan = ParallelPlan.parse(config["plan"])
-    if plan.pp == 1:
-        from shardc.api import compile as shardc_compile
-
-        compiled = shardc_compile(model, tuple(example), plan=plan)
-        module = compiled.parallelize(model)
-        return module, lambda batch: module(*batch)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from shardc.backends.torch.eject import apply_tensor_parallel
-    from shardc.backends.torch.pipeline import PipelineRunner, trace_model
-
-    if plan.cp > 1:
-        from shardc.diagnostics import ShardcError
-
-        raise ShardcError(f"plan {config['plan']}: context parallelism inside a pipeline is not supported by the runner")
-    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (plan.pp, plan.dp, plan.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
-    if plan.tp > 1:
-        model = apply_tensor_parallel(model, mesh["tp"])
-    traced = trace_model(model, num_inputs=1)  # logits from the tokens; the loss is computed here
-
-    def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-    batch = example[0].shape[0]
-    share = batch // plan.dp
-    micro = max(1, share // plan.mb)
-    runner = PipelineRunner(model, mesh, lm_loss, n_microbatches=micro, schedule=plan.schedule,
-                            virtual_stages=plan.vpp, traced=traced)
-    dp_rank = mesh["dp"].get_local_rank()
-
-    def step(b: Sequence[torch.Tensor]) -> torch.Tensor:
-        part = slice(dp_rank * share, (dp_rank + 1) * share)
-        return runner.step(b[0][part], b[1][part])
-
-    return runner, step
+    compiled = shardc_compile(model, tuple(example), plan=plan)
+    module = compiled.parallelize(model)
+    return module, lambda batch: module.step(*batch)
 
 
 def worker_main(config_path: str) -> int:

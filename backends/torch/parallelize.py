@@ -78,13 +78,15 @@ def check_model(graph: Graph, model: nn.Module) -> None:
 
 
 def local_tensors(graph: Graph, model: nn.Module, rank: int, init: InitFn | None = None, seed: int = 0,
-                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """This rank's piece of every parameter and buffer of the plan."""
+                  device: torch.device | str = "cpu", names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter and buffer of the plan (of those in `names`, if given)."""
     assert graph.mesh is not None
     coords = graph.mesh.coordinates(rank)
     have = model_tensors(model)
     out: dict[str, torch.Tensor] = {}
     for v in graph.params + graph.buffers:
+        if names is not None and v.name not in names:
+            continue
         src = have[v.name]
         if src.is_meta:
             if init is None:
@@ -114,18 +116,26 @@ def data_parallel_info(graph: Graph) -> tuple[tuple[str, ...], str, int]:
 
 
 def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = None, seed: int = 0,
-                      device: torch.device | str | None = None) -> nn.Module:
-    """This rank's trainable module for a lowered graph (see the module docstring)."""
+                      device: torch.device | str | None = None, micro_graph: Graph | None = None,
+                      loss_fn: Callable[..., torch.Tensor] | None = None) -> nn.Module:
+    """This rank's trainable module for a lowered graph (see the module docstring). With a
+    `micro_graph` (the plan has several micro-batches) the module runs that one per micro-batch."""
+    from shardc.backends.torch.microbatch import Microbatched
+
     if graph.mesh is None:
         raise ShardcError(f"graph @{graph.name} has no mesh; compile the plan first")
+    runtime = micro_graph if micro_graph is not None else graph
     dm = device_mesh(graph.mesh)
     rank = dist.get_rank()
-    check_model(graph, model)
+    check_model(runtime, model)
     if device is None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if dm.device_type == "cuda" else "cpu"
-    tensors = local_tensors(graph, model, rank, init=init, seed=seed, device=device)
-    module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
-    axes, via, zero = data_parallel_info(graph)
+    tensors = local_tensors(runtime, model, rank, init=init, seed=seed, device=device)
+    runner = generate(runtime, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
+    micro = int(graph.attrs.get("microbatches", 1)) if micro_graph is not None else 1
+    module = Microbatched(runner, micro, graph, runtime, loss_fn)
+    describe_state(module, runtime, dm, model)
+    axes, via, zero = data_parallel_info(runtime)
     if not axes:
         return module
     sub = dm[axes[0]] if len(axes) == 1 else dm[axes]._flatten("_".join(axes))
@@ -134,12 +144,27 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
 
         fully_shard(module, mesh=sub, reshard_after_forward=zero >= 3)
         return module
-    from torch.nn.parallel import DistributedDataParallel
+    from shardc.backends.torch.microbatch import DataParallel
 
     # Every rank already holds its own pieces: no broadcast from rank 0 (buffers may be sharded
     # along cp, which this group spans).
-    return DistributedDataParallel(module, process_group=sub.get_group(), init_sync=False,
-                                   forward_sync_buffers=False)
+    return DataParallel(module, process_group=sub.get_group(), init_sync=False, forward_sync_buffers=False)
+
+
+def describe_state(module: nn.Module, graph: Graph, dm: Any, model: nn.Module) -> None:
+    """What checkpoints need to know about a generated module (`shard_state.shardc_parts`):
+    its graph and mesh, the folded constants it holds, and the model's tied parameter names."""
+    own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    own |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    module.shardc_graph = graph
+    module.shardc_mesh = dm
+    folded = getattr(model, "constants", None)  # api._ConstantsView: the frontend's folded constants
+    folded = set(folded) if isinstance(folded, dict) else set()
+    module.shardc_constants = tuple(v.name for v in graph.buffers if v.name not in own or v.name in folded)
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    module.shardc_tied = [tuple(v) for v in groups.values() if len(v) > 1]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -151,6 +176,9 @@ def full_state_dict(graph: Graph, module: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     assert graph.mesh is not None
+    own = getattr(module, "full_state_dict", None)
+    if callable(own):  # a PipelinedModule gathers over its pipeline ranks too
+        return own()
     inner = unwrap(module)
     local: dict[str, torch.Tensor] = dict(inner.named_parameters(remove_duplicate=False))
     local.update(dict(inner.named_buffers(remove_duplicate=False)))

@@ -8,18 +8,19 @@ Rules, node by node over the layer's partitioned IR:
   all_reduces of one fp32 per row (max and sum of exponentials). A temporal split that rotates
   an operand around a mesh axis (ring attention) sends it steps-1 times, overlapped with the
   node's compute: only the excess is charged.
-- backward communication, the conjugates: the gradient of every value produced here is the sum
-  of its consumers' contributions, `Partial` on each mesh axis that splits a dim the operand
-  does not index (a broadcast operand's gradient is a sum); that sum is redistributed into the
-  layout the producer's backward needs (its output layout with Partial read as Replicate).
-  So all_reduce forward <-> nothing backward, nothing forward <-> all_reduce backward,
-  all_gather <-> reduce_scatter. An input saved sharded but used gathered (sequence parallel)
-  is gathered again in backward.
+- backward communication, the conjugates (`edges`): the gradient of every value produced here
+  is the sum of its consumers' contributions, redistributed into the layout the producer's
+  backward needs. An input saved sharded but used gathered (sequence parallel) is gathered
+  again in backward. A node whose output value holds its partial sum reduced pays the
+  reduction where it is made.
+- rotating temporal splits run the local kernel once per step (the local shapes are one
+  step's); chunks add a launch per step. Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
   layout. Selective recomputation drops what the attention core (from the QK^T product to the
   PV product) saves and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
+The solver prices its candidates with these same functions (`layer_terms` on a fragment).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from shardc.cost.comm import CommStep, collective_time, combine_gradients, reshard_steps
+from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     node_compute_time,
     repeated,
@@ -37,7 +38,17 @@ from shardc.cost.compute import (
     working_bytes,
 )
 from shardc.cost.context import CostContext, axis_category
-from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
+from shardc.cost.edges import (
+    comm_time,
+    feeds_only_parameters,
+    gradient_contribution,
+    gradient_layout,
+    gradient_steps,
+    input_steps,
+    passthrough_axes,
+    resolves,
+)
+from shardc.ir import Node, Partial, Value
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,108 +160,6 @@ def _add(acc: dict[str, float], key: str, value: float) -> None:
         acc[key] = acc.get(key, 0.0) + value
 
 
-def _operand_dims(ctx: CostContext, node: Node, i: int) -> set[str]:
-    space = ctx.local(node).space
-    if space is None or i >= len(space.inputs):
-        return set()
-    return {f for factors in space.inputs[i] for f in factors}
-
-
-def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
-    """The layout of the gradient `node` sends back to its input `i`."""
-    local = ctx.local(node)
-    layout = local.in_layouts[i]
-    if ctx.partition(node) is None or ctx.mesh is None:
-        return layout
-    indexed = _operand_dims(ctx, node, i)
-    placements: list[tuple[str, Placement]] = []
-    for axis in ctx.mesh.names:
-        split = [d for a, d in ctx.partition(node).spatial if a == axis]
-        p = layout.on(axis)
-        if split and isinstance(p, Replicate) and split[0] not in indexed:
-            p = Partial("sum")
-        if not isinstance(p, Replicate):
-            placements.append((axis, p))
-    return Layout(tuple(placements))
-
-
-def needed_gradient(layout: Layout, passthrough: Collection[str] = ()) -> Layout:
-    """The gradient layout a producer's backward needs: its output layout, Partial read as R;
-    on `passthrough` axes a Partial gradient is accepted as it is."""
-    return Layout(tuple((a, p) for a, p in layout.placements if isinstance(p, Shard))
-                  + tuple((a, Partial("sum")) for a in sorted(passthrough)))
-
-
-def _output_gradient(ctx: CostContext, v: Value) -> Layout | None:
-    contributions = [gradient_contribution(ctx, u, i) for u in ctx.users.get(id(v), [])
-                     for i, w in enumerate(u.inputs) if w is v]
-    return combine_gradients(contributions, ctx.mesh) if contributions and ctx.mesh is not None else None
-
-
-def feeds_only_parameters(node: Node, needs_grad: Collection[int]) -> bool:
-    """A single-output node whose only inputs needing a gradient are parameters."""
-    return len(node.outputs) == 1 and not any(id(v) in needs_grad and v.kind != "parameter" for v in node.inputs)
-
-
-def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:
-    """Axes on which a node that only differentiates into parameters (a position embedding)
-    and is not split there takes its Partial output gradient as it is: backward is linear in
-    the output gradient, so its weight gradient is Partial too and joins the step's gradient
-    sync instead of costing an all_reduce per micro-batch."""
-    if ctx.mesh is None or not feeds_only_parameters(node, ctx.needs_grad):
-        return set()
-    split = {a for a, _ in ctx.partition(node).spatial} if ctx.partition(node) else set()
-    grad = _output_gradient(ctx, node.outputs[0])
-    if grad is None:
-        return set()
-    return {a for a, p in grad.placements if isinstance(p, Partial) and a not in split}
-
-
-def resolves(made: Layout, held: Layout) -> bool:
-    """The node makes a partial sum (`made`) that its output value holds reduced (`held`)."""
-    return any(isinstance(p, Partial) and not isinstance(held.on(a), Partial) for a, p in made.placements)
-
-
-def gradient_layout(made: Layout, held: Layout) -> Layout:
-    """The layout a producer's backward needs its output gradient in (before `needed_gradient`):
-    the value's, or, when the node resolved its partial sum, what the node made (a reduce_scatter
-    forward is an all_gather of the gradient backward)."""
-    return made if resolves(made, held) else held
-
-
-def input_steps(ctx: CostContext, value: Value, have: Layout, required: Layout) -> list[CommStep]:
-    """Forward collectives that turn `value` laid out `have` into `required` (batch-scaled)."""
-    if ctx.mesh is None:
-        return []
-    return [CommStep(s.kind, s.axis, s.nbytes * ctx.scale_of(value))
-            for s in reshard_steps(have, required, value.type, ctx.mesh, ctx.elem_bytes(value))]
-
-
-def gradient_steps(ctx: CostContext, value: Value, contributions: Sequence[Layout], layout: Layout,
-                   passthrough: bool = False, split: Collection[str] = ()) -> list[CommStep]:
-    """Backward collectives that bring the sum of the consumers' gradient `contributions` of
-    `value` (laid out `layout`) into the layout its producer's backward needs. `passthrough`:
-    the producer only differentiates into parameters and is split on the axes `split` only
-    (see `passthrough_axes`)."""
-    if not contributions or ctx.mesh is None:
-        return []
-    have = combine_gradients(contributions, ctx.mesh)
-    through = {a for a, p in have.placements if isinstance(p, Partial) and a not in split} if passthrough else ()
-    return input_steps(ctx, value, have, needed_gradient(layout, through))
-
-
-def steps_time(ctx: CostContext, steps: Sequence[CommStep]) -> dict[str, float]:
-    """Seconds of `steps` by time category."""
-    out: dict[str, float] = {}
-    for step in steps:
-        _add(out, axis_category(step.axis), _comm_time(ctx, step))
-    return out
-
-
-def _comm_time(ctx: CostContext, step: CommStep) -> float:
-    return collective_time(step.kind, step.nbytes, ctx.levels((step.axis,)), ctx.algorithm)
-
-
 def attention_core(ctx: CostContext, nodes: Sequence[Node]) -> set[int]:
     """ids of the nodes from each QK^T product through the next PV product (inclusive)."""
     core: set[int] = set()
@@ -321,10 +230,10 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                 if internal_only:
                     continue
             for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
-                _add(node_fwd, axis_category(step.axis), _comm_time(ctx, step))
+                _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
                 t.collectives.append(("fwd", step))
                 if step.kind == "all_gather" and i in saved_inputs:
-                    _add(t.bwd, axis_category(step.axis), regather_exposed(_comm_time(ctx, step), op.kind, cost.bwd_s))
+                    _add(t.bwd, axis_category(step.axis), regather_exposed(comm_time(ctx, step), op.kind, cost.bwd_s))
                     t.collectives.append(("bwd", step))
         _charge_special(ctx, node, local, cost, node_fwd, t.bwd, t.collectives)
         # A partial sum the node's own output resolves (all_reduce, or reduce_scatter onto the
@@ -332,7 +241,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
         for k, v in enumerate(node.outputs):
             if part is not None and k < len(local.out_layouts) and resolves(local.out_layouts[k], ctx.layout(v)):
                 for step in input_steps(ctx, v, local.out_layouts[k], ctx.layout(v)):
-                    _add(node_fwd, axis_category(step.axis), _comm_time(ctx, step))
+                    _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
                     t.collectives.append(("fwd", step))
         for key, val in node_fwd.items():
             _add(t.fwd, key, val)
@@ -351,7 +260,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
             made = local.out_layouts[k] if part is not None and k < len(local.out_layouts) else ctx.layout(v)
             for step in gradient_steps(ctx, v, contributions, gradient_layout(made, ctx.layout(v)),
                                        feeds_only_parameters(node, ctx.needs_grad), split):
-                _add(t.bwd, axis_category(step.axis), _comm_time(ctx, step))
+                _add(t.bwd, axis_category(step.axis), comm_time(ctx, step))
                 t.collectives.append(("bwd", step))
         # Saved for backward, each storage once.
         for k, (kind, idx, nbytes) in enumerate(saves):
@@ -385,7 +294,7 @@ def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[st
     for axis, dim in ctx.partition(node).spatial:
         if special.get(dim) == "vocab" and len(local.in_types) > 1:
             for step in vocab_steps(axis, local.in_types[1].numel * ctx.batch_scale):
-                _add(node_fwd, axis_category(axis), _comm_time(ctx, step))
+                _add(node_fwd, axis_category(axis), comm_time(ctx, step))
                 steps.append(("fwd", step))
     for split in ctx.partition(node).temporal:
         if split.steps <= 1:
@@ -396,7 +305,7 @@ def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[st
         moving = sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i])
                      for i in rotating_operands(local.space, ctx.partition(node), split))
         step = CommStep("rotate", split.rotate, moving)
-        exposed_fwd, exposed_bwd = rotation_exposure(_comm_time(ctx, step), split.steps, cost.fwd_s, cost.bwd_s)
+        exposed_fwd, exposed_bwd = rotation_exposure(comm_time(ctx, step), split.steps, cost.fwd_s, cost.bwd_s)
         _add(node_fwd, axis_category(split.rotate), exposed_fwd)
         _add(bwd, axis_category(split.rotate), exposed_bwd)
         sends = split.steps - 1

@@ -16,18 +16,15 @@ from dataclasses import dataclass
 from shardc.cost.comm import collective_time, neighbour_link
 from shardc.cost.compute import node_compute_time, repeated, rotation_steps
 from shardc.cost.context import CostContext
-from shardc.cost.layer import (
-    LayerTerms,
+from shardc.cost.edges import (
     feeds_only_parameters,
     gradient_contribution,
     gradient_layout,
     gradient_steps,
     input_steps,
-    layer_params,
-    layer_terms,
-    regather_exposed,
     steps_time,
 )
+from shardc.cost.layer import LayerTerms, layer_params, layer_terms, regather_exposed
 from shardc.hardware import Cluster
 from shardc.ir import Layout, Mesh, Value
 from shardc.search.candidates import Candidate

@@ -199,6 +199,7 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
         md.Add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
     gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZEROS if co.gather[z][0])
     stage_times, exposed, after = [], [], []
+    block_terms: list = []
     horizon = (L * tl_ub + pre["time_ub"] + post["time_ub"] + pre["z3_ub"] + post["z3_ub"] + 2 * send_ub + 1) * 2
 
     def prod(a, b, ub, name):
@@ -222,6 +223,7 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
         mem = []
         if L > 0:
             pt = [prod(k[r], tl[r], L * tl_ub, f"pt{s}_{r}") for r in range(3)]
+            block_terms += pt
             pa = [prod(k[r], act[r], L * act_ub, f"pa{s}_{r}") for r in range(3)]
             nf = prod(n, fwd_blk, L * blk["fwd_ub"], f"nf{s}")
             nsync = prod(n, blk["sync"], L * blk["sync_ub"], f"nsync{s}")
@@ -288,6 +290,10 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
     bottleneck = M.var(horizon, "bottleneck")
     for st in stage_times:
         md.Add(bottleneck >= st)
+    # Redundant, linear: every block costs at least TL_0, and the slowest stage at least the mean.
+    if L > 0:
+        md.Add(sum(block_terms) >= L * tl[0])
+    md.Add(p * bottleneck >= sum(stage_times))
     worst_exposed = M.var(horizon * 4, "worst_exposed")
     for ex in exposed:
         md.Add(worst_exposed >= ex)

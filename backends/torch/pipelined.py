@@ -1,0 +1,296 @@
+"""Pipelined plans from the IR: each rank builds its stages' modules and runs a torch schedule.
+
+    module = plan.parallelize(model)        # a PipelinedModule on every rank
+    optimizer = torch.optim.AdamW(module.parameters())
+    loss = module.step(idx, targets)        # the whole global batch, as traced
+    optimizer.step(); optimizer.zero_grad()
+
+Rule. The plan's lowered graph for one micro-batch is cut into stages (`stages.split_stages`);
+this rank generates the module of each stage it holds (stage `s` on pp rank `s % pp`: with
+vpp > 1 the round-robin layout of interleaved 1F1B), with only its own parameter shards and the
+tp/sp/cp collectives inside, exactly as `codegen.generate` does for pp=1. Stage modules go into
+`torch.distributed.pipelining.PipelineStage`s over the `pp` process group and run under the
+plan's schedule (GPipe, 1F1B, interleaved 1F1B) on `microbatches` micro-batches, with the loss
+sub-graph of the IR (or the user's `loss_fn`) as the schedule's loss. Data axes: for ZeRO each
+stage module is an FSDP2 `fully_shard` module, which the pipeline stage drives (gradients
+reduce-scattered on the last micro-batch); otherwise, after the schedule, gradients are
+averaged over the data axes in one flat all_reduce per dtype (DDP's bucketed all_reduce without
+the overlap: torch's DDP reducer rejects the repeated no_sync forwards of a pipeline schedule).
+Then gradients are divided by the micro-batch count (the loss is a mean over micro-batches) and
+a parameter held on several pipeline ranks (a tied embedding and head) gets the sum of theirs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardc.backends.torch.codegen import generate, local_piece
+from shardc.backends.torch.collectives import _all_gather
+from shardc.backends.torch.parallelize import (
+    check_model,
+    data_parallel_info,
+    describe_state,
+    device_mesh,
+    local_tensors,
+    mesh_groups,
+)
+from shardc.backends.torch.pipeline import _schedule_class
+from shardc.backends.torch.stages import StagePlan, split_stages
+from shardc.diagnostics import ShardcError
+from shardc.ir import Graph, Layout, Shard
+
+
+class PipelinedModule(nn.Module):
+    """This rank's pipeline stages of a compiled plan; `step(*inputs) -> loss` trains one batch.
+
+    `parameters()`, `named_parameters()` and `state_dict()` name every parameter as the model
+    does (each once, however many of this rank's stages hold it), so any torch optimizer and
+    `shardc.backends.torch.checkpoint` work on it. `stage_modules` are the generated
+    `torch.fx.GraphModule`s (`.code` shows what each stage runs), `stage_ids` their stages.
+    """
+
+    def __init__(self, graph: Graph, plan: StagePlan, stage_ids: list[int], modules: list[nn.Module],
+                 wrapped: list[nn.Module], loss_module: nn.Module | None, dm: Any, full_inputs: list[Any],
+                 loss_fn: Callable[..., torch.Tensor] | None, device: torch.device) -> None:
+        super().__init__()
+        self.graph, self.plan, self.stage_ids, self.dm = graph, plan, stage_ids, dm
+        self.stage_modules = nn.ModuleList(modules)
+        self._wrapped = wrapped
+        self.loss_module = loss_module
+        self.full_inputs = full_inputs  # the traced global inputs: (name, shape) per graph input
+        self.microbatches = int(graph.attrs.get("microbatches", 1))
+        self.num_stages = len(plan.stages)
+        self.device = device
+        self.pp = graph.mesh.axis_size("pp") if graph.mesh else 1
+        self.coords = graph.mesh.coordinates(dist.get_rank()) if graph.mesh else {}
+        self.user_loss = loss_fn
+        self.data_group: Any = None  # set when gradients are averaged here (not by FSDP2)
+        from torch.distributed.pipelining import PipelineStage
+
+        group = dm.get_group("pp")
+        self.stages = [PipelineStage(m, s, self.num_stages, device, group=group) for m, s in zip(wrapped, stage_ids)]
+        cls = _schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
+        stages: Any = self.stages if len(self.stages) > 1 or cls.__name__.startswith("ScheduleInterleaved") \
+            else self.stages[0]
+        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    # ---- parameters by the model's names ----------------------------------------------------
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        for m in self.stage_modules:
+            for name, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield prefix + name, p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[str] = set()
+        for m in self.stage_modules:
+            for name, b in m.named_buffers():
+                if name not in seen:
+                    seen.add(name)
+                    yield prefix + name, b
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        out: dict[str, Any] = {}
+        for m in self.stage_modules:
+            for k, v in m.state_dict().items():
+                out.setdefault(k, v)
+        return out
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def is_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    # ---- one training step ------------------------------------------------------------------
+
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        outs = output if isinstance(output, tuple) else (output,)
+        if self.loss_module is not None:
+            return self.loss_module(*outs, target)
+        if self.user_loss is not None:
+            return self.user_loss(output, target)
+        if outs[0].dim() != 0:
+            raise ShardcError(f"the last stage of graph @{self.graph.name} returns a {tuple(outs[0].shape)} tensor, "
+                              "not a loss", hint="pass loss_fn=fn(outputs, target) to plan.parallelize and "
+                              "step(*inputs, target=...)")
+        return outs[0]
+
+    def _local(self, x: torch.Tensor, layout: Layout | None) -> torch.Tensor:
+        assert self.graph.mesh is not None
+        return local_piece(x, layout or Layout(), self.graph.mesh, self.coords).to(self.device)
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one global batch over the plan's micro-batches; returns the
+        mean micro-batch loss of this rank's data share (detached, the same on every pp rank)."""
+        if len(inputs) != len(self.full_inputs):
+            raise ShardcError(f"step takes the {len(self.full_inputs)} inputs of graph @{self.graph.name} "
+                              f"({', '.join(n for n, _ in self.full_inputs)}), got {len(inputs)}")
+        for x, (name, shape) in zip(inputs, self.full_inputs):
+            if tuple(x.shape) != tuple(shape):
+                raise ShardcError(f"input {name} has shape {tuple(x.shape)}, but the plan was compiled for "
+                                  f"{tuple(shape)}", hint="shapes are static: compile the plan again with example "
+                                  "inputs of this shape")
+        by_name = dict(zip((n for n, _ in self.full_inputs), inputs))
+        args = tuple(self._local(by_name[v.name], v.layout) for v in self.plan.first_inputs) if self.is_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.is_last:
+            if self.plan.target is not None:
+                tgt = self._local(by_name[self.plan.target.name], self.plan.target.layout)
+            elif target is not None:
+                tgt = self._local(target, Layout(tuple((a, p) for a, p in (self.plan.first_inputs[0].layout
+                                                                         or Layout()).placements if a == "dp")))
+            else:
+                tgt = torch.zeros(self.microbatches, device=self.device)
+            kwargs = {"target": tgt, "losses": losses}
+        self.schedule.step(*args, **kwargs)
+        self._finish_gradients()
+        loss = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros((), device=self.device)
+        group = self.dm.get_group("pp")
+        dist.broadcast(loss, src=dist.get_global_rank(group, (self.num_stages - 1) % self.pp), group=group)
+        return loss
+
+    def _finish_gradients(self) -> None:
+        params = dict(self.named_parameters())
+        if self.data_group is not None:
+            average_gradients([p for p in params.values() if p.grad is not None], self.data_group)
+        for p in params.values():
+            if p.grad is not None:
+                _local(p.grad).div_(self.microbatches)
+        tied = [name for name, stages in sorted(self.plan.param_stages.items())
+                if len({s % self.pp for s in stages}) > 1]
+        if not tied:
+            return
+        group = self.dm.get_group("pp")
+        for name in tied:  # every pp rank joins; ranks without the parameter add zeros
+            held = params.get(name)
+            if held is None:
+                value = self.graph.value(name)
+                assert self.graph.mesh is not None
+                shape = (value.layout or Layout()).local_shape(value.type.shape, self.graph.mesh)
+                buf = torch.zeros(shape, device=self.device)
+            else:
+                if held.grad is None:
+                    held.grad = torch.zeros_like(held)
+                buf = _local(held.grad)
+            dist.all_reduce(buf, group=group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer unsharded, on every rank (collective over all ranks)."""
+        from torch.distributed.tensor import DTensor
+
+        assert self.graph.mesh is not None
+        groups = self.stage_modules[0].get_submodule("mesh")
+        mine: dict[str, torch.Tensor] = {}
+        layouts = {v.name: v.layout for v in self.graph.params + self.graph.buffers}
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            t = t.detach()
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            for axis, p in reversed((layouts.get(name) or Layout()).placements):
+                if isinstance(p, Shard) and self.graph.mesh.axis_size(axis) > 1:
+                    t = _all_gather(t, groups, axis, p.dim, p.interleave)
+            mine[name] = t
+        parts: list[Any] = [None] * self.pp
+        dist.all_gather_object(parts, mine, group=self.dm.get_group("pp"))
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                out.setdefault(k, v)
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def average_gradients(params: list[nn.Parameter], group: Any) -> None:
+    """Average the gradients over `group`, flattened into one all_reduce per dtype."""
+    size = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))  # type: ignore[union-attr]
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, seed: int = 0,
+                         device: torch.device | str | None = None,
+                         loss_fn: Callable[..., torch.Tensor] | None = None) -> PipelinedModule:
+    """This rank's `PipelinedModule` for a pipelined compiled plan (see the module docstring)."""
+    from shardc.api import _with_constants
+
+    graph: Graph = compiled.runtime_graph
+    if graph.mesh is None:
+        raise ShardcError(f"graph @{graph.name} has no mesh; compile the plan first")
+    dm = device_mesh(graph.mesh)
+    rank = dist.get_rank()
+    model = _with_constants(model, {**compiled.constants, **compiled.micro_constants})
+    check_model(graph, model)
+    if device is None:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if dm.device_type == "cuda" else "cpu"
+    dev = torch.device(device)
+    plan = split_stages(graph)
+    pp = graph.mesh.axis_size("pp")
+    virtual = int(graph.attrs.get("virtual_stages", 1))
+    if len(plan.stages) != pp * virtual:
+        raise ShardcError(f"graph @{graph.name} has {len(plan.stages)} stages but the plan asks for pp*vpp = "
+                          f"{pp}*{virtual}", hint="compile the plan again (apply-plan assigns the stages)")
+    pp_rank = graph.mesh.coordinates(rank)["pp"]
+    stage_ids = [pp_rank + i * pp for i in range(virtual)]
+    names = {p.name for s in stage_ids for p in plan.stages[s].params + plan.stages[s].buffers}
+    if plan.loss is not None:
+        names |= {p.name for p in plan.loss.params + plan.loss.buffers}
+    tensors: dict[str, torch.Tensor] = local_tensors(graph, model, rank, init=init, seed=seed, device=dev, names=names)
+    trainable = {v.name: v.requires_grad for v in graph.params}
+    for name in list(tensors):
+        if name in trainable:
+            tensors[name] = nn.Parameter(tensors[name], requires_grad=trainable[name])
+    groups = mesh_groups(graph.mesh, dm, rank)
+    modules = [generate(plan.stages[s], rank, tensors, groups, device=str(dev), local_inputs=True) for s in stage_ids]
+    loss_module = None
+    if plan.loss is not None and plan.stages and len(plan.stages) - 1 in stage_ids:
+        loss_module = generate(plan.loss, rank, tensors, groups, device=str(dev), local_inputs=True)
+    axes, via, zero = data_parallel_info(graph)
+    sub = None if not axes else dm[axes[0]] if len(axes) == 1 else _flattened(dm, axes)
+    fsdp = sub is not None and (via == "fsdp" or zero > 0)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in modules:
+            if any(p.requires_grad for p in m.parameters()):
+                fully_shard(m, mesh=sub, reshard_after_forward=zero >= 3)
+    full_inputs = [(v.name, tuple(v.type.shape)) for v in compiled.graph.inputs]
+    module = PipelinedModule(graph, plan, stage_ids, modules, modules, loss_module, dm, full_inputs, loss_fn, dev)
+    describe_state(module, graph, dm, model)
+    if sub is not None and not fsdp:
+        module.data_group = sub.get_group()
+    return module
+
+
+def _flattened(dm: Any, axes: tuple[str, ...]) -> Any:
+    name = "_".join(axes)
+    try:
+        return dm[name]
+    except (KeyError, RuntimeError, ValueError):
+        return dm[axes]._flatten(name)

@@ -1,0 +1,128 @@
+"""Redistribution on the edges of a partitioned graph: forward into the layout a node requires,
+the gradient back into the layout its producer's backward needs (the conjugates).
+
+Rules: the gradient a consumer sends back to its input is `Partial` on each mesh axis that
+splits a dim the operand does not index (a broadcast operand's gradient is a sum); the
+consumers' contributions are summed (`combine_gradients`) and redistributed into the
+producer's output layout with Partial read as Replicate (`needed_gradient`), so all_reduce
+forward <-> nothing backward, nothing forward <-> all_reduce backward, all_gather <->
+reduce_scatter. A node that resolves its own partial sum (a row-parallel linear whose value
+is held reduced) needs its gradient as it made it (`gradient_layout`). Used by `layer_terms`
+on a graph and by the solver on its candidates' edges alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from shardc.cost.comm import CommStep, collective_time, combine_gradients, reshard_steps
+from shardc.cost.context import CostContext, axis_category
+from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
+
+
+def _operand_dims(ctx: CostContext, node: Node, i: int) -> set[str]:
+    space = ctx.local(node).space
+    if space is None or i >= len(space.inputs):
+        return set()
+    return {f for factors in space.inputs[i] for f in factors}
+
+
+def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
+    """The layout of the gradient `node` sends back to its input `i`."""
+    local = ctx.local(node)
+    layout = local.in_layouts[i]
+    if ctx.partition(node) is None or ctx.mesh is None:
+        return layout
+    indexed = _operand_dims(ctx, node, i)
+    placements: list[tuple[str, Placement]] = []
+    for axis in ctx.mesh.names:
+        split = [d for a, d in ctx.partition(node).spatial if a == axis]
+        p = layout.on(axis)
+        if split and isinstance(p, Replicate) and split[0] not in indexed:
+            p = Partial("sum")
+        if not isinstance(p, Replicate):
+            placements.append((axis, p))
+    return Layout(tuple(placements))
+
+
+def needed_gradient(layout: Layout, passthrough: Collection[str] = ()) -> Layout:
+    """The gradient layout a producer's backward needs: its output layout, Partial read as R;
+    on `passthrough` axes a Partial gradient is accepted as it is."""
+    return Layout(tuple((a, p) for a, p in layout.placements if isinstance(p, Shard))
+                  + tuple((a, Partial("sum")) for a in sorted(passthrough)))
+
+
+def _output_gradient(ctx: CostContext, v: Value) -> Layout | None:
+    contributions = [gradient_contribution(ctx, u, i) for u in ctx.users.get(id(v), [])
+                     for i, w in enumerate(u.inputs) if w is v]
+    return combine_gradients(contributions, ctx.mesh) if contributions and ctx.mesh is not None else None
+
+
+def feeds_only_parameters(node: Node, needs_grad: Collection[int]) -> bool:
+    """A single-output node whose only inputs needing a gradient are parameters."""
+    return len(node.outputs) == 1 and not any(id(v) in needs_grad and v.kind != "parameter" for v in node.inputs)
+
+
+def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:
+    """Axes on which a node that only differentiates into parameters (a position embedding)
+    and is not split there takes its Partial output gradient as it is: backward is linear in
+    the output gradient, so its weight gradient is Partial too and joins the step's gradient
+    sync instead of costing an all_reduce per micro-batch."""
+    if ctx.mesh is None or not feeds_only_parameters(node, ctx.needs_grad):
+        return set()
+    split = {a for a, _ in ctx.partition(node).spatial} if ctx.partition(node) else set()
+    grad = _output_gradient(ctx, node.outputs[0])
+    if grad is None:
+        return set()
+    return {a for a, p in grad.placements if isinstance(p, Partial) and a not in split}
+
+
+def resolves(made: Layout, held: Layout) -> bool:
+    """The node makes a partial sum (`made`) that its output value holds reduced (`held`)."""
+    return any(isinstance(p, Partial) and not isinstance(held.on(a), Partial) for a, p in made.placements)
+
+
+def gradient_layout(made: Layout, held: Layout) -> Layout:
+    """The layout a producer's backward needs its output gradient in (before `needed_gradient`):
+    the value's, or, when the node resolved its partial sum, what the node made (a reduce_scatter
+    forward is an all_gather of the gradient backward)."""
+    return made if resolves(made, held) else held
+
+
+def input_steps(ctx: CostContext, value: Value, have: Layout, required: Layout) -> list[CommStep]:
+    """Forward collectives that turn `value` laid out `have` into `required` (batch-scaled)."""
+    if ctx.mesh is None:
+        return []
+    return [CommStep(s.kind, s.axis, s.nbytes * ctx.scale_of(value))
+            for s in reshard_steps(have, required, value.type, ctx.mesh, ctx.elem_bytes(value))]
+
+
+def gradient_steps(ctx: CostContext, value: Value, contributions: Sequence[Layout], layout: Layout,
+                   passthrough: bool = False, split: Collection[str] = ()) -> list[CommStep]:
+    """Backward collectives that bring the sum of the consumers' gradient `contributions` of
+    `value` (laid out `layout`) into the layout its producer's backward needs. `passthrough`:
+    the producer only differentiates into parameters and is split on the axes `split` only
+    (see `passthrough_axes`)."""
+    if not contributions or ctx.mesh is None:
+        return []
+    have = combine_gradients(contributions, ctx.mesh)
+    through = {a for a, p in have.placements if isinstance(p, Partial) and a not in split} if passthrough else ()
+    return input_steps(ctx, value, have, needed_gradient(layout, through))
+
+
+def steps_time(ctx: CostContext, steps: Sequence[CommStep]) -> dict[str, float]:
+    """Seconds of `steps` by time category."""
+    out: dict[str, float] = {}
+    for step in steps:
+        _add(out, axis_category(step.axis), comm_time(ctx, step))
+    return out
+
+
+def comm_time(ctx: CostContext, step: CommStep) -> float:
+    """Seconds of one collective over the link levels of its mesh axis."""
+    return collective_time(step.kind, step.nbytes, ctx.levels((step.axis,)), ctx.algorithm)
+
+
+def _add(acc: dict[str, float], key: str, value: float) -> None:
+    if value:
+        acc[key] = acc.get(key, 0.0) + value
