@@ -5,6 +5,7 @@ partitioned IR (`shardc.cost.synthetic.gpt_graph`); nothing here is fitted per r
 from __future__ import annotations
 
 import pytest
+
 from shardc.cost import CostContext, estimate, layer_costs
 from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import parse_cluster

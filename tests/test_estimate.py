@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from shardc.cost import estimate
 from shardc.cost.report import plot, run_estimate
 from shardc.cost.synthetic import gpt_graph

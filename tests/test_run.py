@@ -35,8 +35,8 @@ def reference_losses(steps: int, seed: int) -> list[float]:
     return losses
 
 
-def test_run_json_on_two_processes(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["run", SPEC, "--nproc", "2", "--steps", "3", "--plan", "dp=2", "--seed", "3", "--json"])
+def test_run_json_on_two_processes_pipelined(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", SPEC, "--nproc", "2", "--steps", "3", "--plan", "pp=2", "--seed", "3", "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["losses"]) == 3

@@ -94,7 +94,10 @@ def named_state(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], li
     out: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
     for m in modules:
+        saved = set(m.state_dict().keys())  # non-persistent buffers are the model's to rebuild, not state
         for name, t in [*m.named_parameters(remove_duplicate=False), *m.named_buffers()]:
+            if name not in saved and not isinstance(t, nn.Parameter):
+                continue
             key = canon.get(name, name)
             if key in out:
                 continue

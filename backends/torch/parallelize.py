@@ -153,14 +153,18 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
 
 def describe_state(module: nn.Module, graph: Graph, dm: Any, model: nn.Module) -> None:
     """What checkpoints need to know about a generated module (`shard_state.shardc_parts`):
-    its graph and mesh, the folded constants it holds, and the model's tied parameter names."""
+    its graph and mesh, the buffers that are not state (folded constants, non-persistent
+    buffers) and the model's tied parameter names."""
     own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     own |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
     module.shardc_graph = graph
     module.shardc_mesh = dm
     folded = getattr(model, "constants", None)  # api._ConstantsView: the frontend's folded constants
     folded = set(folded) if isinstance(folded, dict) else set()
-    module.shardc_constants = tuple(v.name for v in graph.buffers if v.name not in own or v.name in folded)
+    inner = getattr(model, "inner", model) if folded else model
+    persistent = set(inner.state_dict().keys())  # non-persistent buffers are rebuilt, not saved
+    module.shardc_constants = tuple(v.name for v in graph.buffers
+                                    if v.name not in own or v.name in folded or v.name not in persistent)
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)

@@ -3,9 +3,10 @@
 Entry point: `estimate(graph, cluster, plan=None) -> Estimate` on any partitioned IR. The
 solver (`shardc.search`) prices its candidates with the same pieces and composes its plans
 with the same `compose`: `node_compute_time` (one op on local shapes), `collective_time` (one
-collective on a group's link levels), `reshard_steps` (layout to layout), `group_levels` (which
-links a mesh axis crosses), `layer_costs`/`layer_terms`/`finish_layer` (one layer per
-micro-batch, by category, and the recomputation rules), `compose` (pipeline schedule, gradient
+collective on a group's link levels), `reshard_steps` (layout to layout), `edges` (forward
+and gradient redistribution on an edge), `group_levels` (which links a mesh axis crosses),
+`layer_costs`/`layer_terms`/`finish_layer` (one layer per micro-batch, by category, and the
+recomputation rules), `compose` (pipeline schedule, gradient
 sync, optimizer, memory per device), `simulate` and `bubble_fraction` (pipeline schedules),
 `model_state_bytes` and `in_flight` (memory).
 """

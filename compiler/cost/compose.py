@@ -8,7 +8,8 @@ Rules:
   the excess is charged. `pipeline.simulate` turns these into the schedule's makespan (bubble
   and waiting between stages included).
 - Gradient sync, the post-optimizer gather and the optimizer step per pipeline device are
-  `sync.gradient_sync`'s. The step ends when the slowest device has finished its last backward
+  `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
+  LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
   and its exposed sync, plus the slowest device's gather and optimizer step.
 - Memory per device: model states by ZeRO stage over the data-parallel group (dp x cp),
   activations saved per micro-batch times the micro-batches in flight on that device
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shardc.cost.comm import LinkLevels, collective_time, group_levels
+from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbour_link
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost
 from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
@@ -102,6 +103,25 @@ def zero3_exposed(cost: LayerCost, param_elements: float, elem_bytes: int, level
     return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t - cost.bwd.get("compute_bwd", 0.0))
 
 
+def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int) -> list[float]:
+    """Per pipeline device, the exposed all_reduce of gradients of parameters that layers on
+    several pipeline devices share (a tied embedding and LM head), after backward, over the
+    pipeline link between the devices holding them (Megatron's embedding all-reduce)."""
+    out = [0.0] * p
+    if p <= 1 or links.mesh is None or "pp" not in links.mesh.names:
+        return out
+    holders: dict[str, dict[int, float]] = {}
+    for layer in layers:
+        for name, (numel, _) in layer.params.items():
+            holders.setdefault(name, {})[layer.stage % p] = numel
+    link = neighbour_link(links.mesh, "pp", links.cluster)
+    for devices in holders.values():
+        if len(devices) > 1:
+            for d, numel in devices.items():
+                out[d] += collective_time("all_reduce", numel * g_elem, link, links.algorithm, len(devices))
+    return out
+
+
 def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: ParallelPlan, m: int,
             options: EstimateOptions) -> Composition:
     """Step time and per-device breakdowns (see the module rules). `sends[s]`: seconds to send
@@ -139,7 +159,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
             times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + (sends[s] + back) * m
     pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem)
-    end = max(pipe.last_end[d] + syncs[d].tail for d in range(p))
+    shared = shared_gradients(layers, links, p, g_elem)
+    end = max(pipe.last_end[d] + syncs[d].tail + shared[d] for d in range(p))
     step = end + max(s.after for s in syncs)
     by_device: list[list[LayerWork]] = [[] for _ in range(p)]
     for layer in layers:
@@ -152,6 +173,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
             for key, val in times[s].items():
                 cat[key] = cat.get(key, 0.0) + val
         cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
+        if shared[d]:
+            cat["pp_comm"] = cat.get("pp_comm", 0.0) + shared[d]
         cat["optimizer"] = syncs[d].optimizer
         cat["bubble"] = max(0.0, step - sum(cat.values()))
         params = syncs[d].params

@@ -2,10 +2,13 @@
 
 A grid point is a factorisation dp*tp*pp of the device count, a micro-batch size, one
 recomputation for every block (none, selective, full) and ZeRO 0 or 1, with Megatron's
-tensor-parallel layout (`megatron_choice`): column-parallel then row-parallel linears, heads
-split in attention, a vocabulary-parallel embedding and loss, everything else replicated
-along tp, partial sums all-reduced, blocks split evenly over stages. Each point is an
-`Assignment` of the solver's own space, so the solver can never do worse than the best one.
+tensor-parallel layout (`megatron_choice`): column-parallel then row-parallel linears (a fused
+qkv split strided), heads split in attention (an unfused attention's softmax and dropout follow
+the heads), a vocabulary-parallel embedding and loss, everything else replicated along tp,
+partial sums all-reduced, blocks split evenly over stages (the embedding and the head not
+recomputed, as Megatron-LM does). Each point is an `Assignment` of the solver's own space,
+evaluated with `evaluate`; the outer search scores the best ones with `shardc.cost.estimate`
+on the annotated graph, and the plan it returns is never worse than the best of them.
 """
 
 from __future__ import annotations
