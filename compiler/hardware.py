@@ -185,10 +185,13 @@ _V100 = DeviceSpec(
 def _a100(name: str, memory_gib: int, bandwidth: float, host_gib: int) -> DeviceSpec:
     # A100 SXM4 data sheet: 312 TFLOP/s dense bf16/fp16 tensor, 156 tf32, 19.5 fp32, 19.5 fp64
     # tensor (9.7 plain); HBM2 1555 GB/s (40GB) or HBM2e 2039 GB/s (80GB); PCIe 4.0 x16.
-    # cuBLAS reaches ~85% of the bf16 peak on large GEMMs.
+    # Isolated large GEMMs reach ~85% of the bf16 peak in cuBLAS benchmarks, but GEMMs inside a
+    # training step run at sustained (power-limited) clocks: 75% is the one figure that puts all
+    # four of Narayanan et al.'s published A100 runs (1.7B-1008B) within 6% of their TFLOP/s
+    # (calibrated once for the device, never per run; 85% overshoots the large runs by ~13%).
     return DeviceSpec(
         name, (("bf16", 312e12), ("fp16", 312e12), ("tf32", 156e12), ("fp32", 19.5e12), ("fp64", 19.5e12)),
-        memory_gib * GiB, bandwidth, 0.85, _half_flops(312e12, 0.85), 5e-6, 32e9, host_gib * GiB)
+        memory_gib * GiB, bandwidth, 0.75, _half_flops(312e12, 0.75), 5e-6, 32e9, host_gib * GiB)
 
 
 def _hopper(name: str, memory_gib: int, bandwidth: float) -> DeviceSpec:
