@@ -80,7 +80,21 @@ class CompiledPlan:
 
         self._check_rank(rank)
         coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
-        return f"# rank {rank} of {self.mesh} ({coords}), plan {self.plan}\n" + module_code(self.module(rank))
+        head = f"# rank {rank} of {self.mesh} ({coords}), plan {self.plan}\n"
+        if self.mesh.axis_size("pp") == 1:
+            return head + module_code(self.module(rank))
+        from shardc.backends.torch.codegen import generate
+        from shardc.backends.torch.stages import split_stages
+
+        stages = split_stages(self.runtime_graph)
+        pp, parts = self.mesh.axis_size("pp"), []
+        for s in range(self.mesh.coordinates(rank)["pp"], len(stages.stages), pp):
+            parts.append(f"# ==== stage {s} of {len(stages.stages)} ====\n"
+                         + module_code(generate(stages.stages[s], rank, local_inputs=True)))
+        if stages.loss is not None and (len(stages.stages) - 1) % pp == self.mesh.coordinates(rank)["pp"]:
+            parts.append("# ==== loss (the schedule's loss_fn on the last stage) ====\n"
+                         + module_code(generate(stages.loss, rank, local_inputs=True)))
+        return head + "\n".join(parts)
 
     def estimate(self, cluster: Any = None) -> Any:
         """The cost model's prediction (`shardc.cost.estimate`) for `cluster` (default: the one compiled for)."""

@@ -98,5 +98,10 @@ def test_errors_for_ranks_and_pipelines(tp_plan: shardc.CompiledPlan) -> None:
     with pytest.raises(ShardcError, match="rank 4 is outside the plan's mesh"):
         tp_plan.code(4)
     piped = shardc.compile(GPT, plan="pp=2")  # pipelines parallelize too, inside a process group
+    code1 = piped.code(1)  # pipeline rank 1: the last stage, then the IR's loss as the schedule's loss_fn
+    assert "# ==== stage 1 of 2 ====" in code1 and "def forward(self, x33_send_recv):" in code1
+    assert "# ==== loss (the schedule's loss_fn on the last stage) ====" in code1
+    assert "shape = (1, 16, 4, 16)" in code1  # one micro-batch of 1 sequence (4 micro-batches)
+    assert "# ==== stage 0 of 2 ====" in piped.code(0) and "loss" not in piped.code(0).split("====")[-1][:40]
     with pytest.raises(ShardcError, match="torch.distributed is not initialised"):
         piped.parallelize(torch.nn.Linear(1, 1))

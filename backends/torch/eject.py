@@ -81,7 +81,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, str] 
 
     plan = plan if plan is not None else megatron_plan(module)
     present = {name for name, _ in module.named_modules()}
-    styles = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel() for k, v in plan.items() if k in present}
+    styles: dict[str, Any] = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel()
+                              for k, v in plan.items() if k in present}
     parallelize_module(module, tp_mesh, styles)
     _shrink_head_counts(module, tp_mesh.size())
     return module

@@ -38,6 +38,8 @@ class Microbatched(nn.Module):
     under a prefix), so `state_dict()` keys stay the model's and DDP / FSDP2 see them.
     """
 
+    runner: Any  # the generated module (kept out of the submodules: its children are ours)
+
     def __init__(self, runner: nn.Module, microbatches: int, graph: Graph, runtime: Graph,
                  loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
         super().__init__()

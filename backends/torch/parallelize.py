@@ -157,18 +157,19 @@ def describe_state(module: nn.Module, graph: Graph, dm: Any, model: nn.Module) -
     buffers) and the model's tied parameter names."""
     own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     own |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    module.shardc_graph = graph
-    module.shardc_mesh = dm
+    facts: dict[str, Any] = {"shardc_graph": graph, "shardc_mesh": dm}
     folded = getattr(model, "constants", None)  # api._ConstantsView: the frontend's folded constants
     folded = set(folded) if isinstance(folded, dict) else set()
     inner = getattr(model, "inner", model) if folded else model
     persistent = set(inner.state_dict().keys())  # non-persistent buffers are rebuilt, not saved
-    module.shardc_constants = tuple(v.name for v in graph.buffers
-                                    if v.name not in own or v.name in folded or v.name not in persistent)
+    facts["shardc_constants"] = tuple(v.name for v in graph.buffers
+                                      if v.name not in own or v.name in folded or v.name not in persistent)
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
-    module.shardc_tied = [tuple(v) for v in groups.values() if len(v) > 1]
+    facts["shardc_tied"] = [tuple(v) for v in groups.values() if len(v) > 1]
+    for key, value in facts.items():
+        object.__setattr__(module, key, value)  # plain attributes, not submodules
 
 
 def unwrap(module: nn.Module) -> nn.Module:

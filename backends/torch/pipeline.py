@@ -1,4 +1,11 @@
-"""Pipelines: cut a model into stages by layer and run torch.distributed.pipelining schedules.
+"""Pipelines of a plain torch model: cut it into stages by layer with torch.fx and run
+torch.distributed.pipelining schedules (tp inside stages through torch's `parallelize_module`).
+
+Compiled plans do not come this way: `plan.parallelize(model)` for pp > 1 builds each stage
+from the lowered IR (`pipelined.PipelinedModule`, the path `shardc run` uses), which also runs
+what torch's tensor-parallel vocabulary cannot say (GPT's fused qkv, sequence and context
+parallelism inside stages). `PipelineRunner` stays as the torch-only baseline the empirical
+study measures (`shardc.study.worker`) and that ejected code mirrors.
 
 Rule of the cut: every repeated block (a child of the model's largest `nn.ModuleList`, or a
 module path named in `stage_of`) belongs to the stage it is assigned; every other op belongs to
@@ -304,7 +311,7 @@ class PipelineRunner:
         from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
         if cls is ScheduleInterleaved1F1B:
-            return cls(self.stages, n_microbatches=self.n_microbatches, loss_fn=loss_fn)
+            return cls(list(self.stages), n_microbatches=self.n_microbatches, loss_fn=loss_fn)  # type: ignore[arg-type]
         return cls(self.stages[0], n_microbatches=self.n_microbatches, loss_fn=loss_fn)
 
     @property

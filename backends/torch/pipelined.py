@@ -223,7 +223,8 @@ def average_gradients(params: list[nn.Parameter], group: Any) -> None:
     size = dist.get_world_size(group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))  # type: ignore[union-attr]
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

@@ -88,7 +88,7 @@ class StateViews:
         layout = value.layout or Layout()
         placements, strided = _placements(layout, self.axes)
         fsdp = isinstance(tensor, DTensor)
-        local = tensor.detach()
+        local: Any = tensor.detach()
         if fsdp:
             local = local.full_tensor() if not loading else torch.empty(
                 layout.local_shape(value.type.shape, self.graph.mesh), dtype=tensor.dtype, device=local.device)

@@ -12,6 +12,8 @@ seeded, warm-started from a hint, and reports the proven gap.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -51,14 +53,14 @@ class _Model:
         self.tu = max(one, 1e-9) / 2e4
         self.mu = max(limit_bytes, 1.0) / 1e5
         self.limit = limit_bytes
-        self.x = [[self.md.NewBoolVar(f"x{g}_{c}") for c in range(len(v.cands))] for g, v in enumerate(problem.groups)]
+        self.x = [[self.md.new_bool_var(f"x{g}_{c}") for c in range(len(v.cands))] for g, v in enumerate(problem.groups)]
         for row in self.x:
-            self.md.AddExactlyOne(row)
-        self.z = {z: self.md.NewBoolVar(f"zero{z}") for z in ZEROS}
-        self.md.AddExactlyOne(self.z.values())
+            self.md.add_exactly_one(row)
+        self.z = {z: self.md.new_bool_var(f"zero{z}") for z in ZEROS}
+        self.md.add_exactly_one(self.z.values())
         for z in ZEROS:
             if z not in zeros:
-                self.md.Add(self.z[z] == 0)
+                self.md.add(self.z[z] == 0)
 
     def t(self, v: float) -> int:
         return int(round(v / self.tu))
@@ -67,7 +69,7 @@ class _Model:
         return int(round(v / self.mu))
 
     def var(self, ub: float, name: str) -> cp_model.IntVar:
-        return self.md.NewIntVar(0, max(int(ub), 0), name)
+        return self.md.new_int_var(0, max(int(ub), 0), name)
 
     def lin(self, section: str, key: str, unit) -> tuple[cp_model.LinearExpr, int]:
         """sum of a candidate coefficient over a section's groups, and an upper bound."""
@@ -92,7 +94,7 @@ class _Model:
             exprs[z], ub = sum(terms), max(ub, top)
         var = self.var(ub, f"{section}_{name}")
         for z in ZEROS:
-            self.md.Add(var >= exprs[z]).OnlyEnforceIf(self.z[z])
+            self.md.add(var >= exprs[z]).OnlyEnforceIf(self.z[z])
         return var, ub
 
 
@@ -109,11 +111,11 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
     ub_t = {s: 0 for s in SECTIONS}
     for i, e in enumerate(problem.edges):
         na, nb = len(e.prod_info), len(e.cons_grad)
-        yy = [[md.NewBoolVar(f"y{i}_{a}_{b}") for b in range(nb)] for a in range(na)]
+        yy = [[md.new_bool_var(f"y{i}_{a}_{b}") for b in range(nb)] for a in range(na)]
         for a in range(na):
-            md.Add(sum(yy[a]) == sum(x[e.producer][c] for c, k in enumerate(e.prod_class) if k == a))
+            md.add(sum(yy[a]) == sum(x[e.producer][c] for c, k in enumerate(e.prod_class) if k == a))
         for b in range(nb):
-            md.Add(sum(yy[a][b] for a in range(na)) == sum(x[e.consumer][c] for c, k in enumerate(e.cons_class) if k == b))
+            md.add(sum(yy[a][b] for a in range(na)) == sum(x[e.consumer][c] for c, k in enumerate(e.cons_class) if k == b))
         y.append(yy)
         fsec = EDGE_SECTION[e.kind][0]
         for a in range(na):
@@ -123,53 +125,54 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
                 if e.core:
                     sec[fsec]["core"].append(M.t(e.fwd_s(a, b)) * yy[a][b])
         ub_t[fsec] += max(M.t(v) for row in co.edge_fwd[i] for v in row)
-    for k, ids in enumerate(problem.shares):
+    for share_index, ids in enumerate(problem.shares):
         gsec = EDGE_SECTION[problem.edges[ids[0]].kind][1]
         top = max(M.t(v) for i in ids for row in co.edge_grad[i] for v in row)
-        share = M.var(top, f"share{k}")
+        share = M.var(top, f"share{share_index}")
         for i in ids:
-            md.Add(share >= sum(M.t(co.edge_grad[i][a][b]) * y[i][a][b]
+            md.add(share >= sum(M.t(co.edge_grad[i][a][b]) * y[i][a][b]
                                 for a in range(len(y[i])) for b in range(len(y[i][a]))))
         sec[gsec]["time"].append(share)
         ub_t[gsec] += top
-    S: dict[str, dict] = {}
-    for s in SECTIONS:
-        d: dict = {}
+    S: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        d: dict[str, Any] = {}
         for key in CAND_KEYS:
-            d[key], d[key + "_ub"] = M.lin(s, key, M.t if key in TIME_KEYS else M.m)
+            d[key], d[key + "_ub"] = M.lin(section, key, M.t if key in TIME_KEYS else M.m)
         for key in ("time", "fwd", "core"):
-            d[key] = d[key] + sum(sec[s][key])
-            d[key + "_ub"] += ub_t[s]
-        d["work_ub"] = max([M.m(r["transient"]) for g, v in enumerate(problem.groups) if v.section == s
+            d[key] = d[key] + sum(sec[section][key])
+            d[key + "_ub"] += ub_t[section]
+        d["work_ub"] = max([M.m(r["transient"]) for g, v in enumerate(problem.groups) if v.section == section
                             for r in co.cand[g]] or [0])
-        work = M.var(d["work_ub"], f"{s}_working")
+        work = M.var(d["work_ub"], f"{section}_working")
         for g, v in enumerate(problem.groups):
-            if v.section == s:
-                md.Add(work >= sum(M.m(r["transient"]) * xx for r, xx in zip(co.cand[g], x[g])))
+            if v.section == section:
+                md.add(work >= sum(M.m(r["transient"]) * xx for r, xx in zip(co.cand[g], x[g])))
         d["work"] = work
-        d["sync"], d["sync_ub"] = M.by_zero(s, "sync", lambda r, z: M.t(co.rate[z] * r["gbytes"]))
-        d["state"], d["state_ub"] = M.by_zero(s, "state", lambda r, z: M.m(co.state[z] * r["numel"]))
+        d["sync"], d["sync_ub"] = M.by_zero(section, "sync", lambda r, z: M.t(co.rate[z] * r["gbytes"]))
+        d["state"], d["state_ub"] = M.by_zero(section, "state", lambda r, z: M.m(co.state[z] * r["numel"]))
         d["after"], d["after_ub"] = M.by_zero(
-            s, "after", lambda r, z: M.t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)))
-        d["buf"], d["buf_ub"] = M.lin(s, "numel", lambda v: M.m(2 * v * co.w_elem))
-        d["pbytes"], d["pbytes_ub"] = d["buf"], d["buf_ub"]  # twice a layer's weights, in memory units
-        numel_ub = sum(max(r["numel"] for r in co.cand[g]) for g, v in enumerate(problem.groups) if v.section == s)
+            section, "after", lambda r, z: M.t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)))
+        d["buf"], d["buf_ub"] = M.lin(section, "numel", lambda v: M.m(2 * v * co.w_elem))
+        d["pbytes"], d["pbytes_ub"] = d["buf"], d["buf_ub"]  # twice a layer'section weights, in memory units
+        numel_ub = sum(max(r["numel"] for r in co.cand[g]) for g, v in enumerate(problem.groups) if v.section == section)
         ag_ub = M.t(co.zero3[0]) + M.t(co.zero3[1] * co.w_elem * numel_ub) + 1
         d["z3_ub"] = 2 * ag_ub
-        z3 = M.var(d["z3_ub"], f"{s}_z3")
+        z3 = M.var(d["z3_ub"], f"{section}_z3")
         if 3 in zeros and co.zero3[1] > 0:
             ag = M.t(co.zero3[0]) + sum(M.t(co.zero3[1] * co.w_elem * r["numel"]) * xx
-                                        for g, v in enumerate(problem.groups) if v.section == s
+                                        for g, v in enumerate(problem.groups) if v.section == section
                                         for r, xx in zip(co.cand[g], x[g]))
-            zf, zb = M.var(ag_ub, f"{s}_z3f"), M.var(ag_ub, f"{s}_z3b")
-            md.Add(zf >= ag - d["cfwd"]).OnlyEnforceIf(M.z[3])
-            md.Add(zb >= ag - d["cbwd"]).OnlyEnforceIf(M.z[3])
-            md.Add(z3 == zf + zb)
+            zf, zb = M.var(ag_ub, f"{section}_z3f"), M.var(ag_ub, f"{section}_z3b")
+            md.add(zf >= ag - d["cfwd"]).OnlyEnforceIf(M.z[3])
+            md.add(zb >= ag - d["cbwd"]).OnlyEnforceIf(M.z[3])
+            md.add(z3 == zf + zb)
         else:
-            md.Add(z3 == 0)
+            md.add(z3 == 0)
         d["z3"] = z3
-        S[s] = d
-    send_expr, send_ub = 0, 0
+        S[section] = d
+    send_expr: Any = 0
+    send_ub = 0
     if p > 1:
         for g in range(len(problem.groups)):
             vals = [M.t(s) for s in co.send[g]]
@@ -180,23 +183,23 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
     counts = []
     if L > 0:
         tl = [M.var(tl_ub, f"layer_time_{r}") for r in range(3)]
-        md.Add(tl[0] == blk["time"] + blk["z3"])
-        md.Add(tl[1] == blk["time"] + blk["z3"] + blk["core"])
-        md.Add(tl[2] == blk["time"] + blk["z3"] + blk["fwd"])
+        md.add(tl[0] == blk["time"] + blk["z3"])
+        md.add(tl[1] == blk["time"] + blk["z3"] + blk["core"])
+        md.add(tl[2] == blk["time"] + blk["z3"] + blk["fwd"])
         act_ub = blk["saved_ub"] + blk["inputs_ub"] + 1
         act = [M.var(act_ub, f"act_{r}") for r in range(3)]
-        md.Add(act[0] == blk["saved"])
-        md.Add(act[1] == blk["saved"] - blk["saved_core"])
-        md.Add(act[2] == blk["inputs"])
+        md.add(act[0] == blk["saved"])
+        md.add(act[1] == blk["saved"] - blk["saved_core"])
+        md.add(act[2] == blk["inputs"])
         fwd_blk = M.var(blk["fwd_ub"], "block_fwd")
-        md.Add(fwd_blk == blk["fwd"])
+        md.add(fwd_blk == blk["fwd"])
         core_saved = M.var(blk["saved_core_ub"], "block_saved_core")
-        md.Add(core_saved == blk["saved_core"])
+        md.add(core_saved == blk["saved_core"])
         other_blk = M.var(blk["other_ub"], "block_other")
-        md.Add(other_blk == blk["other"])
+        md.add(other_blk == blk["other"])
     tail = M.var(max(M.t(t) for t in co.tail), "tail")
     for z in ZEROS:
-        md.Add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
+        md.add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
     gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZEROS if co.gather[z][0])
     stage_times, exposed, after = [], [], []
     block_terms: list = []
@@ -204,7 +207,7 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
 
     def prod(a, b, ub, name):
         v = M.var(ub, name)
-        md.AddMultiplicationEquality(v, [a, b])
+        md.add_multiplication_equality(v, [a, b])
         return v
 
     for s in range(p):
@@ -212,10 +215,10 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
         k = [M.var(L, f"k{s}_{r}") for r in range(3)]
         for r in range(3):
             if r not in recomputes:
-                md.Add(k[r] == 0)
+                md.add(k[r] == 0)
         n = M.var(L, f"n{s}")
-        md.Add(n >= (0 if (first or last or L == 0) else 1))
-        md.Add(sum(k) == n)
+        md.add(n >= (0 if (first or last or L == 0) else 1))
+        md.add(sum(k) == n)
         counts.append((n, k))
         edge_sends = send_expr * ((not last) + (not first))
         pre_t = (pre["time"] + pre["z3"]) if first else 0
@@ -236,11 +239,11 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
             f = in_flight("1f1b", p, s, m)
             mem += [nstate, f * sum(pa)]
             rw = M.var(act_ub, f"recompute_working{s}")
-            has_full, has_sel = md.NewBoolVar(f"full{s}"), md.NewBoolVar(f"sel{s}")
-            md.Add(k[2] <= L * has_full)
-            md.Add(k[1] <= L * has_sel)
-            md.Add(rw >= act[0]).OnlyEnforceIf(has_full)
-            md.Add(rw >= core_saved).OnlyEnforceIf(has_sel)
+            has_full, has_sel = md.new_bool_var(f"full{s}"), md.new_bool_var(f"sel{s}")
+            md.add(k[2] <= L * has_full)
+            md.add(k[1] <= L * has_sel)
+            md.add(rw >= act[0]).OnlyEnforceIf(has_full)
+            md.add(rw >= core_saved).OnlyEnforceIf(has_sel)
             mem.append(rw)
             grad_sync, numel_mem, after_t = nsync, nbuf, nafter
         else:
@@ -262,55 +265,55 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
             mem += [post["state"], in_flight("1f1b", p, s, m) * post["saved"]]
         stage_times.append(stage)
         ex = M.var(horizon, f"exposed{s}")
-        md.Add(ex >= grad_sync - window)
-        md.Add(ex >= tail + (pre["sync"] if first else 0))
+        md.add(ex >= grad_sync - window)
+        md.add(ex >= tail + (pre["sync"] if first else 0))
         exposed.append(ex + nother)
         after.append(after_t + gather_alpha)
         work = M.var(max(S[t]["work_ub"] for t in SECTIONS), f"work{s}")
-        md.Add(work >= blk["work"])
+        md.add(work >= blk["work"])
         if first:
-            md.Add(work >= pre["work"])
+            md.add(work >= pre["work"])
         if last:
-            md.Add(work >= post["work"])
+            md.add(work >= post["work"])
         mem.append(work)
         if co.buffer_cap:
             buf = M.var(M.m(co.buffer_cap), f"buffers{s}")
-            capped = md.NewBoolVar(f"capped{s}")
-            md.Add(buf >= M.m(co.buffer_cap)).OnlyEnforceIf(capped)
-            md.Add(buf >= numel_mem).OnlyEnforceIf(capped.Not())
+            capped = md.new_bool_var(f"capped{s}")
+            md.add(buf >= M.m(co.buffer_cap)).OnlyEnforceIf(capped)
+            md.add(buf >= numel_mem).OnlyEnforceIf(capped.Not())
             mem.append(buf)
             if 3 in zeros:
                 big = M.var(max(S[t]["pbytes_ub"] for t in SECTIONS), f"zero3_buffer{s}")
                 for t, on in (("block", True), ("pre", first), ("post", last)):
                     if on:
-                        md.Add(big >= S[t]["pbytes"]).OnlyEnforceIf(M.z[3])
+                        md.add(big >= S[t]["pbytes"]).OnlyEnforceIf(M.z[3])
                 mem.append(big)
-        md.Add(sum(mem) <= M.m(limit_bytes))
-    md.Add(sum(n for n, _ in counts) == L)
+        md.add(sum(mem) <= M.m(limit_bytes))
+    md.add(sum(n for n, _ in counts) == L)
     bottleneck = M.var(horizon, "bottleneck")
     for st in stage_times:
-        md.Add(bottleneck >= st)
+        md.add(bottleneck >= st)
     # Redundant, linear: every block costs at least TL_0, and the slowest stage at least the mean.
     if L > 0:
-        md.Add(sum(block_terms) >= L * tl[0])
-    md.Add(p * bottleneck >= sum(stage_times))
+        md.add(sum(block_terms) >= L * tl[0])
+    md.add(p * bottleneck >= sum(stage_times))
     worst_exposed = M.var(horizon * 4, "worst_exposed")
     for ex in exposed:
-        md.Add(worst_exposed >= ex)
+        md.add(worst_exposed >= ex)
     worst_after = M.var(horizon * 4, "worst_after")
     for af in after:
-        md.Add(worst_after >= af)
-    md.Minimize(sum(stage_times) + (m - 1) * bottleneck + worst_exposed + worst_after)
+        md.add(worst_after >= af)
+    md.minimize(sum(stage_times) + (m - 1) * bottleneck + worst_exposed + worst_after)
     if hint is not None:
         for g, c in enumerate(hint.choice):
             for cc in range(len(x[g])):
-                md.AddHint(x[g][cc], cc == c)
+                md.add_hint(x[g][cc], cc == c)
         for z in ZEROS:
-            md.AddHint(M.z[z], z == hint.zero)
+            md.add_hint(M.z[z], z == hint.zero)
         for (n, k), row in zip(counts, hint.stages):
-            md.AddHint(n, sum(row))
+            md.add_hint(n, sum(row))
             for r in range(3):
-                md.AddHint(k[r], row[r])
+                md.add_hint(k[r], row[r])
     solver = cp_model.CpSolver()
     prm = solver.parameters
     prm.random_seed = seed
@@ -319,13 +322,13 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
     prm.max_time_in_seconds = max(3 * time_limit, 0.05)
     if workers > 1:
         prm.interleave_search = True
-    status = solver.Solve(md)
-    name = solver.StatusName(status)
+    status = solver.solve(md)
+    name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return SolveResult(None, name, float("inf"), solver.BestObjectiveBound() * M.tu
-                           if status != cp_model.INFEASIBLE else float("inf"), solver.WallTime())
-    choice = tuple(next(c for c, var in enumerate(row) if solver.Value(var)) for row in x)
-    stages = tuple(tuple(solver.Value(k[r]) for r in range(3)) for _, k in counts)
-    zero = next(z for z in ZEROS if solver.Value(M.z[z]))
-    return SolveResult(Assignment(choice, stages, zero), name, solver.ObjectiveValue() * M.tu,
-                       solver.BestObjectiveBound() * M.tu, solver.WallTime())
+        return SolveResult(None, name, float("inf"), solver.best_objective_bound * M.tu
+                           if status != cp_model.INFEASIBLE else float("inf"), solver.wall_time)
+    choice = tuple(next(c for c, var in enumerate(row) if solver.value(var)) for row in x)
+    stages = tuple(tuple(solver.value(k[r]) for r in range(3)) for _, k in counts)
+    zero = next(z for z in ZEROS if solver.value(M.z[z]))
+    return SolveResult(Assignment(choice, stages, zero), name, solver.objective_value * M.tu,
+                       solver.best_objective_bound * M.tu, solver.wall_time)
