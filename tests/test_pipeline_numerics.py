@@ -62,7 +62,6 @@ def test_pipelines_1f1b_gpipe_interleaved_and_accumulation_on_two_processes() ->
         (LLAMA + FOUR_LAYERS, "pp=2,vpp=2"),
         (HF_GPT2.replace("n_layer=2", "n_layer=4"), "pp=2,vpp=2"),
         (GPT, "dp=2"),                                          # pp=1: accumulation over 2 micro-batches
-        (LLAMA, "tp=2,recompute=full"),                         # pp=1: accumulation over 4 micro-batches
     ])
 
 

@@ -20,6 +20,13 @@ AXIS_CATEGORY = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_co
 ALIASING_OPS = frozenset({"reshape", "permute", "expand", "slice", "select", "split"})
 
 
+def aliases(node: Node) -> bool:
+    """Whether the node's output is its first input's storage (a view, or an identity dropout)."""
+    if node.op == "dropout":
+        return not node.attrs.get("p") or node.attrs.get("training") is False
+    return node.op in ALIASING_OPS
+
+
 def axis_category(axis: str) -> str:
     """Time category of a collective on mesh axis `axis` (tp_comm, cp_comm, dp_comm, pp_comm)."""
     return AXIS_CATEGORY.get(axis, "tp_comm")
@@ -114,8 +121,9 @@ class CostContext:
         return found if found is not None else value.layout or Layout()
 
     def root(self, value: Value) -> Value:
-        """The value whose storage `value` aliases (through views), or itself."""
-        while value.producer is not None and value.producer.op in ALIASING_OPS and value.producer.inputs:
+        """The value whose storage `value` aliases (through views, and dropout with p=0, which
+        returns its input: PyTorch saves no mask and makes no copy), or itself."""
+        while value.producer is not None and value.producer.inputs and aliases(value.producer):
             value = value.producer.inputs[0]
         return value
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
+    NodeCost,
     node_compute_time,
     repeated,
     rotating_operands,
@@ -37,7 +38,7 @@ from shardc.cost.compute import (
     saved_bytes_of,
     working_bytes,
 )
-from shardc.cost.context import CostContext, axis_category
+from shardc.cost.context import CostContext, aliases, axis_category
 from shardc.cost.edges import (
     comm_time,
     feeds_only_parameters,
@@ -201,6 +202,8 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                                  scaled_in=[id(v) in ctx.batched for v in node.inputs],
                                  scaled_out=[id(v) in ctx.batched for v in node.outputs])
         cost = repeated(cost, rotation_steps(part))
+        if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
+            cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
         in_core = id(node) in core
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
         _add(t.bwd, "compute_bwd", cost.bwd_s)

@@ -250,7 +250,8 @@ def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shape
         sharded = {p.dim for _, p in layout.placements if isinstance(p, Shard)}
         targets = [i for i, r in enumerate(value_roles) if r in ("batch", "seq") and i not in sharded]
         options = []
-        for choice in itertools.product([None] + targets, repeat=len(partial_axes)):
+        dims: list[int | None] = [None, *targets]
+        for choice in itertools.product(dims, repeat=len(partial_axes)):
             placements = dict(layout.placements)
             for axis, dim in zip(partial_axes, choice):
                 if dim is None:

@@ -12,9 +12,8 @@ seeded, warm-started from a hint, and reports the proven gap.
 
 from __future__ import annotations
 
-from typing import Any
-
 from dataclasses import dataclass
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -298,8 +297,8 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
         md.add(sum(block_terms) >= L * tl[0])
     md.add(p * bottleneck >= sum(stage_times))
     worst_exposed = M.var(horizon * 4, "worst_exposed")
-    for ex in exposed:
-        md.add(worst_exposed >= ex)
+    for exposed_s in exposed:
+        md.add(worst_exposed >= exposed_s)
     worst_after = M.var(horizon * 4, "worst_after")
     for af in after:
         md.add(worst_after >= af)

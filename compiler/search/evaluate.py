@@ -92,6 +92,7 @@ def _merge(parts: list[LayerTerms], problem: Problem | None = None, choice: tupl
             out.input_entries.setdefault(key, b)
         out.roots.update(t.roots)
     for key, root in out.roots.items() if problem is not None else ():
+        assert problem is not None
         if key in problem.owner:
             var, k = problem.owner[key]
             nbytes = problem.pricer.local_bytes(root, problem.groups[var].costs[choice[var]].produced[k][0])
@@ -108,7 +109,7 @@ def _merge(parts: list[LayerTerms], problem: Problem | None = None, choice: tupl
 def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
     """Terms of the prefix (`pre`), the first, a middle and the last block, and the suffix (`post`)."""
     parts = {k: LayerTerms() for k in ("pre", "block", "post", "chain_fwd", "chain_bwd", "first_fwd", "last_bwd")}
-    own = {"pre": [], "block": [], "post": []}
+    own: dict[str, list[LayerTerms]] = {"pre": [], "block": [], "post": []}
     for var, c in zip(problem.groups, a.choice):
         own[var.section].append(var.costs[c].terms)
     into_fwd = {"pre": "pre", "block": "block", "post": "post", "chain": "chain_fwd", "first": "first_fwd",
@@ -172,7 +173,7 @@ def layer_works(problem: Problem, a: Assignment) -> list[LayerWork]:
             cache[(kind, recompute)] = finish_layer(parts[kind], recompute)
         return cache[(kind, recompute)]
 
-    params = {"pre": {}, "block": {}, "post": {}}
+    params: dict[str, dict[str, tuple[float, frozenset[str]]]] = {"pre": {}, "block": {}, "post": {}}
     for var, c in zip(problem.groups, a.choice):
         for name, numel, axes in var.costs[c].params:
             prev = params[var.section].get(name)

@@ -176,10 +176,10 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
     sec = section_sums(problem, choice)
     p, m = len(stages), problem.micro_batches
     z3 = {}
-    for name, s in sec.items():
+    for name, sums in sec.items():
         if zero >= 3 and co.zero3[1] > 0:
-            ag = co.zero3[0] + co.zero3[1] * s["pbytes"]
-            z3[name] = max(0.0, ag - s["cfwd"]) + max(0.0, ag - s["cbwd"])
+            ag = co.zero3[0] + co.zero3[1] * sums["pbytes"]
+            z3[name] = max(0.0, ag - sums["cfwd"]) + max(0.0, ag - sums["cbwd"])
         else:
             z3[name] = 0.0
     blk = sec["block"]

@@ -25,7 +25,7 @@ from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
 from shardc.ir import Graph, Layout, Mesh, Value
 from shardc.search.candidates import Candidate, Shapes, enumerate_group
-from shardc.search.costs import CandCost, Pricer
+from shardc.search.costs import CandCost, ExternalGrad, Pricer
 from shardc.search.groups import NodeGroup, build_groups, dim_roles
 
 ZEROS = (0, 1, 2, 3)
@@ -180,13 +180,49 @@ class Problem:
         return self.facts.layering.count
 
 
+@dataclass
+class Priced:
+    """The part of a problem that depends only on its `pricing_key`: the represented groups with
+    their priced candidates, the priced edges, the shared gradients, the value owners."""
+
+    groups: list[GroupVar]
+    edges: list[EdgeVar]
+    shares: list[list[int]]
+    owner: dict[int, tuple[int, int]]
+
+
+PricingCache = dict[tuple[object, ...], Priced]
+
+
+def pricing_key(shape: MeshShape, mb: int, dtype: str, rotate: bool, chunk: bool) -> tuple[object, ...]:
+    """What candidate and edge prices depend on. Rule: the intra-stage axes present and the sizes
+    of cp and tp (the innermost axes: their link levels do not depend on the outer ones), and the
+    micro-batch (the local batch whatever the dp size), not pp or the dp size: dp only splits
+    batch dims, and its collectives (gradient sync, ZeRO) are priced per shape in
+    `shardc.search.linear.coefficients`, the pipeline sends per shape too."""
+    return (shape.dp > 1, shape.cp, shape.tp, mb, dtype, rotate, chunk)
+
+
 def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int, gbs: int,
-                  dtype: str = "bf16", rotate: bool = True, chunk: bool = True) -> Problem:
-    """Enumerate and price every group of the represented layers on `shape` at micro-batch `mb`."""
-    lay = facts.layering
-    shapes = Shapes(facts.roles, mb * shape.dp / facts.batch, facts.batched)
+                  dtype: str = "bf16", rotate: bool = True, chunk: bool = True,
+                  cache: PricingCache | None = None) -> Problem:
+    """Enumerate and price every group of the represented layers on `shape` at micro-batch `mb`;
+    with `cache`, shapes of equal `pricing_key` share one enumeration and pricing."""
     ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
     pricer = Pricer(cluster, shape.mesh(), dtype, ctx, facts.core)
+    key = pricing_key(shape, mb, dtype, rotate, chunk)
+    priced = cache.get(key) if cache is not None else None
+    if priced is None:
+        priced = _price(facts, shape, mb, pricer, rotate, chunk)
+        if cache is not None:
+            cache[key] = priced
+    return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, pricer, priced.groups, priced.edges,
+                   priced.shares, priced.owner)
+
+
+def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate: bool, chunk: bool) -> Priced:
+    lay = facts.layering
+    shapes = Shapes(facts.roles, mb * shape.dp / facts.batch, facts.batched)
     intra = shape.intra()
     rep = (lay.blocks[1] if len(lay.blocks) > 1 else lay.blocks[0]) if lay.blocks else None
     sections = [(name, "pre") for name in lay.pre] + ([(rep, "block")] if rep else []) + [(n, "post") for n in lay.post]
@@ -206,17 +242,17 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
     for k, ids in enumerate(groups):
         for i in ids:
             edges[i].share = k
-    owner = {}
+    owner: dict[int, tuple[int, int]] = {}
     for g in facts.groups:  # every copy's values, mapped to the represented groups
         layer = "<graph>" if g.layer is None else g.layer
-        i = index.get((rep, g.position) if layer in lay.blocks else (layer, g.position))
+        at = index.get((rep, g.position) if layer in lay.blocks and rep is not None else (layer, g.position))
         k = 0
         for node in g.members:
             for v in node.outputs:
-                if i is not None:
-                    owner[id(v)] = (i, k)
+                if at is not None:
+                    owner[id(v)] = (at, k)
                 k += 1
-    return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, pricer, vars_, edges, groups, owner)
+    return Priced(vars_, edges, groups, owner)
 
 
 def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int], int], rep: str | None,
@@ -241,7 +277,7 @@ def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int]
         return "none", None
 
     consumers: list[tuple[NodeGroup, int, str]] = [(v.group, i, v.section) for i, v in enumerate(vars_)]
-    if blocks and rep != blocks[0]:
+    if blocks and rep is not None and rep != blocks[0]:
         consumers += [(g, index[(rep, g.position)], "first") for g in facts.by_layer.get(blocks[0], [])]
     rep_at = blocks.index(rep) if rep in blocks else -1
     out: list[EdgeVar] = []
@@ -288,8 +324,8 @@ def _edge(pricer: Pricer, vars_: list[GroupVar], pi: int, ci: int, member: int, 
         if info not in prod_info:
             prod_info.append(info)
         prod_class.append(prod_info.index(info))
-    cons_ext = []
-    cons_class = []
+    cons_ext: list[ExternalGrad | None] = []
+    cons_class: list[int] = []
     for cost in vars_[ci].costs:
         ext = next((e for e in cost.ext if e.member == member and e.index == index), None)
         key = (ext.required, ext.contribution, ext.regather) if ext else None
@@ -298,9 +334,9 @@ def _edge(pricer: Pricer, vars_: list[GroupVar], pi: int, ci: int, member: int, 
             cons_ext.append(ext)
             keys.append(key)
         cons_class.append(keys.index(key))
-    fwd = [[{} for _ in cons_ext] for _ in prod_info]
-    regather = [[{} for _ in cons_ext] for _ in prod_info]
-    bwd = [[{} for _ in cons_ext] for _ in prod_info]
+    fwd: list[list[dict[str, float]]] = [[{} for _ in cons_ext] for _ in prod_info]
+    regather: list[list[dict[str, float]]] = [[{} for _ in cons_ext] for _ in prod_info]
+    bwd: list[list[dict[str, float]]] = [[{} for _ in cons_ext] for _ in prod_info]
     for a, info in enumerate(prod_info):
         for b, ext in enumerate(cons_ext):
             if ext is None:

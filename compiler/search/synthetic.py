@@ -57,7 +57,8 @@ PRESETS: dict[str, TransformerDims] = {
 
 class _Builder:
     def __init__(self, graph: Graph, dtype: str) -> None:
-        self.graph, self.dtype, self.count, self.layer = graph, dtype, 0, None
+        self.graph, self.dtype, self.count = graph, dtype, 0
+        self.layer: str | None = None
 
     def param(self, path: str, shape: tuple[int, ...]) -> Value:
         v = Value(path, TensorType(shape, self.dtype), "parameter", requires_grad=True)

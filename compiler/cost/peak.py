@@ -1,0 +1,94 @@
+"""Memory of one pipeline device at its peak: model states, runtime buffers, and the micro-batch timelines stacked.
+
+Rules (what the torch backend runs; `EstimateOptions` names the choices):
+- Model states: `memory.model_state_bytes` by ZeRO stage. With `zero_runtime="fsdp2"` (the
+  torch backend: `fully_shard` on the whole module) every ZeRO stage shards parameters,
+  gradients and optimizer state at rest over the data-parallel group; `"zero"` is the
+  textbook ZeRO-1/2/3 (Rajbhandari et al.).
+- Activations and working memory (`timeline.layer_memory`, per layer): the device holds the
+  saved activations of the micro-batches in flight (`in_flight`) but the one in progress,
+  plus the largest live total of that one, forward or backward: the saved activations of the
+  layers before the layer in progress (all of them while it is in forward, those not yet
+  reached in backward) plus that layer's own live bytes. Tied weights' gradients held for an
+  earlier layer stay live until it; under FSDP2 the unsharded gradients of the layers already
+  back-propagated stay until the end of backward.
+- Buffers: DDP allocates one flat bucket per group of gradients, together a copy of every
+  gradient it synchronises (whatever `bucket_cap_mb`; it caps each bucket, not their sum).
+  FSDP2 on the whole module holds its unsharded parameters from the start of forward to the
+  end of backward, and during forward also the flat all-gather buffer they were copied out
+  of (both the local parameter bytes). Textbook ZeRO-3: the largest layer's gathered weights
+  twice (the current and the prefetched one). torch.distributed.pipelining
+  (`pipeline_runtime="torch"`) preallocates a receive buffer per micro-batch for a stage's
+  inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
+  its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
+  the step ends.
+Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
+the micro-batches in flight plus the largest recomputation and transient working sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+MiB = 2**20
+
+
+def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool) -> tuple[dict[str, float], dict[str, float], float]:
+    """(forward peak split, backward peak split, kept bytes) of one virtual stage's micro-batch."""
+    kept = [l.memory.kept for l in layers]
+    fwd = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
+    bwd = dict(fwd)
+    for i, layer in enumerate(layers):
+        mem = layer.memory
+        before = sum(kept[:i])
+        later = layers[i + 1:]
+        held = sum(l.memory.held for l in later) + (sum(l.memory.param_grads for l in later) if fsdp_hold else 0.0)
+        if before + mem.fwd_peak > sum(fwd.values()):
+            fwd = {"activations": before + mem.fwd_saved, "recompute_working": 0.0,
+                   "working": mem.fwd_peak - mem.fwd_saved}
+        if before + mem.bwd_peak + held > sum(bwd.values()):
+            bwd = {"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed,
+                   "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}
+    return fwd, bwd, sum(kept)
+
+
+def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, send_bytes: Sequence[float],
+                     output_bytes: float) -> float:
+    """torch.distributed.pipelining's buffers on a device holding virtual `stages` of `total`."""
+    out = 0.0
+    for s in stages:
+        if s > 0:
+            out += m * send_bytes[s - 1]
+        if s < total - 1:
+            out += (m + flight) * send_bytes[s]
+        else:
+            out += (m - 1) * output_bytes
+    return out
+
+
+def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *, flight: int, virtual: int,
+                  interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float) -> dict[str, float]:
+    """The device's memory by category at its peak (module rules). `by_stage`: its layers per
+    virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining)."""
+    costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
+    if not all(getattr(l, "memory", None) is not None for stage in by_stage for l in stage):
+        saved = sum(c.saved_bytes for c in costs)
+        activations = saved * flight / (virtual if interleaved else 1)
+        return {**states, "activations": activations,
+                "recompute_working": max((c.working_bytes for c in costs), default=0.0),
+                "working": max((c.transient_bytes for c in costs), default=0.0),
+                "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
+    splits = [_stage_peaks(stage, fsdp) for stage in by_stage if stage]
+    kept = sum(k for _, _, k in splits)
+    others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
+    best: dict[str, float] = {}
+    for phase, extra in ((0, 2.0 * local_param_bytes if fsdp else 0.0), (1, local_param_bytes if fsdp else 0.0)):
+        for split in splits:
+            part = split[phase]
+            candidate = {**states, "activations": others + part["activations"],
+                         "recompute_working": part["recompute_working"], "working": part["working"],
+                         "buffers": buffers + extra}
+            if sum(candidate.values()) > sum(best.values()):
+                best = candidate
+    return best or {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0, "buffers": buffers}

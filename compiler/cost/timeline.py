@@ -1,0 +1,244 @@
+"""The live memory of one layer while one micro-batch runs through it, op by op (eager PyTorch's autograd).
+
+Saved activations are only part of a device's peak: while backward runs, the gradients of
+activations and the weight gradients of the op in progress are live too, and the peak is the
+largest sum over time. This walks the layer's partitioned IR as autograd executes it.
+
+Rules (all sizes are local, batch-scaled, at the compute dtype):
+- Storages: a view (reshape, permute, expand, slice, select, split; dropout with p=0, which
+  returns its input) aliases the storage of its input (`CostContext.root`); every other op's
+  output is a new storage.
+- Forward: an output lives until its last reader in the layer has run, or to the end of the
+  layer when a later layer reads it; what an op saves for backward stays (`layer_terms`'s saved
+  entries: the kept ones under the layer's recomputation). A loss also holds its log-probabilities
+  (the size of its input) while it runs. Under full recomputation the forward keeps only the
+  layer's inputs; under selective, the attention core's own tensors are not kept.
+- Backward, ops in reverse: the gradients of the layer's outputs arrive first. An op allocates a
+  gradient for each input that needs one (a parameter's is a temporary, added into `.grad` and
+  freed at once, unless the parameter is read again by an earlier op, a tied weight, whose
+  contributions autograd sums before accumulating; `hold_param_grads`: kept to the end of
+  backward, as FSDP2's unsharded gradients are). Views, dropout(p=0) and an `add` of equal
+  shapes pass the output gradient through without allocating; split's backward concatenates.
+  A loss's backward also holds the gradient of its log-probabilities. After the op its output
+  gradients and the storages no later op needs for backward are freed. Full recomputation runs
+  the layer's forward again first (its saved tensors come back as recomputed); selective
+  recomputation regenerates the attention core's saved tensors when backward reaches it.
+The result is each phase's peak and what is live at it, which `compose` stacks on the layers
+before (their saved activations) and the model states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from shardc.cost.context import CostContext
+from shardc.cost.layer import LayerTerms, attention_core
+from shardc.ir import Node
+from shardc.registry import get_op
+
+PASS_THROUGH = frozenset({"add"})  # d(a + b)/da = d(a + b)/db = the output gradient itself
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMemory:
+    """One layer, one micro-batch: live bytes at its forward and backward peaks, split by kind.
+
+    `fwd_peak` = `fwd_saved` (its saved activations at that moment) + working (outputs not yet
+    consumed, a loss's log-probabilities). `bwd_peak` = `bwd_saved` (kept activations not yet
+    freed) + `bwd_recomputed` (recomputed ones) + working (activation and weight gradients,
+    a loss's log-probability gradient). `param_grads`: the weight gradients the layer computes
+    (what FSDP2 keeps unsharded until the end of backward); `held`: tied weights' gradients
+    it leaves held for an earlier layer. `kept`: what it saves per micro-batch."""
+
+    fwd_peak: float
+    fwd_saved: float
+    bwd_peak: float
+    bwd_saved: float
+    bwd_recomputed: float
+    kept: float
+    param_grads: float = 0.0
+    held: float = 0.0
+
+
+def _storage(ctx: CostContext, v) -> int:
+    return id(ctx.root(v))
+
+
+def _alias_gradient(node: Node, i: int) -> bool:
+    """The input's gradient is the output's (no allocation): views, dropout(p=0), equal-shape add."""
+    op = get_op(node.op)
+    if node.op == "dropout":
+        return not node.attrs.get("p") or node.attrs.get("training") is False
+    if op.kind == "view":
+        return node.op not in ("split", "concat")
+    if node.op in PASS_THROUGH and node.outputs:
+        return node.inputs[i].type.shape == node.outputs[0].type.shape
+    return False
+
+
+def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
+                 earlier_params: Collection[str] = (), hold_param_grads: bool = False) -> LayerMemory:
+    """Walk `nodes` (one layer, graph order) forward and backward (module rules). `terms` is the
+    layer's `layer_terms` (its saved entries); `earlier_params`: parameters earlier layers on the
+    same device also read (their gradients are held here until that layer's backward)."""
+    inside = {id(n) for n in nodes}
+    core = attention_core(ctx, nodes) if recompute == "selective" else set()
+    saved_all = {k: b for k, (b, _) in terms.saved_entries.items()}
+    in_core = {k for k, (_, c) in terms.saved_entries.items() if c}
+    if recompute == "full":
+        kept = dict(terms.input_entries)
+    elif recompute == "selective":
+        kept = {k: b for k, b in saved_all.items() if k not in in_core}
+    else:
+        kept = dict(saved_all)
+    savers: dict[object, list[int]] = {}
+    for idx, node in enumerate(nodes):
+        for key in _saved_keys(ctx, node, idx, terms):
+            savers.setdefault(key, []).append(idx)
+    last_read: dict[int, int] = {}
+    exported: set[int] = set()
+    for idx, node in enumerate(nodes):
+        for v in node.inputs:
+            last_read[_storage(ctx, v)] = idx
+        for v in node.outputs:
+            users = ctx.users.get(id(v), [])
+            if any(id(u) not in inside for u in users) or v in ctx.graph.outputs:
+                exported.add(_storage(ctx, v))
+    preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
+    fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload)
+    if recompute == "full":  # the forward again, inputs kept and output gradients arriving
+        again, _ = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload)
+        incoming = _incoming(ctx, nodes, inside)
+        recompute_peak = again + incoming
+        live_saved, recomputed = {}, dict(saved_all)
+    else:
+        recompute_peak = 0.0
+        live_saved, recomputed = dict(kept), {}
+    peak, at_saved, at_recomputed, param_grads, held = _backward(
+        ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
+        hold_param_grads)
+    if recompute_peak > peak:
+        peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
+    return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held)
+
+
+def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> list[object]:
+    """The saved-entry keys `node` contributes (storage ids, or (id(node), k) for raw bytes)."""
+    local = ctx.local(node)
+    keys: list[object] = []
+    for k, (kind, i) in enumerate(local.op.saved_for_backward(local.in_types, local.out_types, node.attrs)):
+        key: object = (id(node), k) if kind == "bytes" else _storage(
+            ctx, node.inputs[i] if kind == "in" else node.outputs[i])
+        if key in terms.saved_entries or key in terms.input_entries:
+            keys.append(key)
+    return keys
+
+
+def _new_outputs(ctx: CostContext, node: Node) -> dict[int, float]:
+    return {id(v): ctx.local_bytes(v) for v in node.outputs if ctx.root(v) is v}
+
+
+def _loss_extra(ctx: CostContext, node: Node) -> float:
+    """A loss holds log-probabilities (forward) or their gradient (backward) the size of its input."""
+    if get_op(node.op).kind != "loss" or not node.inputs:
+        return 0.0
+    return ctx.local_bytes(node.inputs[0])
+
+
+def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, last_read: dict[int, int],
+             exported: set[int], preload: dict) -> tuple[float, float]:
+    saved: dict[object, float] = dict(preload)
+    temp: dict[int, float] = {}
+    peak, at_saved = 0.0, 0.0
+    for idx, node in enumerate(nodes):
+        new = _new_outputs(ctx, node)
+        total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node)
+        if total > peak:
+            peak, at_saved = total, sum(saved.values())
+        temp.update(new)
+        for key, readers in savers.items():
+            if readers[0] == idx and key in kept:
+                saved[key] = kept[key]
+                if isinstance(key, int):
+                    temp.pop(key, None)
+        for key in [k for k in temp if last_read.get(k, -1) <= idx and k not in exported]:
+            del temp[key]
+    return peak, at_saved
+
+
+def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[int]) -> float:
+    """Bytes of the gradients of the layer's outputs that later layers send back."""
+    total = 0.0
+    for node in nodes:
+        for v in node.outputs:
+            users = ctx.users.get(id(v), [])
+            if id(v) in ctx.needs_grad and any(id(u) not in inside for u in users):
+                total += ctx.local_bytes(v)
+    return total
+
+
+def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
+              inside: set[int], core: set[int], saved_all: dict, in_core: set, earlier: set[str],
+              hold: bool) -> tuple[float, float, float, float, float]:
+    grads: dict[int, float] = {}
+    for node in nodes:
+        for v in node.outputs:
+            users = ctx.users.get(id(v), [])
+            if id(v) in ctx.needs_grad and any(id(u) not in inside for u in users):
+                grads[id(v)] = ctx.local_bytes(v)
+    first_use: dict[str, int] = {}
+    for idx, node in enumerate(nodes):
+        for v in node.inputs:
+            if v.kind == "parameter":
+                first_use.setdefault(v.name, idx)
+    held: dict[str, float] = {}
+    param_grads = 0.0
+    remaining = {k: len(v) for k, v in savers.items()}
+    peak, at_saved, at_recomputed = 0.0, 0.0, 0.0
+    core_pending = bool(core)
+    for idx in range(len(nodes) - 1, -1, -1):
+        node = nodes[idx]
+        if not any(id(o) in ctx.needs_grad for o in node.outputs):
+            continue
+        if core_pending and id(node) in core:
+            core_pending = False
+            recomputed.update({k: saved_all[k] for k in in_core})
+        allocs: dict[int, float] = {}
+        new_params: dict[str, float] = {}
+        passed: list[int] = []
+        for i, v in enumerate(node.inputs):
+            if id(v) not in ctx.needs_grad:
+                continue
+            if v.kind == "parameter":
+                new_params[v.name] = ctx.local_bytes(v)
+            elif _alias_gradient(node, i):
+                passed.append(id(v))
+            else:
+                allocs[id(v)] = allocs.get(id(v), 0.0) + ctx.local_bytes(v)
+        live = (sum(saved.values()) + sum(recomputed.values()) + sum(grads.values()) + sum(held.values()))
+        total = live + sum(allocs.values()) + sum(new_params.values()) + _loss_extra(ctx, node)
+        if total > peak:
+            peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
+        out_grad = max((grads.pop(id(o), 0.0) for o in node.outputs), default=0.0)
+        for key in passed:
+            grads[key] = max(grads.get(key, 0.0), out_grad)
+        for key, nbytes in allocs.items():
+            grads[key] = max(grads.get(key, 0.0), nbytes)
+        for name, nbytes in new_params.items():
+            param_grads += nbytes
+            if hold or name in earlier or first_use.get(name, idx) < idx:
+                held[name] = max(held.get(name, 0.0), nbytes)
+            else:  # its last contribution: summed and added into .grad
+                held.pop(name, None)
+        for key in _keys_of(savers, idx):
+            remaining[key] -= 1
+            if remaining[key] <= 0:
+                saved.pop(key, None)
+                recomputed.pop(key, None)
+    tied = sum(b for name, b in held.items() if name in earlier and not hold)
+    return peak, at_saved, at_recomputed, param_grads, tied
+
+
+def _keys_of(savers: dict, idx: int) -> list[object]:
+    return [k for k, readers in savers.items() if idx in readers]
