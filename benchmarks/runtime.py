@@ -42,13 +42,14 @@ def _trainers(spec: str, nproc: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     model, example = fresh()
-    ours_tp = shardc_compile(model, example, plan=f"tp={nproc},dtype=fp32").parallelize(model)
+    batch = example[0].shape[0]  # one micro-batch of the whole batch: the same work as torch's side
+    ours_tp = shardc_compile(model, example, plan=f"tp={nproc},mb={batch},dtype=fp32").parallelize(model)
     out["shardc tp"] = (ours_tp, lambda m, b: m(*b))
     model, example = fresh()
     mesh = init_device_mesh("cpu", (nproc,), mesh_dim_names=("tp",))
     out["torch parallelize_module tp"] = (apply_tensor_parallel(model, mesh["tp"]), lambda m, b: lm_loss(m, *b))
     model, example = fresh()
-    ours_dp = shardc_compile(model, example, plan=f"dp={nproc},dtype=fp32").parallelize(model)
+    ours_dp = shardc_compile(model, example, plan=f"dp={nproc},mb={batch // nproc},dtype=fp32").parallelize(model)
     out["shardc dp"] = (ours_dp, lambda m, b: m(*b))
     model, example = fresh()
     rank, share = torch.distributed.get_rank(), example[0].shape[0] // nproc

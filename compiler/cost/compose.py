@@ -11,10 +11,11 @@ Rules:
   `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
   LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
   and its exposed sync, plus the slowest device's gather and optimizer step.
-- Memory per device: model states by ZeRO stage over the data-parallel group (dp x cp),
-  activations saved per micro-batch times the micro-batches in flight on that device
-  (`in_flight`), the largest recomputation working set, the largest transient allocation of a
-  node (`transient_bytes`), and communication buffers (`buffer_bytes`).
+- Memory per device at its peak (`peak.device_memory`): model states by ZeRO stage over the
+  data-parallel group (dp x cp), the saved activations of the micro-batches in flight on that
+  device (`in_flight`) stacked under the live timeline of the one in progress
+  (`timeline.layer_memory`: saved, recomputed and gradient bytes op by op), and the runtime's
+  buffers (DDP buckets, FSDP2's gathered parameters, pipeline receive buffers).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbou
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost
 from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
+from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
+from shardc.cost.timeline import LayerMemory
+from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import LayerAnnotation, Mesh, Node
 from shardc.plan import ParallelPlan
@@ -41,6 +45,18 @@ class EstimateOptions:
     bucket_bytes: float = 25 * 2**20  # DDP's default bucket_cap_mb=25
     algorithm: str = "auto"  # collective algorithm: auto, ring, tree, hierarchical
     host_optimizer_bandwidth: float = 50e9  # CPU Adam's memory bandwidth when offloading
+    # How ZeRO runs: "fsdp2" as the torch backend does (fully_shard on the whole module: every
+    # stage shards parameters, gradients and optimizer state at rest, one all-gather before
+    # forward, one reduce-scatter after backward), or "zero" (textbook ZeRO-1/2/3).
+    zero_runtime: str = "fsdp2"
+    # Pipeline buffers: "torch" (torch.distributed.pipelining's, see `peak`) or "none".
+    pipeline_runtime: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.zero_runtime not in ("fsdp2", "zero"):
+            raise ShardcError(f"zero_runtime={self.zero_runtime!r}: use fsdp2 (the torch backend) or zero")
+        if self.pipeline_runtime not in ("torch", "none"):
+            raise ShardcError(f"pipeline_runtime={self.pipeline_runtime!r}: use torch or none")
 
 
 @dataclass(slots=True)
@@ -55,6 +71,7 @@ class LayerWork:
     stage: int = 0
     cost: LayerCost | None = None
     params: dict[str, tuple[float, frozenset[str]]] = field(default_factory=dict)
+    memory: LayerMemory | None = None  # its micro-batch timeline (`timeline.layer_memory`), when known
 
 
 @dataclass
@@ -122,11 +139,18 @@ def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int) ->
     return out
 
 
+def fsdp2(options: EstimateOptions, zero: int, shard: int) -> bool:
+    """Whether ZeRO runs as the torch backend's FSDP2 on the whole module here."""
+    return options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
+
+
 def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: ParallelPlan, m: int,
-            options: EstimateOptions) -> Composition:
+            options: EstimateOptions, send_bytes: Sequence[float] | None = None,
+            output_bytes: float = 0.0) -> Composition:
     """Step time and per-device breakdowns (see the module rules). `sends[s]`: seconds to send
-    the activations leaving virtual stage s for one micro-batch; `links`: a `Links` or a
-    `CostContext`; `plan` gives pp, vpp, schedule, dtype and offload."""
+    the activations leaving virtual stage s for one micro-batch (`send_bytes[s]` their bytes);
+    `output_bytes`: the last stage's output per micro-batch (the loss's input); `links`: a
+    `Links` or a `CostContext`; `plan` gives pp, vpp, schedule, dtype and offload."""
     from shardc.cost.sync import gradient_sync
 
     p, v = plan.pp, plan.vpp
@@ -178,21 +202,25 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         cat["optimizer"] = syncs[d].optimizer
         cat["bubble"] = max(0.0, step - sum(cat.values()))
         params = syncs[d].params
+        zero = max((l.annotation.zero for l in mine), default=0)
+        sharded = fsdp2(options, zero, shard)
         states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
-        for numel, zero in params:
-            for key, val in model_state_bytes(numel, plan.dtype, zero, shard, plan.offload).items():
+        for numel, z in params:
+            for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
+                                              plan.offload).items():
                 states[key] += val
         costs = [l.cost for l in mine if l.cost is not None]
         saved = sum(c.saved_bytes for c in costs)
         flight = in_flight(plan.schedule, p, d, m, v)
-        activations = saved * flight / (v if plan.schedule == "interleaved" else 1)
-        grad_bytes = sum(n for n, _ in params) * g_elem
+        local = sum(n for n, _ in params)
         largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
-        zero = max((l.annotation.zero for l in mine), default=0)
-        memory = {**states, "activations": activations,
-                  "recompute_working": max((c.working_bytes for c in costs), default=0.0),
-                  "working": max((c.transient_bytes for c in costs), default=0.0),
-                  "buffers": buffer_bytes(grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)}
+        buffers = 0.0 if sharded else buffer_bytes(syncs[d].grad_bytes, options.bucket_bytes, shard, zero,
+                                                   largest * w_elem)
+        if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
+            buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
+        by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
+        memory = device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
+                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes))
     return Composition(step, tuple(stages), pipe)

@@ -11,8 +11,9 @@ Rules:
   warm-up count plus the one in progress), at most m * v.
 - Working: the largest transient allocation of one node while it runs (its outputs; a loss's
   fp32 probabilities and their gradient), divided by its temporal chunks (`compute.working_bytes`).
-- Buffers: DDP gradient buckets (two in flight), ZeRO-3 all-gathered weights of the largest
-  layer twice (the current one and the prefetched next).
+- Buffers: DDP's gradient buckets (one flat copy of every gradient it syncs), textbook ZeRO's
+  reduce-scatter buckets (two in flight) and ZeRO-3's all-gathered weights of the largest
+  layer twice (the current one and the prefetched next); FSDP2 and pipeline buffers: `peak`.
 """
 
 from __future__ import annotations
@@ -53,9 +54,15 @@ def in_flight(schedule: str, stages: int, device: int, micro_batches: int, virtu
 
 
 def buffer_bytes(grad_bytes: float, bucket_bytes: float, dp: int, zero: int, largest_layer_param_bytes: float) -> float:
-    """Communication buffers: DDP buckets (two in flight) or ZeRO-3 gather buffers."""
+    """Communication buffers of the data-parallel sync, `grad_bytes` the gradients it reduces.
+
+    DDP (zero=0) allocates its buckets once for all gradients: one flat copy of them, whatever
+    the bucket size. Textbook ZeRO reduce-scatters through two buckets in flight, and ZeRO-3
+    holds the largest layer's gathered weights twice (the current and the prefetched one)."""
     if dp <= 1:
         return 0.0
+    if zero == 0:
+        return grad_bytes
     out = 2 * min(bucket_bytes, grad_bytes)
     if zero >= 3:
         out += 2 * largest_layer_param_bytes

@@ -22,15 +22,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardc.cost.comm import collective_time, neighbour_link
-from shardc.cost.compose import EstimateOptions, LayerWork, compose
+from shardc.cost.compose import EstimateOptions, LayerWork, compose, fsdp2, zero_group
 from shardc.cost.context import CostContext
 from shardc.cost.estimate import Estimate
-from shardc.cost.layer import LayerCost, layer_costs, layer_params
+from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_params, layer_terms
 from shardc.cost.pipeline import bubble_fraction
+from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster
 from shardc.ir import Graph, LayerAnnotation
 from shardc.plan import ParallelPlan
+from shardc.registry import get_op
 
 __all__ = ["EstimateOptions", "estimate", "plan_of"]
 
@@ -143,28 +145,49 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     m = plan.micro_batches(gbs)
     ctx = CostContext.build(graph, cluster, plan.ir_dtype, scale, options.algorithm)
     layers = _layers(graph, plan)
-    cache: dict[tuple, tuple[LayerCost, list[tuple[float, frozenset[str]]]]] = {}
+    cache: dict[tuple, tuple[LayerCost, list[tuple[float, frozenset[str]]], LayerTerms]] = {}
+    memories: dict[tuple, LayerMemory] = {}
+    _, shard = zero_group(graph.mesh)
+    earlier: dict[int, set[str]] = {}
     for layer in layers:
         key = _fingerprint(layer)
         names = _param_names(layer)
         if key not in cache:
             found = layer_params(ctx, layer.nodes)
-            cache[key] = (layer_costs(ctx, layer.nodes, layer.annotation.recompute),
-                          [(found[n][1], found[n][2]) for n in names])
-        layer.cost, params = cache[key]
+            terms = layer_terms(ctx, layer.nodes)
+            cache[key] = (finish_layer(terms, layer.annotation.recompute),
+                          [(found[n][1], found[n][2]) for n in names], terms)
+        layer.cost, params, terms = cache[key]
         layer.params = dict(zip(names, params))
-    sends = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
-    result = compose(layers, sends, ctx, plan, m, options)
+        mine = earlier.setdefault(layer.stage % plan.pp, set())
+        hold = fsdp2(options, layer.annotation.zero, shard)
+        tied = frozenset(n for n in names if n in mine)
+        if (key, tied, hold) not in memories:
+            memories[(key, tied, hold)] = layer_memory(ctx, layer.nodes, terms, layer.annotation.recompute, tied, hold)
+        layer.memory = memories[(key, tied, hold)]
+        mine.update(names)
+    sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
+    result = compose(layers, sends, ctx, plan, m, options, send_bytes, _output_bytes(ctx, graph))
     return Estimate.build(graph, cluster, plan, layers, list(result.stages), result.step_time_s, m, gbs,
                           _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp), cluster.device.memory_bytes, ctx)
 
 
-def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int, cluster: Cluster) -> list[float]:
-    """Seconds to send the activations leaving each stage for the next (one micro-batch)."""
+def _output_bytes(ctx: CostContext, graph: Graph) -> float:
+    """Bytes of what the last stage returns per micro-batch before the loss (the loss's input)."""
+    for node in reversed(graph.nodes):
+        if get_op(node.op).kind == "loss" and node.inputs:
+            return ctx.local_bytes(node.inputs[0])
+    return sum(ctx.local_bytes(v) for v in graph.outputs)
+
+
+def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int,
+                 cluster: Cluster) -> tuple[list[float], list[float]]:
+    """Seconds and bytes to send the activations leaving each stage for the next (one micro-batch)."""
     stage_of = {l.name: l.stage for l in layers}
     out = [0.0] * stages
+    nbytes = [0.0] * stages
     if ctx.mesh is None or "pp" not in ctx.mesh.names:
-        return out
+        return out, nbytes
     link = neighbour_link(ctx.mesh, "pp", cluster)
     sent: set[int] = set()
     for layer in layers:
@@ -174,4 +197,5 @@ def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int, clu
                 if src < layer.stage and id(v) not in sent and id(v) in ctx.batched:
                     sent.add(id(v))
                     out[src] += collective_time("send_recv", ctx.local_bytes(v), ((link, 2),))
-    return out
+                    nbytes[src] += ctx.local_bytes(v)
+    return out, nbytes

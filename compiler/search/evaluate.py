@@ -128,7 +128,7 @@ def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
         info = e.prod_info[e.prod_class[a.choice[e.producer]]]
         grads = [problem.edges[i].cons_grad[problem.edges[i].cons_class[a.choice[problem.edges[i].consumer]]]
                  for i in ids]
-        _add(parts[into_grad[e.kind]].bwd, problem.pricer.edge_backward(e.value, info, grads))
+        _add(parts[into_grad[e.kind]].bwd, problem.prices.edge_backward(e.value, info, grads))
     for key in ("pre", "block", "post"):
         parts[key] = _merge(own[key] + [parts[key]], problem, a.choice)
     blk = parts["block"]

@@ -34,7 +34,7 @@ from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments
 from shardc.search.linear import coefficients
 from shardc.search.planfile import annotate_graph
-from shardc.search.problem import GraphFacts, MeshShape, Problem, build_problem
+from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
 LONG_SEQUENCE = 8192
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -149,10 +149,11 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     if not facts.layering.blocks:
         shapes = [s for s in shapes if s.pp == 1] or shapes
     problems: list[Problem] = []
+    cache: PricingCache = {}
     for shape in shapes:
         for mb in (mbs or micro_batch_sizes(gbs, shape.dp)):
             if (gbs // shape.dp) % mb == 0:
-                problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype))
+                problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
     grids: list[Found] = []
     closest: Found | None = None
     hints: dict[int, tuple[Assignment, float]] = {}

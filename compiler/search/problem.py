@@ -174,6 +174,12 @@ class Problem:
     edges: list[EdgeVar]
     shares: list[list[int]]  # edges summed into one gradient
     owner: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(value) -> (group var, output index)
+    reference: Pricer | None = None  # the pricer on the `pricing_shape` (default: `pricer`)
+
+    @property
+    def prices(self) -> Pricer:
+        """The pricer candidates and edges were priced with (gradients are priced with it too)."""
+        return self.reference or self.pricer
 
     @property
     def layers(self) -> int:
@@ -189,35 +195,47 @@ class Priced:
     edges: list[EdgeVar]
     shares: list[list[int]]
     owner: dict[int, tuple[int, int]]
+    pricer: Pricer  # on the `pricing_shape`
 
 
 PricingCache = dict[tuple[object, ...], Priced]
 
 
-def pricing_key(shape: MeshShape, mb: int, dtype: str, rotate: bool, chunk: bool) -> tuple[object, ...]:
-    """What candidate and edge prices depend on. Rule: the intra-stage axes present and the sizes
-    of cp and tp (the innermost axes: their link levels do not depend on the outer ones), and the
-    micro-batch (the local batch whatever the dp size), not pp or the dp size: dp only splits
-    batch dims, and its collectives (gradient sync, ZeRO) are priced per shape in
-    `shardc.search.linear.coefficients`, the pipeline sends per shape too."""
-    return (shape.dp > 1, shape.cp, shape.tp, mb, dtype, rotate, chunk)
+def pricing_shape(facts: GraphFacts, shape: MeshShape) -> MeshShape:
+    """The mesh candidates and edges are priced on. Rule: prices depend on the intra-stage axes
+    present, the sizes of cp and tp (the innermost axes: their link levels do not depend on the
+    outer ones) and the micro-batch, not on pp or the dp size: dp only splits batch dims, one
+    replica holds `mb` sequences whatever the dp size, and dp's own collectives (gradient sync,
+    ZeRO) and the pipeline sends are priced per shape in `shardc.search.linear.coefficients`.
+    So a data-parallel shape is priced with dp equal to the traced batch (one traced sequence
+    per replica, scaled to `mb`), where every local shape divides exactly."""
+    return MeshShape(1, max(facts.batch, 2) if shape.dp > 1 else 1, shape.cp, shape.tp)
+
+
+def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate: bool,
+                chunk: bool) -> tuple[object, ...]:
+    return (pricing_shape(facts, shape), mb, dtype, rotate, chunk)
+
+
+def _pricer(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int, dtype: str) -> Pricer:
+    ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
+    return Pricer(cluster, shape.mesh(), dtype, ctx, facts.core)
 
 
 def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int, gbs: int,
                   dtype: str = "bf16", rotate: bool = True, chunk: bool = True,
                   cache: PricingCache | None = None) -> Problem:
-    """Enumerate and price every group of the represented layers on `shape` at micro-batch `mb`;
-    with `cache`, shapes of equal `pricing_key` share one enumeration and pricing."""
-    ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
-    pricer = Pricer(cluster, shape.mesh(), dtype, ctx, facts.core)
-    key = pricing_key(shape, mb, dtype, rotate, chunk)
+    """Enumerate and price every group of the represented layers on `shape` at micro-batch `mb`
+    (on its `pricing_shape`); with `cache`, shapes of equal `pricing_key` share one pricing."""
+    key = pricing_key(facts, shape, mb, dtype, rotate, chunk)
     priced = cache.get(key) if cache is not None else None
     if priced is None:
-        priced = _price(facts, shape, mb, pricer, rotate, chunk)
+        ref = pricing_shape(facts, shape)
+        priced = _price(facts, ref, mb, _pricer(facts, cluster, ref, mb, dtype), rotate, chunk)
         if cache is not None:
             cache[key] = priced
-    return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, pricer, priced.groups, priced.edges,
-                   priced.shares, priced.owner)
+    return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, _pricer(facts, cluster, shape, mb, dtype),
+                   priced.groups, priced.edges, priced.shares, priced.owner, priced.pricer)
 
 
 def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate: bool, chunk: bool) -> Priced:
@@ -252,7 +270,7 @@ def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate:
                 if at is not None:
                     owner[id(v)] = (at, k)
                 k += 1
-    return Priced(vars_, edges, groups, owner)
+    return Priced(vars_, edges, groups, owner, pricer)
 
 
 def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int], int], rep: str | None,

@@ -111,8 +111,10 @@ def ddp_bucket_bytes(module: Any) -> int:
 class MemoryTracker(TorchDispatchMode):
     """Live tensor bytes by category during one step (see the module docstring)."""
 
-    def __init__(self, known: dict[int, str], extra: dict[str, float] | None = None) -> None:
+    def __init__(self, known: dict[int, str], extra: dict[str, float] | None = None,
+                 modules: Iterable[torch.nn.Module] = ()) -> None:
         super().__init__()
+        self.modules = list(modules)
         self.live: dict[int, tuple[Any, str]] = {}
         self.phase = "forward"
         self.extra = dict(extra or {})
@@ -140,10 +142,25 @@ class MemoryTracker(TorchDispatchMode):
         weakref.finalize(s, self.live.pop, key, None)
 
     def mark_saved(self, t: torch.Tensor) -> None:
-        """A tensor saved for backward: its storage counts as activations. Parameters (FSDP's
-        gathered weights among them) are not activations."""
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+        """A tensor saved for backward: its storage counts as activations. Parameters are not
+        activations, and neither are FSDP's gathered (unsharded) weights: the storage of a
+        parameter of the tracked modules at the time it is saved is a communication buffer."""
+        if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
+            return
+        s = _storage(t)
+        if s is not None and s.data_ptr() in self._parameter_storages():
+            self._reclassify(t, ("other",), "buffers")
+        else:
             self._reclassify(t, ("other", "buffers"), "activations")
+
+    def _parameter_storages(self) -> set[int]:
+        out = set()
+        for m in self.modules:
+            for p in m.parameters():
+                s = _storage(p)
+                if s is not None:
+                    out.add(s.data_ptr())
+        return out
 
     def _reclassify(self, t: torch.Tensor, old: tuple[str, ...], new: str) -> None:
         s = _storage(t)
@@ -176,7 +193,15 @@ class MemoryTracker(TorchDispatchMode):
             for t in _tensors(args):  # a buffer allocated before and filled by the collective
                 self._reclassify(t, ("other",), "buffers")
         cat = "buffers" if comm and self.phase != "optimizer" else "other"
+        inputs = [x.data_ptr() for x in _input_storages(args, kwargs)] if self.extra.get("buffers") else []
         for t in _tensors(out):
+            s = _storage(t)
+            if s is not None and s.data_ptr() not in self.live and s.data_ptr() in inputs:
+                # Written into, not allocated: a buffer that existed before the step but Python
+                # could not reach (DDP's buckets), already counted in `extra` from DDP's log.
+                self.extra["buffers"] = max(0.0, self.extra["buffers"] - s.nbytes())
+                self._add(t, "buffers")
+                continue
             self._add(t, cat)
         self._sample()
         return out
@@ -200,6 +225,10 @@ class MemoryTracker(TorchDispatchMode):
     def result(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak, "peak_breakdown": self.peak_breakdown,
                 "category_peaks": self.category_peaks, "collectives": self.collectives}
+
+
+def _input_storages(args: tuple, kwargs: dict | None) -> list[Any]:
+    return [s for s in (_storage(t) for t in _tensors((args, kwargs or {}))) if s is not None]
 
 
 def _group_size(args: tuple) -> int:
@@ -253,7 +282,7 @@ def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict
     """Account every tensor during the `with` body; set `tracker.phase = "optimizer"` around the step."""
     mods = list(modules)
     gc.collect()
-    tracker = MemoryTracker(roles(mods, optimizer), extra)
+    tracker = MemoryTracker(roles(mods, optimizer), extra, mods)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         tracker.mark_saved(t)
