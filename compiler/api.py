@@ -244,12 +244,14 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
 def micro_trace(model: Any, inputs: tuple, partitioned: Graph, *, name: str | None = None,
                 input_names: tuple[str, ...] | None = None) -> Any:
     """The model traced for one micro-batch (dp*mb sequences; not yet partitioned); None when the
-    plan has a single micro-batch or the model is an import."""
+    plan has a single micro-batch or the model is an import that cannot import itself again
+    at other shapes (an ONNX import can, when its batch dim is dynamic in the file)."""
     from shardc.frontend import trace_with_state
 
     attrs = partitioned.attrs
     micro = int(attrs.get("microbatches", 1))
-    if micro <= 1 or getattr(model, "shardc_graph", None) is not None or partitioned.mesh is None:
+    fixed_import = getattr(model, "shardc_graph", None) is not None and not hasattr(model, "shardc_graph_for")
+    if micro <= 1 or fixed_import or partitioned.mesh is None:
         return None
     rows = partitioned.mesh.axis_size("dp") * int(attrs.get("microbatch_size", 1))
     batch = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None

@@ -17,7 +17,7 @@ from shardc.backends.torch.launch import spawn
 from shardc.frontend.onnx import OnnxModule, example_inputs, import_onnx, write_onnx
 from shardc.models import load_model
 
-PLANS = ("dp=2", "tp=2")
+PLANS = ("dp=2", "tp=2,mb=2")  # one micro-batch each: this file fixes its batch dim
 STEPS = 3
 LR = 1e-3
 
@@ -81,9 +81,76 @@ def test_dp_and_tp_plans_match_onnxruntime_and_write_back(gpt_onnx: Path, tmp_pa
         state = per_rank[0][text]["state"]
         for name, value in reference.named_parameters():
             torch.testing.assert_close(state[name], value.detach(), rtol=1e-5, atol=1e-6, msg=f"{text}: {name}")
-        trained = tmp_path / f"trained-{text.replace('=', '')}.onnx"
+        trained = tmp_path / f"trained-{text.replace('=', '').replace(',', '-')}.onnx"
         write_onnx(result, {k: state[k] for k in result.initializer_of}, trained)
         after = ort.InferenceSession(str(trained)).run(None, {result.graph.inputs[0].name: inputs[0].numpy()})[0]
         with torch.no_grad():
             expected = reference(*inputs).numpy()
         np.testing.assert_allclose(after, expected, atol=1e-5, rtol=0, err_msg=text)
+
+
+def _pipeline_worker(rank: int, world: int, path: str, plan: object) -> dict[str, object]:
+    result = import_onnx(path, input_shapes={"idx": (2, 16)})
+    module = plan.parallelize(OnnxModule(result), loss_fn=lambda out, target: loss_of(out))  # type: ignore[attr-defined]
+    inputs = example_inputs(result.graph, seed=7)
+    target = torch.zeros(inputs[0].shape[0])
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-4)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        losses.append(float(module.step(*inputs, target=target)))
+        optimizer.step()
+    state = plan.full_state_dict(module)  # type: ignore[attr-defined]
+    return {"losses": losses, "state": {k: v.detach() for k, v in state.items()}}
+
+
+@pytest.fixture(scope="module")
+def dynamic_gpt_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GPT example exported with a dynamic batch dim, so it imports at any micro-batch."""
+    loaded = load_model("examples/gpt.py:tiny?batch=2", device="cpu")
+    loaded.model.eval()
+    path = tmp_path_factory.mktemp("onnx") / "gpt-dynamic.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(loaded.model, (loaded.example_inputs[0],), dynamo=True, verbose=False,
+                          dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},)).save(str(path))
+    return path
+
+
+def test_pipeline_plan_matches_onnxruntime_and_trains_like_one_process(dynamic_gpt_onnx: Path,
+                                                                       tmp_path: Path) -> None:
+    gpt_onnx = dynamic_gpt_onnx
+    result = import_onnx(gpt_onnx, input_shapes={"idx": (2, 16)})
+    inputs = example_inputs(result.graph, seed=7)
+    plan = shardc.compile(OnnxModule(result), inputs, plan="pp=2")  # 2 micro-batches of one
+    per_rank = spawn(_pipeline_worker, 2, str(gpt_onnx), plan, timeout_s=300)
+
+    logits = ort.InferenceSession(str(gpt_onnx)).run(None, {result.graph.inputs[0].name: inputs[0].numpy()})[0]
+    reference = OnnxModule(import_onnx(gpt_onnx, input_shapes={"idx": (2, 16)}))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=1e-4)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = loss_of(reference(*inputs))
+        losses.append(float(loss))
+        loss.backward()
+        optimizer.step()
+    # The first loss is computed from the untrained weights: onnxruntime's logits give it too.
+    assert per_rank[0]["losses"][0] == pytest.approx(float(np.square(logits).mean()), rel=1e-5)
+    for rank in per_rank:
+        assert rank["losses"] == pytest.approx(losses, rel=1e-5)
+    state = per_rank[0]["state"]
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(state[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    trained = tmp_path / "trained-pp2.onnx"
+    write_onnx(result, {k: state[k] for k in result.initializer_of}, trained)
+    after = ort.InferenceSession(str(trained)).run(None, {result.graph.inputs[0].name: inputs[0].numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(after, reference(*inputs).numpy(), atol=1e-5, rtol=0)
+
+
+def test_micro_batches_of_a_file_with_a_fixed_batch_are_refused(gpt_onnx: Path) -> None:
+    result = import_onnx(gpt_onnx)
+    with pytest.raises(shardc.ShardcError, match=r"fixes dim 0 to 2; it cannot be given as 1") as err:
+        shardc.compile(OnnxModule(result), example_inputs(result.graph), plan="tp=2")  # 2 micro-batches
+    assert "dynamic_shapes" in str(err.value)

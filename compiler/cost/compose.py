@@ -214,13 +214,15 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         flight = in_flight(plan.schedule, p, d, m, v)
         local = sum(n for n, _ in params)
         largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
-        buffers = 0.0 if sharded else buffer_bytes(syncs[d].grad_bytes, options.bucket_bytes, shard, zero,
-                                                   largest * w_elem)
-        if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
+        torch_pipeline = p > 1 and options.pipeline_runtime == "torch"
+        flat = syncs[d].grad_bytes if torch_pipeline and not sharded and shard > 1 else 0.0
+        buffers = 0.0 if sharded or flat else buffer_bytes(syncs[d].grad_bytes, options.bucket_bytes, shard, zero,
+                                                           largest * w_elem)
+        if torch_pipeline and send_bytes is not None:
             buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
         by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
         memory = device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
-                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers)
+                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=flat)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes))
     return Composition(step, tuple(stages), pipe)

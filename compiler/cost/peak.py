@@ -21,7 +21,8 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   (`pipeline_runtime="torch"`) preallocates a receive buffer per micro-batch for a stage's
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
   its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
-  the step ends.
+  the step ends; with data parallelism it all-reduces the gradients after backward through one
+  flat copy of them (`PipelineRunner`), instead of DDP's buckets.
 Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
 the micro-batches in flight plus the largest recomputation and transient working sets.
 """
@@ -63,14 +64,16 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
         if s < total - 1:
             out += (m + flight) * send_bytes[s]
         else:
-            out += (m - 1) * output_bytes
+            out += m * output_bytes
     return out
 
 
 def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *, flight: int, virtual: int,
-                  interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float) -> dict[str, float]:
+                  interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float,
+                  after_backward: float = 0.0) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
-    virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining)."""
+    virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
+    `after_backward`: a transient buffer once backward is over (a flat gradient copy)."""
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
     if not all(getattr(l, "memory", None) is not None for stage in by_stage for l in stage):
         saved = sum(c.saved_bytes for c in costs)
@@ -82,7 +85,8 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     splits = [_stage_peaks(stage, fsdp) for stage in by_stage if stage]
     kept = sum(k for _, _, k in splits)
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
-    best: dict[str, float] = {}
+    best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
+                              "buffers": buffers + after_backward}
     for phase, extra in ((0, 2.0 * local_param_bytes if fsdp else 0.0), (1, local_param_bytes if fsdp else 0.0)):
         for split in splits:
             part = split[phase]
@@ -91,4 +95,4 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                          "buffers": buffers + extra}
             if sum(candidate.values()) > sum(best.values()):
                 best = candidate
-    return best or {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0, "buffers": buffers}
+    return best

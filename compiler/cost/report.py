@@ -101,17 +101,68 @@ def _trace(loaded: Any, allow_opaque: bool) -> Any:
 
 
 def prepare_graph(model_spec: str, cluster: Any, plan: Any, *, device: str = "meta", allow_opaque: bool = False):
-    """Load, trace, group layers, validate the plan against the model and apply it."""
+    """Load, trace, group layers, validate the plan against the model and apply it.
+
+    A file factory or `hf:` spec that does not pin `batch` in its query and whose default
+    example batch the plan cannot split (dp*mb must divide it, or dp when gbs is given) is
+    traced at batch dp*mb instead (the global batch then defaults to one micro-batch per
+    replica); a pinned batch that does not work is reported by `validate_plan`."""
     from shardc.models import load_model
     from shardc.passes.group_layers import group_layers
     from shardc.plan import model_dims, validate_plan
 
-    graph = _trace(load_model(model_spec, device=device), allow_opaque)
+    loaded = load_model(model_spec, device=device)
+    spec = spec_for_plan(model_spec, plan, loaded)
+    if spec != model_spec:
+        loaded = load_model(spec, device=device)
+    graph = _trace(loaded, allow_opaque)
     group_layers(graph)
     validate_plan(plan, devices=cluster.num_devices, **model_dims(graph).as_kwargs())
     from shardc.passes.apply_plan import apply_plan
 
     return apply_plan(graph, plan)
+
+
+def spec_for_plan(model_spec: str, plan: Any, loaded: Any) -> str:
+    """`model_spec` with `batch=dp*mb` added when its default batch does not fit the plan and
+    nothing pins it (see `prepare_graph`); else `model_spec` unchanged."""
+    from shardc.models import parse_query
+
+    base, _, query = model_spec.partition("?")
+    if not (base.startswith("hf:") or base.endswith(".py") or ".py:" in base):
+        return model_spec
+    if "batch" in parse_query(query, model_spec) or not loaded.example_inputs:
+        return model_spec
+    first = loaded.example_inputs[0]
+    shape = getattr(first, "shape", None)
+    if not shape:
+        return model_spec
+    batch = int(shape[0])
+    need = plan.dp if plan.gbs else plan.dp * plan.mb
+    if batch % need == 0 or not _takes_batch(model_spec):
+        return model_spec
+    return f"{model_spec}{'&' if query else '?'}batch={plan.dp * plan.mb}"
+
+
+def _takes_batch(model_spec: str) -> bool:
+    """Whether the spec's factory accepts `batch` (hf: specs always do)."""
+    if model_spec.startswith("hf:"):
+        return True
+    from shardc.models import _FILE_SPEC, _import_file
+
+    match = _FILE_SPEC.match(model_spec)
+    if match is None:
+        return False
+    from pathlib import Path
+
+    path = Path(match["path"]).expanduser().resolve()
+    if not path.is_file():
+        return False
+    fn = getattr(_import_file(path), match["factory"] or "default", None)
+    if not callable(fn):
+        return False
+    params = inspect.signature(fn).parameters
+    return "batch" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def run_estimate(model_spec: str, cluster: str, plan: str, *, json_out: bool = False, plot: str | None = None,

@@ -33,6 +33,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from shardc.cost.context import CostContext
+from shardc.cost.edges import input_steps
 from shardc.cost.layer import LayerTerms, attention_core
 from shardc.ir import Node
 from shardc.registry import get_op
@@ -83,8 +84,9 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     layer's `layer_terms` (its saved entries); `earlier_params`: parameters earlier layers on the
     same device also read (their gradients are held here until that layer's backward)."""
     inside = {id(n) for n in nodes}
+    gathered = _gathered_saves(ctx, nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else set()
-    saved_all = {k: b for k, (b, _) in terms.saved_entries.items()}
+    saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
     in_core = {k for k, (_, c) in terms.saved_entries.items() if c}
     if recompute == "full":
         kept = dict(terms.input_entries)
@@ -121,6 +123,24 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     if recompute_peak > peak:
         peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held)
+
+
+def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[int, float]:
+    """Saved inputs that arrive sharded and are all-gathered for the op (sequence parallelism):
+    eager autograd saves the gathered tensor the op read, not the shard (Megatron re-gathers)."""
+    out: dict[int, float] = {}
+    if ctx.mesh is None:
+        return out
+    for node in nodes:
+        local = ctx.local(node)
+        for kind, i in local.op.saved_for_backward(local.in_types, local.out_types, node.attrs):
+            if kind != "in" or node.inputs[i].kind != "activation":
+                continue
+            v = node.inputs[i]
+            if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i])):
+                key = _storage(ctx, v)
+                out[key] = max(out.get(key, 0.0), ctx.local_bytes(v, local.in_layouts[i]))
+    return out
 
 
 def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> list[object]:

@@ -134,6 +134,12 @@ class _Importer:
             if len(shape) != len(tt.shape.dim):
                 raise ShardcError(f"--input-shape {inp.name}={'x'.join(map(str, shape))} has rank {len(shape)} "
                                   f"but input {inp.name!r} has rank {len(tt.shape.dim)}")
+            for i, (d, given) in enumerate(zip(tt.shape.dim, shape)):
+                if d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != given:
+                    raise ShardcError(
+                        f"input {inp.name!r} of {self.path} fixes dim {i} to {d.dim_value}; it cannot be given as "
+                        f"{given}", hint="export the model with that dim dynamic (torch.onnx.export(..., "
+                        "dynamic_shapes=...)) to import it at other shapes")
         else:
             shape_list = []
             for i, d in enumerate(tt.shape.dim):
@@ -341,6 +347,17 @@ class OnnxModule(torch.nn.Module):
                 owner.register_parameter(leaf, torch.nn.Parameter(tensor.clone()))
             else:
                 owner.register_buffer(leaf, tensor.clone())
+
+    def shardc_graph_for(self, inputs: Sequence[Any]) -> Graph:
+        """The IR for inputs of these shapes: this module's own graph (a copy) when they match,
+        else the file imported again at those shapes (its dims must be dynamic there)."""
+        import copy
+
+        graph = self.shardc_graph
+        shapes = {v.name: tuple(x.shape) for v, x in zip(graph.inputs, inputs)}
+        if all(shapes[v.name] == v.type.shape for v in graph.inputs):
+            return copy.deepcopy(graph)
+        return import_onnx(self.shardc_import.path, input_shapes=shapes).graph
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         from shardc.registry import get_op

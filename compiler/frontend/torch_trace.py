@@ -59,8 +59,12 @@ def trace_with_state(model: torch.nn.Module, example_inputs: Any, *, name: str |
     start = time.perf_counter()
     imported = getattr(model, "shardc_graph", None)
     if isinstance(imported, Graph):  # an imported model (ONNX's OnnxModule) already is IR
-        # A copy: passes rewrite graphs in place, and the module keeps running its own.
-        return TraceResult(copy.deepcopy(imported), {}, "import", time.perf_counter() - start)
+        # A copy (passes rewrite graphs in place, and the module keeps running its own), at the
+        # shapes of these example inputs when the model can import itself again at others.
+        inputs = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
+        graph_for = getattr(model, "shardc_graph_for", None)
+        graph = graph_for(inputs) if callable(graph_for) else copy.deepcopy(imported)
+        return TraceResult(graph, {}, "import", time.perf_counter() - start)
     inputs = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
     names = list(input_names) if input_names is not None else _default_input_names(model, len(inputs))
     captured = capture(model, inputs, names)

@@ -32,13 +32,15 @@ from shardc.hardware import Cluster
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments
-from shardc.search.linear import coefficients
+from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
 LONG_SEQUENCE = 8192
 MICRO_BATCHES = (1, 2, 4, 8)
 RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the end
+GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
+SOLVE_SHARE = 0.5  # of the time limit, in CP-SAT deterministic seconds, shared by the solves
 
 
 @dataclass
@@ -137,6 +139,42 @@ def lower_bound(problem: Problem) -> float:
     return per_mb * (1 + (m - 1) / p)
 
 
+def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit: float
+          ) -> tuple[list[Found], Found | None, dict[int, tuple[Assignment, float]]]:
+    """Every grid point that fits, by `evaluate`, visiting problems by lower bound: once a bound is
+    `GRID_MARGIN` above the best point found, no later problem has a point among the best. Also
+    the lowest-memory point seen (for the no-fit error) and per problem its best point (a hint)."""
+    grids: list[Found] = []
+    closest: Found | None = None
+    hints: dict[int, tuple[Assignment, float]] = {}
+    best = float("inf")
+    for i in order:
+        if bounds[i] > best * (1 + GRID_MARGIN):
+            break
+        for point, a in grid_assignments(problems[i]):
+            ev = evaluate(problems[i], a, limit)
+            found = Found(problems[i], a, ev, "grid", "grid", 0.0, point)
+            if ev.fits:
+                grids.append(found)
+                best = min(best, ev.step_time_s)
+                if i not in hints or ev.step_time_s < hints[i][1]:
+                    hints[i] = (a, ev.step_time_s)
+            if closest is None or ev.memory_per_device_bytes < closest.evaluation.memory_per_device_bytes:
+                closest = found
+    return grids, closest, hints
+
+
+def _linear_hint(problem: Problem, limit: float) -> Assignment | None:
+    """The grid point best by the linearised objective among those it says fit (a warm start for
+    shapes whose grid points were not evaluated)."""
+    best: tuple[Assignment, float] | None = None
+    for _, a in grid_assignments(problem):
+        lin = objective(problem, a.choice, a.stages, a.zero)
+        if max(lin.memory_bytes) <= limit and (best is None or lin.step_time_s < best[1]):
+            best = (a, lin.step_time_s)
+    return best[0] if best else None
+
+
 def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_limit: float, seed: int = 0,
            workers: int = 1, warm: tuple[MeshShape, int, Assignment] | None = None, dtype: str = "bf16",
            shapes: list[MeshShape] | None = None, mbs: tuple[int, ...] | None = None) -> SearchResult:
@@ -154,54 +192,44 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         for mb in (mbs or micro_batch_sizes(gbs, shape.dp)):
             if (gbs // shape.dp) % mb == 0:
                 problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
-    grids: list[Found] = []
-    closest: Found | None = None
-    hints: dict[int, tuple[Assignment, float]] = {}
-    for i, problem in enumerate(problems):
-        for point, a in grid_assignments(problem):
-            ev = evaluate(problem, a, limit)
-            found = Found(problem, a, ev, "grid", "grid", 0.0, point)
-            if ev.fits:
-                grids.append(found)
-                if i not in hints or ev.step_time_s < hints[i][1]:
-                    hints[i] = (a, ev.step_time_s)
-            if closest is None or ev.memory_per_device_bytes < closest.evaluation.memory_per_device_bytes:
-                closest = found
+    bounds = [lower_bound(p) for p in problems]
+    by_bound = sorted(range(len(problems)), key=lambda i: (bounds[i], i))
+    grids, closest, hints = _grid(problems, by_bound, bounds, limit)
     if warm is not None:
         for i, problem in enumerate(problems):
             if problem.shape == warm[0] and problem.mb == warm[1] and len(warm[2].choice) == len(problem.groups):
                 hints[i] = (warm[2], 0.0)
     incumbent = min((f.evaluation.step_time_s for f in grids), default=float("inf"))
-    order = sorted(range(len(problems)), key=lambda i: (i not in hints or warm is None, lower_bound(problems[i]), i))
+    order = sorted(by_bound, key=lambda i: (i not in hints or warm is None, bounds[i], i))
     solved = pruned = 0
-    gap = 0.0
+    floor = dict(enumerate(bounds))  # per problem, the best proven lower bound
     log = []
     founds: list[Found] = []
-    for n_left, i in enumerate(order):
+    budget_left = SOLVE_SHARE * time_limit
+    for n, i in enumerate(order):
         problem = problems[i]
-        bound = lower_bound(problem)
-        if bound >= incumbent:
+        if bounds[i] >= incumbent:
             pruned += 1
             continue
-        remaining = time_limit - (time.perf_counter() - start)
-        if remaining <= 0:
-            gap = max(gap, 1.0 - bound / incumbent if incumbent < float("inf") else 1.0)
+        if budget_left <= 0 or time.perf_counter() - start >= time_limit:
             pruned += 1
             continue
-        budget = max(0.05, min(remaining / 2, remaining / max(1, (len(order) - n_left) / 4), 10.0))
+        budget = max(0.05, min(budget_left / 2, budget_left / max(1, (len(order) - n) / 4), 10.0))
         hint = hints.get(i)
-        result = solve(problem, limit, budget, seed, workers, hint[0] if hint else None)
+        result = solve(problem, limit, budget, seed, workers, hint[0] if hint else _linear_hint(problem, limit))
+        budget_left -= max(result.deterministic_s, 0.01)
         solved += 1
         log.append(f"{problem.shape} mb={problem.mb}: {result.status} {result.objective_s:.4g}s "
                    f"bound {result.bound_s:.4g}s in {result.wall_s:.2f}s")
+        floor[i] = max(floor[i], result.bound_s) if result.status != "OPTIMAL" else result.objective_s
         if result.assignment is None:
             continue
-        if result.status != "OPTIMAL":
-            gap = max(gap, result.gap)
         ev = evaluate(problem, result.assignment, limit)
         if ev.fits:
             founds.append(Found(problem, result.assignment, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
+    proven = min(floor.values(), default=float("inf"))
+    gap = max(0.0, 1.0 - proven / incumbent) if incumbent < float("inf") else 1.0
     # The reported numbers are `estimate`'s, on the graph annotated with each plan.
     grid = _rescore(grids, cluster, limit, RESCORED)
     best = _rescore(founds + ([grid] if grid is not None else []), cluster, limit, RESCORED + 1)
