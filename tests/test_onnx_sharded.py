@@ -154,3 +154,18 @@ def test_micro_batches_of_a_file_with_a_fixed_batch_are_refused(gpt_onnx: Path) 
     with pytest.raises(shardc.ShardcError, match=r"fixes dim 0 to 2; it cannot be given as 1") as err:
         shardc.compile(OnnxModule(result), example_inputs(result.graph), plan="tp=2")  # 2 micro-batches
     assert "dynamic_shapes" in str(err.value)
+
+
+def test_shardc_run_trains_an_onnx_file_on_its_default_loss(gpt_onnx: Path) -> None:
+    """`shardc run model.onnx`: logits over token ids train on next-token cross entropy."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "shardc.cli", "run", str(gpt_onnx), "--nproc", "2", "--steps", "3",
+                           "--plan", "dp=2", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    losses = report["losses"]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert losses[0] == pytest.approx(np.log(128), rel=0.1)  # untrained: about log(vocab)

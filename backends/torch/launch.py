@@ -284,8 +284,37 @@ def _build_trainer(config: dict[str, Any], model: Any, example: Sequence[Any]) -
 
     plan = ParallelPlan.parse(config["plan"])
     compiled = shardc_compile(model, tuple(example), plan=plan)
-    module = compiled.parallelize(model)
-    return module, lambda batch: module.step(*batch)
+    default = default_loss(compiled.graph)
+    if default is None:
+        module = compiled.parallelize(model)
+        return module, lambda batch: module.step(*batch)
+    loss_fn, make_target = default
+    module = compiled.parallelize(model, loss_fn=loss_fn)
+    return module, lambda batch: module.step(*batch, target=make_target(batch))
+
+
+def default_loss(graph: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """For a model that returns no loss (an ONNX file ending at its logits): (loss_fn(outputs,
+    target), target_of(batch)). Logits over token-id inputs train on next-token cross entropy
+    (the target is the ids shifted by one); any other output on its mean square. None when the
+    model's output already is a scalar loss."""
+    import torch
+    import torch.nn.functional as F
+
+    out, first = graph.outputs[0].type, graph.inputs[0].type
+    if out.rank == 0:
+        return None
+    if out.is_float and out.rank >= 2 and not first.is_float and tuple(first.shape) == tuple(out.shape[:-1]):
+        def next_token(output: Any, target: Any) -> Any:
+            logits = output[0] if isinstance(output, tuple) else output
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+        return next_token, lambda batch: batch[0].roll(-1, dims=-1)
+
+    def mean_square(output: Any, target: Any) -> Any:
+        return (output[0] if isinstance(output, tuple) else output).float().square().mean()
+
+    return mean_square, lambda batch: torch.zeros(batch[0].shape[0])
 
 
 def worker_main(config_path: str) -> int:

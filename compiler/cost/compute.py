@@ -158,7 +158,10 @@ def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequ
         return NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
     s_in = [scale if (scaled_in is None or scaled_in[i]) else 1.0 for i in range(len(in_types))]
     s_out = [scale if (scaled_out is None or scaled_out[i]) else 1.0 for i in range(len(out_types))]
-    flops = op.count_flops(in_types, out_types, attrs) * max(s_in + s_out, default=1.0)
+    # FLOPs follow the batch when any operand is batched (a weight is not: max() would pick 1).
+    batched = [x for x, flag in zip(s_in + s_out, list(scaled_in or [True] * len(s_in))
+                                    + list(scaled_out or [True] * len(s_out))) if flag]
+    flops = op.count_flops(in_types, out_types, attrs) * (batched[0] if batched else 1.0)
     in_bytes = [t.nbytes * s for t, s in zip(in_types, s_in)]
     out_bytes = sum(t.nbytes * s for t, s in zip(out_types, s_out))
     nbytes = sum(in_bytes) + out_bytes

@@ -211,7 +211,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
         t.bwd_flops += cost.bwd_flops
         if op.kind in ("contraction", "attention"):
             g = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
-            g *= max((ctx.scale_of(v) for v in node.inputs), default=1.0)
+            g *= ctx.batch_scale if any(id(v) in ctx.batched for v in node.inputs) else 1.0
             t.matmul_flops += g
             t.core_matmul_flops += g if in_core else 0.0
         t.core_flops += cost.fwd_flops if in_core else 0.0

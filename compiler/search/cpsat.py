@@ -12,17 +12,20 @@ seeded, warm-started from a hint, and reports the proven gap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ortools.sat.python import cp_model
 
 from shardc.cost.memory import in_flight
 from shardc.search.evaluate import Assignment
-from shardc.search.linear import CAND_KEYS, EDGE_SECTION, coefficients
+from shardc.search.linear import CAND_KEYS, EDGE_SECTION, coefficients, objective
 from shardc.search.problem import ZEROS, Problem
 
 SECTIONS = ("pre", "block", "post")
+TIME_STEPS = 2e5  # integer units in the cheapest micro-batch time (see `_Model`)
 TIME_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "other")
 
 
@@ -48,9 +51,11 @@ class _Model:
     def __init__(self, problem: Problem, limit_bytes: float, zeros: tuple[int, ...]) -> None:
         self.p, self.co, self.md = problem, coefficients(problem), cp_model.CpModel()
         L = max(problem.layers, 1)
-        one = sum(max(r["time"] for r in rows) * (L if v.section == "block" else 1)
+        # The time unit resolves the cheapest plan's micro-batch to TIME_STEPS units, so that
+        # a node's time, not only a layer's, survives the rounding to integers.
+        one = sum(min(r["time"] for r in rows) * (L if v.section == "block" else 1)
                   for rows, v in zip(self.co.cand, problem.groups))
-        self.tu = max(one, 1e-9) / 2e4
+        self.tu = max(one, 1e-9) / TIME_STEPS
         self.mu = max(limit_bytes, 1.0) / 1e5
         self.limit = limit_bytes
         self.x = [[self.md.new_bool_var(f"x{g}_{c}") for c in range(len(v.cands))] for g, v in enumerate(problem.groups)]
@@ -81,6 +86,11 @@ class _Model:
                 ub += max(vals)
         return sum(terms), ub
 
+    def low(self, section: str, per_row: Callable[[dict[str, float]], int]) -> int:
+        """A constant lower bound of a section sum: every group at its smallest coefficient."""
+        return sum(min(per_row(r) for r in self.co.cand[g]) for g, v in enumerate(self.p.groups)
+                   if v.section == section)
+
     def by_zero(self, section: str, name: str, per_zero) -> tuple[cp_model.IntVar, int]:
         """A variable >= the section's sum of `per_zero(row, z)` for the selected ZeRO stage."""
         exprs, ub = {}, 0
@@ -96,6 +106,10 @@ class _Model:
         for z in ZEROS:
             self.md.add(var >= exprs[z]).OnlyEnforceIf(self.z[z])
         return var, ub
+
+
+def _state_units(model: _Model, per_param: float, row: dict[str, float]) -> int:
+    return model.m(per_param * row["numel"])
 
 
 def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0, workers: int = 1,
@@ -197,6 +211,14 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
         md.add(core_saved == blk["saved_core"])
         other_blk = M.var(blk["other_ub"], "block_other")
         md.add(other_blk == blk["other"])
+        to_t, to_m = M.t, M.m
+        low_tl = [M.low("block", lambda r: to_t(r["time"])), M.low("block", lambda r: to_t(r["time"]) + to_t(r["core"])),
+                  M.low("block", lambda r: to_t(r["time"]) + to_t(r["fwd"]))]
+        low_act = [M.low("block", lambda r: to_m(r["saved"])),
+                   M.low("block", lambda r: to_m(r["saved"]) - to_m(r["saved_core"])),
+                   M.low("block", lambda r: to_m(r["inputs"]))]
+        low_fwd = M.low("block", lambda r: to_t(r["fwd"]))
+        low_state = min(M.low("block", partial(_state_units, M, co.state[z])) for z in zeros)
     tail = M.var(max(M.t(t) for t in co.tail), "tail")
     for z in ZEROS:
         md.add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
@@ -234,6 +256,13 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
             nafter = prod(n, blk["after"], L * blk["after_ub"], f"nafter{s}")
             nbuf = prod(n, blk["buf"], L * blk["buf_ub"], f"nbuf{s}")
             nother = prod(n, other_blk, L * blk["other_ub"], f"nother{s}") if blk["other_ub"] else 0
+            # Linear cuts the LP relaxation sees (it drops the products): a product of a count
+            # and a block quantity is at least the count times the quantity's smallest value.
+            for r in range(3):
+                md.add(pt[r] >= low_tl[r] * k[r])
+                md.add(pa[r] >= low_act[r] * k[r])
+            md.add(nf >= low_fwd * n)
+            md.add(nstate >= low_state * n)
             stage = sum(pt) + edge_sends + pre_t + post_t
             window = sum(pt) - nf + send_expr * (not first)
             f = in_flight("1f1b", p, s, m)
@@ -331,5 +360,8 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
     choice = tuple(next(c for c, var in enumerate(row) if solver.value(var)) for row in x)
     stages = tuple(tuple(solver.value(k[r]) for r in range(3)) for _, k in counts)
     zero = next(z for z in ZEROS if solver.value(M.z[z]))
-    return SolveResult(Assignment(choice, stages, zero), name, solver.objective_value * M.tu,
-                       solver.best_objective_bound * M.tu, solver.wall_time, solver.deterministic_time)
+    # The plan's own linearised objective: a FEASIBLE answer may leave slack in the auxiliary
+    # maxima, and the integer model rounds; `objective` is what the plan is worth.
+    value = objective(problem, choice, stages, zero).step_time_s
+    return SolveResult(Assignment(choice, stages, zero), name, value,
+                       min(solver.best_objective_bound * M.tu, value), solver.wall_time, solver.deterministic_time)

@@ -40,7 +40,7 @@ LONG_SEQUENCE = 8192
 MICRO_BATCHES = (1, 2, 4, 8)
 RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the end
 GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
-SOLVE_SHARE = 0.5  # of the time limit, in CP-SAT deterministic seconds, shared by the solves
+SOLVE_SHARE = 0.3  # of the time limit, in CP-SAT deterministic seconds, shared by the solves
 
 
 @dataclass
@@ -221,7 +221,7 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         solved += 1
         log.append(f"{problem.shape} mb={problem.mb}: {result.status} {result.objective_s:.4g}s "
                    f"bound {result.bound_s:.4g}s in {result.wall_s:.2f}s")
-        floor[i] = max(floor[i], result.bound_s) if result.status != "OPTIMAL" else result.objective_s
+        floor[i] = max(floor[i], result.bound_s)
         if result.assignment is None:
             continue
         ev = evaluate(problem, result.assignment, limit)
