@@ -150,3 +150,73 @@ def test_unsupported_op_names_the_node(tmp_path: Path) -> None:
     onnx.save(model, path)
     with pytest.raises(ShardcError, match=r"ONNX op Hardmax \(node 'odd_one'.*no registry entry"):
         import_onnx(path)
+
+
+def test_every_listed_op_matches_onnxruntime(tmp_path: Path) -> None:
+    """One graph through every op the issue lists (and shape arithmetic folded at import)."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 4)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((4,)).astype(np.float32), "ln_w"),
+             numpy_helper.from_array(rng.standard_normal((4,)).astype(np.float32), "ln_b"),
+             numpy_helper.from_array(rng.standard_normal((10, 4)).astype(np.float32), "table"),
+             numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"),
+             numpy_helper.from_array(np.array([0], dtype=np.int64), "zero"),
+             numpy_helper.from_array(np.array([2], dtype=np.int64), "two"),
+             numpy_helper.from_array(np.array([2, 2], dtype=np.int64), "halves"),
+             numpy_helper.from_array(np.array([1, 1], dtype=np.int64), "ones"),
+             numpy_helper.from_array(np.array([-1], dtype=np.int64), "last")]
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["table", "ids"], ["emb"], axis=0),                     # embedding lookup
+        n("MatMul", ["x", "w"], ["h0"]),                                     # [3,5,6]@[6,4]
+        n("Add", ["h0", "emb"], ["h1"]),
+        n("Constant", [], ["half"], value=numpy_helper.from_array(np.array(0.5, dtype=np.float32))),
+        n("Mul", ["h1", "half"], ["h2"]),
+        n("Sub", ["h2", "half"], ["h3"]),
+        n("Div", ["h3", "half"], ["h4"]),
+        n("Pow", ["h4", "two_f"], ["h5"]),
+        n("Constant", [], ["two_f"], value=numpy_helper.from_array(np.array(2.0, dtype=np.float32))),
+        n("Add", ["h5", "half"], ["h6"]),
+        n("Sqrt", ["h6"], ["h7"]),
+        n("Erf", ["h7"], ["h8"]),
+        n("Tanh", ["h8"], ["h9"]),
+        n("Gelu", ["h9"], ["h10"]),
+        n("LayerNormalization", ["h10", "ln_w", "ln_b"], ["h11"], axis=-1, epsilon=1e-5),
+        n("Softmax", ["h11"], ["h12"], axis=-1),
+        n("Shape", ["h12"], ["shape"]),                                      # shape arithmetic, folded
+        n("Slice", ["shape", "zero", "two"], ["lead"]),
+        n("Concat", ["lead", "halves"], ["new_shape"], axis=0),
+        n("Reshape", ["h12", "new_shape"], ["h13"]),                         # [3,5,2,2]
+        n("Transpose", ["h13"], ["h14"], perm=[0, 2, 1, 3]),                 # [3,2,5,2]
+        n("Split", ["h14", "ones"], ["s0", "s1"], axis=1),
+        n("Concat", ["s1", "s0"], ["h15"], axis=1),
+        n("Slice", ["h15", "zero", "axis1", "last"], ["h16"]),               # last dim [0:1]
+        n("Unsqueeze", ["h16", "zero"], ["h17"]),                            # [1,3,2,5,1]
+        n("Expand", ["h17", "expand_to"], ["h18"]),                          # [2,3,2,5,1]
+        n("Constant", [], ["expand_to"], value=numpy_helper.from_array(np.array([2, 1, 1, 1, 1], dtype=np.int64))),
+        n("ReduceMean", ["h18", "zero"], ["h19"], keepdims=1),               # [1,3,2,5,1]
+        n("Squeeze", ["h19", "zero"], ["h20"]),                              # [3,2,5,1]
+        n("Greater", ["h20", "half"], ["mask"]),
+        n("Where", ["mask", "h20", "half"], ["h21"]),
+        n("Cast", ["h21"], ["h22"], to=TensorProto.DOUBLE),
+        n("Cast", ["h22"], ["out"], to=TensorProto.FLOAT),
+    ]
+    # Constants must precede their users in ONNX; move them to the front.
+    nodes.sort(key=lambda node: node.op_type != "Constant")
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, 6]),
+              helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 5])]
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 2, 5, 1])
+    model = helper.make_model(helper.make_graph(nodes, "every_op", inputs, [out], inits),
+                              opset_imports=[helper.make_opsetid("", 20)])
+    model.ir_version = 9
+    path = tmp_path / "every_op.onnx"
+    onnx.save(model, path)
+    result = import_onnx(path)
+    ops = {node.op for node in result.graph.nodes}
+    assert {"embedding", "matmul", "softmax", "layer_norm", "gelu", "erf", "tanh", "sqrt", "pow", "reshape",
+            "permute", "split", "concat", "slice", "expand", "mean", "where", "cast"} <= ops
+    assert not any(node.op == "shape" for node in result.graph.nodes)  # folded
+    x, ids = torch.randn(3, 5, 6), torch.randint(0, 10, (3, 5))
+    ours = run_ir(result.graph, [x, ids], result.state)[0]
+    ref = ort.InferenceSession(str(path)).run(None, {"x": x.numpy(), "ids": ids.numpy()})[0]
+    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-5, rtol=0)

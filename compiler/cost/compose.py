@@ -169,7 +169,7 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                 times[s][key] = times[s].get(key, 0.0) + val * m
         fwd[s] += cost.fwd_s
         bwd[s] += cost.bwd_s
-        if layer.annotation.zero >= 3 and shard > 1:
+        if layer.annotation.zero >= 3 and shard > 1 and options.zero_runtime == "zero":
             ef, eb = zero3_exposed(cost, sum(n for n, _ in layer.params.values()), w_elem, shard_levels,
                                    links.algorithm)
             fwd[s] += ef

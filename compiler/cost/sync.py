@@ -10,7 +10,11 @@ Rules:
   parallel norm weights) are all-reduced after backward, exposed.
 - Gradients of model chunks that finished earlier (interleaved schedules) are ready when the
   final backward starts.
-- After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). The optimizer step
+- After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). As the torch backend
+  runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) the weights are all-gathered
+  once before forward and every gradient reduce-scattered once after backward, both exposed.
+  A torch.distributed.pipelining runtime (pp > 1) all-reduces the gradients in one flat buffer
+  after the schedule, exposed too. The optimizer step
   reads and writes 28 bytes per local parameter at memory bandwidth (host when offloaded,
   plus moving gradients down and weights up over PCIe).
 """
@@ -103,12 +107,19 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
                 ready.append((at, dp_bytes))
         zero = max((l.annotation.zero for l in mine), default=0)
         kind = "reduce_scatter" if zero >= 1 else "all_reduce"
-        tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm) if shard > 1 else 0.0
+        fsdp = options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
+        flat = p > 1 and options.pipeline_runtime == "torch" and not fsdp
+        if shard <= 1:
+            tail = 0.0
+        elif fsdp or flat:  # one collective over every gradient once backward is over
+            tail = collective_time(kind, sum(b for _, b in ready), levels, ctx.algorithm)
+        else:
+            tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm)
         tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
         grad_bytes = sum(b for _, b in ready)
         local = sum(n for n, _ in params)
         gather = 0.0
-        if shard > 1 and zero in (1, 2):
+        if fsdp or (shard > 1 and zero in (1, 2)):  # FSDP2: before forward; ZeRO-1/2: after the optimizer
             gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
         if plan.offload:
