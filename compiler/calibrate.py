@@ -5,7 +5,8 @@ What is measured (CPU, fp32, one intra-op thread per process, as the gloo tests 
   `rate(flops) = A * flops / (flops + h)`: the asymptote A is the device's fp32 peak (a CPU's
   achievable peak is what large matmuls reach, so `matmul_efficiency` is 1) and h is
   `matmul_half_flops`; bf16 and fp16 are measured at one size as a ratio to fp32;
-- memory bandwidth of a large copy, and the fixed cost of one tiny op (kernel latency);
+- memory bandwidth of a large copy, and the fixed cost of one tiny op in eager training (kernel
+  latency: a chain of tiny modules run forward under autograd, per module);
 - with N processes started at once (N in `nprocs`): the per-process matmul rate and copy
   bandwidth while all N run together, and gloo all_reduce, all_gather, reduce_scatter,
   broadcast and send/recv times by message size, each fitted to `alpha + beta * bytes`.
@@ -189,11 +190,21 @@ def _copy_bandwidth(numel: int, budget: float) -> float:
     return 2.0 * src.nbytes / _seconds(lambda: dst.copy_(src), budget)  # read + write
 
 
-def _kernel_latency(budget: float) -> float:
+def _kernel_latency(budget: float, chain: int = 32) -> float:
+    """The fixed cost of one op in eager training: a chain of tiny modules run forward with
+    autograd recording (dispatch, autograd node, module call), per module. Backward costs about
+    the same per op and input gradient, which is how the model charges it."""
     import torch
 
-    x, y = torch.ones(1), torch.ones(1)
-    return _seconds(lambda: torch.add(x, y), budget, inner=200)
+    mods = [torch.nn.GELU() for _ in range(chain)]
+    x = torch.ones(2, 4, requires_grad=True)
+
+    def forward() -> None:
+        y = x
+        for m in mods:
+            y = m(y)
+
+    return _seconds(forward, budget, inner=4) / chain
 
 
 # ---- multi-process benchmarks ----------------------------------------------------------------
@@ -443,12 +454,33 @@ def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool =
     return run_calibration(target, console=console)
 
 
+def under_load(profile: LocalProfile, nproc: int, flops: float,
+               allreduce: Sequence[tuple[float, float]] = ()) -> LocalProfile:
+    """`profile` as this machine is now: the per-process matmul rate of `nproc` concurrent
+    processes is `flops` (measured now, e.g. just before a plan runs) and their copy bandwidth
+    scales by the same factor (the sharing model: everything a process does slows alike); given
+    all_reduce (bytes, seconds) points measured now, the all_reduce fit for `nproc` is refitted."""
+    from dataclasses import replace
+
+    old = profile.per_process_flops(nproc)
+    bandwidth = next((b for n, _, b in profile.concurrent if n == nproc), profile.memory_bandwidth / profile.slowdown(nproc))
+    # A process never copies faster than it does alone: the scaled bandwidth is capped there.
+    scaled = min(bandwidth * flops / old, profile.memory_bandwidth)
+    concurrent = tuple(c for c in profile.concurrent if c[0] != nproc) + ((nproc, flops, scaled),)
+    fits = profile.collectives
+    points = tuple((int(b), float(t)) for b, t in allreduce if t > 0)
+    if len(points) >= 2:
+        fit = CollectiveFit("all_reduce", nproc, points, fit_affine([b for b, _ in points], [t for _, t in points]))
+        fits = tuple(c for c in fits if not (c.op == "all_reduce" and c.nprocs == nproc)) + (fit,)
+    return replace(profile, concurrent=concurrent, collectives=fits)
+
+
 def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
     """This machine as one node of `nproc` CPU processes sharing its cores and memory (gloo links)."""
     if nproc < 1:
         raise ShardcError(f"local cluster needs >= 1 process, got {nproc}")
     prof = profile or load_profile()
-    slow = prof.slowdown(nproc)
+    slow = max(1.0, prof.slowdown(nproc))  # sharing never makes a process faster than alone
     flops = prof.per_process_flops(nproc)
     peaks = (("fp32", flops),) + tuple((d, flops * r) for d, r in prof.dtype_ratio)
     bandwidth = next((b for n, _, b in prof.concurrent if n == nproc), prof.memory_bandwidth / slow)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.cost.compose import EstimateOptions
 from shardc.cost import CostContext, estimate, layer_costs
+from shardc.cost.compose import EstimateOptions
 from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import parse_cluster
 from shardc.plan import ParallelPlan

@@ -13,6 +13,7 @@ from test_candidates import mlp_graph
 from shardc.cost import estimate
 from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
+from shardc.parser import parse
 from shardc.search.cpsat import solve
 from shardc.search.linear import objective
 from shardc.search.outer import mesh_shapes, search
@@ -20,6 +21,7 @@ from shardc.search.planfile import annotate_graph, assignment_from_plan, load_pl
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.report import run_plan
 from shardc.search.synthetic import PRESETS, transformer_graph
+from shardc.verifier import verify
 
 
 def _splits(layers: int, stages: int):
@@ -62,6 +64,7 @@ def test_optimal_against_brute_force(shape, limit):
     assert max(lin.memory_bytes) <= limit * (1 + 1e-3)
     assert lin.step_time_s == pytest.approx(want, rel=2e-3)
     assert got.objective_s == pytest.approx(lin.step_time_s, rel=2e-3)
+    assert got.bound_s <= got.objective_s and got.gap < 2e-3  # optimal: the bound meets the plan
 
 
 def test_memory_limit_changes_the_plan():
@@ -84,6 +87,8 @@ def _plan(seed=0, limit=80e9, time_limit=3.0, name="tiny", cluster="8xH100", gbs
 
 def test_deterministic_for_a_fixed_seed():
     a, b = _plan(seed=3), _plan(seed=3)
+    # The gap is global: the best plan against the smallest bound over every mesh shape.
+    assert 0.0 <= a.gap == b.gap < 1.0 and a.shapes_solved + a.shapes_pruned > 1
     assert plan_dict(a.best.problem, a.best.assignment, a.best.estimate, 16) == \
         plan_dict(b.best.problem, b.best.assignment, b.best.estimate, 16)
 
@@ -133,7 +138,9 @@ def test_plan_file_round_trip_and_warm_start(tmp_path, capsys):
     assert run_plan("synthetic:tiny", "8xH100", 16, time_limit=2, out=str(out), json_out=True) == 0
     first = capsys.readouterr().out
     data = load_plan(out)
-    assert (tmp_path / "plan.json.ir").read_text().count("partition<") > 10
+    ir = (tmp_path / "plan.json.ir").read_text()
+    assert ir.count("partition<") > 10
+    verify(parse(ir))  # traced again at mb x dp sequences when dp does not divide the traced batch
     g = transformer_graph(PRESETS["tiny"])
     c = parse_cluster("8xH100")
     shape = MeshShape(**data["mesh"])

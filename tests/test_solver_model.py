@@ -13,9 +13,9 @@ from shardc.cost import estimate, plan_of
 from shardc.hardware import parse_cluster
 from shardc.search.evaluate import Assignment, evaluate
 from shardc.search.grid import grid_assignments
-from shardc.search.linear import objective
+from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
-from shardc.search.problem import MeshShape, build_problem, graph_facts
+from shardc.search.problem import MeshShape, PricingCache, build_problem, graph_facts, pricing_shape
 from shardc.search.report import load_graph
 from shardc.search.synthetic import PRESETS, transformer_graph
 
@@ -77,3 +77,21 @@ def test_non_uniform_plans_with_temporal_partitions_evaluate_as_estimated(style)
                 _agree(graph, problem, Assignment(choice, stages, zero), cluster, linear_tol=None)
                 if pick in ("rotate", "time"):
                     assert "; time " in str(graph) and (pick != "rotate" or " rotate " in str(graph))
+
+
+def test_shapes_with_one_pricing_key_share_candidates_and_prices():
+    # pp and the dp size do not change a candidate's price (`pricing_shape`): the search prices
+    # each (dp > 1, cp, tp, micro-batch) once; per-shape terms (sends, sync) stay per shape.
+    graph = transformer_graph(dataclasses.replace(PRESETS["tiny"], layers=4, seq=64))
+    cluster = parse_cluster("16xH100")
+    facts = graph_facts(graph, cluster)
+    cache: PricingCache = {}
+    a = build_problem(facts, cluster, MeshShape(2, 2, 1, 4), 2, 32, cache=cache)
+    b = build_problem(facts, cluster, MeshShape(1, 4, 1, 4), 2, 32, cache=cache)
+    fresh = build_problem(facts, cluster, MeshShape(1, 4, 1, 4), 2, 32)
+    assert len(cache) == 1 and a.groups is b.groups and pricing_shape(facts, b.shape) == MeshShape(1, 2, 1, 4)
+    assert coefficients(b).cand == coefficients(fresh).cand
+    assert coefficients(a).send != coefficients(b).send  # pipeline sends are the shape's own
+    for _, plan in grid_assignments(b):
+        assert evaluate(b, plan, float("inf")).step_time_s == pytest.approx(
+            evaluate(fresh, plan, float("inf")).step_time_s, rel=1e-9)

@@ -132,3 +132,18 @@ def test_spearman() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2], [1, 2]) is None
+
+
+def test_a_storage_resized_in_place_is_counted_once() -> None:
+    """FSDP2 frees and re-allocates unsharded parameters with `resize_`: the data pointer moves,
+    the storage stays one storage."""
+    from shardc.study.measure import MemoryTracker
+
+    x = torch.zeros(1024)
+    tracker = MemoryTracker({}, {})
+    with tracker:
+        x.untyped_storage().resize_(0)
+        x.untyped_storage().resize_(4096)
+        y = x.view(-1) + 0  # dispatches; re-measures x's storage and adds y's
+    del y
+    assert sum(1 for ref, _ in tracker.live.values() if ref() is x.untyped_storage()) == 1

@@ -8,7 +8,8 @@ and gradient redistribution on an edge), `group_levels` (which links a mesh axis
 `layer_costs`/`layer_terms`/`finish_layer` (one layer per micro-batch, by category, and the
 recomputation rules), `compose` (pipeline schedule, gradient
 sync, optimizer, memory per device), `simulate` and `bubble_fraction` (pipeline schedules),
-`model_state_bytes` and `in_flight` (memory).
+`model_state_bytes` and `in_flight` (memory), `layer_memory` (one layer's live bytes op by op,
+what the peak per device is stacked from, `peak.device_memory`).
 """
 
 from shardc.cost.comm import collective_time, group_levels, reshard_steps
@@ -20,9 +21,11 @@ from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_costs, 
 from shardc.cost.memory import in_flight, model_state_bytes
 from shardc.cost.model import estimate, plan_of
 from shardc.cost.pipeline import bubble_fraction, simulate
+from shardc.cost.timeline import LayerMemory, layer_memory
 
 __all__ = [
-    "CostContext", "Estimate", "EstimateOptions", "LayerCost", "LayerTerms", "LayerWork", "Links", "StageEstimate",
+    "CostContext", "Estimate", "EstimateOptions", "LayerCost", "LayerMemory", "LayerTerms", "LayerWork", "Links",
+    "StageEstimate", "layer_memory",
     "bubble_fraction", "collective_time", "compose", "estimate", "finish_layer", "group_levels", "in_flight",
     "layer_costs", "layer_terms", "model_state_bytes", "node_compute_time", "plan_of", "reshard_steps", "simulate",
 ]

@@ -222,7 +222,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
             buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
         by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
         memory = device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
-                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=flat)
+                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=flat,
+                               regather=zero >= 3)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes))
     return Composition(step, tuple(stages), pipe)

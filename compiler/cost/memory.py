@@ -6,7 +6,7 @@ Rules:
   ZeRO-1 divides the optimizer state by the sharding degree (the data-parallel group),
   ZeRO-2 the gradients too, ZeRO-3 the weights too. Offload moves the optimizer state to host.
 - Activations: the bytes a micro-batch saves on a stage times the micro-batches in flight
-  there at the peak: GPipe holds all m; 1F1B holds p - i on stage i (at most m); interleaved
+  there at the peak (the one in progress by its timeline, `timeline` and `peak`): GPipe holds all m; 1F1B holds p - i on stage i (at most m); interleaved
   1F1B holds (p - i - 1) * 2 + (v - 1) * p + 1 model chunks' worth on device i (Megatron's
   warm-up count plus the one in progress), at most m * v.
 - Working: the largest transient allocation of one node while it runs (its outputs; a loss's

@@ -36,19 +36,19 @@ from shardc.registry import get_op
 
 __all__ = ["EstimateOptions", "estimate", "plan_of"]
 
-_Layer = LayerWork
 
 
-def _layers(graph: Graph, plan: ParallelPlan) -> list[_Layer]:
+
+def _layers(graph: Graph, plan: ParallelPlan) -> list[LayerWork]:
     """The graph's layers in node order; nodes outside any layer form one layer `(ungrouped)`."""
-    out: dict[str, _Layer] = {}
+    out: dict[str, LayerWork] = {}
     for node in graph.nodes:
         name = node.layer or "(ungrouped)"
         layer = out.get(name)
         if layer is None:
             known = graph.layers.get(name)
             ann = known.annotation if known else LayerAnnotation(recompute=plan.recompute, zero=plan.zero)
-            layer = out[name] = _Layer(name, known.block if known else name, ann, [])
+            layer = out[name] = LayerWork(name, known.block if known else name, ann, [])
         layer.nodes.append(node)
     layers = list(out.values())
     stages = plan.pp * plan.vpp
@@ -73,14 +73,14 @@ def _layers(graph: Graph, plan: ParallelPlan) -> list[_Layer]:
     return layers
 
 
-def _fingerprint(layer: _Layer) -> tuple:
+def _fingerprint(layer: LayerWork) -> tuple:
     return (layer.block, layer.annotation.recompute,
             tuple((n.op, str(n.partition), tuple(str(v.type) for v in n.outputs),
                    tuple(str(v.layout) for v in n.outputs), tuple(str(v.layout) for v in n.inputs),
                    repr(sorted(n.attrs.items()))) for n in layer.nodes))
 
 
-def _param_names(layer: _Layer) -> list[str]:
+def _param_names(layer: LayerWork) -> list[str]:
     """The layer's parameters in order of first use (copies of a block list them alike)."""
     seen: dict[str, None] = {}
     for node in layer.nodes:

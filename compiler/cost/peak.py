@@ -16,7 +16,8 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   gradient it synchronises (whatever `bucket_cap_mb`; it caps each bucket, not their sum).
   FSDP2 on the whole module holds its unsharded parameters from the start of forward to the
   end of backward, and during forward also the flat all-gather buffer they were copied out
-  of (both the local parameter bytes). Textbook ZeRO-3: the largest layer's gathered weights
+  of (both the local parameter bytes); for ZeRO-3 it frees both after forward and gathers
+  again for backward (the buffer and the parameters once more). Textbook ZeRO-3: the largest layer's gathered weights
   twice (the current and the prefetched one). torch.distributed.pipelining
   (`pipeline_runtime="torch"`) preallocates a receive buffer per micro-batch for a stage's
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
@@ -70,10 +71,12 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
 
 def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *, flight: int, virtual: int,
                   interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float,
-                  after_backward: float = 0.0) -> dict[str, float]:
+                  after_backward: float = 0.0, regather: bool = False) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
-    `after_backward`: a transient buffer once backward is over (a flat gradient copy)."""
+    `after_backward`: a transient buffer once backward is over (a flat gradient copy);
+    `regather`: FSDP2 frees the unsharded parameters after forward and gathers them again for
+    backward (ZeRO-3), through the all-gather buffer again."""
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
     if not all(getattr(l, "memory", None) is not None for stage in by_stage for l in stage):
         saved = sum(c.saved_bytes for c in costs)
@@ -87,9 +90,10 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
     best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
                               "buffers": buffers + after_backward}
-    for phase, extra in ((0, 2.0 * local_param_bytes if fsdp else 0.0), (1, local_param_bytes if fsdp else 0.0)):
-        for split in splits:
-            part = split[phase]
+    gathered = (2.0 if regather else 1.0) * local_param_bytes if fsdp else 0.0
+    for phase, extra in ((0, 2.0 * local_param_bytes if fsdp else 0.0), (1, gathered)):
+        for fwd, bwd, _ in splits:
+            part = bwd if phase else fwd
             candidate = {**states, "activations": others + part["activations"],
                          "recompute_working": part["recompute_working"], "working": part["working"],
                          "buffers": buffers + extra}

@@ -251,11 +251,11 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 held[name] = max(held.get(name, 0.0), nbytes)
             else:  # its last contribution: summed and added into .grad
                 held.pop(name, None)
-        for key in _keys_of(savers, idx):
-            remaining[key] -= 1
-            if remaining[key] <= 0:
-                saved.pop(key, None)
-                recomputed.pop(key, None)
+        for done in _keys_of(savers, idx):
+            remaining[done] -= 1
+            if remaining[done] <= 0:
+                saved.pop(done, None)
+                recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
     return peak, at_saved, at_recomputed, param_grads, tied
 

@@ -4,10 +4,13 @@ Variables: a boolean per (group, candidate); per edge, a boolean per (produced l
 required layout class) pair, tied to the candidates by transportation constraints; per
 pipeline stage, block counts under each recomputation; one ZeRO stage. The objective and the
 memory constraints are `shardc.search.linear.objective`'s formulas (the linearisation of the
-analytical model), with times in integer units of about 1/20000 of one pass of the model and
-bytes in units of 1/100000 of the memory limit; products of block counts and per-block
-quantities use multiplication constraints. The search is bounded (deterministic time),
-seeded, warm-started from a hint, and reports the proven gap.
+analytical model), with times in integer units of 1/50000 of the cheapest micro-batch pass
+(fine enough that one node's time survives rounding, which a unit tied to the costliest
+candidates did not) and bytes in units of 1/100000 of the memory limit; products of block
+counts and per-block quantities use multiplication constraints, which the LP relaxation drops,
+so each product also gets a linear cut (count x the quantity's smallest value) that keeps
+per-stage time and memory in the bound. The search is bounded (deterministic time), seeded,
+warm-started from a hint, and reports the plan's own linearised objective and the proven bound.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from shardc.search.linear import CAND_KEYS, EDGE_SECTION, coefficients, objectiv
 from shardc.search.problem import ZEROS, Problem
 
 SECTIONS = ("pre", "block", "post")
-TIME_STEPS = 2e5  # integer units in the cheapest micro-batch time (see `_Model`)
+TIME_STEPS = 5e4  # integer units in the cheapest micro-batch time (see `_Model`)
 TIME_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "other")
 
 

@@ -163,9 +163,12 @@ def _rebase_first(problem: Problem, a: Assignment, first: LayerTerms) -> None:
     first.inputs = sum(first.input_entries.values())
 
 
-def layer_works(problem: Problem, a: Assignment) -> list[LayerWork]:
-    """The plan's layers in order, with stages, recomputation, costs and parameters."""
+def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None = None) -> list[LayerWork]:
+    """The plan's layers in order, with stages, recomputation, costs, parameters and memory timelines."""
+    from shardc.search.timelines import Timelines
+
     parts = layer_parts(problem, a)
+    timelines = Timelines(problem, a.choice, parts, options or EstimateOptions())
     cache: dict[tuple[str, str], LayerCost] = {}
 
     def cost(kind: str, recompute: str) -> LayerCost:
@@ -181,46 +184,64 @@ def layer_works(problem: Problem, a: Assignment) -> list[LayerWork]:
     lay = problem.facts.layering
     last_stage = len(a.stages) - 1
     out = []
+    earlier: dict[int, set[str]] = {}  # parameter names per device, as `estimate` ties them
+
+    def memory(kind: str, recompute: str, stage: int, names: dict[str, tuple[float, frozenset[str]]]):
+        mine = earlier.setdefault(stage, set())
+        tied = frozenset(n for n in names if n in mine)
+        mine.update(names)
+        return timelines.get(kind, recompute, a.zero, tied)
+
     if lay.pre:
         out.append(LayerWork(lay.pre[0], "pre", LayerAnnotation(0, "none", a.zero), stage=0,
-                             cost=cost("pre", "none"), params=params["pre"]))
+                             cost=cost("pre", "none"), params=params["pre"],
+                             memory=memory("pre", "none", 0, params["pre"])))
     i = 0
     for s, row in enumerate(a.stages):
         for r in (2, 1, 0):  # as `annotate_graph` writes them: fully recomputed blocks first
             for _ in range(row[r]):
                 kind = "first" if i == 0 else "last" if i == problem.layers - 1 else "block"
                 name = lay.blocks[i]
+                own = {f"{name}/{k}": v for k, v in params["block"].items()}
                 out.append(LayerWork(name, "block", LayerAnnotation(s, RECOMPUTES[r], a.zero), stage=s,
-                                     cost=cost(kind, RECOMPUTES[r]),
-                                     params={f"{name}/{k}": v for k, v in params["block"].items()}))
+                                     cost=cost(kind, RECOMPUTES[r]), params=own,
+                                     memory=memory(kind, RECOMPUTES[r], s, own)))
                 i += 1
     if lay.post:
         out.append(LayerWork(lay.post[0], "post", LayerAnnotation(last_stage, "none", a.zero), stage=last_stage,
-                             cost=cost("post", "none"), params=params["post"]))
+                             cost=cost("post", "none"), params=params["post"],
+                             memory=memory("post", "none", last_stage, params["post"])))
     return out
 
 
-def pipeline_send(problem: Problem, a: Assignment) -> float:
-    """Seconds to send what one block passes to the next (one micro-batch)."""
+def pipeline_send(problem: Problem, a: Assignment) -> tuple[float, float]:
+    """Seconds and bytes to send what one block passes to the next (one micro-batch)."""
     seen: set[tuple[int, int]] = set()
-    total = 0.0
+    total = nbytes = 0.0
     for e in problem.edges:
         if e.kind == "chain" and (e.producer, e.out_index) not in seen:
             seen.add((e.producer, e.out_index))
             layout = e.prod_info[e.prod_class[a.choice[e.producer]]][0]
-            total += problem.pricer.p2p(problem.pricer.local_bytes(e.value, layout))
-    return total
+            b = problem.pricer.local_bytes(e.value, layout)
+            total += problem.pricer.p2p(b)
+            nbytes += b
+    return total, nbytes
 
 
 def evaluate(problem: Problem, a: Assignment, limit: float, options: EstimateOptions | None = None) -> Evaluation:
     """Predicted step time and per-device memory of `a` (see the module rules)."""
+    from shardc.search.timelines import output_bytes
+
+    options = options or EstimateOptions()
     p = len(a.stages)
-    send = pipeline_send(problem, a) if p > 1 else 0.0
+    send, send_bytes = pipeline_send(problem, a) if p > 1 else (0.0, 0.0)
     sends = [send] * (p - 1) + [0.0]
     links = Links(problem.pricer.ctx.mesh, problem.pricer.cluster, problem.pricer.ctx.algorithm)
     links._levels = problem.pricer.ctx._levels
-    result = compose(layer_works(problem, a), sends, links, plan_for(problem, a.zero), problem.micro_batches,
-                     options or EstimateOptions())
+    works = layer_works(problem, a, options)
+    output = output_bytes(problem, a.choice)
+    result = compose(works, sends, links, plan_for(problem, a.zero), problem.micro_batches, options,
+                     [send_bytes] * (p - 1) + [0.0], output)
     fits = all(s.memory_bytes <= limit for s in result.stages)
     return Evaluation(result.step_time_s, result.stages, fits, limit)
 

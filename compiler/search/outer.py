@@ -6,13 +6,21 @@ Rules:
   dividing the global batch, pp at most the number of blocks, and cp > 1 only for sequences
   of 8192 tokens or more. Micro-batch sizes are the powers of two up to 8 that divide the
   per-replica batch.
-- The grid baseline is scored first; its best point is the incumbent and the warm start.
-- Shapes are visited in order of a lower bound (every group at its cheapest candidate, every
-  edge free, a perfectly balanced pipeline: (1 + (m-1)/p) * per-micro-batch time); a shape
-  whose bound cannot beat the incumbent is pruned without solving.
-- The time limit is shared: each solve gets a slice of what is left, and the best plan found
-  when it runs out is returned with its proven gap (the largest over the shapes not proven,
-  on CP-SAT's linearised objective).
+- Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
+  enumeration and pricing of their candidates.
+- Every problem gets a lower bound (every group at its cheapest candidate, every edge free, a
+  perfectly balanced pipeline: (1 + (m-1)/p) * per-micro-batch time). The grid baseline is
+  scored first, problems by bound; once a bound is `GRID_MARGIN` above the best grid point, no
+  later problem's grid points can be among the best. The best grid point is the incumbent, and
+  each problem's best grid point its warm start (else the grid point best by the linearised
+  objective, or a plan file's).
+- Shapes are solved in order of their bound; a shape whose bound cannot beat the incumbent is
+  pruned without solving. The solves share `SOLVE_SHARE` of the time limit in CP-SAT's
+  deterministic seconds (each gets a slice of what is left), so a fixed seed and worker count
+  give the same plan on a busy machine too; the wall clock only stops the search early when
+  the whole limit has passed. The best plan found is returned with its proven gap: 1 - (the
+  smallest lower bound over all shapes: CP-SAT's bound on the linearised objective where
+  solved, the balanced bound elsewhere) / the best plan's evaluation.
 - Every grid point and every solver plan is evaluated with `shardc.search.evaluate` (the cost
   model's composition); the best few of each are then scored by `shardc.cost.estimate` on the
   graph annotated with the plan, the very function `shardc estimate` runs, and those are the

@@ -207,9 +207,11 @@ def pricing_shape(facts: GraphFacts, shape: MeshShape) -> MeshShape:
     outer ones) and the micro-batch, not on pp or the dp size: dp only splits batch dims, one
     replica holds `mb` sequences whatever the dp size, and dp's own collectives (gradient sync,
     ZeRO) and the pipeline sends are priced per shape in `shardc.search.linear.coefficients`.
-    So a data-parallel shape is priced with dp equal to the traced batch (one traced sequence
-    per replica, scaled to `mb`), where every local shape divides exactly."""
-    return MeshShape(1, max(facts.batch, 2) if shape.dp > 1 else 1, shape.cp, shape.tp)
+    So a shape whose dp is at least the traced batch is priced with dp equal to the traced
+    batch (one traced sequence per replica, scaled to `mb`, as on the shape itself), where
+    every local shape divides exactly; a smaller dp is priced as it is."""
+    dp = max(min(shape.dp, facts.batch), 2) if shape.dp > 1 else 1
+    return MeshShape(1, dp, shape.cp, shape.tp)
 
 
 def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate: bool,

@@ -30,8 +30,11 @@ from shardc.search.planfile import (
 from shardc.search.problem import build_problem, graph_facts
 
 
-def load_graph(model_spec: str) -> Graph:
-    """`synthetic:NAME[?k=v]` builds a preset Transformer in the IR; anything else is traced."""
+def load_graph(model_spec: str, batch: int | None = None) -> Graph:
+    """`synthetic:NAME[?k=v]` builds a preset Transformer in the IR; anything else is traced
+    (at batch 2 unless the spec or `batch` says otherwise)."""
+    if batch is not None:
+        model_spec += ("&" if "?" in model_spec else "?") + f"batch={batch}"
     if model_spec.startswith("synthetic:"):
         import dataclasses
 
@@ -108,7 +111,7 @@ def run_plan(model_spec: str, cluster: str | Cluster, gbs: int, memory_limit_gb:
     assert est is not None
     if out:
         save_plan(out, best.problem, best.assignment, est, gbs)
-        Path(str(out) + ".ir").write_text(str(graph))
+        Path(str(out) + ".ir").write_text(str(plan_ir(model_spec, graph, best, cl, gbs)))
     payload = plan_dict(best.problem, best.assignment, est, gbs)
     summary = {
         "step_time_s": est.step_time_s,
@@ -135,6 +138,20 @@ def run_plan(model_spec: str, cluster: str | Cluster, gbs: int, memory_limit_gb:
         return 0
     _print(console, best, grid, summary, graph, gbs)
     return 0
+
+
+def plan_ir(model_spec: str, graph: Graph, best: Found, cluster: Cluster, gbs: int) -> Graph:
+    """The partitioned IR written beside a plan file. The planner traces at a small batch; when
+    the data-parallel degree does not divide it, the model is loaded again at one micro-batch of
+    every replica (mb x dp sequences) and the plan file mapped onto it, so that every dim the
+    mesh splits divides evenly and the IR verifies."""
+    shape, mb = best.problem.shape, best.problem.mb
+    if best.problem.facts.batch % shape.dp == 0 or not model_spec:
+        return graph
+    again = load_graph(model_spec, batch=mb * shape.dp)
+    problem = build_problem(graph_facts(again, cluster), cluster, shape, mb, gbs)
+    data = plan_dict(best.problem, best.assignment, best.estimate, gbs)
+    return annotate_graph(again, problem, assignment_from_plan(data, problem))
 
 
 def _print(console: Any, best: Found, grid: Found | None, summary: dict[str, Any], graph: Graph, gbs: int) -> None:

@@ -61,8 +61,15 @@ def _collective_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The results.json entry of a plan that ran: every measured and predicted number and the errors."""
+def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str, Any]],
+               recalibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The results.json entry of a plan that ran: every measured and predicted number and the errors.
+
+    `predicted` is the model on the profile the study started with; `recalibrated` the same
+    model on that profile with this machine's compute rate and all_reduce times as measured when
+    the plan ran (`calibrate.under_load`). The step-time error is the recalibrated one when given
+    (the machine is shared: its load, not the plan, moves between calibration and run); both
+    are kept."""
     results = sorted(results, key=lambda r: r["rank"])
     steps = len(results[0]["step_times_s"])
     slowest = [max(r["step_times_s"][k] for r in results) for k in range(steps)]
@@ -81,18 +88,23 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
             "predicted_memory": pred["memory"], "predicted_time": pred["time"],
             "collectives": _collective_summary(r["collectives"]),
         })
-    predicted_step = predicted["step_time_s"]
+    profile_step = predicted["step_time_s"]
+    predicted_step = recalibrated["step_time_s"] if recalibrated else profile_step
     return {
         "id": sp.id, "plan": sp.text, "nproc": sp.devices, "status": "ok", "cluster": predicted.get("cluster"),
         "split": list(sp.split) if sp.split else None, "bucket_mb": sp.bucket_mb,
         "measured_step_time_s": measured_step, "predicted_step_time_s": predicted_step,
         "step_time_error": rel_error(predicted_step, measured_step),
+        "predicted_step_time_s_profile": profile_step,
+        "step_time_error_profile": rel_error(profile_step, measured_step),
+        "probe_flops": [r.get("probe_flops") for r in results],
         "step_times_s": slowest, "losses": results[0]["losses"],
         "measured_peak_memory_bytes": [x["measured_peak_memory_bytes"] for x in ranks],
         "predicted_peak_memory_bytes": [x["predicted_peak_memory_bytes"] for x in ranks],
         "memory_errors": [x["memory_error"] for x in ranks],
         "max_abs_memory_error": max(abs(x["memory_error"] or 0.0) for x in ranks),
         "ranks": ranks, "predicted": predicted,
+        "predicted_recalibrated": recalibrated,
     }
 
 
@@ -117,6 +129,9 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
     time_errors = [abs(p["step_time_error"]) for p in ran if p.get("step_time_error") is not None]
     mem_errors = [abs(e) for p in ran for e in p["memory_errors"] if e is not None]
     rho = spearman([p["predicted_step_time_s"] for p in ran], [p["measured_step_time_s"] for p in ran])
+    static = [abs(p["step_time_error_profile"]) for p in ran if p.get("step_time_error_profile") is not None]
+    rho_static = spearman([p.get("predicted_step_time_s_profile", p["predicted_step_time_s"]) for p in ran],
+                          [p["measured_step_time_s"] for p in ran])
     return {
         "plans": len(data["plans"]), "ran": len(ran),
         "errors": sum(1 for p in data["plans"] if p["status"] == "error"),
@@ -125,6 +140,8 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
         "median_abs_step_time_error": statistics.median(time_errors) if time_errors else None,
         "mean_abs_step_time_error": statistics.mean(time_errors) if time_errors else None,
         "spearman_step_time": rho,
+        "median_abs_step_time_error_profile": statistics.median(static) if static else None,
+        "spearman_step_time_profile": rho_static,
         "max_abs_memory_error": max(mem_errors) if mem_errors else None,
         "median_abs_memory_error": statistics.median(mem_errors) if mem_errors else None,
         "plans_memory_within_5pct": sum(1 for p in ran if p["max_abs_memory_error"] <= 0.05),

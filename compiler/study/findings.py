@@ -136,16 +136,37 @@ def accuracy(data: dict[str, Any], summary: dict[str, Any]) -> str:
             meas, pred = r["measured_memory"], r["predicted_memory"]
             for cat in ("parameters", "gradients", "optimizer", "activations", "buffers"):
                 diffs.setdefault(cat, []).append(pred.get(cat, 0.0) - meas.get(cat, 0.0))
-            diffs.setdefault("other (not modelled)", []).append(-meas.get("other", 0.0) - meas.get("model_buffers", 0.0))
+            diffs.setdefault("other (working)", []).append(
+                pred.get("working", 0.0) + pred.get("recompute_working", 0.0) - meas.get("other", 0.0)
+                - meas.get("model_buffers", 0.0))
     worst = sorted(diffs.items(), key=lambda kv: -abs(statistics.mean(kv[1])))
     text = ", ".join(f"{k} {statistics.mean(v) / MiB:+.2f} MiB" for k, v in worst)
     med = summary.get("median_abs_step_time_error")
     rho = summary.get("spearman_step_time")
+    static = summary.get("median_abs_step_time_error_profile")
+    rho_static = summary.get("spearman_step_time_profile")
+    spread = _repeat_spread(ran)
     return (f"- Memory: {summary['plans_memory_within_5pct']} of {len(ran)} plans within 5% on every rank; "
             f"largest error {summary['max_abs_memory_error']:.1%}. Mean predicted minus measured by category at the "
             f"peak: {text}.\n"
             f"- Time: median |error| {med:.1%}" + (f", Spearman rank correlation {rho:.2f}" if rho is not None else "")
-            + ".")
+            + " (profile recalibrated to the load when each plan ran)"
+            + (f"; on the profile as calibrated before the sweep: median |error| {static:.1%}" if static is not None
+               else "")
+            + (f", Spearman {rho_static:.2f}" if rho_static is not None else "") + "."
+            + (f"\n- Noise floor: plans that differ only in DDP's bucket size (>= 0.1 MiB, where the model predicts "
+               f"within a few ms of each other) measured {spread}." if spread else ""))
+
+
+def _repeat_spread(ran: list[dict[str, Any]]) -> str:
+    """Measured step times of the plain DP plan and its bucket-size variants of 0.1 MiB and up."""
+    base = [p for p in ran if "bucket_mb" in p and (p["bucket_mb"] is None or p["bucket_mb"] >= 0.1)
+            and p["plan"].startswith("dp=2,tp=1,pp=1,vpp=1,cp=1,sp=0,mb=4,") and "zero=0" in p["plan"]
+            and "recompute=none" in p["plan"]]
+    if len(base) < 2:
+        return ""
+    times = sorted(p["measured_step_time_s"] for p in base)
+    return f"{times[0] * 1e3:.1f} to {times[-1] * 1e3:.1f} ms ({times[-1] / times[0]:.1f}x)"
 
 
 def findings(data: dict[str, Any], summary: dict[str, Any]) -> str:

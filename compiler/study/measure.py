@@ -6,7 +6,7 @@ Memory (CPU has no allocator statistics, so every tensor is accounted for by han
   parameters), `gradients` (their `.grad`), `optimizer` (the optimizer's state), `buffers`
   (communication buffers; DDP's gradient buckets live in C++ and are added from DDP's own
   `bucket_sizes` log), `model_buffers` (registered module buffers) and `other` (inputs,
-  leftovers). Each storage is counted once, by data pointer.
+  leftovers). Each storage is counted once.
 - During the step a `TorchDispatchMode` sees every op the rank runs (backward included: the
   autograd engine carries the mode) and files each new output storage: saved for backward
   (a `saved_tensors_hooks` pack hook marks it) -> `activations`; produced by or handed to a
@@ -14,7 +14,7 @@ Memory (CPU has no allocator statistics, so every tensor is accounted for by han
   backward and the optimizer step, recomputed forwards) -> `other`; the optimizer's state
   exists before the measured step (it follows warm-up) and is counted as `optimizer`. A `weakref.finalize` on the storage takes it off the books when it is freed.
   Storages are re-measured after every op, so in-place `resize_` (FSDP2's gather buffers)
-  is seen too.
+  is seen too. Storages are told apart by their StorageImpl, not their data pointer.
 - The peak is the largest total of live bytes after any op; its breakdown by category is
   kept, and the largest bytes each category reached on its own.
 
@@ -63,6 +63,12 @@ def _storage(t: torch.Tensor) -> Any | None:
         return None
 
 
+def _key(storage: Any) -> int:
+    """A storage's identity: its StorageImpl, which keeps its identity when `resize_` moves its data
+    (FSDP2 frees and re-allocates unsharded parameters so), unlike the data pointer."""
+    return int(getattr(storage, "_cdata", 0) or storage.data_ptr())
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -81,7 +87,7 @@ def roles(modules: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, str]:
     def put(t: torch.Tensor | None, cat: str) -> None:
         s = _storage(t) if t is not None else None
         if s is not None:
-            out.setdefault(s.data_ptr(), cat)
+            out.setdefault(_key(s), cat)
 
     for m in modules:
         for p in m.parameters():
@@ -128,14 +134,14 @@ class MemoryTracker(TorchDispatchMode):
                 if isinstance(obj, torch.Tensor):
                     s = _storage(obj)
                     if s is not None:
-                        self._add(obj, known.get(s.data_ptr(), "other"))
+                        self._add(obj, known.get(_key(s), "other"))
         self._sample()
 
     def _add(self, t: torch.Tensor, category: str) -> None:
         s = _storage(t)
         if s is None:
             return
-        key = s.data_ptr()
+        key = _key(s)
         if key in self.live:
             return
         self.live[key] = (weakref.ref(s), category)
@@ -148,7 +154,7 @@ class MemoryTracker(TorchDispatchMode):
         if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
             return
         s = _storage(t)
-        if s is not None and s.data_ptr() in self._parameter_storages():
+        if s is not None and _key(s) in self._parameter_storages():
             self._reclassify(t, ("other",), "buffers")
         else:
             self._reclassify(t, ("other", "buffers"), "activations")
@@ -159,16 +165,16 @@ class MemoryTracker(TorchDispatchMode):
             for p in m.parameters():
                 s = _storage(p)
                 if s is not None:
-                    out.add(s.data_ptr())
+                    out.add(_key(s))
         return out
 
     def _reclassify(self, t: torch.Tensor, old: tuple[str, ...], new: str) -> None:
         s = _storage(t)
         if s is None:
             return
-        entry = self.live.get(s.data_ptr())
+        entry = self.live.get(_key(s))
         if entry is not None and entry[1] in old:
-            self.live[s.data_ptr()] = (entry[0], new)
+            self.live[_key(s)] = (entry[0], new)
 
     def _sample(self) -> None:
         totals = dict.fromkeys(CATEGORIES, 0.0)
@@ -193,10 +199,10 @@ class MemoryTracker(TorchDispatchMode):
             for t in _tensors(args):  # a buffer allocated before and filled by the collective
                 self._reclassify(t, ("other",), "buffers")
         cat = "buffers" if comm and self.phase != "optimizer" else "other"
-        inputs = [x.data_ptr() for x in _input_storages(args, kwargs)] if self.extra.get("buffers") else []
+        inputs = [_key(x) for x in _input_storages(args, kwargs)] if self.extra.get("buffers") else []
         for t in _tensors(out):
             s = _storage(t)
-            if s is not None and s.data_ptr() not in self.live and s.data_ptr() in inputs:
+            if s is not None and _key(s) not in self.live and _key(s) in inputs:
                 # Written into, not allocated: a buffer that existed before the step but Python
                 # could not reach (DDP's buckets), already counted in `extra` from DDP's log.
                 self.extra["buffers"] = max(0.0, self.extra["buffers"] - s.nbytes())

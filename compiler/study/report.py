@@ -240,7 +240,7 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
                                                      "exposed_communication_s", "waiting_s", "other_s"))
             + f" | {pred} |")
     lines += ["", "## Memory at the peak by category (rank 0 of each plan and the last stage; MiB, measured / predicted)", "",
-              "| plan | rank | parameters | gradients | optimizer | activations | buffers | other (unmodelled) |",
+              "| plan | rank | parameters | gradients | optimizer | activations | buffers | other (working) |",
               "|---|---|---|---|---|---|---|---|"]
     for p in _ok(data):
         shown = {p["ranks"][0]["rank"], p["ranks"][-1]["rank"]}
@@ -249,8 +249,9 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
             cells = [f"{m.get(c, 0) / MiB:.2f} / {q.get(c, 0) / MiB:.2f}"
                      for c in ("parameters", "gradients", "optimizer", "activations", "buffers")]
             other = (m.get("other", 0) + m.get("model_buffers", 0)) / MiB
+            working = (q.get("working", 0) + q.get("recompute_working", 0)) / MiB
             lines.append(f"| {label(p['plan'])} | {r['rank']} | " + " | ".join(cells) + f" | {other:.2f} / "
-                         f"{q.get('recompute_working', 0) / MiB:.2f} |")
+                         f"{working:.2f} |")
     lines += ["", "## Communication per step (rank 0)", "", "| plan | collective | count | message sizes (min / median / max B) | sent (ring, B) |",
               "|---|---|---|---|---|"]
     for p in _ok(data):
@@ -267,7 +268,9 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
 METHOD = """\
 - Every plan trains for real on local processes (gloo on CPU, NCCL on GPUs): AdamW, gradients kept
   between steps (`zero_grad(set_to_none=False)`), fp32. Warm-up steps, then measured steps, each started
-  together after a barrier; the step time is the slowest rank's, median over steps.
+  together after a barrier; the step time is the slowest rank's, median over steps. Right before the
+  timed steps every rank runs a 0.15 s fp32 matmul probe at once (the calibration's concurrent
+  benchmark), so the compute rate the machine's load left at that moment is known.
 - Time breakdown: torch.profiler on one more step. compute = the main thread's ops; communication =
   collective intervals on any thread; exposed = not under compute; waiting = each collective's duration
   minus the shortest any rank saw for the same call (the last to arrive does not wait).
@@ -275,10 +278,15 @@ METHOD = """\
   (those alive at the start found through the garbage collector, the rest as ops create them, freed
   through weak references), filed by role: parameters, gradients, optimizer state, saved for backward
   (activations, via saved-tensor hooks), collective buffers (plus DDP's C++ gradient buckets from its
-  own log), model buffers and other (activation gradients and temporaries of backward). The peak is the
-  largest live total after any op.
+  own log; a bucket written by an op is counted once), model buffers and other (activation and weight
+  gradients and temporaries of backward, recomputed activations, which the model calls working and
+  recompute_working). Weights FSDP gathers are buffers. The peak is the largest live total after any op.
 - Predictions: `shardc.cost.estimate` on the same plan (the plan's stage split and DDP bucket size passed
   as model inputs), on the calibrated `local` profile for that process count; nothing fitted per plan.
+  The step-time error is against the same model on that profile recalibrated to the moment the plan ran
+  (`calibrate.under_load`: the probe's compute rate, the copy bandwidth scaled alike but never above a
+  lone process's, and the all_reduce fit from this study's own all_reduce-by-size benchmark); the error on
+  the profile as calibrated before the sweep is reported beside it.
 - Bytes sent per collective: message size from the op's tensors, ring volume for the group size.
 """
 

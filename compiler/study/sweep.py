@@ -7,6 +7,9 @@ per process count (`launch.spawn`), after an all_reduce-by-size benchmark. Every
 plan is written to `results.json` at once (atomically), so an interrupted study loses at most
 the plan in flight and resumes with the next. A plan that fails is recorded with its error
 (the failing rank's exception) and the rest of the group restarts in a fresh process group.
+Once a plan has run it is predicted again on the profile recalibrated to the load it ran under
+(`calibrate.under_load`: the compute probe every rank ran before its timed steps, and this
+study's all_reduce-by-size benchmark); both predictions are recorded.
 """
 
 from __future__ import annotations
@@ -150,6 +153,21 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
             clusters[n] = study_cluster(n, device, profile=profile, memory_limit_bytes=memory_limit_bytes)
         return clusters[n]
 
+    def recalibrated(sp: StudyPlan, results: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The plan predicted again on the profile as the machine was when it ran (`under_load`)."""
+        probes = [r["probe_flops"] for r in results if r.get("probe_flops")]
+        if device != "cpu" or not probes:
+            return None
+        from shardc.calibrate import load_profile, under_load
+        from shardc.study.predict import predict
+
+        base = profile if profile is not None else load_profile()
+        points = [(x["bytes"], x["measured_s"]) for x in store.data["allreduce"].get(str(sp.devices), {}).get(
+            "points", [])]
+        now = under_load(base, sp.devices, sum(probes) / len(probes), points)
+        cluster = study_cluster(sp.devices, device, profile=now, memory_limit_bytes=memory_limit_bytes)
+        return {**predict(model_spec, sp, cluster)[1], "cluster": str(cluster)}
+
     store = ResultsStore(out / "results.json", {"model": model_spec, "device": device, "steps": steps,
                                                 "warmup": warmup})
     common = {"model": model_spec, "steps": steps, "warmup": warmup, "seed": 0, "device": device}
@@ -180,7 +198,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         if str(n) not in store.data["allreduce"]:
             jobs[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes)})
     total = sum(len(j) for j in jobs.values())
-    _run_groups(jobs, work, store, predictions, cluster_for, total, job_timeout_s, console)
+    _run_groups(jobs, work, store, predictions, cluster_for, total, job_timeout_s, console, recalibrated)
     store.data["wall_time_s"] = store.data.get("wall_time_s", 0.0) + time.perf_counter() - started
     store.save()
     if report:
@@ -193,7 +211,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
 
 def _run_groups(jobs: dict[int, list[dict[str, Any]]], work: Path, store: ResultsStore,
                 predictions: dict[str, tuple[StudyPlan, dict[str, Any]]], cluster_for: Any, total: int,
-                job_timeout_s: float, console: Any) -> None:
+                job_timeout_s: float, console: Any, recalibrated: Any = None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -212,7 +230,7 @@ def _run_groups(jobs: dict[int, list[dict[str, Any]]], work: Path, store: Result
                     results = [json.loads(f.read_text()) for f in files if f.exists()]
                     errors = [x for x in results if "error" in x]
                     if len(results) == n and not errors:
-                        _collect(job, results, store, predictions, cluster_for)
+                        _collect(job, results, store, predictions, cluster_for, recalibrated)
                         finished += 1
                         continue
                     message = errors[0]["error"] if errors else (failure or "process group stopped")
@@ -262,7 +280,8 @@ def _record_error(job: dict[str, Any], message: str, tb: str, store: ResultsStor
 
 
 def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsStore,
-             predictions: dict[str, tuple[StudyPlan, dict[str, Any]]], cluster_for: Any) -> None:
+             predictions: dict[str, tuple[StudyPlan, dict[str, Any]]], cluster_for: Any,
+             recalibrated: Any = None) -> None:
     from shardc.study.compare import allreduce_entry, plan_entry
 
     if job["kind"] == "allreduce_sizes":
@@ -271,6 +290,7 @@ def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsS
         store.save()
         return
     sp, predicted = predictions[job["id"]]
-    store.record(plan_entry(sp, predicted, results))
+    now = recalibrated(sp, results) if recalibrated is not None else None
+    store.record(plan_entry(sp, predicted, results, now))
 
 

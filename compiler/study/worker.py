@@ -186,6 +186,16 @@ def _pipeline(job: dict[str, Any], model: torch.nn.Module, inputs: tuple[torch.T
     return runner, list(runner.modules), forward_backward, inputs
 
 
+def compute_probe(n: int = 256, window_s: float = 0.15) -> float:
+    """This process's fp32 matmul FLOP/s right now, all ranks running it at once (the calibration's
+    concurrent benchmark): what the machine's load leaves this plan, measured before its steps."""
+    from shardc.calibrate import _window_rate
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    dist.barrier()
+    return _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, window_s)
+
+
 def run_plan(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Warm-up, timed steps, a profiled step and a memory-tracked step (see the module doc)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -202,6 +212,7 @@ def run_plan(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         return float(loss)
 
     losses = [step() for _ in range(job["warmup"])]
+    probe = compute_probe()
     times = []
     for _ in range(job["steps"]):
         dist.barrier()
@@ -219,5 +230,5 @@ def run_plan(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         step(tracker)
     memory = tracker.result()
     collectives = memory.pop("collectives")
-    return {"step_times_s": times, "median_step_s": statistics.median(times), "losses": losses,
+    return {"step_times_s": times, "median_step_s": statistics.median(times), "probe_flops": probe, "losses": losses,
             "profile": events, "memory": memory, "collectives": collectives}

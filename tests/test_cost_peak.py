@@ -1,0 +1,109 @@
+"""The memory at the peak: identity dropout, the backward timeline, DDP/FSDP2/pipeline buffers, and
+`shardc estimate` tracing at the plan's batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, local_cluster, under_load
+from shardc.cost import CostContext, estimate, layer_costs
+from shardc.cost.compose import EstimateOptions
+from shardc.cost.synthetic import gpt_graph
+from shardc.hardware import parse_cluster
+from shardc.plan import ParallelPlan
+
+B, S, H, A, V = 4, 64, 128, 4, 512
+
+
+def _graph(dropout: float = 0.0, **kw):
+    return gpt_graph(layers=2, hidden=H, heads=A, vocab=V, seq=S, batch=B * kw.get("dp", 1), dropout=dropout,
+                     dtype="f32", **kw)
+
+
+def test_identity_dropout_saves_nothing_and_aliases() -> None:
+    # fp32, p=0: LN1 in, qkv in, q/k/v (3), proj in, LN2 in, fc1 in, gelu in (4), fc2 in (4) = 16 sbh,
+    # the softmax output (a s^2 b), and two LayerNorms' mean and rstd (2 fp32 per row each).
+    g = _graph(0.0)
+    ctx = CostContext.build(g, parse_cluster("1xH100"), "f32", 1.0)
+    saved = layer_costs(ctx, g.layer_nodes("blocks.0")).saved_bytes
+    assert saved == 4 * (16 * S * B * H + A * S * S * B) + 2 * 2 * 4 * B * S
+    with_masks = layer_costs(CostContext.build(_graph(0.1), parse_cluster("1xH100"), "f32", 1.0),
+                             _graph(0.1).layer_nodes("blocks.0")).saved_bytes
+    assert with_masks > saved  # masks, and the dropped-out probabilities are a storage of their own
+
+
+def test_peak_adds_the_backward_working_set_to_saved_activations() -> None:
+    g = _graph(0.0)
+    e = estimate(g, parse_cluster("1xH100"), ParallelPlan.parse(f"mb={B},dtype=fp32"))
+    mem = e.stages[0].memory
+    saved = sum(r["saved_bytes"] for r in e.layer_table)
+    # The peak is the loss's backward: every activation still saved, plus the gradients of the
+    # log-probabilities and of the logits (each the size of the logits).
+    assert mem["activations"] == pytest.approx(saved)
+    assert mem["working"] == pytest.approx(2 * 4 * B * S * V, rel=0.01)
+
+
+def test_ddp_buckets_hold_one_copy_of_the_gradients_whatever_their_size() -> None:
+    cluster = parse_cluster("2xH100")
+    plan = ParallelPlan.parse(f"dp=2,mb={B},dtype=fp32")
+    sizes = [estimate(_graph(0.0, dp=2), cluster, plan, options=EstimateOptions(bucket_bytes=b)).stages[0].memory
+             for b in (10e3, 25 * 2**20)]
+    assert sizes[0]["buffers"] == sizes[1]["buffers"] == pytest.approx(sizes[0]["gradients"])
+
+
+def test_fsdp2_shards_every_state_and_gathers_the_whole_module() -> None:
+    cluster = parse_cluster("2xH100")
+    base = estimate(_graph(0.0, dp=2), cluster, ParallelPlan.parse(f"dp=2,mb={B},dtype=fp32")).stages[0].memory
+    for zero in (1, 3):
+        plan = ParallelPlan.parse(f"dp=2,mb={B},dtype=fp32,zero={zero}")
+        fsdp = estimate(_graph(0.0, dp=2, zero=zero), cluster, plan).stages[0].memory
+        textbook = estimate(_graph(0.0, dp=2, zero=zero), cluster, plan,
+                            options=EstimateOptions(zero_runtime="zero")).stages[0].memory
+        for key in ("parameters", "gradients", "optimizer"):
+            assert fsdp[key] == pytest.approx(base[key] / 2)
+        # unsharded parameters and the flat all-gather buffer they are copied out of
+        assert fsdp["buffers"] == pytest.approx(2 * base["parameters"])
+        assert textbook["parameters"] == pytest.approx(base["parameters"] / (2 if zero >= 3 else 1))
+
+
+def test_torch_pipeline_keeps_receive_buffers_and_last_stage_outputs() -> None:
+    cluster = parse_cluster("2xH100")
+    plan = ParallelPlan.parse("pp=2,mb=2,gbs=8,dtype=fp32")
+    g = gpt_graph(layers=2, hidden=H, heads=A, vocab=V, seq=S, batch=8, dropout=0.0, dtype="f32", pp=2)
+    torch_rt = estimate(g, cluster, plan)
+    none = estimate(g, cluster, plan, options=EstimateOptions(pipeline_runtime="none"))
+    m, act = 4, 4 * 2 * S * H
+    assert torch_rt.stages[0].memory["buffers"] - none.stages[0].memory["buffers"] == pytest.approx((m + 2) * act)
+    assert torch_rt.stages[1].memory["buffers"] - none.stages[1].memory["buffers"] == pytest.approx(
+        m * act + m * 4 * 2 * S * V)
+
+
+def test_estimate_traces_a_factory_at_the_plans_batch(tmp_path) -> None:
+    from shardc.cost.report import prepare_graph
+    from shardc.diagnostics import ShardcError
+
+    cluster = parse_cluster("8xH100")
+    plan = ParallelPlan.parse("dp=8,mb=1")
+    graph = prepare_graph("examples/gpt.py:tiny", cluster, plan)
+    assert graph.inputs[0].type.shape[0] == 8
+    with pytest.raises(ShardcError, match="divisible"):
+        prepare_graph("examples/gpt.py:tiny?batch=1", cluster, plan)
+
+
+def _profile() -> LocalProfile:
+    fit = AlphaBeta(1e-4, 1e-9)
+    return LocalProfile(1, "now", "cpu", 2, 8 << 30, torch.__version__, True, ((256, 50e9),), 50e9, 1e5,
+                        (("bf16", 0.5), ("fp16", 0.5)), 5e9, 3e-6, ((2, 40e9, 4e9),),
+                        (CollectiveFit("all_reduce", 2, ((1024, 1e-4), (1 << 20, 1e-3)), fit),))
+
+
+def test_under_load_replaces_the_rate_and_caps_bandwidth() -> None:
+    prof = _profile()
+    busy = under_load(prof, 2, 20e9, [(1024, 2e-4), (1 << 20, 2e-3)])
+    assert busy.per_process_flops(2) == 20e9
+    assert local_cluster(2, busy).device.memory_bandwidth == pytest.approx(2e9)
+    assert local_cluster(2, busy).intra.latency > local_cluster(2, prof).intra.latency
+    idle = under_load(prof, 2, 200e9)
+    assert local_cluster(2, idle).device.memory_bandwidth == pytest.approx(prof.memory_bandwidth)
+    assert local_cluster(2, idle).device.kernel_latency == pytest.approx(prof.kernel_latency)
