@@ -147,22 +147,38 @@ def check(spec: str, plan: str, losses: list[float], full: dict[str, torch.Tenso
 
 # ---- hand edits of a partitioned graph, before lowering ----------------------------------
 
+_ELEMENTWISE = ("gelu", "silu", "mul", "add", "pow", "tanh")
+_SEQUENCE_DIM = {"linear": "e1", "matmul": "m"}  # matmul: HF Conv1D on (batch*seq, features)
+
+
 def _sequence_chunks(graph: object) -> None:
-    """Cut the sequence of every MLP (fc1, gelu, fc2) into 2 steps: a temporal split, no rotation."""
+    """Cut the sequence of every MLP (its matmuls and elementwise activation ops) into 2 steps:
+    a temporal split, no rotation. Elementwise ops split their dim 1 (sequence of a 3-d tensor)
+    or dim 0 (the flattened batch*seq rows of HF's Conv1D)."""
     from shardc.ir import Partition, TemporalSplit
 
     for node in graph.nodes:  # type: ignore[attr-defined]
-        if ".mlp" in node.location.module_path and node.op in ("linear", "gelu") and node.partition is not None:
-            seq_dim = "e1" if node.op == "linear" else "d1"
-            node.partition = Partition(node.partition.spatial, (TemporalSplit(seq_dim, 2),), node.partition.strides)
+        if ".mlp" not in node.location.module_path or node.partition is None:
+            continue
+        if node.op in _SEQUENCE_DIM:
+            seq_dim = _SEQUENCE_DIM[node.op]
+        elif node.op in _ELEMENTWISE:
+            seq_dim = "d1" if len(node.output.type.shape) == 3 else "d0"
+        else:
+            continue
+        node.partition = Partition(node.partition.spatial, (TemporalSplit(seq_dim, 2),), node.partition.strides)
+
+
+_DOWN_PROJECTIONS = ("mlp.fc2", "mlp.w2", "mlp.c_proj")  # GPT, Llama, HF GPT2
 
 
 def _rotating_fc2(graph: object) -> None:
-    """PrimePar-style: every MLP's fc2 contracts k in 2 steps whose input shard rotates along tp."""
+    """PrimePar-style: every MLP's down projection (fc2 / w2 / c_proj) contracts k in 2 steps
+    whose input shard rotates along tp."""
     from shardc.ir import Partition, TemporalSplit
 
     for node in graph.nodes:  # type: ignore[attr-defined]
-        if node.location.module_path.endswith("mlp.fc2") and node.op == "linear":
+        if node.location.module_path.endswith(_DOWN_PROJECTIONS) and node.op in ("linear", "matmul"):
             spatial = tuple((a, d) for a, d in node.partition.spatial if a != "tp") + (("tp", "n"),)
             node.partition = Partition(spatial, (TemporalSplit("k", 2, "tp"),))
             for v in node.inputs[1:]:

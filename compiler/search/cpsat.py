@@ -351,7 +351,7 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
     prm.random_seed = seed
     prm.num_workers = max(1, workers)
     prm.max_deterministic_time = max(time_limit, 0.01)
-    prm.max_time_in_seconds = max(3 * time_limit, 0.05)
+    prm.max_time_in_seconds = max(5 * time_limit, 2.0)  # a guard only: the budget is deterministic
     if workers > 1:
         prm.interleave_search = True
     status = solver.solve(md)
