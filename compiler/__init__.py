@@ -2,8 +2,20 @@
 
 from shardc.diagnostics import ShardcError
 from shardc.ir import (
-    Graph, Layer, LayerAnnotation, Layout, Location, Mesh, Node, Partial, Partition, Replicate, Shard,
-    TemporalSplit, TensorType, Value,
+    Graph,
+    Layer,
+    LayerAnnotation,
+    Layout,
+    Location,
+    Mesh,
+    Node,
+    Partial,
+    Partition,
+    Replicate,
+    Shard,
+    TemporalSplit,
+    TensorType,
+    Value,
 )
 
 __all__ = [
