@@ -35,11 +35,11 @@ def _study(out: Path, plans: list[str], **kw) -> dict:
 @pytest.fixture(scope="module")
 def studies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
     out = tmp_path_factory.mktemp("study") / "out"
-    # A pipelined plan with recomputation is something the pipeline runtime rejects on every rank:
-    # the group stops, the error is recorded and the study goes on.
-    first = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full"])
+    # A split= (unbalanced) pipelined plan runs on the study's own PipelineRunner, which rejects
+    # recomputation on every rank: the group stops, the error is recorded and the study goes on.
+    first = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full,split=1+1"])
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
-    second = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full", "pp=2,mb=1"])
+    second = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full,split=1+1", "pp=2,mb=1"])
     return first, second, out, stamps
 
 

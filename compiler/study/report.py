@@ -266,7 +266,12 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
 
 
 METHOD = """\
-- Every plan trains for real on local processes (gloo on CPU, NCCL on GPUs): AdamW, gradients kept
+- Every plan trains for real on local processes (gloo on CPU, NCCL on GPUs) on shardc's own runtime,
+  as `shardc run` does: `shardc.compile(model, batch, plan=...).parallelize(model)`, then
+  `module.step(*batch)` (the pipeline schedule when pp > 1, gradient accumulation otherwise).
+  Two study-only keys keep older paths: `split=` plans run on `backends/torch/pipeline.PipelineRunner`
+  (unbalanced stages, pp with dp only), `bucket_mb=` plans on plain DDP with that bucket size.
+  AdamW, gradients kept
   between steps (`zero_grad(set_to_none=False)`), fp32. Warm-up steps, then measured steps, each started
   together after a barrier; the step time is the slowest rank's, median over steps. Right before the
   timed steps every rank runs a 0.15 s fp32 matmul probe at once (the calibration's concurrent

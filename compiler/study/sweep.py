@@ -92,15 +92,21 @@ def prepare(model_spec: str, loaded: Any, sp: StudyPlan, cluster: Any, common: d
     m = plan.micro_batches(batch)
     job = {"id": sp.id, "kind": "plan", "plan": plan, "bucket_mb": sp.bucket_mb, "micro_batches": m,
            "mesh_axes": [tuple(a) for a in predicted["mesh_axes"]], **common}
-    if plan.pp > 1:
-        job["stage_of"] = predicted["stage_of"]
-    else:
-        import shardc
+    import shardc
 
+    if plan.pp > 1 and sp.split is not None:  # unbalanced stages: only the study's PipelineRunner cuts them
+        job["runtime"] = "pipeline-runner"
+        job["stage_of"] = predicted["stage_of"]
+    elif sp.bucket_mb is not None:  # DDP with its bucket size set: one micro-batch graph, accumulated here
         per = plan.dp * plan.mb
         inputs = tuple(x[:per] for x in loaded.example_inputs)
+        job["runtime"] = "ddp-bucket"
         job["compiled"] = shardc.compile(loaded.model, inputs, plan=plan, input_names=loaded.input_names)
         job["traced_batch"] = per
+    else:  # what `shardc run` does: the global batch compiled, `parallelize(model).step(*batch)`
+        job["runtime"] = "shardc"
+        job["compiled"] = shardc.compile(loaded.model, tuple(loaded.example_inputs), plan=plan,
+                                         input_names=loaded.input_names)
     return job, predicted
 
 

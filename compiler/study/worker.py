@@ -1,17 +1,22 @@
 """What every rank runs: a list of study jobs in one process group, each result written as it ends.
 
-A job is a plan (already compiled by the parent, or a pipelined plan cut here by
-`PipelineRunner`) or the all_reduce-by-size benchmark. For a plan: warm-up steps, then
+A job is a plan or the all_reduce-by-size benchmark. A plan runs as `shardc run` trains it
+(`runtime="shardc"`): compiled by the parent for the global batch, `plan.parallelize(model)`
+here and `module.step(*batch)` per step (pipelines for pp > 1, gradient accumulation over
+micro-batches for pp = 1, any mix of dp/tp/pp/zero/recompute). Two study-only keys keep the
+older paths: `split=3+1` (unbalanced stages, cut here by `backends/torch/pipeline.PipelineRunner`,
+pp with dp only) and `bucket_mb` (plain DDP with its bucket size set, micro-batches accumulated
+here under `no_sync`). For a plan: warm-up steps, then
 `steps` timed steps (each started together after a barrier), one step under torch.profiler
 and one step under the memory tracker (`shardc.study.measure`). Each rank writes its result
 to `<work>/<job id>.rank<r>.json` atomically; a rank that fails writes its error there and
 re-raises, so `launch.spawn` stops the whole group and the parent records the error and goes
 on with the next job in a fresh group.
 
-The training step is the one users write: forward, `loss.backward()`, AdamW `step()`,
-`zero_grad(set_to_none=False)` (gradients stay allocated between steps, as Megatron's
-gradient buffers do, so the peak holds them). With more micro-batches than one and no
-pipeline, gradients accumulate over micro-batches (DDP's `no_sync` until the last).
+The training step is forward and backward (`module.step`, or the older paths' own loop),
+AdamW `step()`, `zero_grad(set_to_none=False)` (gradients stay allocated between steps, as
+Megatron's gradient buffers do, so the peak holds them); timing and the memory tracker wrap
+that whole step the same way on every path.
 """
 
 from __future__ import annotations
@@ -103,14 +108,13 @@ def _build(job: dict[str, Any], world: int) -> tuple[Any, list[torch.nn.Module],
     torch.manual_seed(job.get("seed", 0))
     loaded = load_model(job["model"], device="cpu")
     model, inputs = loaded.model, tuple(loaded.example_inputs)
-    plan = job["plan"]
-    if plan.pp > 1:
+    runtime = job.get("runtime", "shardc")
+    if runtime == "pipeline-runner":
         return _pipeline(job, model, inputs, world)
     compiled = job["compiled"]
-    if job.get("bucket_mb") is not None:
-        module = _ddp_with_bucket(compiled, model, float(job["bucket_mb"]))
-    else:
-        module = compiled.parallelize(model)
+    if runtime == "shardc":
+        return _shardc_runtime(compiled, model, inputs)
+    module = _ddp_with_bucket(compiled, model, float(job["bucket_mb"]))
     per = job["traced_batch"]
     micro = [tuple(x[i:i + per] for x in inputs) for i in range(0, inputs[0].shape[0], per)]
     sync_ctx = getattr(module, "no_sync", None)
@@ -124,6 +128,29 @@ def _build(job: dict[str, Any], world: int) -> tuple[Any, list[torch.nn.Module],
                 loss.backward()
             total += loss.detach()
         return total
+
+    return module, [module], forward_backward, inputs
+
+
+def _shardc_runtime(compiled: Any, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]):
+    """As `shardc run` trains: `plan.parallelize(model)` and `module.step(*global_batch)` (the
+    pipeline schedule when pp > 1, gradient accumulation over micro-batches when pp = 1); a model
+    that returns logits trains on `launch.default_loss` (next-token cross entropy)."""
+    from shardc.backends.torch.launch import default_loss
+
+    default = default_loss(compiled.graph)
+    if default is None:
+        module = compiled.parallelize(model)
+
+        def forward_backward() -> torch.Tensor:
+            return module.step(*inputs)
+    else:
+        loss_fn, make_target = default
+        module = compiled.parallelize(model, loss_fn=loss_fn)
+        target = make_target(inputs)
+
+        def forward_backward() -> torch.Tensor:
+            return module.step(*inputs, target=target)
 
     return module, [module], forward_backward, inputs
 
