@@ -79,7 +79,7 @@ def test_memory_limit_changes_the_plan():
     assert max(lin.memory_bytes) <= tight_limit * (1 + 1e-3) and lin.step_time_s >= free.step_time_s
 
 
-def _plan(seed=0, limit=80e9, time_limit=3.0, name="tiny", cluster="8xH100", gbs=16, **dims):
+def _plan(seed=0, limit=80e9, time_limit=20.0, name="tiny", cluster="8xH100", gbs=16, **dims):
     g = transformer_graph(dataclasses.replace(PRESETS[name], **dims))
     c = parse_cluster(cluster)
     return search(graph_facts(g, c), c, gbs, limit, time_limit, seed)

@@ -49,7 +49,7 @@ MICRO_BATCHES = (1, 2, 4, 8)
 RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the end
 GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
 SOLVE_SHARE = 0.3  # of the time limit, in CP-SAT deterministic seconds, shared by the solves
-WALL_STOP = 2.0  # an overloaded machine stops solving at this multiple of the limit (not deterministic)
+WALL_STOP = 1.5  # an overloaded machine stops solving at this multiple of the limit (not deterministic)
 
 
 @dataclass
