@@ -178,10 +178,9 @@ def reshard_steps(src: Layout, dst: Layout, ttype: TensorType, mesh: Mesh, elem_
     all_to_all, R->S and R->P free. Bytes follow the local shard as it changes.
     """
     steps: list[CommStep] = []
-    current = dict(src.placements)
-    numel = float(ttype.numel)
-    for axis, size in mesh.axes:
-        numel /= size if isinstance(current.get(axis), Shard) else 1
+    # The local shard as torch holds it (ceil division), the same rounding every local shape
+    # in the model uses, so a batch smaller than dp is priced like the compute beside it.
+    numel = float(math.prod(src.local_shape(ttype.shape, mesh)))
     for axis, size in mesh.axes:
         a, b = src.on(axis), dst.on(axis)
         kind = _step(a, b)
