@@ -157,6 +157,7 @@ def _sequence_chunks(graph: object) -> None:
     or dim 0 (the flattened batch*seq rows of HF's Conv1D)."""
     from shardc.ir import Partition, TemporalSplit
 
+    edited = 0
     for node in graph.nodes:  # type: ignore[attr-defined]
         if ".mlp" not in node.location.module_path or node.partition is None:
             continue
@@ -167,6 +168,8 @@ def _sequence_chunks(graph: object) -> None:
         else:
             continue
         node.partition = Partition(node.partition.spatial, (TemporalSplit(seq_dim, 2),), node.partition.strides)
+        edited += 1
+    assert edited, "no MLP node to chunk: the edit no longer matches the model's graph"
 
 
 _DOWN_PROJECTIONS = ("mlp.fc2", "mlp.w2", "mlp.c_proj")  # GPT, Llama, HF GPT2
@@ -177,12 +180,15 @@ def _rotating_fc2(graph: object) -> None:
     whose input shard rotates along tp."""
     from shardc.ir import Partition, TemporalSplit
 
+    edited = 0
     for node in graph.nodes:  # type: ignore[attr-defined]
         if node.location.module_path.endswith(_DOWN_PROJECTIONS) and node.op in ("linear", "matmul"):
             spatial = tuple((a, d) for a, d in node.partition.spatial if a != "tp") + (("tp", "n"),)
             node.partition = Partition(spatial, (TemporalSplit("k", 2, "tp"),))
             for v in node.inputs[1:]:
                 v.layout = None  # held again as this partition reads them (weight rows by n)
+            edited += 1
+    assert edited, "no MLP down projection to rotate: the edit no longer matches the model's graph"
 
 
 EDITS = {"": None, "chunks": _sequence_chunks, "rotate": _rotating_fc2}
@@ -206,6 +212,7 @@ GPT_CASES = [
     (GPT, "dp=2,tp=2", ""),                          # dp x tp
     (GPT, "dp=4", ""),                               # DDP
     (GPT, "dp=4,zero=1", ""),                        # FSDP2, no reshard after forward
+    (GPT, "dp=4,zero=2", ""),
     (GPT, "dp=2,tp=2,zero=3", ""),                   # FSDP2 + TP
     (GPT, "tp=2,sp=1,dp=2,recompute=full", ""),      # TP + SP, checkpointed layers
     (GPT, "tp=4", ""),                               # TP: vocab-parallel embedding and loss
@@ -219,11 +226,22 @@ LLAMA_CASES = [
     (LLAMA, "cp=2,tp=2", ""),                        # ring attention (sdpa) + TP
     (LLAMA, "tp=2,sp=1,dp=2,zero=2", ""),
     (LLAMA, "cp=4,recompute=full", ""),              # ring of 4
+    (LLAMA, "dp=4", ""),                             # DDP (tp=4 is refused: kv_heads=2)
+    (LLAMA, "dp=4,zero=1", ""),
+    (LLAMA, "dp=2,tp=2,zero=3", ""),
+    (LLAMA, "dp=2,tp=2", "rotate"),                  # rotating w2
+    (LLAMA, "dp=2,tp=2", "chunks"),                  # w1, silu, w3, mul, w2 in 2 sequence chunks
+    (HF_GPT2, "dp=2,tp=2", "rotate"),                # HF Conv1D c_proj (a matmul) rotating
+    (HF_GPT2, "dp=2,tp=2", "chunks"),
 ]
 HF_CASES = [
     (HF_GPT2, "tp=2", ""),
     (HF_GPT2, "cp=2", ""),
     (HF_GPT2, "dp=2,zero=3", ""),
+    (HF_GPT2, "dp=2", ""),                           # DDP
+    (HF_GPT2, "dp=2,zero=1", ""),
+    (HF_GPT2, "dp=2,zero=2", ""),
+    (HF_GPT2, "tp=2,sp=1,recompute=full", ""),       # TP + SP, checkpointed layers
     (HF_GPT2, "dp=4", "world"),                      # a plan for 4 devices on 2 processes
     (HF_GPT2, "tp=2", "shape"),                      # inputs shorter than the traced ones
 ]
@@ -233,7 +251,7 @@ def test_gpt_plans_match_single_process() -> None:
     assert run_and_check(4, GPT_CASES) == []
 
 
-def test_llama_plans_match_single_process() -> None:
+def test_llama_and_transformers_gpt2_four_process_plans_match_single_process() -> None:
     assert run_and_check(4, LLAMA_CASES) == []
 
 

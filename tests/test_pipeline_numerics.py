@@ -57,6 +57,7 @@ def test_pipelines_1f1b_gpipe_interleaved_and_accumulation_on_two_processes() ->
     run_and_check(2, [
         (GPT, "pp=2"),                                          # 1F1B, 4 micro-batches
         (LLAMA, "pp=2,schedule=gpipe"),
+        (LLAMA, "pp=2"),                                        # 1F1B
         (HF_GPT2, "pp=2"),
         (GPT + FOUR_LAYERS, "pp=2,vpp=2"),                      # interleaved 1F1B, 4 virtual stages
         (LLAMA + FOUR_LAYERS, "pp=2,vpp=2"),
