@@ -38,7 +38,7 @@ def _pipeline(mesh, model):
 
 
 def _train(runner_or_model, mesh, opt, steps) -> list[float]:
-    from shardc.backends.torch.pipeline import PipelineRunner, _average_grads
+    from shardc.backends.torch.pipeline import PipelineRunner, average_gradients
 
     dp = mesh["dp"].size()
     dp_rank, share = mesh["dp"].get_local_rank(), BATCH // dp
@@ -54,7 +54,7 @@ def _train(runner_or_model, mesh, opt, steps) -> list[float]:
                 micro_loss.backward()
                 total += micro_loss.detach()
             if dp > 1:
-                _average_grads(list(runner_or_model.parameters()), mesh["dp"].get_group())
+                average_gradients(list(runner_or_model.parameters()), mesh["dp"].get_group())
                 torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
                 total /= dp
             loss = total

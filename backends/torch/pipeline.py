@@ -361,7 +361,7 @@ class PipelineRunner:
         self._schedule.step(*call_args, **kwargs)
         self._sync_tied()
         if self.dp_mesh is not None:
-            _average_grads(list(self.parameters()), self.dp_mesh.get_group())
+            average_gradients(list(self.parameters()), self.dp_mesh.get_group())
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=args[0].device)
         last_global = dist.get_global_rank(self.mesh["pp"].get_group(), (self.num_stages - 1) % self.pp)
         dist.broadcast(loss, src=last_global, group=self.mesh["pp"].get_group())
@@ -384,13 +384,13 @@ class PipelineRunner:
             ref = held[0] if held else None
             shape = self._tied_shapes[names[0]]
             grad = ref.grad if ref is not None and ref.grad is not None else None
-            buf = _local(grad).clone() if grad is not None else torch.zeros(shape)
+            buf = local_tensor(grad).clone() if grad is not None else torch.zeros(shape)
             dist.all_reduce(buf, group=group)
             if ref is not None:
                 if ref.grad is None:
                     ref.grad = buf
                 else:
-                    _local(ref.grad).copy_(buf)
+                    local_tensor(ref.grad).copy_(buf)
 
 
 def _tied_names(model: nn.Module) -> list[tuple[str, ...]]:
@@ -400,25 +400,25 @@ def _tied_names(model: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(v) for v in groups.values() if len(v) > 1]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _average_grads(params: list[nn.Parameter], group: Any) -> None:
-    """All-reduce (mean) the gradients over `group`, flattened into one buffer per dtype."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    if not grads:
-        return
+def average_gradients(params: list[nn.Parameter], group: Any) -> None:
+    """Average the gradients over `group`, flattened into one all_reduce per dtype (pipelines
+    sync data-parallel gradients this way: DDP's reducer does not run under a schedule)."""
     size = dist.get_world_size(group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for gs in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in gs])
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(local_tensor(p.grad))
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         flat /= size
         offset = 0
-        for g in gs:
+        for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 

@@ -40,7 +40,7 @@ from shardc.backends.torch.parallelize import (
     local_tensors,
     mesh_groups,
 )
-from shardc.backends.torch.pipeline import _schedule_class
+from shardc.backends.torch.pipeline import _schedule_class, average_gradients, local_tensor
 from shardc.backends.torch.stages import StagePlan, split_stages
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Shard
@@ -170,7 +170,7 @@ class PipelinedModule(nn.Module):
             average_gradients([p for p in params.values() if p.grad is not None], self.data_group)
         for p in params.values():
             if p.grad is not None:
-                _local(p.grad).div_(self.microbatches)
+                local_tensor(p.grad).div_(self.microbatches)
         tied = [name for name, stages in sorted(self.plan.param_stages.items())
                 if len({s % self.pp for s in stages}) > 1]
         if not tied:
@@ -186,7 +186,7 @@ class PipelinedModule(nn.Module):
             else:
                 if held.grad is None:
                     held.grad = torch.zeros_like(held)
-                buf = _local(held.grad)
+                buf = local_tensor(held.grad)
             dist.all_reduce(buf, group=group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -212,27 +212,6 @@ class PipelinedModule(nn.Module):
             for k, v in part.items():
                 out.setdefault(k, v)
         return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def average_gradients(params: list[nn.Parameter], group: Any) -> None:
-    """Average the gradients over `group`, flattened into one all_reduce per dtype."""
-    size = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, seed: int = 0,
