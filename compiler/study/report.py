@@ -36,6 +36,13 @@ def _legend(ax: Any) -> None:
         ax.legend(fontsize=7)
 
 
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    """Lay out, write and close one figure (every plot of the report ends so)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in data["plans"] if p["status"] == "ok"]
 
@@ -59,9 +66,7 @@ def plot_time(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title("step time: predicted vs measured (colour: processes)")
     _legend(ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_memory(data: dict[str, Any], path: Path) -> None:
@@ -79,9 +84,7 @@ def plot_memory(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("peak memory per rank (MiB)")
     ax.set_title("peak memory per rank: measured vs predicted")
     _legend(ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_pipeline_memory(data: dict[str, Any], path: Path) -> None:
@@ -102,9 +105,7 @@ def plot_pipeline_memory(data: dict[str, Any], path: Path) -> None:
     _legend(axes[0][0])
     if not piped:
         axes[0][0].text(0.5, 0.5, "no pipelined plan ran", ha="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_block_size(data: dict[str, Any], path: Path) -> None:
@@ -137,9 +138,7 @@ def plot_block_size(data: dict[str, Any], path: Path) -> None:
         ax3.set_title(f"step time by DDP bucket size\n{label(buckets[0]['plan'].split(',bucket_mb')[0])}", fontsize=8)
     ax3.set_xlabel("bucket size (MiB)")
     ax3.set_ylabel("step time (ms)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_parallelism(data: dict[str, Any], path: Path) -> None:
@@ -161,9 +160,7 @@ def plot_parallelism(data: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(what)
         _legend(ax)
     ax1.set_title("DP vs PP vs TP at equal process counts")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_breakdown(data: dict[str, Any], path: Path) -> None:
@@ -183,9 +180,7 @@ def plot_breakdown(data: dict[str, Any], path: Path) -> None:
     ax.set_title("measured step breakdown (torch.profiler)")
     ax.tick_params(axis="x", rotation=80, labelsize=6)
     _legend(ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 PLOTS = {"time.png": plot_time, "memory.png": plot_memory, "pipeline_memory.png": plot_pipeline_memory,
