@@ -304,24 +304,13 @@ def _after(names: list[str], name: str, last: str | None) -> bool:
 
 @register_pass
 @dataclass(frozen=True)
-class ApplyPlan(Pass):
-    """`apply-plan{dp=2,tp=2,sp=true}`: options are the plan's keys; with none given, the
-    context's `plan` (a ParallelPlan or its text) is used."""
+class ApplyPlan(ParallelPlan, Pass):
+    """`apply-plan{dp=2,tp=2,sp=true}`: options are the plan's keys (the pass is the plan it
+    applies, so the two cannot drift apart); with none given, the context's `plan` (a
+    ParallelPlan or its text) is used."""
 
     name: ClassVar[str] = "apply-plan"
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    sp: bool = False
-    mb: int = 1
-    gbs: int | None = None
-    schedule: str = "1f1b"
-    recompute: str = "none"
-    zero: int = 0
-    dtype: str = "bf16"
-    offload: bool = False
+    __str__ = Pass.__str__
 
     def to_plan(self) -> ParallelPlan:
         return ParallelPlan(**{f.name: getattr(self, f.name) for f in fields(ParallelPlan)})
