@@ -34,13 +34,13 @@ CASES = [
 ]
 
 
-def run_case(name, preset, overrides, cluster_name, gbs, limit_gb, time_limit):
+def run_case(name, preset, overrides, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
     t0 = time.perf_counter()
     graph = transformer_graph(dataclasses.replace(PRESETS[preset], **overrides))
     cluster = parse_cluster(cluster_name)
     limit = limit_gb * 2**30 if limit_gb else float(cluster.device.memory_bytes)
     facts = graph_facts(graph, cluster)
-    result = search(facts, cluster, gbs, limit, time_limit)
+    result = search(facts, cluster, gbs, limit, time_limit, grid2d=grid2d)
     wall = time.perf_counter() - t0
     best, grid = result.best, result.grid
     row = {"case": name, "solve_s": result.solve_time_s, "total_s": wall, "gap": result.gap,
@@ -65,9 +65,14 @@ def run_case(name, preset, overrides, cluster_name, gbs, limit_gb, time_limit):
 
 
 def describe_stages(found) -> str:
-    rows = found.assignment.stages
-    text = ["+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTES) if k) or "0" for row in rows]
-    return text[0] if len(set(text)) == 1 else "|".join(text)
+    a = found.assignment
+    text = ["+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTES) if k) or "0" for row in a.stages]
+    out = text[0] if len(set(text)) == 1 else "|".join(text)
+    if a.stage_choice:
+        differ = sum(1 for g, v in enumerate(found.problem.groups) if v.section == "block"
+                     and len({a.at(s)[g] for s in range(len(a.stages))}) > 1)
+        out += f", per-stage partitions ({differ} block groups differ)"
+    return out
 
 
 def one_shape(time_limit: float = 10.0) -> list[str]:
@@ -89,12 +94,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", type=float, default=30.0)
     ap.add_argument("--only", default=None, help="run the cases whose name contains this text")
+    ap.add_argument("--grid2d", action="store_true", help="also search tp x tq meshes (PrimePar's 2-D grids)")
     args = ap.parse_args()
     rows = []
     for case in CASES:
         if args.only and args.only.lower() not in case[0].lower():
             continue
-        row = run_case(*case, args.time_limit)
+        row = run_case(*case, args.time_limit, args.grid2d)
         rows.append(row)
         print(row, flush=True)
     print()

@@ -7,6 +7,8 @@ What is measured (CPU, fp32, one intra-op thread per process, as the gloo tests 
   `matmul_half_flops`; bf16 and fp16 are measured at one size as a ratio to fp32;
 - memory bandwidth of a large copy, and the fixed cost of one tiny op in eager training (kernel
   latency: a chain of tiny modules run forward under autograd, per module);
+- eager costs per op class, forward and backward, and of the AdamW step (`calibrate_ops`: what
+  the cost model charges a CPU with, in place of the roofline);
 - with N processes started at once (N in `nprocs`): the per-process matmul rate and copy
   bandwidth while all N run together, and gloo all_reduce, all_gather, reduce_scatter,
   broadcast and send/recv times by message size, each fitted to `alpha + beta * bytes`.
@@ -14,12 +16,15 @@ What is measured (CPU, fp32, one intra-op thread per process, as the gloo tests 
 The sharing model for `local_cluster(n)`: n processes share the cores, so a process computes
 at `per_process(n)` = measured concurrent rate when n was measured, else
 `single * min(n, cores) * scaling / n` with `scaling` the mean measured ratio of aggregate to
-ideal. Everything a process does (matmul rate, bandwidth, op latency) slows by the same
-factor. The link is chosen so that the cost model's ring formula for all_reduce,
+ideal. Everything a process does (matmul rate, bandwidth, op latency, eager op costs) slows by
+the same factor; for the eager costs, measured alone, that factor is the 256 x 256 matmul rate
+alone over the concurrent rate at that size (`eager_slowdown`), like against like. The link is chosen so that the cost model's ring formula for all_reduce,
 `2(n-1) * latency + 2(n-1)/n * bytes / bandwidth`, reproduces the measured all_reduce fit.
 
 The profile is a JSON file (default `$SHARDC_CACHE_DIR/local-profile.json`, else
 `~/.cache/shardc/local-profile.json`), written atomically (temporary file, then rename).
+Version 1 profiles (before eager costs) still load, with `eager=None`: the model then falls
+back to the roofline, and `shardc calibrate` (or the study) measures them.
 """
 
 from __future__ import annotations
@@ -29,18 +34,25 @@ import os
 import platform
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from shardc.calibrate_gloo import COLLECTIVES, _run_workers, _window_rate  # noqa: F401 (_window_rate: the study's probe)
+from shardc.calibrate_ops import (
+    _copy_bandwidth,
+    _kernel_latency,
+    _matmul_rate,
+    eager_from_json,
+    measure_eager,
+)
 from shardc.diagnostics import ShardcError
-from shardc.hardware import Cluster, DeviceSpec, LinkSpec, format_bytes
+from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_bytes
 
-PROFILE_VERSION = 1
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+PROFILE_VERSION = 2
+CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's (and the study's probe's) matmul size
 # Ring steps and volume factor per collective over n ranks (bytes = the full buffer).
 _RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
          "all_gather": lambda n: (n - 1, (n - 1) / n),
@@ -99,6 +111,14 @@ class LocalProfile:
     kernel_latency: float                             # s per tiny op, 1 process
     concurrent: tuple[tuple[int, float, float], ...]  # (nprocs, FLOP/s, bytes/s) per process
     collectives: tuple[CollectiveFit, ...]
+    eager: EagerCosts | None = None                   # eager op and optimizer costs, 1 process
+    concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
+
+    def eager_slowdown(self, nproc: int) -> float:
+        """How much slower one of `nproc` concurrent processes runs than alone, measured like
+        against like: the lone rate of the concurrent benchmark's matmul size over its rate now."""
+        alone = dict(self.matmul_points).get(self.concurrent_matmul_n, self.peak_fp32)
+        return alone / self.per_process_flops(nproc) if nproc > 1 else 1.0
 
     def slowdown(self, nproc: int) -> float:
         """How much slower one of `nproc` concurrent processes runs than a process alone."""
@@ -130,24 +150,25 @@ class LocalProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LocalProfile:
-        if data.get("version") != PROFILE_VERSION:
+        if data.get("version") not in (1, PROFILE_VERSION):
             raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
         fits = tuple(CollectiveFit(c["op"], int(c["nprocs"]), tuple((int(b), float(t)) for b, t in c["points"]),
                                    AlphaBeta(**c["fit"])) for c in data["collectives"])
-        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "collectives"}
+        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k not in ("collectives", "eager")}
         for k in ("matmul_points", "dtype_ratio", "concurrent"):
             kwargs[k] = tuple(tuple(x) for x in data[k])
-        return cls(**kwargs, collectives=fits)
+        return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
 
 # ---- fitting ---------------------------------------------------------------------------------
 
-def fit_affine(xs: Sequence[float], ts: Sequence[float]) -> AlphaBeta:
+def fit_affine(xs: Sequence[float], ts: Sequence[float], scale: Sequence[float] | None = None) -> AlphaBeta:
     """Least squares of `t = alpha + beta * x` in relative error (points span decades), with
-    alpha, beta >= 0 (a negative intercept is refitted through the origin, and vice versa)."""
-    if len(xs) != len(ts) or not xs:
+    alpha, beta >= 0 (a negative intercept is refitted through the origin, and vice versa).
+    The error is relative to `scale` when given (e.g. the raw measurement a difference came from)."""
+    if len(xs) != len(ts) or not xs or (scale is not None and len(scale) != len(ts)):
         raise ValueError("fit_affine needs matching, non-empty samples")
-    w = [1.0 / (t * t) for t in ts]
+    w = [1.0 / (t * t) for t in (scale if scale is not None else ts)]
     sw, sx, st = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * t for wi, t in zip(w, ts))
     sxx, sxt = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * t for wi, x, t in zip(w, xs, ts))
     det = sw * sxx - sx * sx
@@ -159,180 +180,6 @@ def fit_affine(xs: Sequence[float], ts: Sequence[float]) -> AlphaBeta:
     constant = AlphaBeta(st / sw, 0.0)
     err = lambda f: sum(wi * (f.time(x) - t) ** 2 for wi, x, t in zip(w, xs, ts))  # noqa: E731
     return min((through_origin, constant), key=err)
-
-
-# ---- single-process benchmarks ---------------------------------------------------------------
-
-def _seconds(fn: Callable[[], object], budget: float, inner: int = 1) -> float:
-    """Median seconds per call of `fn` over repeated batches of `inner` calls, >= 3 batches."""
-    fn()
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < 3 or (time.perf_counter() - start < budget and len(samples) < 50):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
-
-
-def _matmul_rate(n: int, dtype: Any, budget: float) -> float:
-    import torch
-
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2.0 * n ** 3 / _seconds(lambda: torch.mm(a, b), budget)
-
-
-def _copy_bandwidth(numel: int, budget: float) -> float:
-    import torch
-
-    src, dst = torch.randn(numel), torch.empty(numel)
-    return 2.0 * src.nbytes / _seconds(lambda: dst.copy_(src), budget)  # read + write
-
-
-def _kernel_latency(budget: float, chain: int = 32) -> float:
-    """The fixed cost of one op in eager training: a chain of tiny modules run forward with
-    autograd recording (dispatch, autograd node, module call), per module. Backward costs about
-    the same per op and input gradient, which is how the model charges it."""
-    import torch
-
-    mods = [torch.nn.GELU() for _ in range(chain)]
-    x = torch.ones(2, 4, requires_grad=True)
-
-    def forward() -> None:
-        y = x
-        for m in mods:
-            y = m(y)
-
-    return _seconds(forward, budget, inner=4) / chain
-
-
-# ---- multi-process benchmarks ----------------------------------------------------------------
-
-def _window_rate(fn: Callable[[], object], work: float, window: float) -> float:
-    """`work` per call x calls completed in `window` seconds of wall time / the time taken: a rate
-    that counts the time this process waited for a core (unlike a median of call times)."""
-    fn()
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < window:
-        fn()
-        calls += 1
-    return work * calls / elapsed
-
-
-def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes: concurrent matmul and copy rates, then gloo collectives."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    if platform.system() == "Linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=nprocs,
-                            timeout=timedelta(seconds=120))
-    try:
-        n = cfg["matmul_n"]
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        src, dst = torch.randn(cfg["copy_numel"]), torch.empty(cfg["copy_numel"])
-        dist.barrier()
-        flops = _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, cfg["window"])
-        dist.barrier()
-        bandwidth = _window_rate(lambda: dst.copy_(src), 2.0 * src.nbytes, cfg["window"])
-        rates = torch.tensor([flops, bandwidth], dtype=torch.float64)
-        dist.all_reduce(rates)
-        results: dict[str, Any] = {"flops": rates[0].item() / nprocs, "bandwidth": rates[1].item() / nprocs}
-        for op in COLLECTIVES:
-            results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg)) for numel in cfg["numels"]]
-        if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], None]:
-    import torch
-    import torch.distributed as dist
-
-    n = max(numel // nprocs, 1)
-    x, part, out = torch.ones(numel), torch.ones(n), torch.empty(n * nprocs)
-    if op == "all_reduce":
-        return lambda: dist.all_reduce(x)
-    if op == "all_gather":  # numel = the gathered size, as the ring factors assume
-        return lambda: dist.all_gather_single(out, part)
-    if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(part, out)
-    if op == "broadcast":
-        return lambda: dist.broadcast(x, 0)
-
-    def send_recv() -> None:  # ranks 0 and 1 pass the buffer there and back: two messages
-        if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
-        elif rank == 1:
-            dist.recv(x, 0)
-            dist.send(x, 0)
-    return send_recv
-
-
-def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
-    """Seconds per call: the slowest rank's mean over each of 3 trials, median of the trials.
-    The repetition count comes from one timed call, agreed on by all ranks."""
-    import torch
-    import torch.distributed as dist
-
-    run = _collective(op, numel, nprocs, rank)
-    run()
-    t0 = time.perf_counter()
-    run()
-    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-    reps = int(max(1, min(cfg["max_reps"], cfg["point_budget"] / 3 / max(probe.item(), 1e-7))))
-    trials = torch.zeros(3, dtype=torch.float64)
-    for i in range(3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            run()
-        trials[i] = (time.perf_counter() - t0) / reps
-    dist.all_reduce(trials, op=dist.ReduceOp.MAX)
-    return float(trials.median().item()) / (2 if op == "send_recv" else 1)
-
-
-def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    """Start `nprocs` fresh interpreters running `_worker` and return rank 0's results.
-
-    Plain subprocesses rather than multiprocessing: they do not re-import the caller's
-    `__main__` (which fails from stdin or a notebook), and a file store in a temporary
-    folder avoids racing for a free port. Gloo itself talks over localhost TCP.
-    """
-    import subprocess
-    import sys
-
-    with tempfile.TemporaryDirectory(prefix="shardc-calibrate-") as workdir:
-        code = "import json, sys; from shardc.calibrate import _worker; _worker(*json.loads(sys.argv[1]))"
-        procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, nprocs, workdir, cfg])],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for rank in range(nprocs)]
-        errors = []
-        try:
-            for rank, proc in enumerate(procs):
-                _, err = proc.communicate(timeout=timeout)
-                if proc.returncode:
-                    errors.append(f"rank {rank} exited with {proc.returncode}: {err.strip()[-800:]}")
-        except subprocess.TimeoutExpired:
-            errors.append(f"timed out after {timeout:.0f} s")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        result = Path(workdir, "result.json")
-        if errors or not result.exists():
-            raise ShardcError(f"calibration with {nprocs} gloo processes failed: " + ("; ".join(errors) or "no result"),
-                              hint="check that localhost TCP works (GLOO_SOCKET_IFNAME) and rerun `shardc calibrate`")
-        return json.loads(result.read_text())
 
 
 # ---- the driver, the cache and the local cluster ---------------------------------------------
@@ -392,11 +239,11 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
     sizes = (64, 128, 256, 512) if quick else (64, 128, 256, 512, 768, 1024)
     budget = 0.05 if quick else 0.25
     numels = (16, 1024, 16384, 262144, 1 << 20) if quick else (16, 1024, 8192, 65536, 262144, 1 << 20, 1 << 22)
-    cfg: dict[str, Any] = {"matmul_n": 256 if quick else 512, "copy_numel": 1 << 22, "window": 0.2 if quick else 0.5,
+    cfg: dict[str, Any] = {"matmul_n": CONCURRENT_MATMUL_N, "copy_numel": 1 << 22, "window": 0.2 if quick else 0.5,
            "numels": numels, "max_reps": 20 if quick else 50, "point_budget": 0.03 if quick else 0.08}
     threads = torch.get_num_threads()
     with Progress(console=console, transient=True, disable=not show) as progress:
-        task = progress.add_task("calibrating", total=4 + len(nprocs))
+        task = progress.add_task("calibrating", total=5 + len(nprocs))
         try:
             torch.set_num_threads(1)
             progress.update(task, description="matmul fp32 by size")
@@ -415,6 +262,8 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
             progress.update(task, description="op latency")
             latency = _kernel_latency(budget)
             progress.advance(task)
+            eager = measure_eager(quick, lambda what: progress.update(task, description=what))
+            progress.advance(task)
         finally:
             torch.set_num_threads(threads)
         concurrent, fits = [], []
@@ -425,11 +274,14 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
             for op in COLLECTIVES:
                 pts = tuple((int(b), float(t)) for b, t in res[op])
                 fits.append(CollectiveFit(op, n, pts, fit_affine([b for b, _ in pts], [t for _, t in pts])))
+            if not eager.sharded_optimizer_per_tensor:  # CPU time per op: the first count's will do
+                eager = replace(eager, sharded_optimizer_per_tensor=res["sharded_optimizer"][0],
+                                sharded_optimizer_per_param=res["sharded_optimizer"][1])
             progress.advance(task)
     profile = LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(),
         os.cpu_count() or 1, _machine_memory(), torch.__version__, quick, points, peak, fit.alpha * peak,
-        ratios, bandwidth, latency, tuple(concurrent), tuple(fits))
+        ratios, bandwidth, latency, tuple(concurrent), tuple(fits), eager, CONCURRENT_MATMUL_N)
     write_profile(profile, target)
     if summary:
         print_profile(profile, console, path=target)
@@ -460,7 +312,6 @@ def under_load(profile: LocalProfile, nproc: int, flops: float,
     processes is `flops` (measured now, e.g. just before a plan runs) and their copy bandwidth
     scales by the same factor (the sharing model: everything a process does slows alike); given
     all_reduce (bytes, seconds) points measured now, the all_reduce fit for `nproc` is refitted."""
-    from dataclasses import replace
 
     old = profile.per_process_flops(nproc)
     bandwidth = next((b for n, _, b in profile.concurrent if n == nproc), profile.memory_bandwidth / profile.slowdown(nproc))
@@ -485,8 +336,9 @@ def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
     peaks = (("fp32", flops),) + tuple((d, flops * r) for d, r in prof.dtype_ratio)
     bandwidth = next((b for n, _, b in prof.concurrent if n == nproc), prof.memory_bandwidth / slow)
     memory = prof.memory_bytes // nproc
+    eager = prof.eager.scaled(max(1.0, prof.eager_slowdown(nproc))) if prof.eager is not None else None
     device = DeviceSpec(f"local-cpu/{nproc}", peaks, memory, bandwidth, 1.0, prof.matmul_half_flops / slow,
-                        prof.kernel_latency * slow, bandwidth, memory)
+                        prof.kernel_latency * slow, bandwidth, memory, eager)
     link = prof.link(nproc)
     return Cluster(device, 1, nproc, link, link, f"local{nproc}")
 
@@ -513,7 +365,21 @@ def profile_tables(profile: LocalProfile) -> list[Any]:
         comm.add_row(c.op, str(c.nprocs), f"{c.fit.alpha * 1e6:.1f}",
                      f"{1 / c.fit.beta / 1e9:.2f}" if c.fit.beta > 0 else "-",
                      f"{link.latency * 1e6:.1f}" if link else "-", f"{link.bandwidth / 1e9:.2f}" if link else "-")
-    return [compute, comm]
+    tables = [compute, comm]
+    if profile.eager is not None:
+        eager = Table(title="eager ops, 1 process: call (us) + per unit (ns per byte; per 1000 FLOPs for matmul)")
+        for col in ("class", "forward call", "forward per unit", "backward call", "backward per unit"):
+            eager.add_column(col, justify="right")
+        for kind, f in profile.eager.kinds:
+            unit = 1e12 if kind == "matmul" else 1e9
+            eager.add_row(kind, f"{f.fwd_call * 1e6:.1f}", f"{f.fwd_per_unit * unit:.3f}", f"{f.bwd_call * 1e6:.1f}",
+                          f"{f.bwd_per_unit * unit:.3f}")
+        eager.add_row("optimizer", f"{profile.eager.optimizer_per_tensor * 1e6:.1f} per tensor",
+                      f"{profile.eager.optimizer_per_param * 1e9:.2f} per element", "", "")
+        eager.add_row("optimizer (FSDP2)", f"{profile.eager.sharded_optimizer_per_tensor * 1e6:.1f} per tensor",
+                      f"{profile.eager.sharded_optimizer_per_param * 1e9:.2f} per element", "", "")
+        tables.append(eager)
+    return tables
 
 
 def print_profile(profile: LocalProfile, console: Any = None, *, path: Path | None = None) -> None:

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="CP-SAT worker count (fixed for determinism)")
     p.add_argument("--warm-start", metavar="PLAN", help="a plan file from an earlier run")
+    p.add_argument("--grid2d", action="store_true",
+                   help="also search tp x tq meshes with PrimePar's 2-D grids P(q x q) (more shapes to solve)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the chosen plan (and its IR) here")
     p.add_argument("--json", action="store_true")
 
@@ -87,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--plans", metavar="FILE", help="a file with one plan per line")
     group.add_argument("--sweep", metavar="KEYS", help="vary these plan keys, e.g. dp,tp,pp,zero,recompute,mb")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--cluster", default=None, metavar="PRESET",
+                   help="--device cuda: the GPU preset to predict on (default: the visible GPU's, e.g. H200)")
+    p.add_argument("--calibrate-matmuls", action=argparse.BooleanOptionalAction, default=None,
+                   help="after the sweep, time matmuls against the device spec (default: on with --device cuda)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the report and results.json go")
     p.add_argument("--steps", type=int, default=5, help="measured steps per plan")
     p.add_argument("--warmup", type=int, default=2)
@@ -165,7 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     return run_plan(args.model, args.cluster, args.gbs, memory_limit_gb=args.memory_limit,
                     time_limit=args.time_limit, seed=args.seed, workers=args.workers,
-                    warm_start=args.warm_start, out=args.output, json_out=args.json, console=_console())
+                    warm_start=args.warm_start, out=args.output, json_out=args.json, console=_console(),
+                    grid2d=args.grid2d)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -188,7 +195,8 @@ def cmd_study(args: argparse.Namespace) -> int:
 
     return run_study(args.model, args.nproc, plans_file=args.plans, sweep=args.sweep, device=args.device,
                      out_dir=args.out, steps=args.steps, warmup=args.warmup, console=_console(),
-                     fresh_profile=args.fresh_profile)
+                     fresh_profile=args.fresh_profile, cluster=args.cluster,
+                     gpu_calibration=args.calibrate_matmuls)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -65,6 +65,60 @@ class LinkSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelFit:
+    """Measured eager cost of one class of ops: forward `fwd_call + units * fwd_per_unit`, backward
+    `bwd_call + units * bwd_per_unit` (s). A unit is a FLOP for matmuls and a byte of the forward's
+    reads and writes for everything else; `*_call` is the per-call cost (dispatch, Python, autograd node)."""
+
+    fwd_call: float
+    fwd_per_unit: float
+    bwd_call: float
+    bwd_per_unit: float
+
+    def __post_init__(self) -> None:
+        if min(self.fwd_call, self.fwd_per_unit, self.bwd_call, self.bwd_per_unit) < 0:
+            raise ValueError(f"kernel fit {self}: costs must be >= 0")
+
+    def scaled(self, factor: float) -> KernelFit:
+        return KernelFit(self.fwd_call * factor, self.fwd_per_unit * factor, self.bwd_call * factor,
+                         self.bwd_per_unit * factor)
+
+
+@dataclass(frozen=True, slots=True)
+class EagerCosts:
+    """Measured costs of eager-mode training on a CPU, per op class (`shardc.cost.compute.op_class`:
+    matmul, elementwise, transcendental, norm, softmax, reduction, index, loss, dropout, view) or
+    per op where one differs from its class (`linear`, `attention_matmul`, `masked_fill`, ...), and
+    of the optimizer step with `zero_grad` (`optimizer_per_tensor` s per parameter tensor plus
+    `optimizer_per_param` s per fp32 parameter element). A device with these is costed by them
+    instead of the roofline (`kernel_latency`, `memory_bandwidth`, `matmul_efficiency`)."""
+
+    kinds: tuple[tuple[str, KernelFit], ...]
+    optimizer_per_tensor: float
+    optimizer_per_param: float
+    # The same step on parameters FSDP2 keeps as sharded DTensors (0: not measured, as plain)
+    sharded_optimizer_per_tensor: float = 0.0
+    sharded_optimizer_per_param: float = 0.0
+
+    def fit(self, *keys: str) -> KernelFit:
+        """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
+        found = dict(self.kinds)
+        return next((found[k] for k in keys if k in found), None) or found["elementwise"]
+
+    def scaled(self, factor: float) -> EagerCosts:
+        """Every cost times `factor` (a process sharing its core runs everything slower alike)."""
+        return EagerCosts(tuple((k, f.scaled(factor)) for k, f in self.kinds), self.optimizer_per_tensor * factor,
+                          self.optimizer_per_param * factor, self.sharded_optimizer_per_tensor * factor,
+                          self.sharded_optimizer_per_param * factor)
+
+    def optimizer(self, sharded: bool) -> tuple[float, float]:
+        """(s per tensor, s per element) of the optimizer step on plain or FSDP2-sharded parameters."""
+        if sharded and self.sharded_optimizer_per_tensor > 0:
+            return self.sharded_optimizer_per_tensor, self.sharded_optimizer_per_param
+        return self.optimizer_per_tensor, self.optimizer_per_param
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """One accelerator: peak FLOP/s per dtype, memory capacity and bandwidth.
 
@@ -72,6 +126,7 @@ class DeviceSpec:
     less, following `efficiency(flops) = matmul_efficiency * flops / (flops + matmul_half_flops)`.
     `kernel_latency` is the fixed cost of launching one op. `host_bandwidth` (bytes/s, one
     direction, PCIe) and `host_memory_bytes` (this device's share of host RAM) serve offload.
+    `eager`: measured per-op-class costs (the calibrated local CPU), which replace the roofline.
     """
 
     name: str
@@ -83,6 +138,7 @@ class DeviceSpec:
     kernel_latency: float = 5e-6
     host_bandwidth: float = 16e9
     host_memory_bytes: int = 0
+    eager: EagerCosts | None = None
 
     def __post_init__(self) -> None:
         if not self.peak_flops or any(f <= 0 for _, f in self.peak_flops):

@@ -69,10 +69,16 @@ class Shard:
     With `interleave=k` (printed `S(dim/k)`) the dim, as this axis sees it, is `k` equal blocks
     and every device holds its 1/size piece of each block (a strided shard): the q, k and v
     heads of a fused qkv projection, or the sequence inside a flattened `(batch seq)` dim.
+
+    With `zigzag` (printed `S(dim, zigzag)`, `S(dim/k, zigzag)`) each block is cut into
+    2*size equal chunks and device c holds chunks c and 2*size-1-c, in that order: the
+    load-balanced sequence layout of causal context parallelism (every device holds as many
+    early as late positions, so causal attention costs every device the same).
     """
 
     dim: int
     interleave: int = 1
+    zigzag: bool = False
 
     def __post_init__(self) -> None:
         if self.dim < 0:
@@ -81,7 +87,8 @@ class Shard:
             raise ValueError(f"Shard interleave must be >= 1, got {self.interleave}")
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.interleave == 1 else f"S({self.dim}/{self.interleave})"
+        text = str(self.dim) if self.interleave == 1 else f"{self.dim}/{self.interleave}"
+        return f"S({text}, zigzag)" if self.zigzag else f"S({text})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,18 +215,31 @@ class TemporalSplit:
 
     With `rotate` set, the piece a device works on moves one neighbour along that mesh axis per
     step (PrimePar's temporal primitive; ring attention is the same idea), so partial results
-    accumulate locally instead of through a collective.
+    accumulate locally instead of through a collective. With `grid` set as well (printed
+    `k/2 rotate (tp, tq)`), the two axes form PrimePar's q x q device grid P(q x q): operands
+    sharded on `dim` along either axis move along it, skewed so device (r, c) starts on piece
+    r + c (see `shardc.cost.grid2d`).
     """
 
     dim: str
     steps: int
     rotate: str | None = None
+    grid: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"temporal split of {self.dim} needs steps >= 1, got {self.steps}")
+        if self.grid is not None and (self.rotate is None or self.grid == self.rotate):
+            raise ValueError(f"a grid split of {self.dim} needs two distinct mesh axes, got {self.rotate}, {self.grid}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes operands rotate along: none, one, or the two of a grid."""
+        return tuple(a for a in (self.rotate, self.grid) if a is not None)
 
     def __str__(self) -> str:
+        if self.grid is not None:
+            return f"{self.dim}/{self.steps} rotate ({self.rotate}, {self.grid})"
         return f"{self.dim}/{self.steps}" + (f" rotate {self.rotate}" if self.rotate else "")
 
 
@@ -230,11 +250,14 @@ class Partition:
     Printed `partition<dp:b, tp:n; time k/4 rotate tp>`. `strides` gives, per mesh axis, a
     strided split (printed `tp:n/3`): the axis cuts its dim as 3 equal blocks and every device
     takes its piece of each block, so the operands indexing the dim are `Shard(i, interleave=3)`.
+    Mesh axes in `zigzag` (printed `cp:s zigzag`) split their dim zig-zag: the operands are
+    `Shard(i, zigzag=True)` (see `Shard`).
     """
 
     spatial: tuple[tuple[str, str], ...] = ()
     temporal: tuple[TemporalSplit, ...] = ()
     strides: tuple[tuple[str, int], ...] = ()
+    zigzag: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         axes = [a for a, _ in self.spatial]
@@ -243,6 +266,9 @@ class Partition:
         for axis, stride in self.strides:
             if axis not in axes or stride < 2:
                 raise ValueError(f"partition stride {axis}/{stride} needs a spatial split on {axis} and stride >= 2")
+        for axis in self.zigzag:
+            if axis not in axes:
+                raise ValueError(f"partition zigzag on {axis} needs a spatial split on {axis}")
 
     def axes_of(self, dim: str) -> list[str]:
         return [a for a, d in self.spatial if d == dim]
@@ -253,7 +279,7 @@ class Partition:
 
     def __str__(self) -> str:
         body = ", ".join(f"{a}:{d}" + (f"/{self.stride_of(a)}" if self.stride_of(a) > 1 else "")
-                         for a, d in self.spatial)
+                         + (" zigzag" if a in self.zigzag else "") for a, d in self.spatial)
         if self.temporal:
             body += "; time " + ", ".join(str(t) for t in self.temporal)
         return f"partition<{body}>"

@@ -318,8 +318,11 @@ class _Parser:
             self.expect("(", f"after {kind}")
             arg: Any = self.integer("a tensor dim") if kind == "S" else self.regex(_IDENT, "a reduction op")
             interleave = self.integer("an interleave count") if kind == "S" and self.accept("/") else 1
+            zigzag = kind == "S" and self.accept(",")
+            if zigzag:
+                self.keyword("zigzag", "after ',' in S(")
             self.expect(")", f"to close {kind}(")
-            return axis, self.build(kind_start, lambda: Shard(arg, interleave) if kind == "S" else Partial(arg))
+            return axis, self.build(kind_start, lambda: Shard(arg, interleave, zigzag) if kind == "S" else Partial(arg))
 
         placements = self.separated(placement, "}")
         self.expect("}", "to close the layout")
@@ -331,6 +334,7 @@ class _Parser:
         self.expect("<", "after 'partition'")
 
         strides: list[tuple[str, int]] = []
+        zigzag: list[str] = []
 
         def spatial() -> tuple[str, str]:
             axis = self.regex(_IDENT, "a mesh axis name")
@@ -338,6 +342,9 @@ class _Parser:
             dim = self.regex(_WORD, "an iteration dim")
             if self.accept("/"):
                 strides.append((axis, self.integer(f"the stride of {axis}:{dim}")))
+            if self.peek_keyword("zigzag"):
+                self.pos += len("zigzag")
+                zigzag.append(axis)
             return axis, dim
 
         def temporal() -> TemporalSplit:
@@ -345,11 +352,17 @@ class _Parser:
             dim = self.regex(_WORD, "an iteration dim")
             self.expect("/", f"after temporal dim {dim}")
             steps = self.integer("a number of steps")
-            rotate = None
+            rotate = grid = None
             if self.peek_keyword("rotate"):
                 self.pos += len("rotate")
-                rotate = self.regex(_IDENT, "a mesh axis to rotate along")
-            return self.build(dim_start, lambda: TemporalSplit(dim, steps, rotate))
+                if self.accept("("):  # a PrimePar grid: `rotate (tp, tq)`
+                    rotate = self.regex(_IDENT, "the first mesh axis of the grid")
+                    self.expect(",", "between the two grid axes")
+                    grid = self.regex(_IDENT, "the second mesh axis of the grid")
+                    self.expect(")", "to close the grid axes")
+                else:
+                    rotate = self.regex(_IDENT, "a mesh axis to rotate along")
+            return self.build(dim_start, lambda: TemporalSplit(dim, steps, rotate, grid))
 
         pairs = [] if self.peek(";") else self.separated(spatial, ">")
         splits: list[TemporalSplit] = []
@@ -357,7 +370,7 @@ class _Parser:
             self.keyword("time", "after ';' in a partition")
             splits = self.separated(temporal, ">")
         self.expect(">", "to close the partition")
-        return self.build(start, lambda: Partition(tuple(pairs), tuple(splits), tuple(strides)))
+        return self.build(start, lambda: Partition(tuple(pairs), tuple(splits), tuple(strides), tuple(zigzag)))
 
     def attr_value(self) -> Any:
         self.skip()

@@ -20,6 +20,7 @@ from shardc.ir import Graph, Node, Value
 from shardc.registry import get_op, has_op
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CP_LAYOUTS = ("contiguous", "zigzag")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16", "fp16")
 _DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "bfloat16": "bf16", "f16": "fp16", "float16": "fp16",
@@ -32,7 +33,8 @@ PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     "tp": ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
     "pp": ("int", "1", "pipeline-parallel degree (number of stages)"),
     "vpp": ("int", "1", "virtual stages per device; >1 means the interleaved 1F1B schedule"),
-    "cp": ("int", "1", "context-parallel degree (ring attention over the sequence)"),
+    "cp": ("int[:zigzag]", "1", "context-parallel degree (ring attention over the sequence); cp=N:zigzag "
+           "balances causal attention (2N chunks, rank i holds i and 2N-1-i)"),
     "sp": ("0|1", "0", "sequence parallel: shard norms/dropout over the sequence across tp ranks"),
     "mb": ("int", "1", "micro-batch size (sequences per micro-batch per data-parallel rank)"),
     "gbs": ("int|auto", "auto", "global batch (sequences per optimizer step); auto: the model's batch"),
@@ -82,6 +84,10 @@ class ParallelPlan:
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
     1F1B, as Megatron does); `gpipe` with vpp>1 is an error, and so is writing
     `schedule=interleaved` with vpp=1 (a dataclass `replace` to vpp=1 falls back to 1f1b).
+    `cp=N:zigzag` sets `cp_layout`: the sequence is cut into 2N chunks and cp rank i holds chunks
+    i and 2N-1-i, so causal ring attention costs every rank the same (contiguous, the last rank
+    computes all N key shards and sets the pace). Opt-in: the default keeps the contiguous
+    split, whose inputs, printed IR and checkpoints read as before.
     """
 
     dp: int = 1
@@ -97,6 +103,9 @@ class ParallelPlan:
     zero: int = 0
     dtype: str = "bf16"
     offload: bool = False
+    # The sequence layout over cp, written as a suffix of cp (`cp=4:zigzag`) and printed only
+    # when not contiguous, so plans without it print as they always have.
+    cp_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):
@@ -112,6 +121,7 @@ class ParallelPlan:
         object.__setattr__(self, "offload", bool(self.offload))
         if self.zero not in (0, 1, 2, 3):
             raise ShardcError(f"plan key zero={self.zero!r}: valid values are 0, 1, 2, 3")
+        object.__setattr__(self, "cp_layout", _choice("cp layout", self.cp_layout, CP_LAYOUTS))
         schedule = _choice("schedule", self.schedule, SCHEDULES)
         if self.vpp > 1:
             if schedule == "gpipe":
@@ -152,6 +162,9 @@ class ParallelPlan:
                     raise ShardcError(f"plan key zero={raw!r}: valid values are 0, 1, 2, 3")
             elif key in ("schedule", "recompute", "dtype"):
                 values[key] = raw
+            elif key == "cp" and ":" in raw:
+                degree, _, layout = raw.partition(":")
+                values[key], values["cp_layout"] = _int(key, degree), _choice("cp", layout, CP_LAYOUTS)
             else:
                 values[key] = _int(key, raw)
         if str(values.get("schedule", "")).lower() == "interleaved" and values.get("vpp", 1) == 1:
@@ -163,7 +176,11 @@ class ParallelPlan:
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "cp_layout":
+                continue
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
+            if f.name == "cp" and self.cp_layout != "contiguous":
+                text += f":{self.cp_layout}"
             parts.append(f"{f.name}={text}")
         return ",".join(parts)
 
@@ -283,6 +300,9 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
         valid = [c for c in _divisors(seq) if c <= devices]
         problems.append(f"cp={plan.cp} does not divide the sequence length {seq}; valid cp: "
                         + ", ".join(map(str, _nearest(valid, plan.cp, 6))))
+    if seq is not None and plan.cp > 1 and plan.cp_layout == "zigzag" and seq % plan.cp == 0 and seq % (2 * plan.cp):
+        problems.append(f"cp={plan.cp}:zigzag cuts the sequence {seq} into 2*cp = {2 * plan.cp} chunks, which do "
+                        "not divide it; use a contiguous cp or a cp dividing " + str(seq // 2 if seq % 2 == 0 else 1))
     if seq is not None and plan.sp and plan.tp > 1 and seq % (plan.tp * plan.cp):
         problems.append(f"sp=1 splits the sequence {seq} over tp*cp = {plan.tp * plan.cp} ranks, which "
                         f"does not divide it; use sp=0 or a tp dividing {seq // math.gcd(seq, plan.cp)}")

@@ -10,7 +10,7 @@
       return %x9
     }
 
-Layouts print after a type only when set (`S(2/3)`: a shard interleaved in 3 blocks);
+Layouts print after a type only when set (`S(2/3)`: a shard interleaved in 3 blocks; `S(1, zigzag)`: see `Shard`);
 `ann[...]` holds analysis results (annotate-cost); graph attributes follow the mesh.
 Names made only of letters, digits, `_`, `.` and `-` print bare; any other name prints as a
 JSON string (`%"onnx::MatMul_7"`). A node without outputs prints without `%... =` and types.

@@ -278,8 +278,9 @@ def operand_layout(
     - `f` is a reduction the operand lacks: outputs are `Partial(space.partial_op)` (not for a
       "vocab" dim, whose op reduces across the axis itself); additive inputs (a bias) likewise
       (zero on all but one rank); other inputs `Replicate()`.
-    - A temporal split rotating along the axis (`time t/4 rotate cp`): inputs indexing `t` as
-      a major factor, not split on that axis in space, are `Shard` on `t`'s tensor dim.
+    - A temporal split rotating along the axis (`time t/4 rotate cp`, or either axis of a grid
+      `time k/2 rotate (tp, tq)`): inputs indexing `t` as a major factor, not split on that
+      axis in space, are `Shard` on `t`'s tensor dim.
     """
     placements: list[tuple[str, Placement]] = []
     reductions = set(space.reductions)
@@ -287,7 +288,7 @@ def operand_layout(
     taken: dict[int, list[tuple[str, int]]] = {}  # tensor dim -> (axis, factor index), outer axes first
     for axis in mesh.names:
         dims = [d for a, d in partition.spatial if a == axis]
-        rotating = [t.dim for t in partition.temporal if t.rotate == axis]
+        rotating = [t.dim for t in partition.temporal if axis in t.axes]
         if not dims and not rotating:
             continue
         placement: Placement = Replicate()
@@ -306,13 +307,13 @@ def operand_layout(
                     divided = math.prod(mesh.axis_size(a) for a, k in outer if factors[k] == g)
                     interleave *= max(space.size(g) // divided, 1)
                 outer.append((axis, j))
-                placement = Shard(i, interleave)
+                placement = Shard(i, interleave, axis in partition.zigzag)
             elif dim in reductions and special.get(dim) != "vocab" and (is_output or additive):
                 placement = Partial(space.partial_op)
         if isinstance(placement, Replicate) and rotating and not is_output:
             found = _factor_position(operand, rotating[0])
             if found is not None and found[1] == 0:
-                placement = Shard(found[0])
+                placement = Shard(found[0], zigzag=axis in partition.zigzag)
         placements.append((axis, placement))
     return Layout(tuple(placements)).without_replicate()
 

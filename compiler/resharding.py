@@ -311,7 +311,7 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
         stage = node_stage(graph, node)
         ins, _ = io_layouts(node, mesh)
         part = node.partition
-        splits[index] = ({a for a, _ in part.spatial} | {t.rotate for t in part.temporal if t.rotate}) if part else set()
+        splits[index] = ({a for a, _ in part.spatial} | {a for t in part.temporal for a in t.axes}) if part else set()
         for pos, (v, need) in enumerate(zip(node.inputs, ins)):
             values[id(v)] = v
             groups.setdefault((id(v), normalize(need, mesh), stage), []).append((index, pos))
@@ -367,12 +367,13 @@ def node_rotations(node: Node, mesh: Mesh) -> list[ReshardStep]:
     space = iteration_space(node)
     out = []
     for split in node.partition.temporal:
-        if split.rotate is None or mesh.axis_size(split.rotate) == 1:
-            continue
-        for operand, v, layout in zip(space.inputs, node.inputs, ins):
-            p = layout.on(split.rotate)
-            if isinstance(p, Shard) and operand[p.dim][:1] == (split.dim,):
-                nbytes = local_bytes(v.type, layout, mesh)
-                out += [ReshardStep("rotate", split.rotate, layout, layout, nbytes, nbytes,
-                                    mesh.axis_size(split.rotate), "rotate_reverse")] * (split.steps - 1)
+        for axis in split.axes:  # one axis, or both of a grid (each operand moves along its own)
+            if mesh.axis_size(axis) == 1:
+                continue
+            for operand, v, layout in zip(space.inputs, node.inputs, ins):
+                p = layout.on(axis)
+                if isinstance(p, Shard) and operand[p.dim][:1] == (split.dim,):
+                    nbytes = local_bytes(v.type, layout, mesh)
+                    out += [ReshardStep("rotate", axis, layout, layout, nbytes, nbytes,
+                                        mesh.axis_size(axis), "rotate_reverse")] * (split.steps - 1)
     return out

@@ -212,8 +212,11 @@ class _Verifier:
                           "with rotation", node, f"write it as 'time {dim}/N rotate AXIS'")
         for split in partition.temporal:
             self.check_dim(split.dim, space, node, partition)
-            if split.rotate is not None:
-                self.check_axis(split.rotate, mesh, node, partition)
+            for axis in split.axes:
+                self.check_axis(axis, mesh, node, partition)
+            if split.grid is not None and not (mesh.axis_size(split.grid) == mesh.axis_size(split.rotate or "")
+                                               == split.steps):
+                self.fail(f"{partition}: a grid split needs two mesh axes of equal size and as many steps", node)
             local = space.size(split.dim)
             for a in partition.axes_of(split.dim):
                 local //= mesh.axis_size(a)

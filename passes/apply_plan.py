@@ -11,6 +11,11 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   traced from the graph inputs. A node with a ring dim (attention's keys) split on cp in
   space gets `time t/C rotate cp` (ring attention; an attention written out as matmuls gets
   its keys all-gathered instead).
+- cp=N:zigzag (`cp_layout="zigzag"`): every split on cp is zig-zag (`partition<cp:s zigzag>`,
+  layouts `S(1, zigzag)`): the sequence is cut into 2N chunks and cp rank i holds chunks i and
+  2N-1-i, so causal attention costs every rank the same. Graph inputs and position buffers
+  arrive in that order (the permutation happens once, where the input is split); every op
+  along the sequence keeps it, and collectives on cp put positions back in order.
 - tp (Megatron, from the dataflow, not from names): a linear with a parameter weight (or a
   matmul by a parameter matrix: transformers' Conv1D) is row-parallel (splits k, its output is
   `P(sum)`) when its input arrives sharded on the last dim, else column-parallel (splits n;
@@ -43,7 +48,7 @@ blocks, a batch not divisible by dp) is a ShardcError naming the node and the co
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 from shardc.diagnostics import ShardcError
@@ -56,6 +61,7 @@ from shardc.ir import (
     Node,
     Partial,
     Partition,
+    Placement,
     Replicate,
     Shard,
     TemporalSplit,
@@ -95,6 +101,7 @@ class _Planner:
         spatial: list[tuple[str, str]] = []
         strides: list[tuple[str, int]] = []
         temporal = []
+        zigzag: tuple[str, ...] = ()
         for axis in self.axes():
             outer = Partition(tuple(spatial), (), tuple(strides))
             choice = self.choose(node, space, axis, outer, it_roles)
@@ -104,10 +111,12 @@ class _Planner:
             spatial.append((axis, dim))
             if stride > 1:
                 strides.append((axis, stride))
+            if axis == "cp" and self.plan.cp_layout == "zigzag":
+                zigzag = ("cp",)
             for ring in (d for d, rule in space.special if rule == "ring"):
                 if axis == "cp" and dim == _query_dim(space, ring):
                     temporal.append(TemporalSplit(ring, self.mesh.axis_size(axis), axis))
-        return Partition(tuple(spatial), tuple(temporal), tuple(strides))
+        return Partition(tuple(spatial), tuple(temporal), tuple(strides), zigzag)
 
     def choose(self, node: Node, space: IterationSpace, axis: str, outer: Partition,
                it_roles: dict[str, str]) -> tuple[str, int] | None:
@@ -118,7 +127,7 @@ class _Planner:
         for k, v in enumerate(node.inputs):
             if k >= len(space.inputs):
                 break
-            found = follow(space, k, (v.layout or Layout()).on(axis), axis, outer, self.mesh,
+            found = follow(space, k, _contiguous(v.layout or Layout(), axis), axis, outer, self.mesh,
                            lambda d: self.splittable(space, d, axis))
             if found is not None:
                 return found
@@ -155,8 +164,8 @@ class _Planner:
         """Every split dim must divide evenly (the vocabulary may not: its shards are padded)."""
         for axis, dim in partition.spatial:
             size, n, stride = space.size(dim), self.mesh.axis_size(axis), partition.stride_of(axis)
-            together = math.prod(self.mesh.axis_size(a) * partition.stride_of(a) for a, d in partition.spatial
-                                 if d == dim)
+            together = math.prod(self.mesh.axis_size(a) * partition.stride_of(a) * (2 if a in partition.zigzag
+                                 else 1) for a, d in partition.spatial if d == dim)
             if size % together == 0 or (axis == "tp" and self.vocab is not None and size == self.vocab):
                 continue
             what = f"iteration dim {dim} (size {size}"
@@ -166,6 +175,13 @@ class _Planner:
             raise ShardcError(f"mesh axis {axis}={n} does not divide {what} of {node.op} at module "
                               f"{node.location.module_path or '?'}", node=node,
                               hint=f"choose {axis} dividing {size // stride} (plan key {axis}=...)")
+
+
+def _contiguous(layout: Layout, axis: str) -> Placement:
+    """The placement on `axis` with any zig-zag order dropped: `follow` matches dims, and the
+    partition adds the order back."""
+    p = layout.on(axis)
+    return replace(p, zigzag=False) if isinstance(p, Shard) else p
 
 
 def _query_dim(space: IterationSpace, ring: str) -> str | None:
@@ -198,15 +214,16 @@ def _equal_split_readers(graph: Graph, node: Node) -> int:
     return 1
 
 
-def _input_layout(value: Value, roles: tuple[str | None, ...], mesh: Mesh, sequence_parallel: bool) -> Layout:
-    """Batch on dp, sequence on cp; with sequence parallelism a float input (the residual stream
-    of a block traced alone) also has its sequence on tp."""
+def _input_layout(value: Value, roles: tuple[str | None, ...], mesh: Mesh, sequence_parallel: bool,
+                  zigzag: bool = False) -> Layout:
+    """Batch on dp, sequence on cp (zig-zag with `zigzag`); with sequence parallelism a float input
+    (the residual stream of a block traced alone) also has its sequence on tp."""
     placements = []
     for axis, role in (("dp", "batch"), ("cp", "seq"), ("tp", "seq")):
         if axis == "tp" and not (sequence_parallel and value.type.is_float):
             continue
         if mesh.axis_size(axis) > 1 and role in roles:
-            placements.append((axis, Shard(roles.index(role))))
+            placements.append((axis, Shard(roles.index(role), zigzag=zigzag and axis == "cp")))
     return Layout(tuple(placements))
 
 
@@ -236,7 +253,8 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
                           "divide", hint=f"trace with a batch of dp*mb = {plan.dp * plan.mb} example sequences")
     planner = _Planner(graph, plan, mesh, roles, dims.vocab)
     for v in graph.inputs:
-        v.layout = _input_layout(v, roles.get(id(v), ()), mesh, planner.sequence_parallel)
+        v.layout = _input_layout(v, roles.get(id(v), ()), mesh, planner.sequence_parallel,
+                                 plan.cp_layout == "zigzag")
     for v in graph.params + graph.buffers:
         v.layout = None
     for node in graph.nodes:

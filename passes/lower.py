@@ -42,7 +42,7 @@ def splits_axis(node: Node, axis: str) -> bool:
     part = node.partition
     if part is None:
         return False
-    return any(a == axis for a, _ in part.spatial) or any(t.rotate == axis for t in part.temporal)
+    return any(a == axis for a, _ in part.spatial) or any(axis in t.axes for t in part.temporal)
 
 
 def step_node_attrs(step: ReshardStep) -> tuple[str, dict[str, Any]]:

@@ -53,7 +53,17 @@ def test_measured_numbers_are_positive_and_fits_sane(measured) -> None:
         assert 0 <= c.fit.alpha < 0.1 and c.fit.beta >= 0
         biggest, seconds = max(c.points)
         assert c.fit.time(biggest) < 20 * seconds  # the fit stays within reach of the data
+    eager = profile.eager
+    assert eager is not None and profile.version == calibrate.PROFILE_VERSION and profile.concurrent_matmul_n == 256
+    kinds = dict(eager.kinds)
+    assert {"view", "matmul", "linear", "attention_matmul", "elementwise", "transcendental", "norm", "softmax",
+            "loss", "index", "dropout", "accumulate_grad"} <= set(kinds)
+    assert all(0 < f.fwd_call + f.fwd_per_unit < 1e-3 for k, f in kinds.items() if k != "accumulate_grad")
+    assert 1e-13 < kinds["linear"].fwd_per_unit < 1e-9 and kinds["transcendental"].fwd_per_unit > 0  # s/FLOP, s/B
+    assert 0 < eager.optimizer_per_tensor < 1e-3 and 0 < eager.optimizer_per_param < 1e-6
+    assert 0 < eager.sharded_optimizer_per_tensor < 1e-2  # FSDP2's DTensor parameters, from the gloo run
     cluster = local_cluster(2, profile)
+    assert cluster.device.eager is not None
     assert cluster.num_devices == 2 and cluster.device.peak("fp32") > 0 and cluster.device.peak("bf16") > 0
     assert cluster.device.memory_bytes == profile.memory_bytes // 2
     assert 1e5 < cluster.intra.bandwidth < 1e12 and 0 <= cluster.intra.latency < 0.1
@@ -68,11 +78,16 @@ def test_fit_affine_recovers_alpha_beta() -> None:
     # a negative intercept is refitted with alpha >= 0
     neg = fit_affine([1, 2, 3], [0.5, 2.0, 3.5])
     assert neg.alpha >= 0 and neg.beta > 0
+    # errors relative to `scale`: a tiny difference (a backward less the engine) cannot dominate
+    diffs = [1e-7, 21e-6, 126e-6, 416e-6]
+    raw = [d + 26e-6 for d in diffs]
+    xs = [32768, 262144, 1048576, 4194304]
+    assert fit_affine(xs, diffs).beta < 1e-11 < fit_affine(xs, diffs, raw).beta
 
 
 def _profile(collectives: tuple[CollectiveFit, ...] = ()) -> LocalProfile:
     fits = collectives or (CollectiveFit("all_reduce", 2, ((64, 2e-4), (1 << 20, 2e-3)), AlphaBeta(2e-4, 1e-9)),)
-    return LocalProfile(1, "now", "cpu", 2, 8 << 30, "x", True, ((256, 4e10),), 1e11, 5e5, (("bf16", 1.0),),
+    return LocalProfile(2, "now", "cpu", 2, 8 << 30, "x", True, ((256, 4e10),), 1e11, 5e5, (("bf16", 1.0),),
                         2e10, 2e-6, ((2, 6e10, 1e10),), fits)
 
 

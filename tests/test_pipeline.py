@@ -1,8 +1,8 @@
 """PipelineRunner (a plain torch model cut by torch.fx) on real gloo groups: GPipe, 1F1B, interleaved.
 
 Compiled plans are pipelined from the IR instead (tests/test_pipeline_numerics.py); this runner
-is the torch-only baseline of the empirical study. Its dp and tp combinations (pp=2 x dp=2,
-pp=4, pp=2 x tp=2) train in tests/test_checkpoint.py.
+is the torch-only baseline ejected code mirrors. Its dp (DDP per stage) and tp combinations
+(pp=2 x dp=2, pp=4, pp=2 x tp=2) train in tests/test_checkpoint.py.
 
 The reference is one process running the same micro-batches with gradient accumulation (the
 step the plan defines), then AdamW. Losses at every step and parameters after 3 steps must

@@ -6,6 +6,9 @@ schedule over its micro-batches, the loss from the IR's own cross entropy). The 
 step and every parameter afterwards must equal one process training on the whole batch (the
 helpers of test_backend_numerics), within 1e-5 relative. Tiny models: GPT and Llama examples
 and transformers' GPT2LMHeadModel (4 layers where the plan interleaves 4 virtual stages).
+Data parallelism inside a pipeline runs through torch's wrappers of each stage module (DDP,
+FSDP2 for ZeRO-1/2/3), which the cases check too; a case may deal the blocks to stages
+unevenly (`split`, as the study's `split=3+1`) before lowering.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import torch
 from test_backend_numerics import EPS, GPT, HF_GPT2, LLAMA, LR, batches, build, check
 
 from shardc.backends.torch.launch import spawn
+from shardc.study.predict import stage_split
 
 FOUR_LAYERS = "&n_layer=4"
 
 
-def step_cases(rank: int, world: int, cases: list[tuple[str, object]]) -> list[tuple[list[float], dict]]:
-    """On every rank: parallelize each compiled plan and train it with `module.step`."""
+def step_cases(rank: int, world: int, cases: list[tuple[str, object]]) -> list[tuple[list[float], dict, list[str]]]:
+    """On every rank: parallelize each compiled plan and train it with `module.step`; also
+    returns the class names of the modules its pipeline stages drive (DDP, FSDP2 wrappers)."""
     import torch.distributed as dist
 
     torch.use_deterministic_algorithms(True)
@@ -37,20 +42,33 @@ def step_cases(rank: int, world: int, cases: list[tuple[str, object]]) -> list[t
             dist.all_reduce(value)  # equal on model axes and pipeline ranks; data shares averaged
             losses.append(float(value) / world)
         full = compiled.full_state_dict(module)  # type: ignore[attr-defined]
-        out.append((losses, {k: v.clone() for k, v in full.items()} if rank == 0 else {}))
+        wrappers = sorted({type(stage.submod).__name__ for stage in getattr(module, "stages", [])})
+        out.append((losses, {k: v.clone() for k, v in full.items()} if rank == 0 else {}, wrappers))
     return out
 
 
-def run_and_check(world: int, cases: list[tuple[str, str]]) -> None:
+def run_and_check(world: int, cases: list[tuple[str, str] | tuple[str, str, tuple[int, ...]]]) -> None:
+    """Compile every case (a `split` of blocks per stage is written into the layers before
+    lowering), train on `world` processes, compare with one process; stage modules must be
+    DDP-wrapped for dp x pp and FSDP2 modules for ZeRO."""
     import shardc
 
     compiled = []
-    for spec, plan in cases:
+    for spec, plan, *split in cases:
         model, inputs, names = build(spec)
-        compiled.append((spec, shardc.compile(model, inputs, plan=plan, input_names=names)))
+        edit = (lambda g, s=tuple(split[0]): stage_split(g, s, len(s))) if split else None
+        one = shardc.compile(model, inputs, plan=plan, input_names=names, before_lower=edit)
+        if split:
+            blocks = [layer.annotation.stage for name, layer in one.runtime_graph.layers.items() if "." in name]
+            assert [blocks.count(s) for s in range(len(split[0]))] == list(split[0]), (plan, split, blocks)
+        compiled.append((spec, one))
     results = spawn(step_cases, world, compiled, timeout_s=600)
-    for (spec, plan), result in zip(cases, results[0]):
-        check(spec, plan, *result)
+    for (spec, plan, *_), (losses, full, wrappers) in zip(cases, results[0]):
+        check(spec, plan, losses, full)
+        keys = dict(kv.split("=") for kv in plan.split(","))
+        if "dp=2" in plan and "pp=2" in plan:
+            want = "DistributedDataParallel" if keys.get("zero", "0") == "0" else "FSDP"
+            assert all(w.startswith(want) for w in wrappers), (spec, plan, wrappers)
 
 
 def test_pipelines_1f1b_gpipe_interleaved_and_accumulation_on_two_processes() -> None:
@@ -63,6 +81,7 @@ def test_pipelines_1f1b_gpipe_interleaved_and_accumulation_on_two_processes() ->
         (LLAMA + FOUR_LAYERS, "pp=2,vpp=2"),
         (HF_GPT2.replace("n_layer=2", "n_layer=4"), "pp=2,vpp=2"),
         (GPT, "dp=2"),                                          # pp=1: accumulation over 2 micro-batches
+        (GPT + FOUR_LAYERS, "pp=2", (3, 1)),                    # unbalanced stages (split=3+1)
     ])
 
 
@@ -72,7 +91,10 @@ def test_tensor_parallel_pipelines_on_four_processes() -> None:
         (LLAMA, "tp=2,sp=1,pp=2"),
         (HF_GPT2, "tp=2,pp=2"),
         (LLAMA, "cp=2,pp=2"),                                   # ring attention inside a stage
+        (GPT, "dp=2,pp=2"),                                     # DDP stage modules, synced in the last backward
         (GPT, "dp=2,pp=2,zero=1"),                              # FSDP2 stage modules
+        (LLAMA, "dp=2,pp=2,zero=2"),
+        (HF_GPT2, "dp=2,pp=2,zero=3"),                          # parameters gathered per micro-batch
     ])
 
 

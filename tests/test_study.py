@@ -19,6 +19,7 @@ from shardc.study.plans import parse_study_plan
 
 MODEL = "examples/gpt.py:tiny?batch=4"
 SIZES = (1024, 65536)
+SPLIT = "pp=2,mb=1,recompute=full,split=1+1"
 
 
 def _write(path: Path, lines: list[str]) -> str:
@@ -35,11 +36,12 @@ def _study(out: Path, plans: list[str], **kw) -> dict:
 @pytest.fixture(scope="module")
 def studies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
     out = tmp_path_factory.mktemp("study") / "out"
-    # A split= (unbalanced) pipelined plan runs on the study's own PipelineRunner, which rejects
-    # recomputation on every rank: the group stops, the error is recorded and the study goes on.
-    first = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full,split=1+1"])
+    # bucket_mb= runs plain DDP, which the worker refuses for a ZeRO plan on every rank: the group
+    # stops, the error is recorded and the study goes on. The resumed study adds a split= pipeline
+    # with recomputation (stages dealt before lowering, run by the IR pipeline runtime).
+    first = _study(out, ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1"])
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
-    second = _study(out, ["dp=2,mb=2", "pp=2,mb=1,recompute=full,split=1+1", "pp=2,mb=1"])
+    second = _study(out, ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1", SPLIT])
     return first, second, out, stamps
 
 
@@ -68,8 +70,8 @@ def test_results_schema_and_report_files(studies) -> None:
 def test_failing_plan_is_recorded_and_sweep_goes_on(studies) -> None:
     first, second, _, _ = studies
     failed = [p for p in first["plans"] if p["status"] == "error"]
-    assert len(failed) == 1 and "recompute" in failed[0]["plan"]
-    assert "PipelineRunner" in failed[0]["error"] or "pipeline" in failed[0]["error"]
+    assert len(failed) == 1 and "bucket_mb" in failed[0]["plan"]
+    assert "bucket_mb applies to plain DDP plans" in failed[0]["error"]
     assert any(p["status"] == "ok" and p["plan"].startswith("dp=1,tp=1,pp=2") for p in second["plans"])
 
 
@@ -77,14 +79,14 @@ def test_resume_runs_only_the_rest(studies) -> None:
     first, second, out, stamps = studies
     before = {p["id"]: p for p in first["plans"]}
     after = {p["id"]: p for p in second["plans"]}
-    assert set(after) == set(before) | {parse_study_plan("pp=2,mb=1", 4).id}
+    assert set(after) == set(before) | {parse_study_plan(SPLIT, 4).id}
     for pid, entry in before.items():  # kept as they were, not run again
         assert after[pid]["status"] == entry["status"]
         assert after[pid].get("measured_step_time_s") == entry.get("measured_step_time_s")
     for path in (out / "runs").iterdir():
         if path.name in stamps:
             assert path.stat().st_mtime_ns == stamps[path.name], f"{path.name} was rewritten"
-    pipelined = after[parse_study_plan("pp=2,mb=1", 4).id]
+    pipelined = after[parse_study_plan(SPLIT, 4).id]
     assert pipelined["status"] == "ok" and [r["stage"] for r in pipelined["ranks"]] == [0, 1]
 
 

@@ -23,7 +23,9 @@ import torch.fx as fx
 from torch import nn
 
 from shardc.backends.torch import collectives as C
+from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import local_ops as L
+from shardc.backends.torch import ring as R
 from shardc.backends.torch import temporal as T
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
@@ -51,8 +53,9 @@ def shard_offset(v: Value, dim: int, mesh: Mesh, coords: dict[str, int]) -> int:
     """Global index of the first element of this rank's piece of `v` along `dim`."""
     layout = v.layout or Layout()
     axes = layout.sharded_dims().get(dim, [])
-    if any(getattr(layout.on(a), "interleave", 1) > 1 for a in axes):
-        raise ShardcError(f"%{v.name} is a strided shard along dim {dim}; this op needs a contiguous one")
+    if any(getattr(layout.on(a), "interleave", 1) > 1 or getattr(layout.on(a), "zigzag", False) for a in axes):
+        raise ShardcError(f"%{v.name} is a strided or zig-zag shard along dim {dim}; this op needs a contiguous one",
+                          hint="zig-zag sequences (cp=N:zigzag) reach attention as ring attention only")
     index = 0
     for a in axes:
         index = index * mesh.axis_size(a) + coords[a]
@@ -63,19 +66,20 @@ def local_piece(tensor: torch.Tensor, layout: Layout, mesh: Mesh, coords: dict[s
     """This rank's piece of a full tensor under `layout` (Shard placements applied in mesh order)."""
     for axis, p in layout.placements:
         if isinstance(p, Shard):
-            tensor = C._take(tensor, mesh.axis_size(axis), coords[axis], p.dim, p.interleave)
+            tensor = R.take(tensor, mesh.axis_size(axis), coords[axis], p.dim, p.interleave, p.zigzag)
     return tensor
 
 
 def local_input(x: torch.Tensor, mesh: C.MeshGroups, name: str, shape: tuple[int, ...],
-                shards: tuple[tuple[str, int, int], ...] = (), device: str = "cpu") -> torch.Tensor:
+                shards: tuple[tuple[Any, ...], ...] = (), device: str = "cpu") -> torch.Tensor:
     """Check a global input against its traced shape, then keep this rank's piece of it (on `device`)."""
     if tuple(x.shape) != tuple(shape):
         raise ShardcError(f"input {name} has shape {tuple(x.shape)}, but the plan was compiled for "
                           f"{tuple(shape)}", hint="shapes are static: compile the plan again with example "
                           "inputs of this shape")
-    for axis, dim, interleave in shards:
-        x = C._take(x, mesh.size(axis), mesh.coord(axis), dim, interleave)
+    for shard in shards:  # (axis, dim, interleave), or with a 4th item "zigzag" (see `Shard`)
+        axis, dim, interleave = shard[:3]
+        x = R.take(x, mesh.size(axis), mesh.coord(axis), dim, interleave, len(shard) > 3)
     return x.to(device)
 
 
@@ -112,10 +116,14 @@ class _Emitter:
 
     def __init__(self, fxg: fx.Graph, mesh: Mesh, coords: dict[str, int], mesh_node: fx.Node) -> None:
         self.g, self.mesh, self.coords, self.mesh_node = fxg, mesh, coords, mesh_node
+        self.skews: dict[int, fx.Node] = {}  # grid node id -> its weight's prefetched skew
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> fx.Node:
         node = self.g.create_node("call_function", fn, args, kwargs, name=py_name(name))
         return node
+
+    def call_positional(self, fn: Callable[..., Any], args: tuple, name: str) -> fx.Node:
+        return self.call(fn, args, {}, name)
 
     def node(self, node: Node, args: list[fx.Node]) -> list[fx.Node]:
         op = get_op(node.op)
@@ -126,6 +134,14 @@ class _Emitter:
             attrs = dict(node.attrs)
             axis = attrs.pop("axis")
             fn = getattr(C, node.op)
+            zigzag = [isinstance(p, Shard) and p.zigzag for p in
+                      ((node.inputs[0].layout or Layout()).on(axis), (node.outputs[0].layout or Layout()).on(axis))]
+            if any(zigzag):  # a zig-zag shard: the contiguous collective with the positions permuted
+                if node.op not in R.ZIGZAG_COLLECTIVES:
+                    raise ShardcError(f"{node.op} of a zig-zag shard is not supported", node=node)
+                fn = R.ZIGZAG_COLLECTIVES[node.op]
+                if node.op == "all_to_all":
+                    attrs.update(src_zigzag=zigzag[0], dst_zigzag=zigzag[1])
             return [self.call(fn, (args[0], self.mesh_node, axis), attrs, name)]
         part = node.partition
         if part is not None and part.temporal:
@@ -173,6 +189,8 @@ class _Emitter:
         dims += [None] * (len(node.inputs) - len(dims))
         if node.op in ("reshape", "expand", "full", "arange"):
             raise ShardcError(f"a temporal split of {node.op} is not supported; split its consumers instead", node=node)
+        if split.grid is not None:
+            return self.grid(node, args, split)
         if split.rotate is not None:
             axis = split.rotate
             if split.steps != self.mesh.axis_size(axis):
@@ -180,11 +198,16 @@ class _Emitter:
                                   f"({self.mesh.axis_size(axis)})", node=node)
             if op.kind == "attention":
                 q = node.inputs[0]
-                attrs["q_offset"] = shard_offset(q, q.type.rank - 2, self.mesh, self.coords)
+                placement = (q.layout or Layout()).on(axis)
+                if isinstance(placement, Shard) and placement.zigzag:
+                    attrs["zigzag"] = True
+                else:
+                    attrs["q_offset"] = shard_offset(q, q.type.rank - 2, self.mesh, self.coords)
                 if len(node.inputs) > 3:
                     mask = node.inputs[3]
-                    attrs["rotate_mask"] = (mask.layout or Layout()).on(axis) == Shard(mask.type.rank - 1)
-                return self.call(T.ring_attention, tuple(args), {"mesh": self.mesh_node, "axis": axis, **attrs}, name)
+                    held = (mask.layout or Layout()).on(axis)
+                    attrs["rotate_mask"] = isinstance(held, Shard) and held.dim == mask.type.rank - 1
+                return self.call(R.ring_attention, tuple(args), {"mesh": self.mesh_node, "axis": axis, **attrs}, name)
             if split.dim not in space.reductions:
                 raise ShardcError(f"a rotating split must cut a reduction dim; {split.dim} is parallel", node=node)
             rotating = tuple(i for i, d in enumerate(dims) if d is not None
@@ -206,6 +229,18 @@ class _Emitter:
                 if dims[0] == s_dim else ()
             target = "attention"
         return self.call(T.temporal_loop, (target, *args), {**kw, **attrs}, name)
+
+    def grid(self, node: Node, args: list[fx.Node], split: Any) -> fx.Node:
+        """PrimePar's P(q x q) (`grid2d.py`): each of the first two inputs moves along the grid
+        axis on which it is sharded on the reduced dim."""
+        axes = G.grid_axes(node)
+        if axes is None:
+            raise ShardcError(f"a grid split {split} runs a linear or matmul whose two operands are sharded on "
+                              f"{split.dim} along different grid axes", node=node)
+        kw: dict[str, Any] = {"mesh": self.mesh_node, "x_axis": axes[0], "w_axis": axes[1]}
+        if id(node) in self.skews:
+            kw["skew"] = self.skews[id(node)]
+        return self.call(G.grid_contraction, (node.op, *args), kw, node.outputs[0].name)
 
 
 def _place(root: nn.Module, path: str, obj: Any, kind: str = "module") -> None:
@@ -281,7 +316,8 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
         if local_inputs:
             env[id(v)] = ph
             continue
-        shards = tuple((a, p.dim, p.interleave) for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
+        shards = tuple((a, p.dim, p.interleave) + (("zigzag",) if p.zigzag else ())
+                       for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
         kw = {"name": v.name, "shape": v.type.shape, "shards": shards} | ({"device": device} if device != "cpu" else {})
         env[id(v)] = emit_root.call(local_input, (ph, root_mesh), kw, f"{v.name}_local")
 
@@ -314,15 +350,19 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
         sub_mesh = sub.get_attr("mesh")
         emit = _Emitter(sub, mesh, coords, sub_mesh)
         sub_attrs: dict[str, Any] = {"mesh": groups}
+
+        def arg(v: Value, sub: fx.Graph = sub, sub_env: dict[int, fx.Node] = sub_env,
+                sub_attrs: dict[str, Any] = sub_attrs, path: str = region.path) -> fx.Node:
+            if id(v) not in sub_env:  # a parameter or buffer this layer holds
+                rel = _under(path, v.name)
+                assert rel is not None
+                sub_env[id(v)] = sub.get_attr(rel)
+                sub_attrs[rel] = objects[id(v)]
+            return sub_env[id(v)]
+
+        emit.skews = G.prefetch_skews(region.nodes, arg, emit.call_positional, sub_mesh)
         for n in region.nodes:
-            args = []
-            for v in n.inputs:
-                if id(v) not in sub_env:  # a parameter or buffer this layer holds
-                    rel = _under(region.path, v.name)
-                    assert rel is not None
-                    sub_env[id(v)] = sub.get_attr(rel)
-                    sub_attrs[rel] = objects[id(v)]
-                args.append(sub_env[id(v)])
+            args = [arg(v) for v in n.inputs]
             for v, out in zip(n.outputs, emit.node(n, args)):
                 sub_env[id(v)] = out
         outputs = [v for n in region.nodes for v in n.outputs if later_uses.get(id(v), -1) > k]

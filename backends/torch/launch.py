@@ -35,12 +35,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_process_group(rank: int, world: int, port: int, timeout_s: float = PG_TIMEOUT_S) -> str:
-    """Join a local process group: NCCL when this rank has a GPU, gloo otherwise; returns the backend."""
+def choose_backend(world: int, device: str | None = None, *, fallback: bool = True) -> str:
+    """The process-group backend for `world` local processes: `device="cpu"` -> gloo; `"cuda"` ->
+    NCCL, one GPU per process, and a ShardcError when there are fewer GPUs than processes; None
+    (auto) -> NCCL when there is a GPU for every process, else gloo on CPU, or with
+    `fallback=False` (`shardc run`) a ShardcError when there are GPUs but too few (training on
+    the CPU next to idle GPUs would mislead). `SHARDC_DEVICE=cpu|cuda` in the environment stands
+    for `device` when it is None."""
+    import torch
+
+    device = device or os.environ.get("SHARDC_DEVICE") or None
+    if device not in (None, "cpu", "cuda"):
+        raise ShardcError(f"device {device!r}: use cpu or cuda (SHARDC_DEVICE)")
+    if device == "cpu":
+        return "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and gpus >= world:
+        return "nccl"
+    if device is None and (not gpus or fallback):
+        return "gloo"
+    raise ShardcError(f"CUDA needs one GPU per process: {world} processes asked for, {gpus} GPUs visible",
+                      hint=(f"use --nproc {gpus} or fewer, or " if gpus else "")
+                      + "run on CPU processes with gloo (--device cpu; SHARDC_DEVICE=cpu for shardc run)")
+
+
+def init_process_group(rank: int, world: int, port: int, timeout_s: float = PG_TIMEOUT_S,
+                       device: str | None = None) -> str:
+    """Join a local process group on `choose_backend(world, device)`; rank r uses GPU r under NCCL.
+    Returns the backend."""
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    backend = choose_backend(world, device)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -49,14 +75,16 @@ def init_process_group(rank: int, world: int, port: int, timeout_s: float = PG_T
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
-           queue: Any, timeout_s: float) -> None:
+           queue: Any, timeout_s: float, device: str | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # What torchrun would set: the runtime picks `cuda:{LOCAL_RANK}` under NCCL.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        init_process_group(rank, world, port, timeout_s)
+        init_process_group(rank, world, port, timeout_s, device)
         result = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(result, buf)  # plain bytes: tensors must not go through shared-memory pickling
@@ -72,17 +100,19 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 180.0,
-          pg_timeout_s: float = PG_TIMEOUT_S) -> list[Any]:
+          pg_timeout_s: float = PG_TIMEOUT_S, device: str | None = None) -> list[Any]:
     """Run `fn(rank, world, *args)` on `nproc` fresh processes in one process group; rank-ordered results.
 
     `fn` must be importable (module level) and its arguments and result picklable. If a rank
     raises or dies, the others are killed at once and a ShardcError names the first failure;
     after `timeout_s` everything is killed and the error says which ranks had not finished.
+    `device` picks the backend as `choose_backend` does (checked here, before any process starts).
     """
+    choose_backend(nproc, device)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, args, queue, pg_timeout_s), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, args, queue, pg_timeout_s, device), daemon=True)
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -173,16 +203,23 @@ class PeakMemory:
     `torch.cuda.max_memory_allocated` after a reset.
     """
 
-    def __init__(self, baseline: int) -> None:
+    def __init__(self, baseline: int, device: Any = None) -> None:
         self.baseline = baseline
         self.peak = baseline
+        self.device = device  # a CUDA device: its allocator's peak; anything else: the storage counter
         self._mode: Any = None
+
+    def _cuda(self) -> bool:
+        import torch
+
+        return self.device is not None and torch.device(self.device).type == "cuda"
 
     def __enter__(self) -> PeakMemory:
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()
+        if self._cuda():
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
             return self
         self._mode = _StorageCounter(self)
         self._mode.__enter__()
@@ -193,8 +230,9 @@ class PeakMemory:
 
         if self._mode is not None:
             self._mode.__exit__(*exc)
-        elif torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.peak = int(torch.cuda.max_memory_allocated())
+        elif self._cuda():
+            torch.cuda.synchronize(self.device)
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
 
 
 def _storage_counter_class() -> type:
@@ -329,9 +367,11 @@ def worker_main(config_path: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "gloo"
+        backend = choose_backend(int(os.environ["WORLD_SIZE"]), config.get("device"), fallback=False)
+        device = torch.device("cpu")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=config.get("pg_timeout_s", PG_TIMEOUT_S)))
         from shardc.models import load_model
 
@@ -349,11 +389,14 @@ def worker_main(config_path: str) -> int:
         for step in range(config["steps"]):
             if fail_rank is not None and int(fail_rank) == rank and step == fail_step:
                 raise RuntimeError(f"injected failure (SHARDC_FAIL_RANK={fail_rank}, step {step})")
-            batch = synthetic_batch(example, vocab, config["seed"], step)
+            batch = [x.to(device) if isinstance(x, torch.Tensor) else x
+                     for x in synthetic_batch(example, vocab, config["seed"], step)]
             dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             if step == 0:  # memory is measured on the first step (it also creates the optimizer state)
-                with PeakMemory(_state_bytes(params, optimizer)) as mem:
+                with PeakMemory(_state_bytes(params, optimizer), device) as mem:
                     loss = step_fn(batch)
                     loss.backward() if loss.requires_grad else None
                     optimizer.step()
@@ -363,16 +406,19 @@ def worker_main(config_path: str) -> int:
                 loss.backward() if loss.requires_grad else None
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            value = loss.detach().reshape(()).clone()
+            value = loss.detach().reshape(()).to(device=device, dtype=torch.float32, copy=True)  # NCCL: on the GPU
             dist.all_reduce(value)  # tp/pp replicas agree, dp shares are averaged: the global mean
             value /= dist.get_world_size()
             dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
             losses.append(float(value))
         timed = times[1:] or times
         write_json(out_dir / f"rank{rank}.json", {"rank": rank, "losses": losses, "step_times_s": times,
                                                   "median_step_time_s": statistics.median(timed),
-                                                  "peak_memory_bytes": int(peak), "backend": backend})
+                                                  "peak_memory_bytes": int(peak), "backend": backend,
+                                                  "device": str(device)})
         dist.destroy_process_group()
         return 0
     except BaseException as err:

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardc.backends.torch.codegen import generate, local_piece
-from shardc.backends.torch.collectives import MeshGroups, _all_gather
+from shardc.backends.torch.collectives import MeshGroups
+from shardc.backends.torch.ring import gather
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Mesh, Shard
 
@@ -197,6 +198,6 @@ def full_state_dict(graph: Graph, module: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(p, Shard) and graph.mesh.axis_size(axis) > 1:
                 if dm_groups is None:
                     dm_groups = inner.get_submodule("mesh")
-                t = _all_gather(t, dm_groups, axis, p.dim, p.interleave)
+                t = gather(t, dm_groups, axis, p.dim, p.interleave, p.zigzag)
         out[v.name] = t
     return out

@@ -4,8 +4,8 @@ torch.distributed.pipelining schedules (tp inside stages through torch's `parall
 Compiled plans do not come this way: `plan.parallelize(model)` for pp > 1 builds each stage
 from the lowered IR (`pipelined.PipelinedModule`, the path `shardc run` uses), which also runs
 what torch's tensor-parallel vocabulary cannot say (GPT's fused qkv, sequence and context
-parallelism inside stages). `PipelineRunner` stays as the torch-only baseline the empirical
-study measures (`shardc.study.worker`) and that ejected code mirrors.
+parallelism inside stages, unbalanced stage splits). `PipelineRunner` stays as the torch-only
+baseline that ejected code mirrors and checkpoint tests train.
 
 Rule of the cut: every repeated block (a child of the model's largest `nn.ModuleList`, or a
 module path named in `stage_of`) belongs to the stage it is assigned; every other op belongs to
@@ -18,9 +18,11 @@ stages merge into the model's own state dict (what checkpoints rely on).
 
 `PipelineRunner` places the stages on the `pp` axis of a `DeviceMesh` (stage `s` on pp rank
 `s % pp`, the round-robin layout interleaved 1F1B expects), optionally shards each stage over
-the `tp` sub-mesh with a caller-supplied function, runs the schedule (GPipe, 1F1B, interleaved
-1F1B) over micro-batches with the user's loss, then averages gradients over the `dp` axis and
-sums gradients of parameters tied across stages (GPT's embedding and head).
+the `tp` sub-mesh with a caller-supplied function, and runs the schedule (GPipe, 1F1B,
+interleaved 1F1B) over micro-batches with the user's loss. Over `dp` each stage module is a
+`DistributedDataParallel` module the pipeline stage drives (its buckets all-reduce during the
+last micro-batch's backward); then gradients of parameters tied across stages (GPT's embedding
+and head) are summed.
 """
 
 from __future__ import annotations
@@ -35,9 +37,6 @@ import torch.fx as fx
 from torch import nn
 
 from shardc.diagnostics import ShardcError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
 
 # ---- stage assignment ---------------------------------------------------------------------
 
@@ -70,21 +69,6 @@ def block_stages(model: nn.Module, num_stages: int) -> dict[str, int]:
     prefix, blocks = block_list(model)
     stages = even_stages(len(blocks), num_stages)
     return {f"{prefix}.{i}" if prefix else str(i): s for i, s in enumerate(stages)}
-
-
-def stages_from_graph(graph: Any) -> dict[str, int]:
-    """Module path -> stage from an IR graph whose layers carry `annotation.stage` (apply_plan's output).
-
-    Adapter over the IR: each node's `location.module_path` gets the stage of its layer; paths of
-    nodes whose layer has no stage are left out (they follow the data flow).
-    """
-    out: dict[str, int] = {}
-    for node in graph.nodes:
-        layer = graph.layers.get(node.layer) if node.layer else None
-        if layer is None or layer.annotation.stage is None or not node.location.module_path:
-            continue
-        out[node.location.module_path] = layer.annotation.stage
-    return out
 
 
 def _lookup(path: str, stage_of: Mapping[str, int]) -> int | None:
@@ -230,31 +214,6 @@ def _is_tensor_node(n: fx.Node) -> bool:
 
 # ---- running ------------------------------------------------------------------------------
 
-def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """Stages held by one pp rank: `pp_rank + i*pp` for each virtual stage i (round robin)."""
-    return [pp_rank + i * pp for i in range(virtual)]
-
-
-def _schedule_class(name: str, virtual: int) -> type:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    key = name.lower().replace("-", "").replace("_", "")
-    if virtual > 1 and key in ("1f1b", "interleaved", "interleaved1f1b"):
-        return ScheduleInterleaved1F1B
-    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "interleaved1f1b": ScheduleInterleaved1F1B}
-    if key not in table:
-        raise ShardcError(f"unknown pipeline schedule {name!r}; known: gpipe, 1f1b, interleaved")
-    cls = table[key]
-    if cls is ScheduleInterleaved1F1B and virtual < 2:
-        raise ShardcError("schedule interleaved needs vpp >= 2 virtual stages per device",
-                          hint="set vpp=2 (or more) in the plan, or use schedule=1f1b")
-    if cls is not ScheduleInterleaved1F1B and virtual > 1:
-        raise ShardcError(f"schedule {name} runs one stage per device but vpp={virtual}",
-                          hint="use schedule=interleaved or vpp=1")
-    return cls
-
-
 class PipelineRunner:
     """This rank's pipeline stages and the schedule that trains them; `step` returns the loss.
 
@@ -295,20 +254,24 @@ class PipelineRunner:
                                   hint="pass shard_model=shardc.backends.torch.eject.apply_tensor_parallel")
             model = shard_model(model, tp_mesh)
         all_stages = split_stages(model, self.num_stages, stage_of, traced)
-        self.stage_ids = stages_of_rank(self.pp_rank, self.pp, virtual_stages)
+        self.stage_ids = [self.pp_rank + i * self.pp for i in range(virtual_stages)]  # round robin
         self.modules: list[nn.Module] = [all_stages[s] for s in self.stage_ids]
         self._tied = _tied_names(model)
         self._tied_shapes = {names[0]: model.get_parameter(names[0]).shape for names in self._tied}
         device = _device_of(model)
         pp_group = mesh["pp"].get_group()
+        wrapped = [_data_parallel(m, self.dp_mesh) for m in self.modules]
         self.stages = [PipelineStage(m, s, self.num_stages, device, group=pp_group)
-                       for m, s in zip(self.modules, self.stage_ids)]
+                       for m, s in zip(wrapped, self.stage_ids)]
         self.schedule_name = schedule
         self._schedule = self._build_schedule(loss_fn)
 
     def _build_schedule(self, loss_fn: Callable[..., torch.Tensor]) -> Any:
-        cls = _schedule_class(self.schedule_name, self.virtual)
         from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+        from shardc.backends.torch.pipelined import schedule_class
+
+        cls = schedule_class(self.schedule_name, self.virtual)
 
         if cls is ScheduleInterleaved1F1B:
             return cls(list(self.stages), n_microbatches=self.n_microbatches, loss_fn=loss_fn)  # type: ignore[arg-type]
@@ -360,8 +323,6 @@ class PipelineRunner:
             kwargs = {"target": targets, "losses": losses}
         self._schedule.step(*call_args, **kwargs)
         self._sync_tied()
-        if self.dp_mesh is not None:
-            average_gradients(list(self.parameters()), self.dp_mesh.get_group())
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=args[0].device)
         last_global = dist.get_global_rank(self.mesh["pp"].get_group(), (self.num_stages - 1) % self.pp)
         dist.broadcast(loss, src=last_global, group=self.mesh["pp"].get_group())
@@ -406,21 +367,28 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def average_gradients(params: list[nn.Parameter], group: Any) -> None:
-    """Average the gradients over `group`, flattened into one all_reduce per dtype (pipelines
-    sync data-parallel gradients this way: DDP's reducer does not run under a schedule)."""
-    size = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Average the gradients over `group`, one all_reduce each: the plain data-parallel step
+    tests compare against (the pipeline runtimes sync through DDP or FSDP2, not this)."""
     for p in params:
         if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(local_tensor(p.grad))
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+            dist.all_reduce(local_tensor(p.grad), group=group)
+            local_tensor(p.grad).div_(dist.get_world_size(group))
+
+
+def _data_parallel(module: nn.Module, dp_mesh: Any) -> nn.Module:
+    """`module` under DDP over `dp_mesh` (as it is without one, or with nothing to train).
+
+    DDP's own forward is kept from arming its reducer (`require_backward_grad_sync` off, as
+    `no_sync` sets it): torch's pipeline stage arms it itself before the last micro-batch's
+    backward, and the stage's first-step shape inference (a forward outside `no_sync`) would
+    otherwise make DDP all-reduce the first micro-batch too."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dp_mesh is None or not any(p.requires_grad for p in module.parameters()):
+        return module
+    ddp = DistributedDataParallel(module, process_group=dp_mesh.get_group(), init_sync=False)
+    ddp.require_backward_grad_sync = False
+    return ddp
 
 
 def _device_of(model: nn.Module) -> torch.device:

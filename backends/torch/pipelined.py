@@ -11,13 +11,17 @@ vpp > 1 the round-robin layout of interleaved 1F1B), with only its own parameter
 tp/sp/cp collectives inside, exactly as `codegen.generate` does for pp=1. Stage modules go into
 `torch.distributed.pipelining.PipelineStage`s over the `pp` process group and run under the
 plan's schedule (GPipe, 1F1B, interleaved 1F1B) on `microbatches` micro-batches, with the loss
-sub-graph of the IR (or the user's `loss_fn`) as the schedule's loss. Data axes: for ZeRO each
-stage module is an FSDP2 `fully_shard` module, which the pipeline stage drives (gradients
-reduce-scattered on the last micro-batch); otherwise, after the schedule, gradients are
-averaged over the data axes in one flat all_reduce per dtype (DDP's bucketed all_reduce without
-the overlap: torch's DDP reducer rejects the repeated no_sync forwards of a pipeline schedule).
-Then gradients are divided by the micro-batch count (the loss is a mean over micro-batches) and
-a parameter held on several pipeline ranks (a tied embedding and head) gets the sum of theirs.
+sub-graph of the IR (or the user's `loss_fn`) as the schedule's loss. Data axes: each stage
+module is wrapped by torch and the pipeline stage drives the wrapper, as torch.distributed.
+pipelining intends (`backward_maybe_with_nosync`): with ZeRO an FSDP2 `fully_shard` module
+(gradients reduce-scattered once, after the stage's last micro-batch), otherwise a
+`DistributedDataParallel` module (forwards and the first micro-batches' backwards under
+`no_sync`; the last micro-batch's backward arms DDP's reducer, whose buckets all-reduce while
+that backward is still running). Stages get their input and output shapes up front (the IR
+knows them), so torch skips the first-step metadata inference: that extra forward runs the
+DDP wrapper outside `no_sync` and would make it all-reduce every micro-batch. Then gradients
+are divided by the micro-batch count (the loss is a mean over micro-batches) and a parameter
+held on several pipeline ranks (a tied embedding and head) gets the sum of theirs.
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardc.backends.torch.codegen import generate, local_piece
-from shardc.backends.torch.collectives import _all_gather
+from shardc.backends.torch.codegen import generate, local_piece, local_shape
 from shardc.backends.torch.parallelize import (
     check_model,
     data_parallel_info,
@@ -40,7 +43,8 @@ from shardc.backends.torch.parallelize import (
     local_tensors,
     mesh_groups,
 )
-from shardc.backends.torch.pipeline import _schedule_class, average_gradients, local_tensor
+from shardc.backends.torch.pipeline import local_tensor
+from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
 from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Shard
@@ -70,12 +74,15 @@ class PipelinedModule(nn.Module):
         self.pp = graph.mesh.axis_size("pp") if graph.mesh else 1
         self.coords = graph.mesh.coordinates(dist.get_rank()) if graph.mesh else {}
         self.user_loss = loss_fn
-        self.data_group: Any = None  # set when gradients are averaged here (not by FSDP2)
         from torch.distributed.pipelining import PipelineStage
 
         group = dm.get_group("pp")
-        self.stages = [PipelineStage(m, s, self.num_stages, device, group=group) for m, s in zip(wrapped, stage_ids)]
-        cls = _schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
+        assert graph.mesh is not None
+        self.stages = [PipelineStage(m, s, self.num_stages, device, group=group,
+                                     input_args=_examples(plan.stages[s].inputs, graph.mesh),
+                                     output_args=_examples(plan.stages[s].outputs, graph.mesh))
+                       for m, s in zip(wrapped, stage_ids)]
+        cls = schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
         stages: Any = self.stages if len(self.stages) > 1 or cls.__name__.startswith("ScheduleInterleaved") \
             else self.stages[0]
         self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
@@ -166,8 +173,6 @@ class PipelinedModule(nn.Module):
 
     def _finish_gradients(self) -> None:
         params = dict(self.named_parameters())
-        if self.data_group is not None:
-            average_gradients([p for p in params.values() if p.grad is not None], self.data_group)
         for p in params.values():
             if p.grad is not None:
                 local_tensor(p.grad).div_(self.microbatches)
@@ -203,7 +208,7 @@ class PipelinedModule(nn.Module):
                 t = t.full_tensor()
             for axis, p in reversed((layouts.get(name) or Layout()).placements):
                 if isinstance(p, Shard) and self.graph.mesh.axis_size(axis) > 1:
-                    t = _all_gather(t, groups, axis, p.dim, p.interleave)
+                    t = gather(t, groups, axis, p.dim, p.interleave, p.zigzag)
             mine[name] = t
         parts: list[Any] = [None] * self.pp
         dist.all_gather_object(parts, mine, group=self.dm.get_group("pp"))
@@ -260,12 +265,73 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
         for m in modules:
             if any(p.requires_grad for p in m.parameters()):
                 fully_shard(m, mesh=sub, reshard_after_forward=zero >= 3)
-    full_inputs = [(v.name, tuple(v.type.shape)) for v in compiled.graph.inputs]
-    module = PipelinedModule(graph, plan, stage_ids, modules, modules, loss_module, dm, full_inputs, loss_fn, dev)
-    describe_state(module, graph, dm, model)
+    wrapped = list(modules)
     if sub is not None and not fsdp:
-        module.data_group = sub.get_group()
+        wrapped = [_ddp(m, sub.get_group()) for m in modules]
+        _check_unshared(graph, modules)
+    full_inputs = [(v.name, tuple(v.type.shape)) for v in compiled.graph.inputs]
+    module = PipelinedModule(graph, plan, stage_ids, modules, wrapped, loss_module, dm, full_inputs, loss_fn, dev)
+    describe_state(module, graph, dm, model)
     return module
+
+
+def schedule_class(name: str, virtual: int) -> type:
+    """torch's schedule class for a plan's `schedule` with `virtual` stages per pp rank."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    key = name.lower().replace("-", "").replace("_", "")
+    if virtual > 1 and key in ("1f1b", "interleaved", "interleaved1f1b"):
+        return ScheduleInterleaved1F1B
+    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "interleaved1f1b": ScheduleInterleaved1F1B}
+    if key not in table:
+        raise ShardcError(f"unknown pipeline schedule {name!r}; known: gpipe, 1f1b, interleaved")
+    cls = table[key]
+    if cls is ScheduleInterleaved1F1B and virtual < 2:
+        raise ShardcError("schedule interleaved needs vpp >= 2 virtual stages per device",
+                          hint="set vpp=2 (or more) in the plan, or use schedule=1f1b")
+    if cls is not ScheduleInterleaved1F1B and virtual > 1:
+        raise ShardcError(f"schedule {name} runs one stage per device but vpp={virtual}",
+                          hint="use schedule=interleaved or vpp=1")
+    return cls
+
+
+def _ddp(module: nn.Module, group: Any) -> nn.Module:
+    """A stage module under DDP over the data group (left as it is when nothing in it trains).
+    Every rank already holds its pieces: no broadcast at start and none of buffers (they may be
+    sharded along cp, which the data group spans)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not any(p.requires_grad for p in module.parameters()):
+        return module
+    return DistributedDataParallel(module, process_group=group, init_sync=False, forward_sync_buffers=False)
+
+
+def _check_unshared(graph: Graph, modules: list[nn.Module]) -> None:
+    """Two of this rank's stages holding one parameter cannot each have a DDP: both would
+    all-reduce it, each after its own last backward, so one of them would miss the other's part."""
+    owner: dict[int, int] = {}
+    for k, m in enumerate(modules):
+        for name, p in m.named_parameters():
+            if owner.setdefault(id(p), k) != k:
+                raise ShardcError(f"parameter {name} of graph @{graph.name} is read by two virtual stages on one "
+                                  "pipeline rank; DDP cannot sync it there", hint="use vpp=1, or tie parameters "
+                                  "only between stages on different pipeline ranks")
+
+
+def _examples(values: list[Any], mesh: Any) -> tuple[torch.Tensor, ...]:
+    """Meta tensors with this rank's local shapes of `values`: a stage's static metadata.
+
+    Given inputs and outputs, torch's `PipelineStage` skips its first-step metadata inference,
+    a real forward outside `no_sync` that would arm DDP's reducer before the schedule's own
+    backwards (DDP then all-reduces every micro-batch and asserts when rebuilding buckets)."""
+    from shardc.ops import TORCH_DTYPES
+
+    out = []
+    for v in values:
+        t = torch.empty(local_shape(v, mesh), dtype=TORCH_DTYPES[v.type.dtype], device="meta")
+        out.append(t.requires_grad_(v.requires_grad and t.is_floating_point()))
+    return tuple(out)
 
 
 def _flattened(dm: Any, axes: tuple[str, ...]) -> Any:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardc.backends.torch.collectives import MeshGroups, _all_gather, _take
+from shardc.backends.torch.collectives import MeshGroups
+from shardc.backends.torch.ring import gather, take
 from shardc.ir import Graph, Layout, Shard
 
 Writeback = Callable[[], None]
@@ -37,7 +38,7 @@ def shardc_parts(model: Any) -> tuple[Any, Graph, Any] | None:
 
 
 def _placements(layout: Layout, axes: tuple[str, ...]) -> tuple[list[Any], bool]:
-    """DTensor placements over `axes` and whether a strided shard had to be replicated."""
+    """DTensor placements over `axes` and whether a strided (or zig-zag) shard had to be replicated."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard as DShard
 
@@ -45,7 +46,7 @@ def _placements(layout: Layout, axes: tuple[str, ...]) -> tuple[list[Any], bool]
     strided = False
     for axis in axes:
         p = layout.on(axis)
-        if isinstance(p, Shard) and p.interleave > 1:
+        if isinstance(p, Shard) and (p.interleave > 1 or p.zigzag):
             strided = True
             out.append(Replicate())
         elif isinstance(p, Shard):
@@ -99,8 +100,8 @@ class StateViews:
             else:
                 for axis in reversed(self.axes):
                     p = layout.on(axis)
-                    if isinstance(p, Shard) and p.interleave > 1:
-                        local = _all_gather(local, self.groups, axis, p.dim, p.interleave)
+                    if isinstance(p, Shard) and (p.interleave > 1 or p.zigzag):
+                        local = gather(local, self.groups, axis, p.dim, p.interleave, p.zigzag)
         if loading and (fsdp or strided):
             self.writebacks.append(self._writeback(tensor, local, layout, strided))
         shape = tuple(value.type.shape)
@@ -113,7 +114,7 @@ class StateViews:
         shape = list(layout.local_shape(value.type.shape, self.graph.mesh))
         for axis in self.axes:
             p = layout.on(axis)
-            if isinstance(p, Shard) and p.interleave > 1:
+            if isinstance(p, Shard) and (p.interleave > 1 or p.zigzag):
                 shape[p.dim] *= self.graph.mesh.axis_size(axis)
         return tuple(shape)
 
@@ -125,8 +126,8 @@ class StateViews:
             if strided:
                 for axis in self.axes:
                     p = layout.on(axis)
-                    if isinstance(p, Shard) and p.interleave > 1:
-                        piece = _take(piece, self.groups.size(axis), self.groups.coord(axis), p.dim, p.interleave)
+                    if isinstance(p, Shard) and (p.interleave > 1 or p.zigzag):
+                        piece = take(piece, self.groups.size(axis), self.groups.coord(axis), p.dim, p.interleave, p.zigzag)
             with torch.no_grad():
                 if isinstance(target, DTensor):  # FSDP2: this rank's chunk of dim 0 over its data mesh
                     dest = target.to_local()

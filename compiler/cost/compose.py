@@ -21,9 +21,10 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbour_link
+from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost
 from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
@@ -183,6 +184,9 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
             times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + (sends[s] + back) * m
     pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem)
+    if links.device.eager is not None and not plan.offload:  # a CPU's measured eager optimizer step
+        dtensors = options.zero_runtime == "fsdp2"
+        syncs = [replace(s, optimizer=optimizer_step_time(links.device, s.params, shard, dtensors)) for s in syncs]
     shared = shared_gradients(layers, links, p, g_elem)
     end = max(pipe.last_end[d] + syncs[d].tail + shared[d] for d in range(p))
     step = end + max(s.after for s in syncs)
@@ -215,14 +219,13 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         local = sum(n for n, _ in params)
         largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
         torch_pipeline = p > 1 and options.pipeline_runtime == "torch"
-        flat = syncs[d].grad_bytes if torch_pipeline and not sharded and shard > 1 else 0.0
-        buffers = 0.0 if sharded or flat else buffer_bytes(syncs[d].grad_bytes, options.bucket_bytes, shard, zero,
-                                                           largest * w_elem)
+        buffers = 0.0 if sharded else buffer_bytes(syncs[d].grad_bytes, options.bucket_bytes, shard, zero,
+                                                   largest * w_elem)
         if torch_pipeline and send_bytes is not None:
             buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
         by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
         memory = device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
-                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=flat,
+                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers,
                                regather=zero >= 3)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes))

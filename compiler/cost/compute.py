@@ -13,6 +13,12 @@ Rules:
   and the output gradient and writes input gradients: 2x the forward FLOPs and forward bytes
   plus the output gradient read, one more kernel. Ops with no input needing a gradient have
   no backward.
+- A device with measured eager costs (`DeviceSpec.eager`, the calibrated local CPU) is costed
+  by them instead: per op class (`op_class`), forward `call + units * per_unit` and backward
+  likewise, where units are the FLOPs of a matmul (its backward: FLOPs x inputs needing a
+  gradient) and, for every other op, `class_bytes`, the forward's bytes. Views cost their call
+  and, when they carry a gradient, their autograd node; dropout with p = 0 is a call only. Each
+  parameter input (unbatched, needing a gradient) adds its gradient accumulation to backward.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ def localize(node: Node, mesh: Mesh | None, dtype: str, partition=_OWN) -> Local
         space = op.iteration_space(in_t, out_t, node.attrs)
         in_l, out_l = node_layouts(space, part, mesh)
         for split in part.temporal:
-            if split.rotate is None:
+            if split.rotate is None or split.grid is not None:  # a grid's layouts are the registry's
                 continue
             for i in rotating_operands(space, part, split):
                 for d, factors in enumerate(space.inputs[i]):
@@ -144,6 +150,71 @@ def kernel_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *, 
     return max(compute, nbytes / device.memory_bandwidth)
 
 
+_CLASS_OF = {"gelu": "transcendental", "exp": "transcendental", "log": "transcendental", "tanh": "transcendental",
+             "sigmoid": "transcendental", "silu": "transcendental", "erf": "transcendental",
+             "sin": "transcendental", "cos": "transcendental", "pow": "transcendental", "sqrt": "transcendental",
+             "rsqrt": "transcendental", "softmax": "softmax", "log_softmax": "softmax", "dropout": "dropout",
+             "layer_norm": "norm", "rms_norm": "norm", "cumsum": "reduction",
+             "concat": "elementwise"}  # torch.cat copies: a view in the IR, a kernel at run time
+_CLASS_OF_KIND = {"contraction": "matmul", "attention": "matmul", "reduction": "reduction", "index": "index",
+                  "loss": "loss", "view": "view", "creation": "view", "norm": "norm"}
+
+
+def op_class(op: OpDef, attrs: dict) -> str:
+    """The class an op's eager cost is measured and charged by (see `EagerCosts`); dropout that
+    drops nothing (p = 0 or not training) returns its input and is a `view`."""
+    if op.name == "dropout" and (not attrs.get("p", 0) or not attrs.get("training", True)):
+        return "view"
+    return _CLASS_OF.get(op.name) or _CLASS_OF_KIND.get(op.kind, "elementwise")
+
+
+def class_bytes(kind: str, in_bytes: Sequence[float], out_bytes: float) -> float:
+    """The bytes an op of class `kind` is charged by: reads and writes, except that a lookup
+    (`index`) reads only the rows it returns (its ids and twice its output, not the whole table)."""
+    if kind == "index":
+        return (in_bytes[0] if in_bytes else 0.0) + 2.0 * out_bytes
+    return float(sum(in_bytes)) + out_bytes
+
+
+def eager_time(op: OpDef, attrs: dict, flops: float, in_bytes: Sequence[float], out_bytes: float,
+               grads: Sequence[bool], device: DeviceSpec, dtype: str) -> tuple[float, float, float]:
+    """(forward s, backward s, backward FLOPs) of one op from the device's measured eager costs."""
+    assert device.eager is not None
+    kind = op_class(op, attrs)
+    needs = any(grads)
+    if kind == "view":
+        fit = device.eager.fit("view")
+        bwd = fit.bwd_call if needs and op.kind == "view" else 0.0
+        return fit.fwd_call, bwd, 0.0
+    # torch.matmul here is attention's batched one (its own fit); other ops by name, then class.
+    fit = device.eager.fit("attention_matmul" if op.name == "matmul" else op.name, kind)
+    if kind == "matmul":
+        per_flop = device.peak("fp32") / device.peak(dtype)  # calibrated in fp32
+        n = sum(1 for g in grads[:2] if g) or 1
+        bwd_flops = n * flops if needs else 0.0
+        fwd = fit.fwd_call + flops * fit.fwd_per_unit * per_flop
+        bwd = fit.bwd_call + bwd_flops * fit.bwd_per_unit * per_flop if needs else 0.0
+        return fwd, bwd, bwd_flops
+    units = class_bytes(kind, in_bytes, out_bytes)
+    bwd = fit.bwd_call + units * fit.bwd_per_unit if needs else 0.0
+    return fit.fwd_call + units * fit.fwd_per_unit, bwd, 2 * flops if needs else 0.0
+
+
+def optimizer_step_time(device: DeviceSpec, params: Sequence[tuple[float, int]], shard: int,
+                        fsdp2: bool = False) -> float:
+    """Seconds of the optimizer step and `zero_grad` on a device with measured eager costs, over
+    `params` ((local elements, ZeRO stage) per parameter tensor; ZeRO >= 1 keeps 1/`shard` of
+    each): a per-tensor cost plus a per-element one (`EagerCosts`), at the sharded-DTensor rates
+    for parameters ZeRO shards when it runs as FSDP2 (`fsdp2`)."""
+    assert device.eager is not None
+    total = 0.0
+    for n, z in params:
+        sharded = z >= 1 and shard > 1
+        per_tensor, per_element = device.eager.optimizer(sharded and fsdp2)
+        total += per_tensor + n / (shard if sharded else 1) * per_element
+    return total
+
+
 def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
                       attrs: dict, device: DeviceSpec, dtype: str, *, needs_grad: Sequence[bool],
                       scale: float = 1.0, scaled_in: Sequence[bool] | None = None,
@@ -154,7 +225,7 @@ def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequ
     the tensors flagged in `scaled_in`/`scaled_out` (all when None) and the FLOPs, so a graph
     traced at one batch can be costed at another.
     """
-    if op.kind in FREE_KINDS:
+    if op.kind in FREE_KINDS and device.eager is None:
         return NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
     s_in = [scale if (scaled_in is None or scaled_in[i]) else 1.0 for i in range(len(in_types))]
     s_out = [scale if (scaled_out is None or scaled_out[i]) else 1.0 for i in range(len(out_types))]
@@ -165,10 +236,17 @@ def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequ
     in_bytes = [t.nbytes * s for t, s in zip(in_types, s_in)]
     out_bytes = sum(t.nbytes * s for t, s in zip(out_types, s_out))
     nbytes = sum(in_bytes) + out_bytes
+    grads = [bool(g) for g in needs_grad]
+    if device.eager is not None:
+        fwd_s, bwd_s, bwd_flops = eager_time(op, attrs, flops, in_bytes, out_bytes, grads, device, dtype)
+        acc = dict(device.eager.kinds).get("accumulate_grad")
+        if acc is not None and scaled_in is not None:  # parameters (unbatched, needing a gradient)
+            bwd_s += sum(acc.bwd_call + b * acc.bwd_per_unit for b, g, batched in zip(in_bytes, grads, scaled_in)
+                         if g and not batched)
+        return NodeCost(fwd_s, bwd_s, flops, bwd_flops, 0.0 if op.kind in FREE_KINDS else nbytes)
     matmul = op.kind in MATMUL_KINDS
     latency = device.kernel_latency
     fwd = kernel_time(flops, nbytes, device, dtype, matmul=matmul) + latency
-    grads = [bool(g) for g in needs_grad]
     if not any(grads):
         return NodeCost(fwd, 0.0, flops, 0.0, nbytes)
     if matmul:

@@ -49,6 +49,8 @@ from shardc.cost.edges import (
     passthrough_axes,
     resolves,
 )
+from shardc.cost.grid2d import GridCharge, grid_charge, grid_split, moving_operands, step_types
+from shardc.cost.ring import causal_ring_cost
 from shardc.ir import Node, Partial, Value
 
 
@@ -197,11 +199,12 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
         op = local.op
         part = ctx.partition(node)
         grads = [id(v) in ctx.needs_grad for v in node.inputs]
-        cost = node_compute_time(op, local.in_types, local.out_types, node.attrs, device, dtype,
+        cost = node_compute_time(op, step_types(local.space, part, local.in_layouts, local.in_types),
+                                 local.out_types, node.attrs, device, dtype,
                                  needs_grad=grads, scale=ctx.batch_scale,
                                  scaled_in=[id(v) in ctx.batched for v in node.inputs],
                                  scaled_out=[id(v) in ctx.batched for v in node.outputs])
-        cost = repeated(cost, rotation_steps(part))
+        cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)  # the slowest rank's
         if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
             cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
         in_core = id(node) in core
@@ -239,6 +242,13 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                     _add(t.bwd, axis_category(step.axis), regather_exposed(comm_time(ctx, step), op.kind, cost.bwd_s))
                     t.collectives.append(("bwd", step))
         _charge_special(ctx, node, local, cost, node_fwd, t.bwd, t.collectives)
+        grid = _grid(ctx, node, local, cost)
+        if grid is not None:  # PrimePar's P(q x q): overlapped shifts, skew, receive buffers
+            _add(node_fwd, axis_category(grid.steps[0][1].axis) if grid.steps else "tp_comm", grid.fwd_s)
+            _add(t.bwd, axis_category(grid.steps[0][1].axis) if grid.steps else "tp_comm", grid.bwd_s)
+            t.collectives.extend(grid.steps)
+            t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, 1,
+                                                         ctx.batch_scale if batched_out else 1.0) + grid.buffers)
         # A partial sum the node's own output resolves (all_reduce, or reduce_scatter onto the
         # sequence) is reduced where it is made.
         for k, v in enumerate(node.outputs):
@@ -300,7 +310,7 @@ def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[st
                 _add(node_fwd, axis_category(axis), comm_time(ctx, step))
                 steps.append(("fwd", step))
     for split in ctx.partition(node).temporal:
-        if split.steps <= 1:
+        if split.steps <= 1 or split.grid is not None:  # a grid is charged by `_grid`
             continue
         if split.rotate is None:  # chunks: one more launch per step (a rotation's are in its compute)
             node_fwd["compute_fwd"] += (split.steps - 1) * ctx.device.kernel_latency
@@ -313,6 +323,20 @@ def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[st
         _add(bwd, axis_category(split.rotate), exposed_bwd)
         sends = split.steps - 1
         steps += [("fwd", step)] * sends + [("bwd", CommStep("rotate", split.rotate, 2 * moving))] * sends
+
+
+def _grid(ctx: CostContext, node: Node, local, cost: NodeCost) -> GridCharge | None:
+    """The P(q x q) charge of `node` (`shardc.cost.grid2d`), or None when it has no grid split."""
+    split = grid_split(ctx.partition(node))
+    if ctx.mesh is None or split is None or local.space is None or split.steps <= 1:
+        return None
+    along = moving_operands(local.space, local.in_layouts, split)
+    moving = {axis: sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in ins)
+              for axis, ins in along.items()}
+    transfer = {axis: comm_time(ctx, CommStep("rotate", axis, b)) for axis, b in moving.items()}
+    skews = [comm_time(ctx, CommStep("rotate", axis, local.in_types[i].nbytes * ctx.scale_of(node.inputs[i])))
+             for axis, ins in along.items() for i in ins if node.inputs[i].kind != "parameter"]
+    return grid_charge(split, moving, transfer, max(skews, default=0.0), cost.fwd_s, cost.bwd_s)
 
 
 def layer_params(ctx: CostContext, nodes: Sequence[Node]) -> dict[str, tuple[Value, float, frozenset[str]]]:

@@ -22,8 +22,7 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   (`pipeline_runtime="torch"`) preallocates a receive buffer per micro-batch for a stage's
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
   its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
-  the step ends; with data parallelism it all-reduces the gradients after backward through one
-  flat copy of them (`PipelineRunner`), instead of DDP's buckets.
+  the step ends; with data parallelism each stage module is a DDP module (buckets as above).
 Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
 the micro-batches in flight plus the largest recomputation and transient working sets.
 """

@@ -9,12 +9,14 @@ Rules:
   link. Only what outlasts that backward (`tail`) is exposed. Other axes (tp, for sequence-
   parallel norm weights) are all-reduced after backward, exposed.
 - Gradients of model chunks that finished earlier (interleaved schedules) are ready when the
-  final backward starts.
+  final backward starts. Pipelines (pp > 1) sync the same way: torch's pipeline stage drives
+  a DDP module per stage, whose reducer is armed only for that stage's last micro-batch and
+  all-reduces its buckets while that backward runs.
 - After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). As the torch backend
   runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) the weights are all-gathered
-  once before forward and every gradient reduce-scattered once after backward, both exposed.
-  A torch.distributed.pipelining runtime (pp > 1) all-reduces the gradients in one flat buffer
-  after the schedule, exposed too. The optimizer step
+  once before forward and every gradient reduce-scattered once after backward, both exposed
+  (in a pipeline, after the stage's last micro-batch, as torch's stage drives FSDP2). The
+  optimizer step
   reads and writes 28 bytes per local parameter at memory bandwidth (host when offloaded,
   plus moving gradients down and weights up over PCIe).
 """
@@ -108,10 +110,9 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         zero = max((l.annotation.zero for l in mine), default=0)
         kind = "reduce_scatter" if zero >= 1 else "all_reduce"
         fsdp = options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
-        flat = p > 1 and options.pipeline_runtime == "torch" and not fsdp
         if shard <= 1:
             tail = 0.0
-        elif fsdp or flat:  # one collective over every gradient once backward is over
+        elif fsdp:  # one collective over every gradient once backward is over
             tail = collective_time(kind, sum(b for _, b in ready), levels, ctx.algorithm)
         else:
             tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm)

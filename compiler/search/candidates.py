@@ -13,6 +13,13 @@ Rules (one place):
   d2 of the operands that A would otherwise replicate is cut into |A| steps and those operands'
   shards move one neighbour along A per step: `partition<tp:n; time k/4 rotate tp>`. No operand
   is replicated, partial sums stay local, and the ring transfers overlap with compute.
+- Grids (PrimePar's P(q x q)): on a mesh with two model axes of equal size q (tp x tq), a
+  contraction whose first operand I has a row dim M (not in the second operand W), whose W has
+  a column dim N (not in I) and which reduces k (a major factor of both) gets
+  `partition<tp:M, tq:N; time k/q rotate (tp, tq)>` (or tq on M: `rotate (tq, tp)`): I
+  sharded (M, k) and W (k, N) over the grid, I moving along the axis splitting N and W along
+  the other each step, no collective and no replicated operand.
+  Otherwise the second model axis `tq` splits whatever `tp` splits (tp x tq acts as one tp).
 - Temporal chunks: a sequence dim cut into 4 steps on the same devices lowers the node's
   working memory (`time e1/4`), at a kernel-launch cost per step.
 - A linear whose output a member splits into k equal pieces (a fused qkv) splits that dim
@@ -123,9 +130,40 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
         per_axis.append(opts)
     out = []
     for choice in itertools.product(*per_axis):
+        picked = dict(zip(mesh.names, choice))
+        if "tq" in picked and picked["tq"] != picked.get("tp"):
+            continue  # tq follows tp outside grids
         spatial = tuple((a, d) for a, d in zip(mesh.names, choice) if d is not None)
         if _divisible(space, spatial, mesh, sizes):
             out.append(spatial)
+    return out
+
+
+GRID_AXES = ("tp", "tq")
+
+
+def _grids(group: NodeGroup, space: IterationSpace, mesh: Mesh, spatials: list[tuple[tuple[str, str], ...]],
+           sizes: dict[str, int]) -> list[tuple[tuple[tuple[str, str], ...], TemporalSplit]]:
+    """P(q x q) partitions of a contraction on the tp x tq grid (module rule): (spatial, split)."""
+    if not all(a in mesh.names for a in GRID_AXES) or len(space.inputs) < 2 or len(space.inputs[1]) != 2:
+        return []  # the second operand is a 2-d weight (what the torch backend's grid runs)
+    q = mesh.axis_size("tp")
+    if q != mesh.axis_size("tq") or q < 2 or q & (q - 1):
+        return []
+    i_op, w_op = space.inputs[0], space.inputs[1]
+    free = [d for d in space.dims if d not in space.unsplittable and d not in dict(space.special)]
+    reductions = [k for k in space.reductions if k in free and _major(i_op, k) and _major(w_op, k) and sizes[k] % q == 0]
+    parallel = set(space.parallel)
+    rows = [m for m in free if m in parallel and _has(i_op, m) and not _has(w_op, m)]
+    cols = [n for n in free if n in parallel and _has(w_op, n) and not _has(i_op, n)]
+    out = []
+    for base in spatials:
+        if any(a in GRID_AXES for a, _ in base):
+            continue
+        for (a, b), k, m, n in itertools.product((GRID_AXES, GRID_AXES[::-1]), reductions, rows, cols):
+            spatial = tuple(sorted(base + ((a, m), (b, n)), key=lambda p: mesh.names.index(p[0])))
+            if _divisible(space, spatial, mesh, sizes):
+                out.append((spatial, TemporalSplit(k, q, a, b)))
     return out
 
 
@@ -151,6 +189,10 @@ def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh
             if rotating and all(_major(op, d2) for op in rotating):
                 out.append(TemporalSplit(d2, mesh.axis_size(axis), axis))
     return out
+
+
+def _without(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
+    return Mesh(tuple((a, s) for a, s in mesh.axes if a not in axes))
 
 
 def _split_pieces(group: NodeGroup) -> int:
@@ -191,7 +233,7 @@ def _with_rotation(space: IterationSpace, partition: Partition, layouts: list[La
     """Rotating operands are sharded on the rotated dim along the rotation axis."""
     out = list(layouts)
     for t in partition.temporal:
-        if t.rotate is None:
+        if t.rotate is None or t.grid is not None:  # a grid's layouts are the registry's already
             continue
         d1 = [d for a, d in partition.spatial if a == t.rotate][0]
         for i, operand in enumerate(space.inputs):
@@ -215,13 +257,22 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
     out: list[Candidate] = []
     pieces = _split_pieces(group)
     last = space.outputs[0][-1][0] if space.outputs and space.outputs[0] and space.outputs[0][-1] else None
-    for spatial in spatial_options(group, mesh, shapes):
+    spatials = spatial_options(group, mesh, shapes)
+    grids: dict[tuple[tuple[str, str], ...], list[TemporalSplit]] = {}
+    if rotate and kind == "contraction" and pieces == 1:
+        base = spatial_options(group, _without(mesh, GRID_AXES), shapes)
+        for spatial, split in _grids(group, space, mesh, base, sizes):
+            grids.setdefault(spatial, []).append(split)
+    for spatial in spatials + [s for s in grids if s not in spatials]:
         strides = tuple((a, pieces) for a, d in spatial if pieces > 1 and d == last and a not in ("dp", "cp")
                         and sizes[d] % (pieces * mesh.axis_size(a)) == 0)
-        temporals: list[tuple[TemporalSplit, ...]] = [()]
-        if rotate and kind in ("contraction", "attention"):
-            temporals += [(t,) for t in _rotations(space, spatial, mesh, sizes, roles)]
-        if chunk and (kind == "loss" or (kind == "contraction" and _expands(group))):
+        plain = spatial in spatials
+        temporals: list[tuple[TemporalSplit, ...]] = [()] if plain else []
+        if rotate and kind in ("contraction", "attention") and plain:
+            temporals += [(t,) for t in _rotations(space, spatial, mesh, sizes, roles) if t.rotate not in GRID_AXES
+                          or "tq" not in mesh.names or kind == "attention"]
+        temporals += [(t,) for t in grids.get(spatial, [])]
+        if plain and chunk and (kind == "loss" or (kind == "contraction" and _expands(group))):
             seq = [d for d in space.dims if roles.get(d) == "seq" and d not in space.unsplittable]
             local = {d: sizes[d] // math.prod(mesh.axis_size(a) for a, e in spatial if e == d) for d in seq}
             temporals += [(TemporalSplit(d, CHUNK_STEPS),) for d in seq[:1] if local[d] % CHUNK_STEPS == 0]
@@ -252,6 +303,9 @@ def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shape
         options = []
         dims: list[int | None] = [None, *targets]
         for choice in itertools.product(dims, repeat=len(partial_axes)):
+            picked = dict(zip(partial_axes, choice))
+            if "tq" in picked and "tp" in picked and picked["tq"] != picked["tp"]:
+                continue  # tq resolves as tp does (the two act as one tp)
             placements = dict(layout.placements)
             for axis, dim in zip(partial_axes, choice):
                 if dim is None:
@@ -294,7 +348,7 @@ def grad_layout(required: Layout, partition: Partition | None, mesh: Mesh, rotat
 
 def _rotating_axes(space: IterationSpace, partition: Partition, index: int) -> frozenset[str]:
     operand = space.inputs[index] if index < len(space.inputs) else ()
-    return frozenset(t.rotate for t in partition.temporal if t.rotate and _has(operand, t.dim))
+    return frozenset(a for t in partition.temporal if _has(operand, t.dim) for a in t.axes)
 
 
 class _Acc:

@@ -8,7 +8,10 @@ cost model's recomputation rules) over the sum of its groups' `LayerTerms` and i
 edge's forward redistribution belongs to the consumer's layer, the gradient to the
 producer's (once per produced value, the consumers' contributions summed, as `estimate`
 does), so the first block has the prefix's edges instead of a previous copy's and the last
-block the suffix's. The pipeline sends are the values one block passes to the next. Then the
+block the suffix's. With per-stage partitions every block copy is priced at its stage's
+candidates, the edge into a stage's first block across the two stages' partitions (its saved
+input at the layout the previous stage sent), the gradient out of a stage's last block likewise.
+The pipeline sends are the values one block passes to the next, at the sending stage's layout. Then the
 same `compose` as `estimate`: the schedule simulated, bucketed gradient sync, optimizer,
 memory per device in flight. The CP-SAT objective is its linearisation (`shardc.search.linear`).
 """
@@ -29,11 +32,48 @@ RECOMPUTES = ("none", "selective", "full")
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """A candidate index per group, per stage block counts by recomputation, and the ZeRO stage."""
+    """A candidate index per group, per stage block counts by recomputation, and the ZeRO stage.
+
+    `stage_choice`, when not empty, holds per pipeline stage a full candidate vector whose block
+    groups' entries are that stage's (the prefix's and suffix's entries equal `choice`'s): the
+    blocks of different stages may be partitioned differently. Empty: every stage runs `choice`.
+    Build per-stage assignments with `per_stage`, which keeps them canonical."""
 
     choice: tuple[int, ...]
     stages: tuple[tuple[int, int, int], ...]
     zero: int
+    stage_choice: tuple[tuple[int, ...], ...] = ()
+
+    def at(self, stage: int) -> tuple[int, ...]:
+        """The candidate vector stage `stage` runs."""
+        return self.stage_choice[stage] if self.stage_choice else self.choice
+
+    @property
+    def uniform(self) -> bool:
+        return not self.stage_choice
+
+
+def per_stage(problem: Problem, choice: tuple[int, ...], blocks: list[tuple[int, ...]],
+              stages: tuple[tuple[int, int, int], ...], zero: int) -> Assignment:
+    """The canonical assignment whose stage s runs `blocks[s]`'s block-group entries (the other
+    entries from `choice`). A stage without blocks takes its neighbour's vector (it runs no block,
+    and the boundary it would otherwise create does not exist); `choice`'s block entries become the
+    first stage's; equal vectors on every stage give a uniform assignment."""
+    p = len(stages)
+    is_block = [v.section == "block" for v in problem.groups]
+    vecs = [tuple(b if blk else c for b, c, blk in zip(blocks[s], choice, is_block)) for s in range(p)]
+    if p > 1 and sum(stages[0]) == 0:
+        vecs[0] = vecs[1]
+    if p > 1 and sum(stages[-1]) == 0:
+        vecs[-1] = vecs[-2]
+    if all(v == vecs[0] for v in vecs):
+        return Assignment(vecs[0], stages, zero)
+    return Assignment(vecs[0], stages, zero, tuple(vecs))
+
+
+def block_stages(a: Assignment) -> list[int]:
+    """The stage of every block copy, in order."""
+    return [s for s, row in enumerate(a.stages) for _ in range(sum(row))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +103,7 @@ class Evaluation:
 
 def plan_for(problem: Problem, zero: int = 0) -> ParallelPlan:
     s = problem.shape
-    return ParallelPlan(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, mb=problem.mb, gbs=problem.gbs, zero=zero,
+    return ParallelPlan(dp=s.dp, tp=s.tp * s.tq, pp=s.pp, cp=s.cp, mb=problem.mb, gbs=problem.gbs, zero=zero,
                         dtype=problem.dtype)
 
 
@@ -106,43 +146,81 @@ def _merge(parts: list[LayerTerms], problem: Problem | None = None, choice: tupl
     return out
 
 
-def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
-    """Terms of the prefix (`pre`), the first, a middle and the last block, and the suffix (`post`)."""
-    parts = {k: LayerTerms() for k in ("pre", "block", "post", "chain_fwd", "chain_bwd", "first_fwd", "last_bwd")}
-    own: dict[str, list[LayerTerms]] = {"pre": [], "block": [], "post": []}
-    for var, c in zip(problem.groups, a.choice):
-        own[var.section].append(var.costs[c].terms)
-    into_fwd = {"pre": "pre", "block": "block", "post": "post", "chain": "chain_fwd", "first": "first_fwd",
-                "last": "post", "skip": "post"}
-    into_grad = {"pre": "pre", "block": "block", "post": "post", "chain": "chain_bwd", "first": "pre",
-                 "last": "last_bwd", "skip": "pre"}
+def _edges_into(problem: Problem, t: LayerTerms, fwd_kinds: tuple[str, ...], grad_kinds: tuple[str, ...],
+                prod: tuple[int, ...], cons: tuple[int, ...]) -> None:
+    """Add to `t` the forward redistributions (and backward re-gathers) of the edges of `fwd_kinds`
+    and the gradients of the shares of `grad_kinds`, producers at `prod`'s candidates, consumers
+    at `cons`'s."""
     for e in problem.edges:
-        pa, cb = e.prod_class[a.choice[e.producer]], e.cons_class[a.choice[e.consumer]]
-        t = parts[into_fwd[e.kind]]
-        _add(t.fwd, e.fwd[pa][cb])
-        _add(t.bwd, e.regather[pa][cb])
-        if e.core:
-            _add(t.core_fwd, e.fwd[pa][cb])
+        if e.kind in fwd_kinds:
+            pa, cb = e.prod_class[prod[e.producer]], e.cons_class[cons[e.consumer]]
+            _add(t.fwd, e.fwd[pa][cb])
+            _add(t.bwd, e.regather[pa][cb])
+            if e.core:
+                _add(t.core_fwd, e.fwd[pa][cb])
     for ids in problem.shares:
         e = problem.edges[ids[0]]
-        info = e.prod_info[e.prod_class[a.choice[e.producer]]]
-        grads = [problem.edges[i].cons_grad[problem.edges[i].cons_class[a.choice[problem.edges[i].consumer]]]
-                 for i in ids]
-        _add(parts[into_grad[e.kind]].bwd, problem.prices.edge_backward(e.value, info, grads))
-    for key in ("pre", "block", "post"):
-        parts[key] = _merge(own[key] + [parts[key]], problem, a.choice)
-    blk = parts["block"]
-    middle = _merge([blk, parts["chain_fwd"], parts["chain_bwd"]])
-    if problem.layers <= 1:
-        first = last = _merge([blk, parts["first_fwd"], parts["last_bwd"]])
+        if e.kind in grad_kinds:
+            info = e.prod_info[e.prod_class[prod[e.producer]]]
+            grads = [problem.edges[i].cons_grad[problem.edges[i].cons_class[cons[problem.edges[i].consumer]]]
+                     for i in ids]
+            _add(t.bwd, problem.prices.edge_backward(e.value, info, grads))
+
+
+def section_terms(problem: Problem, section: str, vec: tuple[int, ...]) -> LayerTerms:
+    """The prefix's (`pre`) or suffix's (`post`) terms with every group at `vec`: its own groups,
+    the edges whose forward it runs (`last`, `skip` into the suffix) and the gradients it
+    produces (`first`, `skip` out of the prefix). The prefix is given the vector of the stage
+    that holds the first block, the suffix that of the stage holding the last."""
+    fwd, grad = {"pre": (("pre",), ("pre", "first", "skip")), "post": (("post", "last", "skip"), ("post",))}[section]
+    t = LayerTerms()
+    _edges_into(problem, t, fwd, grad, vec, vec)
+    own = [var.costs[c].terms for var, c in zip(problem.groups, vec) if var.section == section]
+    return _merge(own + [t], problem, vec)
+
+
+def block_terms(problem: Problem, prev: tuple[int, ...] | None, cur: tuple[int, ...],
+                nxt: tuple[int, ...] | None) -> LayerTerms:
+    """One block copy's terms, its groups at `cur`: its own groups and internal edges, the
+    forward of what it reads from the block before it (at `prev`; None: the first block, which
+    reads the prefix) and the gradient of what it passes to the block after it (at `nxt`; None:
+    the last block, which feeds the suffix)."""
+    t = LayerTerms()
+    _edges_into(problem, t, ("block",), ("block",), cur, cur)
+    if prev is None:
+        _edges_into(problem, t, ("first",), (), cur, cur)
     else:
-        first = _merge([blk, parts["first_fwd"], parts["chain_bwd"]])
-        last = _merge([blk, parts["chain_fwd"], parts["last_bwd"]])
-    _rebase_first(problem, a, first)
-    return {"pre": parts["pre"], "first": first, "block": middle, "last": last, "post": parts["post"]}
+        _edges_into(problem, t, ("chain",), (), prev, cur)
+    if nxt is None:
+        _edges_into(problem, t, (), ("last",), cur, cur)
+    else:
+        _edges_into(problem, t, (), ("chain",), cur, nxt)
+    own = [var.costs[c].terms for var, c in zip(problem.groups, cur) if var.section == "block"]
+    out = _merge(own + [t], problem, cur)
+    if prev is None:
+        _rebase_first(problem, cur, out)
+    elif prev != cur:
+        _rebase_chain(problem, prev, out)
+    return out
 
 
-def _rebase_first(problem: Problem, a: Assignment, first: LayerTerms) -> None:
+def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
+    """Terms of the prefix (`pre`), the first, a middle and the last block, and the suffix (`post`)
+    of a uniform assignment (per-stage ones: `block_terms` per copy)."""
+    c = a.choice
+    single = problem.layers <= 1
+    return {"pre": section_terms(problem, "pre", c), "first": block_terms(problem, None, c, None if single else c),
+            "block": block_terms(problem, c, c, c), "last": block_terms(problem, c, c, None),
+            "post": section_terms(problem, "post", c)}
+
+
+def _refresh(t: LayerTerms) -> None:
+    t.saved = sum(b for b, _ in t.saved_entries.values())
+    t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
+    t.inputs = sum(t.input_entries.values())
+
+
+def _rebase_first(problem: Problem, choice: tuple[int, ...], first: LayerTerms) -> None:
     """The first block reads the prefix's output where the others read the previous copy's: its
     saved input and kept layer input are that value, at the prefix's layout."""
     chain = {(e.consumer, e.member, e.index): e for e in problem.edges if e.kind == "chain"}
@@ -150,7 +228,7 @@ def _rebase_first(problem: Problem, a: Assignment, first: LayerTerms) -> None:
         old = chain.get((e.consumer, e.member, e.index)) if e.kind == "first" else None
         if old is None:
             continue
-        layout = e.prod_info[e.prod_class[a.choice[e.producer]]][0]
+        layout = e.prod_info[e.prod_class[choice[e.producer]]][0]
         nbytes = problem.pricer.local_bytes(e.value, layout)
         if id(old.value) in first.input_entries:
             del first.input_entries[id(old.value)]
@@ -158,70 +236,118 @@ def _rebase_first(problem: Problem, a: Assignment, first: LayerTerms) -> None:
         if id(old.value) in first.saved_entries:
             flag = first.saved_entries.pop(id(old.value))[1]
             first.saved_entries[id(e.value)] = (nbytes, flag)
-    first.saved = sum(b for b, _ in first.saved_entries.values())
-    first.core_saved = sum(b for b, c in first.saved_entries.values() if c)
-    first.inputs = sum(first.input_entries.values())
+    _refresh(first)
+
+
+def _rebase_chain(problem: Problem, prev: tuple[int, ...], t: LayerTerms) -> None:
+    """A stage's first block reads the previous stage's last block: what it saves and keeps of
+    that input is at the layout the previous stage produced (and sent) it in."""
+    for e in problem.edges:
+        if e.kind != "chain":
+            continue
+        nbytes = problem.pricer.local_bytes(e.value, e.prod_info[e.prod_class[prev[e.producer]]][0])
+        if id(e.value) in t.input_entries:
+            t.input_entries[id(e.value)] = nbytes
+        if id(e.value) in t.saved_entries:
+            t.saved_entries[id(e.value)] = (nbytes, t.saved_entries[id(e.value)][1])
+    _refresh(t)
 
 
 def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None = None) -> list[LayerWork]:
     """The plan's layers in order, with stages, recomputation, costs, parameters and memory timelines."""
     from shardc.search.timelines import Timelines
 
-    parts = layer_parts(problem, a)
-    timelines = Timelines(problem, a.choice, parts, options or EstimateOptions())
-    cache: dict[tuple[str, str], LayerCost] = {}
+    options = options or EstimateOptions()
+    p = len(a.stages)
+    where = block_stages(a)
+    L = problem.layers
+    vec_first = a.at(where[0]) if where else a.choice
+    vec_last = a.at(where[-1]) if where else a.at(p - 1)
+    terms: dict[tuple[object, ...], LayerTerms] = {}
+    timelines: dict[tuple[object, ...], Timelines] = {}
 
-    def cost(kind: str, recompute: str) -> LayerCost:
-        if (kind, recompute) not in cache:
-            cache[(kind, recompute)] = finish_layer(parts[kind], recompute)
-        return cache[(kind, recompute)]
+    def timeline(prev: tuple[int, ...] | None, cur: tuple[int, ...]) -> Timelines:
+        across = prev if prev is not None and prev != cur else None  # only a stage boundary changes the layouts
+        key = (across, cur)
+        if key not in timelines:
+            timelines[key] = Timelines(problem, cur, {}, options, across)
+        return timelines[key]
+
+    costs: dict[tuple[object, ...], LayerCost] = {}
+
+    def cost(key: tuple[object, ...], t: LayerTerms, recompute: str) -> LayerCost:
+        if (key, recompute) not in costs:
+            costs[(key, recompute)] = finish_layer(t, recompute)
+        return costs[(key, recompute)]
 
     params: dict[str, dict[str, tuple[float, frozenset[str]]]] = {"pre": {}, "block": {}, "post": {}}
     for var, c in zip(problem.groups, a.choice):
+        if var.section == "block":
+            continue
         for name, numel, axes in var.costs[c].params:
-            prev = params[var.section].get(name)
-            params[var.section][name] = (numel, axes | (prev[1] if prev else frozenset()))
+            prev_p = params[var.section].get(name)
+            params[var.section][name] = (numel, axes | (prev_p[1] if prev_p else frozenset()))
+    block_params: dict[tuple[int, ...], dict[str, tuple[float, frozenset[str]]]] = {}
     lay = problem.facts.layering
-    last_stage = len(a.stages) - 1
     out = []
     earlier: dict[int, set[str]] = {}  # parameter names per device, as `estimate` ties them
 
-    def memory(kind: str, recompute: str, stage: int, names: dict[str, tuple[float, frozenset[str]]]):
+    def memory(tl: Timelines, kind: str, t: LayerTerms, recompute: str, stage: int,
+               names: dict[str, tuple[float, frozenset[str]]]):
         mine = earlier.setdefault(stage, set())
         tied = frozenset(n for n in names if n in mine)
         mine.update(names)
-        return timelines.get(kind, recompute, a.zero, tied)
+        return tl.get(kind, recompute, a.zero, tied, t)
 
     if lay.pre:
+        t = terms.setdefault(("pre", vec_first), section_terms(problem, "pre", vec_first))
         out.append(LayerWork(lay.pre[0], "pre", LayerAnnotation(0, "none", a.zero), stage=0,
-                             cost=cost("pre", "none"), params=params["pre"],
-                             memory=memory("pre", "none", 0, params["pre"])))
+                             cost=cost(("pre", vec_first), t, "none"), params=params["pre"],
+                             memory=memory(timeline(None, vec_first), "pre", t, "none", 0, params["pre"])))
     i = 0
     for s, row in enumerate(a.stages):
+        cur = a.at(s)
+        if cur not in block_params:
+            bp: dict[str, tuple[float, frozenset[str]]] = {}
+            for var, c in zip(problem.groups, cur):
+                if var.section == "block":
+                    for name, numel, axes in var.costs[c].params:
+                        prev_p = bp.get(name)
+                        bp[name] = (numel, axes | (prev_p[1] if prev_p else frozenset()))
+            block_params[cur] = bp
         for r in (2, 1, 0):  # as `annotate_graph` writes them: fully recomputed blocks first
             for _ in range(row[r]):
-                kind = "first" if i == 0 else "last" if i == problem.layers - 1 else "block"
+                prev = a.at(where[i - 1]) if i > 0 else None
+                nxt = a.at(where[i + 1]) if i < L - 1 else None
+                kind = "first" if i == 0 else "last" if i == L - 1 else "block"
+                key = ("block", prev, cur, nxt)
+                if key not in terms:
+                    terms[key] = block_terms(problem, prev, cur, nxt)
                 name = lay.blocks[i]
-                own = {f"{name}/{k}": v for k, v in params["block"].items()}
+                own = {f"{name}/{k}": v for k, v in block_params[cur].items()}
                 out.append(LayerWork(name, "block", LayerAnnotation(s, RECOMPUTES[r], a.zero), stage=s,
-                                     cost=cost(kind, RECOMPUTES[r]), params=own,
-                                     memory=memory(kind, RECOMPUTES[r], s, own)))
+                                     cost=cost(key, terms[key], RECOMPUTES[r]), params=own,
+                                     memory=memory(timeline(prev, cur), kind, terms[key], RECOMPUTES[r], s, own)))
                 i += 1
     if lay.post:
+        last_stage = p - 1
+        t = terms.setdefault(("post", vec_last), section_terms(problem, "post", vec_last))
         out.append(LayerWork(lay.post[0], "post", LayerAnnotation(last_stage, "none", a.zero), stage=last_stage,
-                             cost=cost("post", "none"), params=params["post"],
-                             memory=memory("post", "none", last_stage, params["post"])))
+                             cost=cost(("post", vec_last), t, "none"), params=params["post"],
+                             memory=memory(timeline(vec_last, vec_last), "post", t, "none", last_stage,
+                                           params["post"])))
     return out
 
 
-def pipeline_send(problem: Problem, a: Assignment) -> tuple[float, float]:
-    """Seconds and bytes to send what one block passes to the next (one micro-batch)."""
+def pipeline_send(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
+    """Seconds and bytes to send what one block passes to the next (one micro-batch), the
+    sending block at `choice`."""
     seen: set[tuple[int, int]] = set()
     total = nbytes = 0.0
     for e in problem.edges:
         if e.kind == "chain" and (e.producer, e.out_index) not in seen:
             seen.add((e.producer, e.out_index))
-            layout = e.prod_info[e.prod_class[a.choice[e.producer]]][0]
+            layout = e.prod_info[e.prod_class[choice[e.producer]]][0]
             b = problem.pricer.local_bytes(e.value, layout)
             total += problem.pricer.p2p(b)
             nbytes += b
@@ -234,14 +360,14 @@ def evaluate(problem: Problem, a: Assignment, limit: float, options: EstimateOpt
 
     options = options or EstimateOptions()
     p = len(a.stages)
-    send, send_bytes = pipeline_send(problem, a) if p > 1 else (0.0, 0.0)
-    sends = [send] * (p - 1) + [0.0]
+    per = [pipeline_send(problem, a.at(s)) if p > 1 else (0.0, 0.0) for s in range(p - 1)]
+    sends = [t for t, _ in per] + [0.0]
     links = Links(problem.pricer.ctx.mesh, problem.pricer.cluster, problem.pricer.ctx.algorithm)
     links._levels = problem.pricer.ctx._levels
     works = layer_works(problem, a, options)
-    output = output_bytes(problem, a.choice)
+    output = output_bytes(problem, a.at(p - 1))
     result = compose(works, sends, links, plan_for(problem, a.zero), problem.micro_batches, options,
-                     [send_bytes] * (p - 1) + [0.0], output)
+                     [b for _, b in per] + [0.0], output)
     fits = all(s.memory_bytes <= limit for s in result.stages)
     return Evaluation(result.step_time_s, result.stages, fits, limit)
 

@@ -138,6 +138,8 @@ def best_grid(problems: list[Problem], limit: float) -> tuple[Problem, GridPoint
     """The fastest grid point that fits in `limit` bytes per device (None when none fits)."""
     best = None
     for problem in problems:
+        if problem.shape.tq != 1:  # a Megatron user has one tp axis (tq shapes get them as hints)
+            continue
         for point, a in grid_assignments(problem):
             ev = evaluate(problem, a, limit)
             if ev.fits and (best is None or ev.step_time_s < best[3].step_time_s):

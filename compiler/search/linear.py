@@ -14,6 +14,11 @@ full) and n_s = sum_r k_{s,r}:
     step    = pipe + max_s sync_s + max_s after_s
     mem_s   = states_z + in_flight_s * activations_r + recompute working + working + buffers
 
+With per-stage partitions (`Assignment.stage_choice`) the block sums are per stage, and a stage
+boundary between different partitions adds to the later stage the chain edges' forward across
+the two partitions less that within the later stage's, and to the earlier stage their gradient
+across less that within the earlier stage's (`boundary`).
+
 `compose` (what `evaluate` and `estimate` run) differs from this only where it is not linear:
 the event-simulated schedule instead of the closed form, gradient buckets instead of a rate,
 and exact first/last-block boundaries; the ZeRO-3 gather and the sync are affine in bytes here.
@@ -169,34 +174,89 @@ def section_sums(problem: Problem, choice: tuple[int, ...]) -> dict[str, dict[st
     return acc
 
 
-def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int, int, int], ...],
-              zero: int) -> Linear:
-    """The linearised step time and per-stage memory CP-SAT works with (module formulas)."""
+def stage_vectors(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int, int, int], ...],
+                  stage_choice: tuple[tuple[int, ...], ...] = ()) -> list[tuple[int, ...]]:
+    """Per stage the candidate vector it runs (`choice` everywhere when `stage_choice` is empty;
+    a stage without blocks takes its neighbour's, as `shardc.search.evaluate.per_stage` does)."""
+    p = len(stages)
+    vecs = list(stage_choice) if stage_choice else [choice] * p
+    if p > 1 and sum(stages[0]) == 0:
+        vecs[0] = vecs[1]
+    if p > 1 and sum(stages[-1]) == 0:
+        vecs[-1] = vecs[-2]
+    return vecs
+
+
+def boundary(problem: Problem, prev: tuple[int, ...], cur: tuple[int, ...]) -> tuple[float, float, float]:
+    """What a stage boundary between blocks at `prev` and at `cur` adds over a block boundary
+    inside a stage at `cur` (forward seconds, of which pure forward redistribution) and inside a
+    stage at `prev` (gradient seconds): the chain edges priced across the two partitions."""
     co = coefficients(problem)
-    sec = section_sums(problem, choice)
+    fwd = pure = grad = 0.0
+    shares: dict[int, list[float]] = {}
+    for i, e in enumerate(problem.edges):
+        if e.kind != "chain":
+            continue
+        a, b = e.prod_class[prev[e.producer]], e.cons_class[cur[e.consumer]]
+        a0, b0 = e.prod_class[cur[e.producer]], e.cons_class[prev[e.consumer]]
+        a1 = e.prod_class[prev[e.producer]]
+        fwd += co.edge_fwd[i][a][b] - co.edge_fwd[i][a0][b]
+        pure += e.fwd_s(a, b) - e.fwd_s(a0, b)
+        across, within = shares.setdefault(e.share, [0.0, 0.0])
+        shares[e.share] = [max(across, co.edge_grad[i][a][b]), max(within, co.edge_grad[i][a1][b0])]
+    grad = sum(x - y for x, y in shares.values())
+    return fwd, pure, grad
+
+
+def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int, int, int], ...],
+              zero: int, stage_choice: tuple[tuple[int, ...], ...] = ()) -> Linear:
+    """The linearised step time and per-stage memory CP-SAT works with (module formulas); with
+    `stage_choice`, each stage's blocks at its own candidates and every stage boundary priced
+    across the two stages' partitions (`boundary`)."""
+    co = coefficients(problem)
     p, m = len(stages), problem.micro_batches
-    z3 = {}
-    for name, sums in sec.items():
+    vecs = stage_vectors(problem, choice, stages, stage_choice)
+    where = [s for s, row in enumerate(stages) for _ in range(sum(row))]
+    sums: dict[tuple[int, ...], dict[str, dict[str, float]]] = {}
+    for v in vecs:
+        if v not in sums:
+            sums[v] = section_sums(problem, v)
+    first_vec = vecs[where[0]] if where else choice
+    last_vec = vecs[where[-1]] if where else vecs[-1]
+    pre, post = sums[first_vec]["pre"], sums[last_vec]["post"]
+
+    def z3(sums_: dict[str, float]) -> float:
         if zero >= 3 and co.zero3[1] > 0:
-            ag = co.zero3[0] + co.zero3[1] * sums["pbytes"]
-            z3[name] = max(0.0, ag - sums["cfwd"]) + max(0.0, ag - sums["cbwd"])
-        else:
-            z3[name] = 0.0
-    blk = sec["block"]
-    layer = [blk["time"] + z3["block"], blk["time"] + z3["block"] + blk["core"],
-             blk["time"] + z3["block"] + blk["fwd"]]
-    back = [t - blk["fwd"] for t in layer]
-    act = [blk["saved"], blk["saved"] - blk["saved_core"], blk["inputs"]]
-    send = blk["send"] if p > 1 else 0.0
+            ag = co.zero3[0] + co.zero3[1] * sums_["pbytes"]
+            return max(0.0, ag - sums_["cfwd"]) + max(0.0, ag - sums_["cbwd"])
+        return 0.0
+
+    z3_pre, z3_post = z3(pre), z3(post)
+    extra_t = [0.0] * p  # stage boundaries: forward into stage s, gradient out of stage s
+    extra_w = [0.0] * p
+    for s in range(1, p):
+        if vecs[s] != vecs[s - 1]:
+            fwd, pure, grad = boundary(problem, vecs[s - 1], vecs[s])
+            extra_t[s] += fwd
+            extra_w[s] += fwd - pure
+            extra_t[s - 1] += grad
+            extra_w[s - 1] += grad
     stage_time, exposed, after, memory = [], [], [], []
     for s, k in enumerate(stages):
         first, last = s == 0, s == p - 1
-        pre, post = sec["pre"], sec["post"]
-        t = sum(n * lt for n, lt in zip(k, layer)) + send * ((not last) + (not first))
-        t += (pre["time"] + z3["pre"]) * first + (post["time"] + z3["post"]) * last
+        blk = sums[vecs[s]]["block"]
+        zb = z3(blk)
+        layer = [blk["time"] + zb, blk["time"] + zb + blk["core"], blk["time"] + zb + blk["fwd"]]
+        back = [t - blk["fwd"] for t in layer]
+        act = [blk["saved"], blk["saved"] - blk["saved_core"], blk["inputs"]]
+        send = blk["send"] if p > 1 else 0.0
+        t = sum(n * lt for n, lt in zip(k, layer)) + send * (not last) + sums[vecs[s - 1]]["block"]["send"] * (
+            not first) + extra_t[s]
+        t += (pre["time"] + z3_pre) * first + (post["time"] + z3_post) * last
         stage_time.append(t)
-        window = sum(n * b for n, b in zip(k, back)) + send * (not first)
-        window += (pre["time"] + z3["pre"] - pre["fwd"]) * first + (post["time"] + z3["post"] - post["fwd"]) * last
+        window = sum(n * b for n, b in zip(k, back)) + (sums[vecs[s - 1]]["block"]["send"] if not first else 0.0)
+        window += (pre["time"] + z3_pre - pre["fwd"]) * first + (post["time"] + z3_post - post["fwd"]) * last
+        window += extra_w[s]
         n = sum(k)
         grad = n * blk["gbytes"] + pre["gbytes"] * first + post["gbytes"] * last
         floor = co.tail[zero] + (co.rate[zero] * pre["gbytes"] if first else 0.0)

@@ -4,23 +4,30 @@ Rules:
 - Shapes are the factorisations pp*dp*cp*tp of the device count with tp and cp inside one
   node (the innermost mesh axes, so the fastest links carry the per-layer traffic), dp
   dividing the global batch, pp at most the number of blocks, and cp > 1 only for sequences
-  of 8192 tokens or more. Micro-batch sizes are the powers of two up to 8 that divide the
-  per-replica batch.
+  of 8192 tokens or more; with `grid2d`, a tp that is a square q*q is also offered as tp=q x
+  tq=q, the two equal model axes PrimePar's 2-D grids run on (`shardc.search.candidates`;
+  opt-in: more shapes to price and solve in the same time limit). Micro-batch
+  sizes are the powers of two up to 8 that divide the per-replica batch.
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
-- Every problem gets a lower bound (every group at its cheapest candidate, every edge free, a
-  perfectly balanced pipeline: (1 + (m-1)/p) * per-micro-batch time). The grid baseline is
-  scored first, problems by bound; once a bound is `GRID_MARGIN` above the best grid point, no
-  later problem's grid points can be among the best. The best grid point is the incumbent, and
+- Every problem gets two lower bounds: `grid_bound` (every group at its cheapest candidate,
+  every edge free, a perfectly balanced pipeline: (1 + (m-1)/p) * per-micro-batch time), by
+  which the grid baseline is scanned exactly as before, and the tighter `lower_bound` (whole
+  blocks per stage, the prefix and suffix on their stages, pipeline sends, the optimizer and
+  the last gradient bucket, infinite when the model states cannot fit), by which shapes are
+  ordered, pruned and the gap proven. The grid baseline is scored first, problems by
+  `grid_bound`; once it is `GRID_MARGIN` above the best grid point, no later problem's grid
+  points can be among the best. The best grid point is the incumbent, and
   each problem's best grid point its warm start (else the grid point best by the linearised
   objective, or a plan file's).
 - Shapes are solved in order of their bound; a shape whose bound cannot beat the incumbent is
   pruned without solving. The solves share `SOLVE_SHARE` of the time limit in CP-SAT's
   deterministic seconds (each gets a slice of what is left), so a fixed seed and worker count
   give the same plan on a busy machine too; the wall clock stops the solves only past
-  `WALL_STOP` times the limit (a machine too loaded to keep any promise). The best plan found is returned with its proven gap: 1 - (the
-  smallest lower bound over all shapes: CP-SAT's bound on the linearised objective where
-  solved, the balanced bound elsewhere) / the best plan's evaluation.
+  `WALL_STOP` times the limit (a machine too loaded to keep any promise; `wall_stop=inf`
+  turns it off). The best plan found is returned with its proven gap: 1 - (the smallest lower
+  bound over all shapes: the larger of CP-SAT's bound on the linearised objective and
+  `lower_bound` where solved, `lower_bound` elsewhere) / the best plan's evaluation.
 - Every grid point and every solver plan is evaluated with `shardc.search.evaluate` (the cost
   model's composition); the best few of each are then scored by `shardc.cost.estimate` on the
   graph annotated with the plan, the very function `shardc estimate` runs, and those are the
@@ -30,6 +37,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +50,7 @@ from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments
 from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
-from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
+from shardc.search.problem import ZEROS, GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
 LONG_SEQUENCE = 8192
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -104,8 +112,10 @@ def _rescore(founds: list[Found], cluster: Cluster, limit: float, keep: int) -> 
     return best
 
 
-def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int) -> list[MeshShape]:
-    """Every admissible (pp, dp, cp, tp) for `devices` (see the module rule)."""
+def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, grid2d: bool = False
+                ) -> list[MeshShape]:
+    """Every admissible (pp, dp, cp, tp) for `devices` (see the module rule); with `grid2d`
+    also tp=q x tq=q for a square tp."""
     if devices < 1:
         raise ShardcError(f"cannot factor {devices} devices into a mesh; the cluster needs at least one device")
     out = []
@@ -126,6 +136,9 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int) ->
                 if gbs % dp:
                     continue
                 out.append(MeshShape(pp, dp, cp, tp))
+                q = math.isqrt(tp)
+                if grid2d and q > 1 and q * q == tp:  # tp as a q x q grid (tp x tq) for PrimePar's P(q x q)
+                    out.append(MeshShape(pp, dp, cp, q, q))
     if not out:
         raise ShardcError(
             f"no mesh shape pp x dp x cp x tp fits {devices} devices with {layers} blocks and global batch {gbs}: "
@@ -139,13 +152,68 @@ def micro_batch_sizes(gbs: int, dp: int) -> list[int]:
     return [mb for mb in MICRO_BATCHES if per % mb == 0]
 
 
-def lower_bound(problem: Problem) -> float:
-    """Every group at its cheapest, edges free, stages perfectly balanced."""
+def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
+    """A lower bound of the problem's linearised objective (`shardc.search.linear.objective`):
+    every group at its cheapest, edges free, each pipeline send at its cheapest; the slowest
+    stage at least the smallest makespan of whole blocks over the stages (the prefix on the
+    first, the suffix on the last, sends on every boundary), the pipeline at least
+    sum + (m-1) x slowest; plus, for the best ZeRO stage, the optimizer on an even share of the
+    parameters and the last gradient bucket. Infinite when even an even share of the smallest
+    model states (the ZeRO stage that shards most) overflows `limit` on every device."""
+    co = coefficients(problem)
+    L, p, m = problem.layers, problem.shape.pp, problem.micro_batches
+    low = {s: 0.0 for s in ("pre", "block", "post")}
+    numel = {s: 0.0 for s in ("pre", "block", "post")}
+    send = 0.0
+    for rows, v, sends in zip(co.cand, problem.groups, co.send):
+        low[v.section] += min(r["time"] for r in rows)
+        numel[v.section] += min(r["numel"] for r in rows)
+        send += min(sends)
+    send = send if p > 1 else 0.0
+    extra = [low["pre"] * (s == 0) + low["post"] * (s == p - 1) + send * ((s > 0) + (s < p - 1)) for s in range(p)]
+    total = L * low["block"] + sum(extra)
+    slowest = max(total / p, _makespan(L, low["block"], extra))
+    params = L * numel["block"] + numel["pre"] + numel["post"]
+    states = min(co.state[z] for z in ZEROS) * params / p
+    if states > limit:
+        return float("inf")
+    tail = min(co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p + co.tail[z]
+               for z in ZEROS)
+    return total + (m - 1) * slowest + tail
+
+
+def grid_bound(problem: Problem) -> float:
+    """The grid scan's bound: every group at its cheapest, edges free, stages perfectly balanced."""
     co = coefficients(problem)
     per_mb = sum(min(r["time"] for r in rows) * (problem.layers if v.section == "block" else 1)
                  for rows, v in zip(co.cand, problem.groups))
     p, m = problem.shape.pp, problem.micro_batches
     return per_mb * (1 + (m - 1) / p)
+
+
+def _makespan(L: int, block: float, extra: list[float]) -> float:
+    """The smallest T such that whole blocks of `block` seconds, L of them, fit on stages with
+    `extra` seconds already each: sum_s floor((T - extra_s) / block) >= L."""
+    if L == 0 or block <= 0:
+        return max(extra)
+
+    def fits(t: float) -> bool:
+        return sum(max(0, int((t - e) / block + 1e-9)) for e in extra) >= L
+
+    lo, hi = max(min(extra), 0.0), max(extra) + L * block
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    # The answer is extra_s + k x block for some stage and count: the largest such value <= hi.
+    best = hi
+    for e in extra:
+        k = int((hi - e) / block + 1e-9)
+        if k >= 0 and fits(e + k * block):
+            best = min(best, e + k * block)
+    return best
 
 
 def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit: float
@@ -163,9 +231,10 @@ def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit:
         for point, a in grid_assignments(problems[i]):
             ev = evaluate(problems[i], a, limit)
             found = Found(problems[i], a, ev, "grid", "grid", 0.0, point)
-            if ev.fits:
+            if ev.fits and problems[i].shape.tq == 1:  # tp x tq points are only warm starts
                 grids.append(found)
                 best = min(best, ev.step_time_s)
+            if ev.fits:
                 if i not in hints or ev.step_time_s < hints[i][1]:
                     hints[i] = (a, ev.step_time_s)
             if closest is None or ev.memory_per_device_bytes < closest.evaluation.memory_per_device_bytes:
@@ -186,13 +255,17 @@ def _linear_hint(problem: Problem, limit: float) -> Assignment | None:
 
 def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_limit: float, seed: int = 0,
            workers: int = 1, warm: tuple[MeshShape, int, Assignment] | None = None, dtype: str = "bf16",
-           shapes: list[MeshShape] | None = None, mbs: tuple[int, ...] | None = None) -> SearchResult:
-    """Grid baseline, then CP-SAT over shapes by lower bound, within `time_limit` seconds."""
+           shapes: list[MeshShape] | None = None, mbs: tuple[int, ...] | None = None,
+           grid2d: bool = False, wall_stop: float = WALL_STOP) -> SearchResult:
+    """Grid baseline, then CP-SAT over shapes by lower bound, within `time_limit` seconds
+    (solving stops past `wall_stop` times it on the wall clock; infinity: never, so that the
+    plan depends on the seed and worker count only)."""
     if time_limit <= 0:
         raise ShardcError(f"time limit must be positive, got {time_limit} s", hint="pass --time-limit 30")
     start = time.perf_counter()
     seq = max((v.type.shape[1] for v in facts.graph.inputs if v.type.rank >= 2), default=1)
-    shapes = shapes or mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, gbs, seq)
+    shapes = shapes or mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, gbs, seq,
+                                   grid2d)
     if not facts.layering.blocks:
         shapes = [s for s in shapes if s.pp == 1] or shapes
     problems: list[Problem] = []
@@ -201,9 +274,12 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         for mb in (mbs or micro_batch_sizes(gbs, shape.dp)):
             if (gbs // shape.dp) % mb == 0:
                 problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
-    bounds = [lower_bound(p) for p in problems]
+    bounds = [lower_bound(p, limit) for p in problems]
     by_bound = sorted(range(len(problems)), key=lambda i: (bounds[i], i))
-    grids, closest, hints = _grid(problems, by_bound, bounds, limit)
+    # The grid baseline is scanned by the plain bound (`grid_bound`), so that the tighter
+    # solver bound never drops a grid point the baseline would have had.
+    plain = [grid_bound(p) for p in problems]
+    grids, closest, hints = _grid(problems, sorted(range(len(problems)), key=lambda i: (plain[i], i)), plain, limit)
     if warm is not None:
         for i, problem in enumerate(problems):
             if problem.shape == warm[0] and problem.mb == warm[1] and len(warm[2].choice) == len(problem.groups):
@@ -220,12 +296,13 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         if bounds[i] >= incumbent:
             pruned += 1
             continue
-        if budget_left <= 0 or time.perf_counter() - start >= WALL_STOP * time_limit:
+        if budget_left <= 0 or time.perf_counter() - start >= wall_stop * time_limit:
             pruned += 1
             continue
         budget = max(0.05, min(budget_left / 2, budget_left / max(1, (len(order) - n) / 4), 10.0))
         hint = hints.get(i)
-        result = solve(problem, limit, budget, seed, workers, hint[0] if hint else _linear_hint(problem, limit))
+        result = solve(problem, limit, budget, seed, workers, hint[0] if hint else _linear_hint(problem, limit),
+                       wall_limit=max(wall_stop * time_limit - (time.perf_counter() - start), 0.5))
         budget_left -= max(result.deterministic_s, 0.01)
         solved += 1
         log.append(f"{problem.shape} mb={problem.mb}: {result.status} {result.objective_s:.4g}s "

@@ -3,9 +3,9 @@ and edges, in the form the CP-SAT model and the plan evaluator both read.
 
 Layer structure: the graph's layers in order are a prefix of singleton layers (embedding), a
 run of copies of one block, and a suffix (final norm, head, loss). The block is represented by
-one copy; its candidates are shared by all copies (solved once per distinct block), so a
-block's time and memory are the same numbers on every stage. Models without such a run are
-planned with pp=1.
+one copy, enumerated and priced once per distinct block; the CP-SAT model chooses its
+candidates once per stage class (`shardc.search.sections.stage_classes`), so copies on one
+stage share a partition and stages may differ. Models without such a run are planned with pp=1.
 
 Edges carry an activation from one group to another. Their kinds say where their costs go:
 the forward redistribution to the consumer's layer, the gradient back to the producer's:
@@ -33,25 +33,31 @@ ZEROS = (0, 1, 2, 3)
 
 @dataclass(frozen=True, slots=True)
 class MeshShape:
-    """Degrees of pipeline, data, context and tensor parallelism (outermost first)."""
+    """Degrees of pipeline, data, context and tensor parallelism (outermost first); `tq` > 1
+    splits tensor parallelism over a second axis (tp x tq), as PrimePar's grids need."""
 
     pp: int = 1
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    tq: int = 1
 
     @property
     def devices(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return self.pp * self.dp * self.cp * self.tp * self.tq
+
+    def _tq(self) -> tuple[tuple[str, int], ...]:
+        return (("tq", self.tq),) if self.tq > 1 else ()
 
     def mesh(self) -> Mesh:
-        return Mesh((("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp)))
+        return Mesh((("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) + self._tq())
 
     def intra(self) -> Mesh:
-        return Mesh(tuple((a, s) for a, s in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) if s > 1))
+        axes = (("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) + self._tq()
+        return Mesh(tuple((a, s) for a, s in axes if s > 1))
 
     def __str__(self) -> str:
-        return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}"
+        return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}" + (f", tq={self.tq}" if self.tq > 1 else "")
 
 
 @dataclass
@@ -211,7 +217,7 @@ def pricing_shape(facts: GraphFacts, shape: MeshShape) -> MeshShape:
     batch (one traced sequence per replica, scaled to `mb`, as on the shape itself), where
     every local shape divides exactly; a smaller dp is priced as it is."""
     dp = max(min(shape.dp, facts.batch), 2) if shape.dp > 1 else 1
-    return MeshShape(1, dp, shape.cp, shape.tp)
+    return MeshShape(1, dp, shape.cp, shape.tp, shape.tq)
 
 
 def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate: bool,

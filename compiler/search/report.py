@@ -66,7 +66,12 @@ def load_graph(model_spec: str, batch: int | None = None) -> Graph:
 def describe(found: Found) -> str:
     s, a = found.problem.shape, found.assignment
     stages = " | ".join("+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTES) if k) or "0" for row in a.stages)
-    return f"{s}, mb={found.problem.mb}, m={found.problem.micro_batches}, zero={a.zero}, blocks per stage [{stages}]"
+    text = f"{s}, mb={found.problem.mb}, m={found.problem.micro_batches}, zero={a.zero}, blocks per stage [{stages}]"
+    if a.stage_choice:
+        differ = sum(1 for g, v in enumerate(found.problem.groups) if v.section == "block"
+                     and len({a.at(st)[g] for st in range(len(a.stages))}) > 1)
+        text += f", block partitions per stage ({differ} groups differ)"
+    return text
 
 
 def no_fit_error(result: SearchResult, limit: float) -> ShardcError:
@@ -85,8 +90,9 @@ def no_fit_error(result: SearchResult, limit: float) -> ShardcError:
 def run_plan(model_spec: str, cluster: str | Cluster, gbs: int, memory_limit_gb: float | None = None,
              time_limit: float = 30.0, seed: int = 0, out: str | None = None, json_out: bool = False,
              console: Any = None, workers: int = 1, warm_start: str | None = None,
-             graph: Graph | None = None) -> int:
-    """The `shardc plan` command; returns the exit code (ShardcError propagates to the CLI)."""
+             graph: Graph | None = None, grid2d: bool = False) -> int:
+    """The `shardc plan` command; returns the exit code (ShardcError propagates to the CLI).
+    `grid2d` adds the tp x tq mesh shapes PrimePar's 2-D grids need (`mesh_shapes`)."""
     if time_limit <= 0:
         raise ShardcError(f"--time-limit must be positive, got {time_limit}", hint="e.g. --time-limit 30")
     if gbs < 1:
@@ -101,7 +107,7 @@ def run_plan(model_spec: str, cluster: str | Cluster, gbs: int, memory_limit_gb:
         data = load_plan(warm_start)
         shape, mb = plan_shape(data)
         warm = (shape, mb, assignment_from_plan(data, build_problem(facts, cl, shape, mb, gbs)))
-    result = search(facts, cl, gbs, limit, time_limit, seed, workers, warm)
+    result = search(facts, cl, gbs, limit, time_limit, seed, workers, warm, grid2d=grid2d)
     if result.best is None:
         raise no_fit_error(result, limit)
     best, grid = result.best, result.grid
@@ -171,8 +177,14 @@ def _print(console: Any, best: Found, grid: Found | None, summary: dict[str, Any
     p = Table(title="partitions of the node groups")
     p.add_column("group")
     p.add_column("partition")
-    for v, c in zip(best.problem.groups, best.assignment.choice):
-        p.add_row(f"{v.key[0]}#{v.key[1]} {v.group.name}", v.cands[c].label)
+    a = best.assignment
+    for g, (v, c) in enumerate(zip(best.problem.groups, a.choice)):
+        labels = [v.cands[a.at(st)[g]].label for st in range(len(a.stages))]
+        if v.section == "block" and len(set(labels)) > 1:
+            c_text = "; ".join(f"stage {st}: {label}" for st, label in enumerate(labels))
+        else:
+            c_text = v.cands[c].label
+        p.add_row(f"{v.key[0]}#{v.key[1]} {v.group.name}", c_text)
     console.print(p)
     if grid is not None:
         console.print(f"best grid plan: {grid.grid_point.plan_string(gbs) if grid.grid_point else ''} -> "

@@ -28,9 +28,16 @@ class Timelines:
     """Memory timelines of one plan's layers, by (kind, recomputation, tied parameters, held)."""
 
     def __init__(self, problem: Problem, choice: tuple[int, ...], parts: dict[str, LayerTerms],
-                 options: EstimateOptions) -> None:
+                 options: EstimateOptions, prev: tuple[int, ...] | None = None) -> None:
         self.problem, self.parts, self.options = problem, parts, options
         self.ctx = _overlay(problem, choice)
+        if prev is not None and prev != choice:
+            # A stage's first block reads the previous stage's output as that stage produced it.
+            layouts = dict(self.ctx.layouts)
+            for e in problem.edges:
+                if e.kind == "chain":
+                    layouts[id(e.value)] = e.prod_info[e.prod_class[prev[e.producer]]][0]
+            self.ctx = self.ctx.with_overlay(self.ctx.partitions, layouts)
         # The first block reads the prefix's output where the represented one reads the
         # previous copy's: its inputs are laid out as the prefix produces them.
         chain = {(e.consumer, e.member, e.index): e for e in problem.edges if e.kind == "chain"}
@@ -54,11 +61,14 @@ class Timelines:
         self.shard = zero_group(problem.pricer.ctx.mesh)[1]
         self._cache: dict[tuple[str, str, frozenset[str], bool], LayerMemory] = {}
 
-    def get(self, kind: str, recompute: str, zero: int, tied: frozenset[str]) -> LayerMemory:
+    def get(self, kind: str, recompute: str, zero: int, tied: frozenset[str],
+            terms: LayerTerms | None = None) -> LayerMemory:
+        """The memory timeline of a layer of `kind` (its terms: `terms`, else `parts[kind]`; a
+        layer's memory depends on what it saves and keeps, not on the layer after it)."""
         hold = fsdp2(self.options, zero, self.shard)
         key = (kind, recompute, tied, hold)
         if key not in self._cache:
-            ctx, terms = self.ctx, self.parts[kind]
+            ctx, terms = self.ctx, (terms if terms is not None else self.parts[kind])
             if kind == "first":
                 ctx, terms = self.first_ctx, dataclasses.replace(
                     terms, saved_entries={self.rekey.get(k, k): v for k, v in terms.saved_entries.items()},

@@ -74,6 +74,8 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
     steps = len(results[0]["step_times_s"])
     slowest = [max(r["step_times_s"][k] for r in results) for k in range(steps)]
     measured_step = statistics.median(slowest)
+    cpu = [r["cpu_step_times_s"] for r in results if r.get("cpu_step_times_s")]
+    cpu_step = statistics.median(max(c[k] for c in cpu) for k in range(len(cpu[0]))) if cpu else None
     breakdown = profile_breakdown([r.get("profile") or {} for r in results])
     ranks = []
     for r, pred, times in zip(results, predicted["ranks"], breakdown):
@@ -98,6 +100,7 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
         "predicted_step_time_s_profile": profile_step,
         "step_time_error_profile": rel_error(profile_step, measured_step),
         "probe_flops": [r.get("probe_flops") for r in results],
+        "measured_cpu_step_time_s": cpu_step,  # the busiest rank's main-thread CPU time, median over steps
         "step_times_s": slowest, "losses": results[0]["losses"],
         "measured_peak_memory_bytes": [x["measured_peak_memory_bytes"] for x in ranks],
         "predicted_peak_memory_bytes": [x["predicted_peak_memory_bytes"] for x in ranks],

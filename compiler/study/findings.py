@@ -155,7 +155,38 @@ def accuracy(data: dict[str, Any], summary: dict[str, Any]) -> str:
                else "")
             + (f", Spearman {rho_static:.2f}" if rho_static is not None else "") + "."
             + (f"\n- Noise floor: plans that differ only in DDP's bucket size (>= 0.1 MiB, where the model predicts "
-               f"within a few ms of each other) measured {spread}." if spread else ""))
+               f"within a few ms of each other) measured {spread}." if spread else "")
+            + _by_family(ran))
+
+
+def family(plan: str) -> str:
+    """The kind of plan an error is filed under: what sets it apart from plain data parallelism."""
+    keys = dict(kv.split("=", 1) for kv in plan.split(",") if "=" in kv)
+    if keys.get("zero", "0") != "0":
+        return "ZeRO (FSDP2)"
+    if keys.get("recompute", "none") != "none":
+        return "recomputation"
+    if "bucket_mb" in keys:
+        return "DDP bucket size"
+    if int(keys.get("pp", 1)) > 1:
+        return "pipeline"
+    if int(keys.get("tp", 1)) > 1:
+        return "tensor parallel"
+    return "data parallel"
+
+
+def _by_family(ran: list[dict[str, Any]]) -> str:
+    """Median signed step-time error by plan family, and how much of a step is CPU work."""
+    groups: dict[str, list[float]] = {}
+    for p in ran:
+        if p.get("step_time_error") is not None:
+            groups.setdefault(family(p["plan"]), []).append(p["step_time_error"])
+    text = "; ".join(f"{k} {statistics.median(v):+.0%} ({len(v)})" for k, v in sorted(groups.items()))
+    busy = [p["measured_cpu_step_time_s"] / p["measured_step_time_s"] for p in ran
+            if p.get("measured_cpu_step_time_s") and p.get("measured_step_time_s")]
+    cpu = (f"\n- CPU work: the busiest rank's main thread is on a core for {statistics.median(busy):.0%} of the "
+           f"step (median over plans; the rest is waiting for a core, for peers or for messages)." if busy else "")
+    return (f"\n- Step-time error by kind of plan (median, plans): {text}." if text else "") + cpu
 
 
 def _repeat_spread(ran: list[dict[str, Any]]) -> str:

@@ -1,6 +1,8 @@
 """Measuring one rank's training step: memory by category, collectives, and a time breakdown.
 
-Memory (CPU has no allocator statistics, so every tensor is accounted for by hand):
+Memory (CPU has no allocator statistics, so every tensor is accounted for by hand; on CUDA
+the same accounting gives the categories and the caching allocator's peak, `allocator_memory`,
+is the measured peak):
 - At the start of the measured step, every tensor Python can reach (`gc.get_objects()`, a
   DTensor counted as its local shard) is filed by its role: `parameters` (the module's
   parameters), `gradients` (their `.grad`), `optimizer` (the optimizer's state), `buffers`
@@ -330,13 +332,24 @@ def is_comm(name: str) -> bool:
     return any(m in name for m in COMM_MARKERS)
 
 
-def profile_events(prof: Any, marker: str) -> dict[str, Any]:
+def _on_device(e: Any) -> bool:
+    """A GPU activity (kernel, copy, set), not a CPU op nor a GPU-side user annotation."""
+    return str(getattr(e, "device_type", "CPU")).rsplit(".", 1)[-1] != "CPU" and not getattr(
+        e, "is_user_annotation", False)
+
+
+def profile_events(prof: Any, marker: str, device: str = "cpu") -> dict[str, Any]:
     """The profiled step as plain data: the step interval, compute and communication intervals
-    (microseconds) and each collective call's (key, duration) in order, for `profile_breakdown`."""
+    (microseconds) and each collective call's (key, duration) in order, for `profile_breakdown`.
+    On `device="cuda"` (a profile with CUDA activities, the step synchronised before the marker
+    closes) compute and communication are the GPU's own intervals: NCCL kernels are
+    communication, every other kernel, copy and set is compute; the CPU ops only launch them."""
     events = list(prof.events())
-    step = next((e for e in events if e.name == marker), None)
+    step = next((e for e in events if e.name == marker and not _on_device(e)), None)
     if step is None:
         return {}
+    if device == "cuda":
+        return _device_profile(events, step)
     main = step.thread
     lo, hi = step.time_range.start, step.time_range.end
     compute, comm, calls = [], [], []
@@ -355,6 +368,35 @@ def profile_events(prof: Any, marker: str) -> dict[str, Any]:
         elif e.thread == main:
             compute.append(span)
     return {"step_us": hi - lo, "compute": _union(compute), "comm": _union(comm), "calls": calls}
+
+
+def _device_profile(events: list[Any], step: Any) -> dict[str, Any]:
+    lo, hi = step.time_range.start, step.time_range.end
+    compute, comm, calls = [], [], []
+    counts: dict[str, int] = {}
+    for e in sorted((e for e in events if _on_device(e)), key=lambda e: e.time_range.start):
+        if e.time_range.end < lo or e.time_range.start > hi:
+            continue
+        span = (max(lo, e.time_range.start), min(hi, e.time_range.end))
+        if is_comm(e.name):  # ncclDevKernel_AllReduce_..., ncclKernel_...
+            comm.append(span)
+            counts[e.name] = counts.get(e.name, 0) + 1
+            calls.append((f"{e.name}|{counts[e.name]}", e.time_range.elapsed_us()))
+        else:
+            compute.append(span)
+    return {"step_us": hi - lo, "compute": _union(compute), "comm": _union(comm), "calls": calls}
+
+
+def allocator_memory(device: Any) -> dict[str, float]:
+    """The CUDA caching allocator's view of the last `reset_peak_memory_stats` window: peak bytes
+    allocated to tensors (what `max_memory_allocated` reports), peak reserved from the driver,
+    and the allocator's retries and OOMs (a peak that forced cache flushes)."""
+    stats = torch.cuda.memory_stats(device)
+    return {"peak_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_bytes": float(torch.cuda.max_memory_reserved(device)),
+            "allocated_bytes_now": float(torch.cuda.memory_allocated(device)),
+            "num_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "num_ooms": float(stats.get("num_ooms", 0))}
 
 
 def profile_breakdown(per_rank: list[dict[str, Any]]) -> list[dict[str, float]]:

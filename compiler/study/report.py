@@ -12,6 +12,8 @@ waiting, other).
 from __future__ import annotations
 
 import json
+import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -192,13 +194,23 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
+def _load_line(data: dict[str, Any]) -> str:
+    """The machine's load while the plans ran (1-minute load average as each plan finished)."""
+    loads = [p["load_average"] for p in data["plans"] if p.get("load_average") is not None]
+    if not loads:
+        return ""
+    return (f" Load average while the plans ran: median {statistics.median(loads):.1f}, "
+            f"range {min(loads):.1f}-{max(loads):.1f} (on {os.cpu_count()} cores).")
+
+
 def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     ok = lambda b: "met" if b else "NOT met"  # noqa: E731
     t = summary["targets"]
     lines = [f"# shardc study: {data['model']}", "",
              f"Device: {data['device']}; {data.get('warmup')} warm-up and {data.get('steps')} measured steps per plan; "
              f"study wall time {data.get('wall_time_s', 0.0):.0f} s. Predictions: the cost model on "
-             + ", ".join(sorted({p.get('cluster') or '' for p in data['plans'] if p.get('cluster')})) + ".", "",
+             + ", ".join(sorted({p.get('cluster') or '' for p in data['plans'] if p.get('cluster')})) + "."
+             + _load_line(data), "",
              "## Targets", "",
              "| target | result | status |", "|---|---|---|",
              f"| memory within 5% per rank, every plan | {summary['plans_memory_within_5pct']}/{summary['ran']} plans; "
@@ -264,13 +276,13 @@ METHOD = """\
 - Every plan trains for real on local processes (gloo on CPU, NCCL on GPUs) on shardc's own runtime,
   as `shardc run` does: `shardc.compile(model, batch, plan=...).parallelize(model)`, then
   `module.step(*batch)` (the pipeline schedule when pp > 1, gradient accumulation otherwise).
-  Two study-only keys keep older paths: `split=` plans run on `backends/torch/pipeline.PipelineRunner`
-  (unbalanced stages, pp with dp only), `bucket_mb=` plans on plain DDP with that bucket size.
+  A `split=` plan deals the blocks to pipeline stages before lowering and runs the same way; the
+  study-only key `bucket_mb=` keeps an older path: plain DDP with that bucket size.
   AdamW, gradients kept
   between steps (`zero_grad(set_to_none=False)`), fp32. Warm-up steps, then measured steps, each started
-  together after a barrier; the step time is the slowest rank's, median over steps. Right before the
-  timed steps every rank runs a 0.15 s fp32 matmul probe at once (the calibration's concurrent
-  benchmark), so the compute rate the machine's load left at that moment is known.
+  together after a barrier; the step time is the slowest rank's, median over steps. Right before and
+  right after the timed steps every rank runs a 0.15 s fp32 matmul probe at once (the calibration's
+  concurrent benchmark; harmonic mean of the two), so the compute rate the machine's load left then is known.
 - Time breakdown: torch.profiler on one more step. compute = the main thread's ops; communication =
   collective intervals on any thread; exposed = not under compute; waiting = each collective's duration
   minus the shortest any rank saw for the same call (the last to arrive does not wait).
@@ -283,6 +295,12 @@ METHOD = """\
   recompute_working). Weights FSDP gathers are buffers. The peak is the largest live total after any op.
 - Predictions: `shardc.cost.estimate` on the same plan (the plan's stage split and DDP bucket size passed
   as model inputs), on the calibrated `local` profile for that process count; nothing fitted per plan.
+  On a CPU the profile holds eager costs measured by `shardc calibrate` (`calibrate_ops`): per op
+  class (matmul, linear, attention's batched matmul, elementwise, transcendental, norm, softmax, loss,
+  ...) a per-call cost plus a per-FLOP or per-byte one, forward and autograd backward, views' call and
+  autograd node, and AdamW's step per parameter tensor and per element (plain and FSDP2's DTensors), in
+  CPU time on one thread; the node costs come from these instead of a roofline, scaled by how much
+  slower a process runs while the others share the cores.
   The step-time error is against the same model on that profile recalibrated to the moment the plan ran
   (`calibrate.under_load`: the probe's compute rate, the copy bandwidth scaled alike but never above a
   lone process's, and the all_reduce fit from this study's own all_reduce-by-size benchmark); the error on

@@ -10,6 +10,11 @@ the plan in flight and resumes with the next. A plan that fails is recorded with
 Once a plan has run it is predicted again on the profile recalibrated to the load it ran under
 (`calibrate.under_load`: the compute probe every rank ran before its timed steps, and this
 study's all_reduce-by-size benchmark); both predictions are recorded.
+
+On `--device cuda` each process count needs as many GPUs (NCCL, rank r on `cuda:r`); plans are
+predicted on the GPU preset `--cluster` names (`H200`) or the visible GPU's, and after the sweep
+the matmuls of the model and a size sweep are timed on the GPU and the preset's efficiency
+curve fitted to them (`shardc.study.gpu_calibration`): the report says how far the preset was off.
 """
 
 from __future__ import annotations
@@ -94,19 +99,21 @@ def prepare(model_spec: str, loaded: Any, sp: StudyPlan, cluster: Any, common: d
            "mesh_axes": [tuple(a) for a in predicted["mesh_axes"]], **common}
     import shardc
 
-    if plan.pp > 1 and sp.split is not None:  # unbalanced stages: only the study's PipelineRunner cuts them
-        job["runtime"] = "pipeline-runner"
-        job["stage_of"] = predicted["stage_of"]
-    elif sp.bucket_mb is not None:  # DDP with its bucket size set: one micro-batch graph, accumulated here
+    split = sp.split if plan.pp > 1 else None
+    if split is None and sp.bucket_mb is not None:  # DDP with its bucket size set: one micro-batch graph, accumulated here
         per = plan.dp * plan.mb
         inputs = tuple(x[:per] for x in loaded.example_inputs)
         job["runtime"] = "ddp-bucket"
         job["compiled"] = shardc.compile(loaded.model, inputs, plan=plan, input_names=loaded.input_names)
         job["traced_batch"] = per
-    else:  # what `shardc run` does: the global batch compiled, `parallelize(model).step(*batch)`
+    else:  # what `shardc run` does: the global batch compiled, `parallelize(model).step(*batch)`;
+        # an unbalanced split= deals the blocks to stages before lowering, as the prediction did
+        from shardc.study.predict import stage_split
+
+        edit = None if split is None else (lambda graph: stage_split(graph, split, plan.stages))
         job["runtime"] = "shardc"
         job["compiled"] = shardc.compile(loaded.model, tuple(loaded.example_inputs), plan=plan,
-                                         input_names=loaded.input_names)
+                                         input_names=loaded.input_names, before_lower=edit)
     return job, predicted
 
 
@@ -115,7 +122,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
               steps: int = 5, warmup: int = 2, console: Any = None, profile: Any = None,
               memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
               allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True,
-              fresh_profile: bool = False) -> int:
+              fresh_profile: bool = False, cluster: str | None = None, gpu_calibration: bool | None = None) -> int:
     """Run the study (see the module doc) and write the report to `out_dir`; returns 0.
 
     `nproc`: process counts (`2`, `"2,4"`); plans of other device counts in a sweep are left
@@ -124,6 +131,9 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     `fresh_profile=True` recalibrates this machine first (`shardc calibrate --quick` for these
     process counts, written to `out_dir/local-profile.json`): on a shared machine the load of
     the moment, not that of the last calibration, is what the plans will run under.
+    `cluster` (a GPU preset, `--device cuda` only) and `gpu_calibration` (time the device's matmuls
+    after the sweep against the device spec the plans were predicted on; by default on CUDA only,
+    True on the CPU times small fp32 matmuls against the local profile): see the module doc.
     """
     from rich.console import Console
 
@@ -133,9 +143,14 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     console = console or Console(stderr=True)
     if device not in ("cpu", "cuda"):
         raise ShardcError(f"--device {device!r}: use cpu or cuda")
-    if device == "cuda":  # the worker builds, feeds and times on CPU; CUDA needs inputs moved and syncs
-        raise ShardcError("--device cuda is not wired into the study's worker yet (inputs on the GPU, "
-                          "CUDA synchronisation around timed steps, allocator peaks)", hint="use --device cpu")
+    if cluster is not None and device != "cuda":
+        raise ShardcError(f"--cluster {cluster}: a GPU preset applies to --device cuda; on the CPU the study "
+                          "predicts on this machine's calibrated local profile")
+    if device == "cuda":
+        from shardc.backends.torch.launch import choose_backend
+
+        for n in _nprocs(nproc):
+            choose_backend(n, "cuda")  # a ShardcError when there are fewer GPUs than processes
     out = Path(out_dir)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
@@ -151,10 +166,25 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
 
         profile = run_calibration(out / "local-profile.json", quick=True, nprocs=tuple(n for n in nprocs if n > 1),
                                   console=console)
+    if device == "cpu" and profile is None:
+        from shardc.calibrate import load_profile, run_calibration
+
+        profile = load_profile()
+        if profile.eager is None:  # a version 1 cache: the CPU's eager costs were never measured
+            console.print("the cached local profile has no eager op costs (version 1); recalibrating it")
+            profile = run_calibration(console=console)
     texts = plan_texts(nprocs, plans_file, sweep, batch)
     clusters: dict[int, Any] = {}
 
     def cluster_for(n: int) -> Any:
+        if n not in clusters and device == "cuda":
+            from shardc.backends.torch.launch import choose_backend
+            from shardc.hardware import with_overrides
+            from shardc.study.gpu_calibration import gpu_study_cluster
+
+            choose_backend(n, "cuda")
+            gpus = gpu_study_cluster(n, cluster)
+            clusters[n] = gpus if memory_limit_bytes is None else with_overrides(gpus, memory_bytes=memory_limit_bytes)
         if n not in clusters:
             clusters[n] = study_cluster(n, device, profile=profile, memory_limit_bytes=memory_limit_bytes)
         return clusters[n]
@@ -169,7 +199,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
 
         base = profile if profile is not None else load_profile()
         points = [(x["bytes"], x["measured_s"]) for x in store.data["allreduce"].get(str(sp.devices), {}).get(
-            "points", [])]
+            "points", [])] if sp.devices > 1 else []  # one process has no link to refit
         now = under_load(base, sp.devices, sum(probes) / len(probes), points)
         cluster = study_cluster(sp.devices, device, profile=now, memory_limit_bytes=memory_limit_bytes)
         return {**predict(model_spec, sp, cluster)[1], "cluster": str(cluster)}
@@ -202,15 +232,24 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         jobs.setdefault(sp.devices, []).append(job)
     for n in sorted(jobs):
         if str(n) not in store.data["allreduce"]:
-            jobs[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes)})
+            jobs[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes),
+                               "device": device})
     total = sum(len(j) for j in jobs.values())
     _run_groups(jobs, work, store, predictions, cluster_for, total, job_timeout_s, console, recalibrated)
+    if gpu_calibration if gpu_calibration is not None else device == "cuda":
+        from shardc.study.gpu_calibration import calibrate_study
+
+        console.print("timing the device's matmuls against the model's device spec (gpu-calibration.md)")
+        calibrate_study(store.data, model_spec, cluster_for, nprocs, out, device=device)
     store.data["wall_time_s"] = store.data.get("wall_time_s", 0.0) + time.perf_counter() - started
     store.save()
     if report:
         from shardc.study.report import write_report
 
         write_report(store.data, out)
+        from shardc.study.gpu_calibration import append_to_report
+
+        append_to_report(store.data, out)
         console.print(f"study written to {out}/ (report.md, results.json, plots)")
     return 0
 
@@ -255,9 +294,11 @@ def _launch(n: int, pending: list[dict[str, Any]], work: Path, job_timeout_s: fl
 
     outcome: dict[str, Any] = {}
 
+    device = next((job["device"] for job in pending if job.get("device")), None)
+
     def target() -> None:
         try:
-            spawn(run_jobs, n, pending, str(work), timeout_s=job_timeout_s * len(pending) + 60)
+            spawn(run_jobs, n, pending, str(work), timeout_s=job_timeout_s * len(pending) + 60, device=device)
         except Exception as err:
             outcome["error"] = str(err)
 
@@ -297,6 +338,7 @@ def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsS
         return
     sp, predicted = predictions[job["id"]]
     now = recalibrated(sp, results) if recalibrated is not None else None
-    store.record(plan_entry(sp, predicted, results, now))
+    # The machine's 1-minute load average as the plan finished: how shared the cores were.
+    store.record({**plan_entry(sp, predicted, results, now), "load_average": os.getloadavg()[0]})
 
 

@@ -3,10 +3,10 @@
 A job is a plan or the all_reduce-by-size benchmark. A plan runs as `shardc run` trains it
 (`runtime="shardc"`): compiled by the parent for the global batch, `plan.parallelize(model)`
 here and `module.step(*batch)` per step (pipelines for pp > 1, gradient accumulation over
-micro-batches for pp = 1, any mix of dp/tp/pp/zero/recompute). Two study-only keys keep the
-older paths: `split=3+1` (unbalanced stages, cut here by `backends/torch/pipeline.PipelineRunner`,
-pp with dp only) and `bucket_mb` (plain DDP with its bucket size set, micro-batches accumulated
-here under `no_sync`). For a plan: warm-up steps, then
+micro-batches for pp = 1, any mix of dp/tp/pp/zero/recompute; a study plan's `split=3+1` is
+written into the layers' stages before the parent lowers it, so unbalanced pipelines run the
+same way). The study-only key `bucket_mb` keeps an older path (plain DDP with its bucket size
+set, micro-batches accumulated here under `no_sync`). For a plan: warm-up steps, then
 `steps` timed steps (each started together after a barrier), one step under torch.profiler
 and one step under the memory tracker (`shardc.study.measure`). Each rank writes its result
 to `<work>/<job id>.rank<r>.json` atomically; a rank that fails writes its error there and
@@ -17,6 +17,14 @@ The training step is forward and backward (`module.step`, or the older paths' ow
 AdamW `step()`, `zero_grad(set_to_none=False)` (gradients stay allocated between steps, as
 Megatron's gradient buffers do, so the peak holds them); timing and the memory tracker wrap
 that whole step the same way on every path.
+
+On CUDA (`job["device"] == "cuda"`, an NCCL group from `launch.spawn(device="cuda")`): rank r
+runs on `cuda:r` (model shards, inputs, targets, all_reduce buffers); every timed interval is
+closed by `torch.cuda.synchronize()` (host timers then measure the GPU's work), and CUDA events
+give each step's GPU time beside it; the profiled step records CUDA activities (kernels are the
+compute, NCCL kernels the communication); the memory-tracked step resets the caching
+allocator's peak first, so the measured peak is `torch.cuda.max_memory_allocated` and the
+tensor accounting splits it by category.
 """
 
 from __future__ import annotations
@@ -46,17 +54,35 @@ def write_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def job_device(rank: int, jobs: list[dict[str, Any]]) -> torch.device:
+    """`cuda:<rank>` when the jobs say `device="cuda"` (the group must be NCCL), else the CPU."""
+    if not any(job.get("device") == "cuda" for job in jobs):
+        return torch.device("cpu")
+    if dist.get_backend() != "nccl":
+        raise ShardcError(f"--device cuda: rank {rank} joined a {dist.get_backend()} group, not NCCL",
+                          hint="launch the study's group with launch.spawn(..., device='cuda')")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], work: str) -> int:
     """Entry point for `launch.spawn`: run `jobs` in order; returns how many finished."""
     torch.set_num_threads(1)
+    device = job_device(rank, jobs)
     done = 0
     for job in jobs:
         path = Path(work) / f"{job['id']}.rank{rank}.json"
         try:
             if job["kind"] == "allreduce_sizes":
-                result = allreduce_sizes(rank, world, job)
+                result = allreduce_sizes(rank, world, job, device)
             else:
-                result = run_plan(rank, world, job)
+                result = run_plan(rank, world, job, device)
         except BaseException as err:
             write_atomic(path, {"rank": rank, "error": f"{type(err).__name__}: {err}",
                                 "traceback": traceback.format_exc()[-4000:]})
@@ -69,24 +95,30 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], work: str) -> in
 
 # ---- the all_reduce benchmark -----------------------------------------------------------------
 
-def allreduce_sizes(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+def allreduce_sizes(rank: int, world: int, job: dict[str, Any], device: torch.device | None = None
+                    ) -> dict[str, Any]:
     """Seconds per fp32 all_reduce of each size (median of 3 trials, slowest rank per trial)."""
+    device = device or torch.device("cpu")
     points = []
     for nbytes in job["sizes"]:
-        x = torch.ones(max(1, nbytes // 4))
+        x = torch.ones(max(1, nbytes // 4), device=device)
         dist.all_reduce(x)
         dist.barrier()
+        _sync(device)
         t0 = time.perf_counter()
         dist.all_reduce(x)
-        probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        _sync(device)
+        probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(probe, op=dist.ReduceOp.MAX)
         reps = int(max(2, min(40, job.get("budget_s", 0.1) / max(probe.item(), 1e-6))))
-        trials = torch.zeros(3, dtype=torch.float64)
+        trials = torch.zeros(3, dtype=torch.float64, device=device)
         for i in range(3):
             dist.barrier()
+            _sync(device)
             t0 = time.perf_counter()
             for _ in range(reps):
                 dist.all_reduce(x)
+            _sync(device)
             trials[i] = (time.perf_counter() - t0) / reps
         dist.all_reduce(trials, op=dist.ReduceOp.MAX)
         points.append((x.numel() * 4, float(trials.median())))
@@ -101,26 +133,27 @@ def _loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def _build(job: dict[str, Any], world: int) -> tuple[Any, list[torch.nn.Module], Any, tuple[torch.Tensor, ...]]:
-    """(trainable, its modules for memory roles, a step function taking inputs, the inputs)."""
+def _build(job: dict[str, Any], world: int, device: torch.device | None = None
+           ) -> tuple[Any, list[torch.nn.Module], Any, tuple[torch.Tensor, ...]]:
+    """(trainable, its modules for memory roles, a step function taking inputs, the inputs);
+    the model is built on the CPU with the job's seed, its shards and the inputs live on `device`."""
     from shardc.models import load_model
 
+    device = device or torch.device("cpu")
     torch.manual_seed(job.get("seed", 0))
     loaded = load_model(job["model"], device="cpu")
-    model, inputs = loaded.model, tuple(loaded.example_inputs)
+    model, inputs = loaded.model, tuple(x.to(device) for x in loaded.example_inputs)
     runtime = job.get("runtime", "shardc")
-    if runtime == "pipeline-runner":
-        return _pipeline(job, model, inputs, world)
     compiled = job["compiled"]
     if runtime == "shardc":
         return _shardc_runtime(compiled, model, inputs)
-    module = _ddp_with_bucket(compiled, model, float(job["bucket_mb"]))
+    module = _ddp_with_bucket(compiled, model, float(job["bucket_mb"]), device)
     per = job["traced_batch"]
     micro = [tuple(x[i:i + per] for x in inputs) for i in range(0, inputs[0].shape[0], per)]
     sync_ctx = getattr(module, "no_sync", None)
 
     def forward_backward() -> torch.Tensor:
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for k, batch in enumerate(micro):
             ctx = sync_ctx() if sync_ctx is not None and k < len(micro) - 1 else nullcontext()
             with ctx:
@@ -155,7 +188,8 @@ def _shardc_runtime(compiled: Any, model: torch.nn.Module, inputs: tuple[torch.T
     return module, [module], forward_backward, inputs
 
 
-def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float) -> torch.nn.Module:
+def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float,
+                     device: torch.device | None = None) -> torch.nn.Module:
     """plan.parallelize for a DDP plan, with DDP's bucket size set (for the block-size study)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -178,44 +212,16 @@ def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float) ->
     check_model(graph, model)
     from shardc.api import _with_constants
 
-    tensors = local_tensors(graph, _with_constants(model, compiled.constants), rank)
-    module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank))
-    return DistributedDataParallel(module, process_group=dm[axes[0]].get_group(), bucket_cap_mb=bucket_mb)
-
-
-def _pipeline(job: dict[str, Any], model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from shardc.backends.torch.pipeline import PipelineRunner
-
-    plan = job["plan"]
-    if plan.tp > 1 or plan.cp > 1 or plan.zero or plan.recompute != "none":
-        raise ShardcError(f"plan {plan}: the pipeline runtime (backends/torch/pipeline.PipelineRunner) runs "
-                          "pp with dp only here: tp/cp sharding of a stage, ZeRO and recomputation inside "
-                          "a pipeline are not wired to it yet")
-    if len(inputs) < 2:
-        raise ShardcError("pipelined study plans need example inputs (inputs, targets)")
-    axes = job["mesh_axes"]
-    mesh = init_device_mesh("cpu", tuple(s for _, s in axes), mesh_dim_names=tuple(a for a, _ in axes))
-    # torch.export keeps module paths (nn_module_stack) and specialises shapes (GPT slices its
-    # mask by the sequence length), at the micro-batch size the schedule feeds each stage.
-    traced = torch.export.export(model, (inputs[0][:plan.mb],), strict=False).module()
-    runner = PipelineRunner(model, mesh, _loss_fn, n_microbatches=job["micro_batches"], schedule=plan.schedule,
-                            virtual_stages=plan.vpp, stage_of=job.get("stage_of"), traced=traced)
-    dp = plan.dp
-    coord = mesh["dp"].get_local_rank() if "dp" in (mesh.mesh_dim_names or ()) and dp > 1 else 0
-    per = inputs[0].shape[0] // dp
-    mine = tuple(x[coord * per:(coord + 1) * per] for x in inputs)
-
-    def forward_backward() -> torch.Tensor:
-        return runner.step(mine[0], mine[1])
-
-    return runner, list(runner.modules), forward_backward, inputs
+    device = device or torch.device("cpu")
+    tensors = local_tensors(graph, _with_constants(model, compiled.constants), rank, device=device)
+    module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
+    return DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
+                                   process_group=dm[axes[0]].get_group(), bucket_cap_mb=bucket_mb)
 
 
 def compute_probe(n: int = 256, window_s: float = 0.15) -> float:
     """This process's fp32 matmul FLOP/s right now, all ranks running it at once (the calibration's
-    concurrent benchmark): what the machine's load leaves this plan, measured before its steps."""
+    concurrent benchmark): what the machine's load leaves this plan, measured around its steps."""
     from shardc.calibrate import _window_rate
 
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -223,11 +229,15 @@ def compute_probe(n: int = 256, window_s: float = 0.15) -> float:
     return _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, window_s)
 
 
-def run_plan(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | None = None) -> dict[str, Any]:
     """Warm-up, timed steps, a profiled step and a memory-tracked step (see the module doc)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    trainable, modules, forward_backward, _ = _build(job, world)
+    from shardc.study.measure import allocator_memory
+
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
+    trainable, modules, forward_backward, _ = _build(job, world, device)
     optimizer = torch.optim.AdamW(trainable.parameters(), lr=1e-4, foreach=False)
 
     def step(tracker: Any = None) -> float:
@@ -239,23 +249,52 @@ def run_plan(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         return float(loss)
 
     losses = [step() for _ in range(job["warmup"])]
-    probe = compute_probe()
-    times = []
+    probe = compute_probe() if not cuda else None  # the CPU's load now (`calibrate.under_load`)
+    times, gpu_times, cpu_times = [], [], []
     for _ in range(job["steps"]):
         dist.barrier()
+        _sync(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+        c0 = time.thread_time()  # this rank's main-thread CPU time: the step's work without the load
         t0 = time.perf_counter()
+        if events:
+            events[0].record()
         losses.append(step())
+        if events:
+            events[1].record()
+        _sync(device)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.thread_time() - c0)
+        if events:
+            gpu_times.append(events[0].elapsed_time(events[1]) / 1e3)
+    if probe is not None:  # the load while the steps ran: probed before and after (harmonic mean)
+        probe = 2.0 / (1.0 / probe + 1.0 / compute_probe())
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities, record_shapes=True) as prof:
         with record_function(MARKER):
             step()
-    events = profile_events(prof, MARKER)
+            _sync(device)
+    events_data = profile_events(prof, MARKER, device.type)
     dist.barrier()
-    extra = {"buffers": float(ddp_bucket_bytes(trainable))}
+    wrappers = [stage.submod for stage in getattr(trainable, "stages", [])] or [trainable]  # a pipeline: DDP per stage
+    extra = {"buffers": float(sum(ddp_bucket_bytes(m) for m in wrappers))}
+    if cuda:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with track_memory(modules, optimizer, extra) as tracker:
         step(tracker)
     memory = tracker.result()
+    if cuda:  # the allocator's peak is the measurement; the accounting splits it by category
+        _sync(device)
+        allocator = allocator_memory(device)
+        memory["tracked_peak_bytes"] = memory["peak_bytes"]
+        memory["peak_bytes"] = allocator["peak_allocated_bytes"]
+        memory["allocator"] = allocator
+        memory["peak_breakdown"] = {**memory["peak_breakdown"], "allocator_extra": max(
+            0.0, allocator["peak_allocated_bytes"] - memory["tracked_peak_bytes"])}
     collectives = memory.pop("collectives")
     return {"step_times_s": times, "median_step_s": statistics.median(times), "probe_flops": probe, "losses": losses,
-            "profile": events, "memory": memory, "collectives": collectives}
+            "cpu_step_times_s": cpu_times,
+            "profile": events_data, "memory": memory, "collectives": collectives, "device": str(device),
+            **({"gpu_step_times_s": gpu_times} if cuda else {})}

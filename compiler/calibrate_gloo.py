@@ -1,0 +1,180 @@
+"""The calibration's multi-process benchmarks: N fresh processes on this machine at once.
+
+Each of `nprocs` processes (one intra-op thread) measures its matmul rate and copy bandwidth
+while all run together (`_window_rate`: work done over wall time, so the time a process waits
+for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast and send/recv
+by message size (the slowest rank's time per call, median of 3 trials), and AdamW on DTensor
+parameters sharded over all of them (FSDP2's optimizer step). `shardc.calibrate`
+fits and caches the results; the study's probe reuses `_window_rate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shardc.diagnostics import ShardcError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+
+
+def _window_rate(fn: Callable[[], object], work: float, window: float) -> float:
+    """`work` per call x calls completed in `window` seconds of wall time / the time taken: a rate
+    that counts the time this process waited for a core (unlike a median of call times)."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < window:
+        fn()
+        calls += 1
+    return work * calls / elapsed
+
+
+def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes: concurrent matmul and copy rates, then gloo collectives."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if platform.system() == "Linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=nprocs,
+                            timeout=timedelta(seconds=120))
+    try:
+        n = cfg["matmul_n"]
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        src, dst = torch.randn(cfg["copy_numel"]), torch.empty(cfg["copy_numel"])
+        dist.barrier()
+        flops = _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, cfg["window"])
+        dist.barrier()
+        bandwidth = _window_rate(lambda: dst.copy_(src), 2.0 * src.nbytes, cfg["window"])
+        rates = torch.tensor([flops, bandwidth], dtype=torch.float64)
+        dist.all_reduce(rates)
+        results: dict[str, Any] = {"flops": rates[0].item() / nprocs, "bandwidth": rates[1].item() / nprocs}
+        for op in COLLECTIVES:
+            results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg)) for numel in cfg["numels"]]
+        results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"])
+        if rank == 0:
+            Path(workdir, "result.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_optimizer(nprocs: int, budget: float) -> tuple[float, float]:
+    """(seconds per tensor, per local element) of AdamW's step and zero_grad on parameters that
+    are DTensors sharded over all processes, as FSDP2 leaves them: each op goes through DTensor's
+    dispatch. In this thread's CPU time, as the single-process eager costs are."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardc.calibrate_ops import OPTIMIZER_CASES, _fit_two, _timed
+
+    mesh = init_device_mesh("cpu", (nprocs,))
+    shard = lambda n: DTensor.from_local(torch.randn(n), mesh, [Shard(0)], run_check=False)  # noqa: E731
+    samples = []
+    for count, numel in OPTIMIZER_CASES:
+        params = [torch.nn.Parameter(shard(numel)) for _ in range(count)]
+        for p in params:
+            p.grad = shard(numel)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+        def step(opt: Any = opt) -> tuple[float, float]:
+            t0 = time.thread_time()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return time.thread_time() - t0, 0.0
+
+        samples.append((count, count * numel, _timed(step, budget / len(OPTIMIZER_CASES))[0]))
+    return _fit_two(samples)
+
+
+def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], None]:
+    import torch
+    import torch.distributed as dist
+
+    n = max(numel // nprocs, 1)
+    x, part, out = torch.ones(numel), torch.ones(n), torch.empty(n * nprocs)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if op == "all_gather":  # numel = the gathered size, as the ring factors assume
+        return lambda: dist.all_gather_single(out, part)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(part, out)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, 0)
+
+    def send_recv() -> None:  # ranks 0 and 1 pass the buffer there and back: two messages
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+    return send_recv
+
+
+def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
+    """Seconds per call: the slowest rank's mean over each of 3 trials, median of the trials.
+    The repetition count comes from one timed call, agreed on by all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    run = _collective(op, numel, nprocs, rank)
+    run()
+    t0 = time.perf_counter()
+    run()
+    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    reps = int(max(1, min(cfg["max_reps"], cfg["point_budget"] / 3 / max(probe.item(), 1e-7))))
+    trials = torch.zeros(3, dtype=torch.float64)
+    for i in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        trials[i] = (time.perf_counter() - t0) / reps
+    dist.all_reduce(trials, op=dist.ReduceOp.MAX)
+    return float(trials.median().item()) / (2 if op == "send_recv" else 1)
+
+
+def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """Start `nprocs` fresh interpreters running `_worker` and return rank 0's results.
+
+    Plain subprocesses rather than multiprocessing: they do not re-import the caller's
+    `__main__` (which fails from stdin or a notebook), and a file store in a temporary
+    folder avoids racing for a free port. Gloo itself talks over localhost TCP.
+    """
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="shardc-calibrate-") as workdir:
+        code = "import json, sys; from shardc.calibrate_gloo import _worker; _worker(*json.loads(sys.argv[1]))"
+        procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, nprocs, workdir, cfg])],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for rank in range(nprocs)]
+        errors = []
+        try:
+            for rank, proc in enumerate(procs):
+                _, err = proc.communicate(timeout=timeout)
+                if proc.returncode:
+                    errors.append(f"rank {rank} exited with {proc.returncode}: {err.strip()[-800:]}")
+        except subprocess.TimeoutExpired:
+            errors.append(f"timed out after {timeout:.0f} s")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        result = Path(workdir, "result.json")
+        if errors or not result.exists():
+            raise ShardcError(f"calibration with {nprocs} gloo processes failed: " + ("; ".join(errors) or "no result"),
+                              hint="check that localhost TCP works (GLOO_SOCKET_IFNAME) and rerun `shardc calibrate`")
+        return json.loads(result.read_text())

@@ -1,0 +1,360 @@
+"""Microbenchmarks of eager training per op class: the `EagerCosts` of the calibrated local CPU.
+
+What runs the model on a CPU is eager PyTorch: each IR node is one call of its registry impl
+(`OpDef.impl`), with a Python call, a dispatch and an autograd node around its kernel, and the
+optimizer is a Python loop over parameter tensors. On small models that overhead is as large
+as the kernels, so a roofline misses half the step. Here each op class (`cost.compute.op_class`)
+is timed through one representative registry op at a few sizes, forward and autograd backward,
+in one process with one intra-op thread (as the study and the gloo tests run), and fitted to
+`time = call + units * per_unit` (`fit_affine`, relative error). Times are this thread's CPU
+time (`time.thread_time`), so a busy machine does not inflate them: they are the costs on an idle
+core, and the study's probe measures how much of a core a process gets when it runs: units are FLOPs for matmuls
+and the forward's bytes (`cost.compute.class_bytes`) for the rest, the same units the cost
+model charges with. A backward is timed with `torch.autograd.grad` and the engine's fixed cost
+per backward call (measured with a chain of views) taken off, so what is left is per node; its
+fit weighs errors relative to the whole measured call, so a small difference cannot dominate.
+Views are timed as a chain of reshapes: their call and their autograd node. The optimizer is
+AdamW's per-tensor loop (`foreach=False`, what torch picks on CPU) with `zero_grad(set_to_none
+=False)`, fitted to `tensors * per_tensor + elements * per_element`.
+
+This module also holds the profile's other single-process benchmarks (matmul rate by size, copy
+bandwidth, op latency). Measured in one process; `calibrate.local_cluster` scales these by how much slower a process
+runs when n share the cores (the sharing model of `shardc.calibrate`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from shardc.hardware import EagerCosts, KernelFit
+
+# class -> (registry op, attrs); each is built at a size by `_inputs`
+REPRESENTATIVE: dict[str, tuple[str, dict[str, Any]]] = {
+    "elementwise": ("add", {}),
+    "transcendental": ("gelu", {}),
+    "norm": ("layer_norm", {}),
+    "softmax": ("softmax", {"dim": -1}),
+    "reduction": ("sum", {"dim": (-1,)}),
+    "index": ("embedding", {}),
+    "loss": ("cross_entropy", {}),
+    "dropout": ("dropout", {"p": 0.1}),
+    # Ops whose cost differs from their class's representative by several times, fitted on their own:
+    "masked_fill": ("masked_fill", {"value": -1e9}),  # a broadcast mask (attention's causal one)
+    "mul": ("mul", {"other": 0.5}),  # by a scalar: its backward is a kernel, add's is none
+}
+WIDTH = 128  # the last dim of every vector op's input (a hidden size)
+
+
+def _inputs(kind: str, numel: int) -> list[Any]:
+    """Inputs of the class's representative op with about `numel` elements per activation."""
+    import torch
+
+    rows = max(1, numel // WIDTH)
+    x = torch.randn(rows, WIDTH, requires_grad=True)
+    if kind == "elementwise":
+        return [x, torch.randn(rows, WIDTH, requires_grad=True)]
+    if kind == "norm":
+        return [x, torch.ones(WIDTH, requires_grad=True), torch.zeros(WIDTH, requires_grad=True)]
+    if kind == "index":
+        return [torch.randint(0, 512, (rows,)), torch.randn(512, WIDTH, requires_grad=True)]
+    if kind == "masked_fill":
+        blocks = max(1, numel // 4096)
+        return [torch.randn(blocks, 64, 64, requires_grad=True), torch.rand(1, 64, 64) > 0.5]
+    if kind == "loss":
+        return [torch.randn(max(1, numel // 512), 512, requires_grad=True), torch.randint(0, 512, (max(1, numel // 512),))]
+    return [x]
+
+
+def _timed(run: Callable[[], tuple[float, float]], budget: float) -> tuple[float, float]:
+    """Median forward and backward seconds over repeated runs (>= 5, until `budget` is spent)."""
+    run()
+    fwd: list[float] = []
+    bwd: list[float] = []
+    start = time.perf_counter()
+    while len(fwd) < 5 or (time.perf_counter() - start < budget and len(fwd) < 200):
+        f, b = run()
+        fwd.append(f)
+        bwd.append(b)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _fwd_bwd(fn: Callable[[], Any], wrt: Sequence[Any], budget: float) -> tuple[float, float]:
+    """Seconds of `fn()` under autograd and of `torch.autograd.grad` of its output w.r.t. `wrt`."""
+    import torch
+
+    out = fn()
+    grad = torch.ones_like(out)
+
+    def run() -> tuple[float, float]:
+        t0 = time.thread_time()
+        y = fn()
+        t1 = time.thread_time()
+        torch.autograd.grad(y, wrt, grad)
+        return t1 - t0, time.thread_time() - t1
+
+    return _timed(run, budget)
+
+
+def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144)) -> KernelFit:
+    """A parameter's gradient accumulation in backward (autograd's AccumulateGrad adding into the
+    `.grad` that `zero_grad(set_to_none=False)` kept), per parameter tensor and byte: a weight-only
+    `linear` backward by `Tensor.backward` (which accumulates) less the same by `autograd.grad`
+    (which does not). Charged as a backward cost (`bwd_call`, `bwd_per_unit`)."""
+    import torch
+
+    from shardc.calibrate import fit_affine
+
+    units, diffs, raw = [], [], []
+    for numel in sizes:
+        w = torch.randn(numel // WIDTH, WIDTH, requires_grad=True)
+        w.grad = torch.zeros_like(w)
+        x = torch.randn(64, WIDTH)
+        g = torch.ones(64, numel // WIDTH)
+
+        def run(accumulate: bool, w: Any = w, x: Any = x, g: Any = g) -> tuple[float, float]:
+            y = torch.nn.functional.linear(x, w)
+            t0 = time.thread_time()
+            if accumulate:
+                y.backward(g)
+            else:
+                torch.autograd.grad(y, [w], g)
+            return time.thread_time() - t0, 0.0
+
+        with_grad, without = _timed(partial(run, True), budget)[0], _timed(partial(run, False), budget)[0]
+        units.append(float(w.nbytes))
+        diffs.append(max(with_grad - without, 0.0))
+        raw.append(with_grad)
+    fit = fit_affine(units, diffs, raw)
+    return KernelFit(0.0, 0.0, fit.alpha, fit.beta)
+
+
+def view_costs(budget: float, chain: int = 16) -> tuple[KernelFit, float]:
+    """(the view class's fit, the autograd engine's fixed cost per backward call): a chain of
+    `chain` reshapes, and a single one, timed forward and backward."""
+    import torch
+
+    from shardc.registry import get_op
+
+    reshape = get_op("reshape").impl
+    x = torch.randn(64, WIDTH, requires_grad=True)
+
+    def chained(k: int) -> Callable[[], Any]:
+        def fn() -> Any:
+            y = x
+            for i in range(k):
+                y = reshape(y, (64 * WIDTH,) if i % 2 == 0 else (64, WIDTH))
+            return y
+        return fn
+
+    f1, b1 = _fwd_bwd(chained(1), [x], budget)
+    fk, bk = _fwd_bwd(chained(chain), [x], budget)
+    per_bwd = max(0.0, (bk - b1) / (chain - 1))
+    return KernelFit(fk / chain, 0.0, per_bwd, 0.0), max(0.0, b1 - per_bwd)
+
+
+def kernel_fit(kind: str, sizes: Sequence[int], budget: float, engine: float) -> KernelFit:
+    """The class's representative op timed at `sizes` (elements) and fitted (module doc)."""
+    from shardc.calibrate import fit_affine
+    from shardc.cost.compute import class_bytes
+    from shardc.registry import get_op
+
+    name, attrs = REPRESENTATIVE[kind]
+    op = get_op(name)
+    units, fwd, bwd, raw = [], [], [], []
+    for numel in sizes:
+        ins = _inputs(kind, numel)
+        out = op.impl(*ins, **attrs)
+        units.append(class_bytes(kind, [float(t.nbytes) for t in ins], float(out.nbytes)))
+        f, b = _fwd_bwd(partial(op.impl, *ins, **attrs), [t for t in ins if t.requires_grad], budget)
+        fwd.append(f)
+        bwd.append(max(b - engine, 0.0))
+        raw.append(b)
+    ff, fb = fit_affine(units, fwd), fit_affine(units, bwd, raw)
+    return KernelFit(ff.alpha, ff.beta, fb.alpha, fb.beta)
+
+
+LINEAR_SHAPES = ((256, 128, 128), (512, 128, 512), (512, 512, 128), (1024, 256, 512))  # (m, k, n)
+ATTENTION_SHAPES = ((2, 64, 4, 32), (8, 64, 4, 32), (8, 128, 8, 32))  # (batch, seq, heads, head dim)
+Case = tuple[Callable[[], Any], list[Any], float]
+
+
+def linear_cases(quick: bool) -> list[Case]:
+    """`linear` (x @ w.T + b, every input needing a gradient) at `LINEAR_SHAPES`, with FLOPs."""
+    import torch
+
+    from shardc.registry import get_op
+
+    linear = get_op("linear").impl
+    cases: list[Case] = []
+    for m, k, n in LINEAR_SHAPES[:3] if quick else LINEAR_SHAPES:
+        x, w, b = (torch.randn(m, k, requires_grad=True), torch.randn(n, k, requires_grad=True),
+                   torch.randn(n, requires_grad=True))
+        cases.append((partial(linear, x, w, b), [x, w, b], 2.0 * m * k * n + m * n))
+    return cases
+
+
+def attention_cases(quick: bool) -> list[Case]:
+    """Batched `matmul` as attention runs it: q @ k^T and p @ v on heads split out of a
+    (batch, seq, hidden) activation by a view and a transpose, so torch copies the strided
+    operands first (part of what such a matmul costs in eager mode)."""
+    import torch
+
+    from shardc.registry import get_op
+
+    matmul = get_op("matmul").impl
+    cases: list[Case] = []
+    for b, s, h, d in ATTENTION_SHAPES[:2] if quick else ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, s, h, d, requires_grad=True).transpose(1, 2) for _ in range(3))
+        p = torch.randn(b, h, s, s, requires_grad=True)
+        flops = 2.0 * b * h * s * s * d
+        kt = k.transpose(-2, -1)
+        cases.append((partial(matmul, q, kt), [q, kt], flops))
+        cases.append((partial(matmul, p, v), [p, v], flops))
+    return cases
+
+
+def matmul_fit(cases: Sequence[Case], budget: float, engine: float) -> KernelFit:
+    """Forward and backward of `cases` fitted in FLOPs (backward: 2x the forward's)."""
+    from shardc.calibrate import fit_affine
+
+    flops, fwd, bwd, raw = [], [], [], []
+    for fn, wrt, f in cases:
+        tf, tb = _fwd_bwd(fn, wrt, budget)
+        flops.append(f)
+        fwd.append(tf)
+        bwd.append(max(tb - engine, 0.0))
+        raw.append(tb)
+    ff, fb = fit_affine(flops, fwd), fit_affine([2 * f for f in flops], bwd, raw)
+    return KernelFit(ff.alpha, ff.beta, fb.alpha, fb.beta)
+
+
+OPTIMIZER_CASES = ((64, 512), (16, 16384), (4, 262144))  # (tensors, elements each)
+
+
+def optimizer_fit(budget: float) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per element) of AdamW's step plus zero_grad, fitted
+    in relative error over `OPTIMIZER_CASES` (both >= 0)."""
+    import torch
+
+    samples = []
+    for count, numel in OPTIMIZER_CASES:
+        params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn(numel)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+        def step(opt: Any = opt) -> tuple[float, float]:
+            t0 = time.thread_time()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return time.thread_time() - t0, 0.0
+
+        samples.append((count, count * numel, _timed(step, budget)[0]))
+    return _fit_two(samples)
+
+
+def _fit_two(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of `t = a * x + b * y` in relative error with a, b >= 0."""
+    u = [x / t for x, _, t in samples]
+    v = [y / t for _, y, t in samples]
+    suu, svv, suv = sum(a * a for a in u), sum(b * b for b in v), sum(a * b for a, b in zip(u, v))
+    su, sv = sum(u), sum(v)
+    det = suu * svv - suv * suv
+    if det > 0:
+        a, b = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    only_a, only_b = (su / suu, 0.0), (0.0, sv / svv)
+    err = lambda ab: sum((ab[0] * x + ab[1] * y - t) ** 2 / t ** 2 for x, y, t in samples)  # noqa: E731
+    return min(only_a, only_b, key=err)
+
+
+def measure_eager(quick: bool = False, progress: Callable[[str], None] | None = None) -> EagerCosts:
+    """Every class's fit and the optimizer's, in this process at one intra-op thread (module doc).
+    About 3 s with `quick`, about 8 s without, on an idle core."""
+    import torch
+
+    budget = 0.02 if quick else 0.15
+    sizes = (4096, 65536) if quick else (4096, 32768, 131072, 524288)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        say = progress or (lambda _: None)
+        say("eager ops: views")
+        view, engine = view_costs(budget)
+        kinds: list[tuple[str, KernelFit]] = [("view", view)]
+        say("eager ops: matmul")
+        linear = matmul_fit(linear_cases(quick), budget, engine)
+        kinds += [("matmul", linear), ("linear", linear), ("attention_matmul", matmul_fit(attention_cases(quick), budget, engine))]
+        for kind in REPRESENTATIVE:
+            say(f"eager ops: {kind}")
+            kinds.append((kind, kernel_fit(kind, sizes, budget, engine)))
+        say("gradient accumulation")
+        kinds.append(("accumulate_grad", accumulate_fit(budget)))
+        say("optimizer step")
+        per_tensor, per_param = optimizer_fit(budget)
+    finally:
+        torch.set_num_threads(threads)
+    return EagerCosts(tuple(kinds), per_tensor, per_param)
+
+
+def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
+    """`EagerCosts` from its `dataclasses.asdict` form (None stays None)."""
+    if data is None:
+        return None
+    kinds = tuple((str(k), KernelFit(**f)) for k, f in data["kinds"])
+    return EagerCosts(kinds, float(data["optimizer_per_tensor"]), float(data["optimizer_per_param"]),
+                      float(data.get("sharded_optimizer_per_tensor", 0.0)),
+                      float(data.get("sharded_optimizer_per_param", 0.0)))
+
+
+# ---- the profile's other single-process benchmarks ---------------------------------------------
+
+def _seconds(fn: Callable[[], object], budget: float, inner: int = 1) -> float:
+    """Median seconds per call of `fn` over repeated batches of `inner` calls, >= 3 batches, in
+    this thread's CPU time (`time.thread_time`): what a call costs on a core of its own, however
+    busy the machine is (sharing is what the concurrent benchmarks and the study's probe measure)."""
+    fn()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < 3 or (time.perf_counter() - start < budget and len(samples) < 50):
+        t0 = time.thread_time()
+        for _ in range(inner):
+            fn()
+        samples.append((time.thread_time() - t0) / inner)
+    return statistics.median(samples)
+
+
+def _matmul_rate(n: int, dtype: Any, budget: float) -> float:
+    import torch
+
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2.0 * n ** 3 / _seconds(lambda: torch.mm(a, b), budget)
+
+
+def _copy_bandwidth(numel: int, budget: float) -> float:
+    import torch
+
+    src, dst = torch.randn(numel), torch.empty(numel)
+    return 2.0 * src.nbytes / _seconds(lambda: dst.copy_(src), budget)  # read + write
+
+
+def _kernel_latency(budget: float, chain: int = 32) -> float:
+    """The fixed cost of one op in eager training: a chain of tiny modules run forward with
+    autograd recording (dispatch, autograd node, module call), per module. Backward costs about
+    the same per op and input gradient, which is how the model charges it."""
+    import torch
+
+    mods = [torch.nn.GELU() for _ in range(chain)]
+    x = torch.ones(2, 4, requires_grad=True)
+
+    def forward() -> None:
+        y = x
+        for m in mods:
+            y = m(y)
+
+    return _seconds(forward, budget, inner=4) / chain
