@@ -9,16 +9,20 @@ What is measured (CPU, fp32, one intra-op thread per process, as the gloo tests 
   latency: a chain of tiny modules run forward under autograd, per module);
 - eager costs per op class, forward and backward, and of the AdamW step (`calibrate_ops`: what
   the cost model charges a CPU with, in place of the roofline);
-- with N processes started at once (N in `nprocs`): the per-process matmul rate and copy
-  bandwidth while all N run together, and gloo all_reduce, all_gather, reduce_scatter,
-  broadcast and send/recv times by message size, each fitted to `alpha + beta * bytes`.
+- with N processes started at once (N in `nprocs`, `calibrate_gloo`): the per-process matmul rate
+  and copy bandwidth while all N run together, gloo all_reduce, all_gather, reduce_scatter,
+  broadcast and send/recv times by message size, each fitted to `alpha + beta * bytes`, and
+  AdamW's step on FSDP2's sharded DTensor parameters.
 
 The sharing model for `local_cluster(n)`: n processes share the cores, so a process computes
 at `per_process(n)` = measured concurrent rate when n was measured, else
 `single * min(n, cores) * scaling / n` with `scaling` the mean measured ratio of aggregate to
 ideal. Everything a process does (matmul rate, bandwidth, op latency, eager op costs) slows by
 the same factor; for the eager costs, measured alone, that factor is the 256 x 256 matmul rate
-alone over the concurrent rate at that size (`eager_slowdown`), like against like. The link is chosen so that the cost model's ring formula for all_reduce,
+alone over the concurrent rate at that size (`eager_slowdown`), like against like. The single-
+process figures are CPU time (`time.thread_time`), so they hold on a busy machine; the
+concurrent ones are work over wall time, so they say how much of a core a process gets.
+The link is chosen so that the cost model's ring formula for all_reduce,
 `2(n-1) * latency + 2(n-1)/n * bytes / bandwidth`, reproduces the measured all_reduce fit.
 
 The profile is a JSON file (default `$SHARDC_CACHE_DIR/local-profile.json`, else

@@ -3,23 +3,27 @@
 What runs the model on a CPU is eager PyTorch: each IR node is one call of its registry impl
 (`OpDef.impl`), with a Python call, a dispatch and an autograd node around its kernel, and the
 optimizer is a Python loop over parameter tensors. On small models that overhead is as large
-as the kernels, so a roofline misses half the step. Here each op class (`cost.compute.op_class`)
-is timed through one representative registry op at a few sizes, forward and autograd backward,
-in one process with one intra-op thread (as the study and the gloo tests run), and fitted to
-`time = call + units * per_unit` (`fit_affine`, relative error). Times are this thread's CPU
-time (`time.thread_time`), so a busy machine does not inflate them: they are the costs on an idle
-core, and the study's probe measures how much of a core a process gets when it runs: units are FLOPs for matmuls
-and the forward's bytes (`cost.compute.class_bytes`) for the rest, the same units the cost
-model charges with. A backward is timed with `torch.autograd.grad` and the engine's fixed cost
-per backward call (measured with a chain of views) taken off, so what is left is per node; its
-fit weighs errors relative to the whole measured call, so a small difference cannot dominate.
-Views are timed as a chain of reshapes: their call and their autograd node. The optimizer is
-AdamW's per-tensor loop (`foreach=False`, what torch picks on CPU) with `zero_grad(set_to_none
-=False)`, fitted to `tensors * per_tensor + elements * per_element`.
+as the kernels, so a roofline misses half the step. Here each op class (`cost.compute.op_class`;
+a few ops that differ from their class by several times get their own fit) is timed through a
+representative registry op at a few sizes, forward and autograd backward, in one process with
+one intra-op thread (as the study and the gloo tests run), and fitted to `time = call + units *
+per_unit` (`fit_affine`, relative error): units are FLOPs for matmuls and the forward's bytes
+(`cost.compute.class_bytes`) for the rest, the units the cost model charges with.
+
+- Times are this thread's CPU time (`time.thread_time`): a busy machine does not inflate them.
+  They are costs on a core of one's own; how much of a core a process gets is the sharing
+  model's business (`calibrate.local_cluster`, and the study's probe).
+- A backward is timed with `torch.autograd.grad`, less the engine's fixed cost per backward call
+  (a chain of views gives it), so what is left is per node; its fit weighs errors relative to
+  the whole measured call, so a small difference cannot dominate.
+- Views: a chain of reshapes, their call and their autograd node. Gradient accumulation into a
+  parameter's kept `.grad`: `Tensor.backward` less `autograd.grad` of a weight-only linear.
+- The optimizer: AdamW's per-tensor loop (`foreach=False`, what torch picks on CPU) with
+  `zero_grad(set_to_none=False)`, fitted to `tensors * per_tensor + elements * per_element`
+  (the same on FSDP2's DTensor parameters is measured by `calibrate_gloo`).
 
 This module also holds the profile's other single-process benchmarks (matmul rate by size, copy
-bandwidth, op latency). Measured in one process; `calibrate.local_cluster` scales these by how much slower a process
-runs when n share the cores (the sharing model of `shardc.calibrate`).
+bandwidth, op latency).
 """
 
 from __future__ import annotations
@@ -183,7 +187,8 @@ Case = tuple[Callable[[], Any], list[Any], float]
 
 
 def linear_cases(quick: bool) -> list[Case]:
-    """`linear` (x @ w.T + b, every input needing a gradient) at `LINEAR_SHAPES`, with FLOPs."""
+    """`linear` (x @ w.T + b, every input needing a gradient) at `LINEAR_SHAPES`, with FLOPs; x is
+    (m / 64, 64, k), a transformer's (batch, sequence, hidden) activation (3-D costs more than 2-D)."""
     import torch
 
     from shardc.registry import get_op
@@ -191,7 +196,7 @@ def linear_cases(quick: bool) -> list[Case]:
     linear = get_op("linear").impl
     cases: list[Case] = []
     for m, k, n in LINEAR_SHAPES[:3] if quick else LINEAR_SHAPES:
-        x, w, b = (torch.randn(m, k, requires_grad=True), torch.randn(n, k, requires_grad=True),
+        x, w, b = (torch.randn(m // 64, 64, k, requires_grad=True), torch.randn(n, k, requires_grad=True),
                    torch.randn(n, requires_grad=True))
         cases.append((partial(linear, x, w, b), [x, w, b], 2.0 * m * k * n + m * n))
     return cases

@@ -38,6 +38,13 @@ def resolve_plan(plan: str | None, nproc: int) -> ParallelPlan:
     return parsed
 
 
+def _on_gpus() -> bool:
+    """Whether `shardc run` will train on CUDA devices (the launcher's own choice)."""
+    from shardc.backends.torch.launch import choose_backend
+
+    return choose_backend(1) == "nccl"
+
+
 def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int) -> tuple[Any, str]:
     """(Estimate or None, a note on where the prediction came from or why there is none)."""
     try:
@@ -46,7 +53,11 @@ def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int) -> t
         from shardc.hardware import parse_cluster
         from shardc.models import load_model
 
-        if cluster is None:
+        if cluster is None and _on_gpus():
+            from shardc.study.gpu_calibration import detected_preset
+
+            cluster = f"{nproc}x{detected_preset()}"  # the processes run on these GPUs
+        elif cluster is None:
             from shardc.calibrate import load_profile
 
             load_profile(calibrate_if_missing=False)  # raises when this machine was never calibrated

@@ -1,4 +1,4 @@
-"""The GPU compute-model calibration (`shardc.study.gpu_calibration`), on the CPU.
+"""The GPU compute-model calibration (`shardc.study.gpu_calibration`, `gpu_report`), on the CPU.
 
 The fit is checked on synthetic timings made from a known efficiency curve (exact, noisy,
 latency-dominated, and from the preset itself); the timing code runs for real on the CPU on
@@ -18,9 +18,7 @@ from shardc.hardware import preset
 from shardc.study.gpu_calibration import (
     MatmulShape,
     Measurement,
-    append_to_report,
     calibrate,
-    calibrate_study,
     fit_curve,
     fitted_device,
     gpu_study_cluster,
@@ -28,12 +26,11 @@ from shardc.study.gpu_calibration import (
     predicted_seconds,
     preset_for_gpu,
     preset_name,
-    report_section,
-    repredict_plans,
     run_gpu_calibration,
     square_shapes,
     time_matmul,
 )
+from shardc.study.gpu_report import append_to_report, calibrate_study, report_section, repredict_plans
 
 H200 = preset("H200").device
 

@@ -12,6 +12,8 @@ full tensor.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import pytest
@@ -21,6 +23,25 @@ from test_backend_numerics import GPT, LLAMA, compile_case, reference, run_cases
 from shardc.backends.torch.launch import spawn
 
 
+@contextmanager
+def _counting_scores() -> Iterator[list[int]]:
+    """Record the size of every score block ring attention folds into its softmax."""
+    from shardc.backends.torch import ring
+
+    scored: list[int] = []
+    add = ring._Softmax.add
+
+    def counted(self: object, scores: torch.Tensor, values: torch.Tensor) -> None:
+        scored.append(scores.shape[-2] * scores.shape[-1])
+        add(self, scores, values)  # type: ignore[arg-type]
+
+    ring._Softmax.add = counted  # type: ignore[method-assign, assignment]
+    try:
+        yield scored
+    finally:
+        ring._Softmax.add = add  # type: ignore[method-assign]
+
+
 def _ring_cases(rank: int, world: int) -> list[str]:
     """Compare ring attention on this rank's shards with full attention; returns failures."""
     import torch.distributed as dist
@@ -28,6 +49,7 @@ def _ring_cases(rank: int, world: int) -> list[str]:
 
     from shardc.backends.torch.collectives import MeshGroups
     from shardc.backends.torch.ring import ring_attention, take
+    from shardc.cost.ring import causal_ring_blocks
 
     mesh = MeshGroups({"cp": world}, {"cp": rank}, {"cp": dist.group.WORLD})
     failures = []
@@ -52,9 +74,14 @@ def _ring_cases(rank: int, world: int) -> list[str]:
 
             lq, lk, lv = mine(q), mine(k), mine(v)
             local_mask = take(mask, world, rank, 0, 1, zigzag) if mask is not None else None
-            out = ring_attention(lq, lk, lv, local_mask, mesh=mesh, axis="cp", is_causal=causal,
-                                 enable_gqa=kv_heads != 4, zigzag=zigzag,
-                                 q_offset=None if zigzag else rank * lq.shape[-2])
+            with _counting_scores() as scored:  # query x key pairs this rank computes scores for
+                out = ring_attention(lq, lk, lv, local_mask, mesh=mesh, axis="cp", is_causal=causal,
+                                     enable_gqa=kv_heads != 4, zigzag=zigzag,
+                                     q_offset=None if zigzag else rank * lq.shape[-2])
+            chunk = seq // (2 * world)  # the work the cost model charges this rank (cost/ring.py)
+            blocks = causal_ring_blocks(world, zigzag)[rank] if causal else world
+            if sum(scored) != blocks * (2 * chunk) ** 2:
+                failures.append(f"zigzag={zigzag} causal={causal}: {sum(scored)} scores, expected {blocks} blocks")
             got = torch.autograd.grad((out * take(weight, world, rank, 2, 1, zigzag)).sum(), (lq, lk, lv))
             name = f"zigzag={zigzag} causal={causal} kv_heads={kv_heads} mask={with_mask}"
             if not torch.allclose(out, take(full.detach(), world, rank, 2, 1, zigzag), atol=1e-10):
@@ -118,7 +145,7 @@ def _run(world: int, cases: list[tuple[str, str]]) -> None:
         ref_losses, ref_state = _reference(spec)
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"{spec} {plan}: losses {losses} vs {ref_losses}"
         for name, want in ref_state.items():  # as test_backend_numerics.check, with the reference cached
-            torch.testing.assert_close(full[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{plan} {n}: {m}")
+            torch.testing.assert_close(full[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name, p=plan: f"{p} {n}: {m}")
 
 
 @cache

@@ -11,7 +11,8 @@ into a second buffer): `x` one neighbour along `x_axis`, `w` one neighbour along
 collective; nothing is replicated; the output accumulates locally. Backward replays the
 rotation: the operands and their gradient accumulators travel together, each device adding its
 contribution to the block it holds, and after the q-th step every gradient block goes home in
-one permutation. Only the two skewed local blocks are saved for backward.
+one permutation; per step the gradient with the longer transfer is computed first, so its send
+overlaps the other's matmul. Only the two skewed local blocks are saved for backward.
 
 A parameter `w` is skewed ahead of time: codegen posts its permutation (`skew_start`) at the
 start of the layer, so the transfer overlaps the layer's earlier compute, and the grid waits
@@ -43,12 +44,12 @@ def _product(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w) if op == "linear" else torch.matmul(x, w)
 
 
-def _grads(op: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """d(x) and d(w) of one local product (linear: x w^T; matmul: x w with a 2-d w)."""
+def _grad(op: str, which: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """d(x) (`which` "x") or d(w) of one local product (linear: x w^T; matmul: x w, w 2-d)."""
+    if which == "x":
+        return dy @ w if op == "linear" else dy @ w.t()
     rows_dy, rows_x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    if op == "linear":
-        return dy @ w, rows_dy.t() @ rows_x
-    return dy @ w.t(), rows_x.t() @ rows_dy
+    return rows_dy.t() @ rows_x if op == "linear" else rows_x.t() @ rows_dy
 
 
 class _Grid(torch.autograd.Function):
@@ -79,23 +80,27 @@ class _Grid(torch.autograd.Function):
         mesh, xa, wa = ctx.mesh, ctx.x_axis, ctx.w_axis
         q = mesh.size(xa)
         dy = dy.contiguous()
-        dx = dw = None
+        # The gradient with the longer transfer is computed first, so that its send overlaps
+        # the other's matmul.
+        order = ("x", "w") if x.numel() >= w.numel() else ("w", "x")
+        acc: dict[str, torch.Tensor] = {}
         for t in range(q):
             last = t + 1 == q
             hx = None if last else _post(x, mesh, xa, -1, 0)
             hw = None if last else _post(w, mesh, wa, -1, 1)
-            gx, gw = _grads(ctx.op, x, w, dy)
-            dx = gx if dx is None else dx + gx
-            dw = gw if dw is None else dw + gw
+            sent = {}
+            for which in order:
+                g = _grad(ctx.op, which, x, w, dy)
+                acc[which] = g if which not in acc else acc[which] + g
+                # Between steps one neighbour on; after the last, home: the held block is k-block
+                # (own + other coordinate - 1) along each axis.
+                axis, other = (xa, wa) if which == "x" else (wa, xa)
+                sent[which] = _post(acc[which].contiguous(), mesh, axis, mesh.coord(other) - 1 if last else -1,
+                                    2 if which == "x" else 3)
             if not last:
-                hdx, hdw = _post(dx, mesh, xa, -1, 2), _post(dw, mesh, wa, -1, 3)
                 x, w = _done(x, hx), _done(w, hw)
-                dx, dw = _done(dx, hdx), _done(dw, hdw)
-        assert dx is not None and dw is not None
-        # Home: the held block is k-block (own + other coordinate - 1) along each axis.
-        hdx = _post(dx.contiguous(), mesh, xa, mesh.coord(wa) - 1, 2)
-        hdw = _post(dw.contiguous(), mesh, wa, mesh.coord(xa) - 1, 3)
-        return _done(dx, hdx), _done(dw, hdw), None, None, None, None, None
+            acc = {which: _done(acc[which], sent[which]) for which in order}
+        return acc["x"], acc["w"], None, None, None, None, None
 
 
 def skew_start(w: torch.Tensor, mesh: MeshGroups, w_axis: str, x_axis: str, tag: int) -> Any:

@@ -2,10 +2,8 @@
 torch.distributed.pipelining schedules (tp inside stages through torch's `parallelize_module`).
 
 Compiled plans do not come this way: `plan.parallelize(model)` for pp > 1 builds each stage
-from the lowered IR (`pipelined.PipelinedModule`, the path `shardc run` uses), which also runs
-what torch's tensor-parallel vocabulary cannot say (GPT's fused qkv, sequence and context
-parallelism inside stages, unbalanced stage splits). `PipelineRunner` stays as the torch-only
-baseline that ejected code mirrors and checkpoint tests train.
+from the lowered IR (`pipelined.PipelinedModule`, what `shardc run` and the study use). This
+`PipelineRunner` is the torch-only baseline that ejected code mirrors and checkpoint tests train.
 
 Rule of the cut: every repeated block (a child of the model's largest `nn.ModuleList`, or a
 module path named in `stage_of`) belongs to the stage it is assigned; every other op belongs to
@@ -249,6 +247,9 @@ class PipelineRunner:
         if n_microbatches < self.pp and virtual_stages > 1:
             raise ShardcError(f"interleaved schedule needs n_microbatches ({n_microbatches}) >= pp ({self.pp})")
         if tp_mesh is not None:
+            if self.dp_mesh is not None:  # DDP cannot sync the DTensor parameters tp leaves
+                raise ShardcError("PipelineRunner runs dp or tp inside a pipeline, not both",
+                                  hint="compile the plan (shardc.compile(...).parallelize) for dp x tp x pp")
             if shard_model is None:
                 raise ShardcError(f"the mesh has tp={tp_mesh.size()} but no shard_model function was given",
                                   hint="pass shard_model=shardc.backends.torch.eject.apply_tensor_parallel")

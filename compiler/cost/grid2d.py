@@ -12,9 +12,11 @@ Rules:
   is posted at the start of its layer and overlaps the layer's earlier compute, an
   activation's is exposed), then runs q steps; between steps I moves one neighbour along b and
   W along a, concurrently and double-buffered, overlapped with the step's compute, so the
-  forward pays `skew + (q - 1) * max(0, max(t_I, t_W) - compute / q)`. Backward moves the operands and their
-  gradients together (twice the bytes) for q - 1 steps, overlapped with the backward compute,
-  then sends the gradients home in one permutation (`max(t_I, t_W)`, exposed). No collective,
+  forward pays `skew + (q - 1) * max(0, max(t_I, t_W) - compute / q)`. Backward replays the
+  steps: the operands move as in forward (overlapped with the step's two matmuls, c = backward
+  / q), each gradient accumulator moves after its matmul, the one with the longer transfer
+  first (overlapping the other matmul), and after the last step the gradients go home the same
+  way: per step `max(0, max(t_I, t_W) - c, t_long - c / 2, t_short)` exposed. No collective,
   nothing replicated; the transient adds one receive buffer per moving operand.
 """
 
@@ -87,7 +89,10 @@ def grid_charge(split: TemporalSplit, moving_bytes: dict[str, float], transfer_s
     one = max(transfer_s.values(), default=0.0)  # the two axes' transfers run concurrently
     sends = q - 1
     fwd = skew_s + sends * max(0.0, one - fwd_s / q)
-    bwd = sends * max(0.0, 2 * one - bwd_s / q) + one
+    c = bwd_s / q
+    times = sorted(transfer_s.values(), reverse=True) + [0.0, 0.0]
+    grads = max(0.0, times[0] - c / 2, times[1])  # the accumulators' sends after their matmuls
+    bwd = sends * max(grads, one - c) + grads
     steps: list[tuple[str, CommStep]] = []
     for axis, nbytes in moving_bytes.items():
         steps += [("fwd", CommStep("rotate", axis, nbytes))] * q  # the skew, then q - 1 shifts

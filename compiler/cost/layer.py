@@ -13,8 +13,10 @@ Rules, node by node over the layer's partitioned IR:
   backward needs. An input saved sharded but used gathered (sequence parallel) is gathered
   again in backward. A node whose output value holds its partial sum reduced pays the
   reduction where it is made.
-- rotating temporal splits run the local kernel once per step (the local shapes are one
-  step's); chunks add a launch per step. Working memory: the largest node's transient.
+- rotating temporal splits run the local kernel once per step on one step's pieces
+  (`grid2d.step_types`); chunks add a launch per step. A PrimePar grid (`rotate (tp, tq)`) is
+  charged by `shardc.cost.grid2d`: overlapped shifts on both axes, the skew, receive buffers.
+  Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
   layout. Selective recomputation drops what the attention core (from the QK^T product to the

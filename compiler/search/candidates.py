@@ -13,12 +13,8 @@ Rules (one place):
   d2 of the operands that A would otherwise replicate is cut into |A| steps and those operands'
   shards move one neighbour along A per step: `partition<tp:n; time k/4 rotate tp>`. No operand
   is replicated, partial sums stay local, and the ring transfers overlap with compute.
-- Grids (PrimePar's P(q x q)): on a mesh with two model axes of equal size q (tp x tq), a
-  contraction whose first operand I has a row dim M (not in the second operand W), whose W has
-  a column dim N (not in I) and which reduces k (a major factor of both) gets
-  `partition<tp:M, tq:N; time k/q rotate (tp, tq)>` (or tq on M: `rotate (tq, tp)`): I
-  sharded (M, k) and W (k, N) over the grid, I moving along the axis splitting N and W along
-  the other each step, no collective and no replicated operand.
+- Grids (PrimePar's P(q x q), `shardc.search.primepar`): on a mesh with the model axes tp and
+  tq of equal size, contractions by a 2-d weight also get `time k/q rotate (tp, tq)` grids.
   Otherwise the second model axis `tq` splits whatever `tp` splits (tp x tq acts as one tp).
 - Temporal chunks: a sequence dim cut into 4 steps on the same devices lowers the node's
   working memory (`time e1/4`), at a kernel-launch cost per step.
@@ -40,6 +36,7 @@ from dataclasses import dataclass
 from shardc.ir import Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
 from shardc.registry import IterationSpace, get_op, has_op, node_layouts
 from shardc.search.groups import NodeGroup, iteration_roles
+from shardc.search.primepar import GRID_AXES, grid_partitions, without_axes
 
 CHUNK_STEPS = 4
 FLOAT_BYTES = 2  # bf16/fp16 compute; the planner prices every float tensor at this size
@@ -139,34 +136,6 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
     return out
 
 
-GRID_AXES = ("tp", "tq")
-
-
-def _grids(group: NodeGroup, space: IterationSpace, mesh: Mesh, spatials: list[tuple[tuple[str, str], ...]],
-           sizes: dict[str, int]) -> list[tuple[tuple[tuple[str, str], ...], TemporalSplit]]:
-    """P(q x q) partitions of a contraction on the tp x tq grid (module rule): (spatial, split)."""
-    if not all(a in mesh.names for a in GRID_AXES) or len(space.inputs) < 2 or len(space.inputs[1]) != 2:
-        return []  # the second operand is a 2-d weight (what the torch backend's grid runs)
-    q = mesh.axis_size("tp")
-    if q != mesh.axis_size("tq") or q < 2 or q & (q - 1):
-        return []
-    i_op, w_op = space.inputs[0], space.inputs[1]
-    free = [d for d in space.dims if d not in space.unsplittable and d not in dict(space.special)]
-    reductions = [k for k in space.reductions if k in free and _major(i_op, k) and _major(w_op, k) and sizes[k] % q == 0]
-    parallel = set(space.parallel)
-    rows = [m for m in free if m in parallel and _has(i_op, m) and not _has(w_op, m)]
-    cols = [n for n in free if n in parallel and _has(w_op, n) and not _has(i_op, n)]
-    out = []
-    for base in spatials:
-        if any(a in GRID_AXES for a, _ in base):
-            continue
-        for (a, b), k, m, n in itertools.product((GRID_AXES, GRID_AXES[::-1]), reductions, rows, cols):
-            spatial = tuple(sorted(base + ((a, m), (b, n)), key=lambda p: mesh.names.index(p[0])))
-            if _divisible(space, spatial, mesh, sizes):
-                out.append((spatial, TemporalSplit(k, q, a, b)))
-    return out
-
-
 def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh: Mesh,
                sizes: dict[str, int], roles: dict[str, str]) -> list[TemporalSplit]:
     """Rotating splits: for an axis splitting d1, a dim d2 of the operands it replicates; d2 is a
@@ -189,10 +158,6 @@ def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh
             if rotating and all(_major(op, d2) for op in rotating):
                 out.append(TemporalSplit(d2, mesh.axis_size(axis), axis))
     return out
-
-
-def _without(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
-    return Mesh(tuple((a, s) for a, s in mesh.axes if a not in axes))
 
 
 def _split_pieces(group: NodeGroup) -> int:
@@ -260,8 +225,8 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
     spatials = spatial_options(group, mesh, shapes)
     grids: dict[tuple[tuple[str, str], ...], list[TemporalSplit]] = {}
     if rotate and kind == "contraction" and pieces == 1:
-        base = spatial_options(group, _without(mesh, GRID_AXES), shapes)
-        for spatial, split in _grids(group, space, mesh, base, sizes):
+        base = spatial_options(group, without_axes(mesh, GRID_AXES), shapes)
+        for spatial, split in grid_partitions(space, mesh, base, sizes):
             grids.setdefault(spatial, []).append(split)
     for spatial in spatials + [s for s in grids if s not in spatials]:
         strides = tuple((a, pieces) for a, d in spatial if pieces > 1 and d == last and a not in ("dp", "cp")

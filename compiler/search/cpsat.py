@@ -27,7 +27,7 @@ from shardc.cost.memory import in_flight
 from shardc.search.evaluate import Assignment, per_stage
 from shardc.search.linear import objective
 from shardc.search.problem import ZEROS, Problem
-from shardc.search.sections import STAGE_CLASSES, Model, edges, section, stage_classes
+from shardc.search.sections import STAGE_CLASSES, Model, cand_sum, edges, section, stage_classes
 
 SECTIONS = ("pre", "block", "post")
 WALL_GUARD = 20.0  # a solve's default wall-clock guard, in multiples of its deterministic limit
@@ -77,7 +77,12 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
                        None, wall)
     rest = max(time_limit - first.deterministic_s, 0.01)
     cutoff = first.objective_s if first.assignment is not None else None
-    second = _solve_one(problem, limit_bytes, rest, seed, workers, first.assignment or hint, zeros, recomputes,
+    start = first.assignment or hint
+    if hint is not None and hint.stage_choice and first.assignment is not None:  # a per-stage warm start
+        lin = objective(problem, hint.choice, hint.stages, hint.zero, hint.stage_choice)
+        if max(lin.memory_bytes) <= limit_bytes and lin.step_time_s < first.objective_s:
+            start = hint
+    second = _solve_one(problem, limit_bytes, rest, seed, workers, start, zeros, recomputes,
                         stage_limit, cutoff, max(wall - first.wall_s, 0.5))
     spent, wall = first.deterministic_s + second.deterministic_s, first.wall_s + second.wall_s
     if second.assignment is not None and (cutoff is None or second.objective_s < cutoff):
@@ -140,6 +145,11 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
     for z in ZEROS:
         md.add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
     gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZEROS if co.gather[z][0])
+    serial = md.new_bool_var("fsdp")  # the ZeRO stage runs as FSDP2 (`Coefficients.fsdp`)
+    md.add(serial == sum(M.z[z] for z in ZEROS if co.fsdp[z]))
+    serial_alpha = sum(M.t(co.serial[z][0]) * M.z[z] for z in ZEROS if co.fsdp[z])
+    bucketed = md.new_bool_var("bucketed")  # ZeRO 1-3 as textbook ZeRO (two gradient buckets)
+    md.add(bucketed == sum(M.z[z] for z in ZEROS if z >= 1 and not co.fsdp[z]))
     stage_times, exposed, after = [], [], []
     horizon = (L * tl_ub + pre["time_ub"] + post["time_ub"] + pre["z3_ub"] + post["z3_ub"] + 2 * send_ub
                + 2 * cross_ub + 1) * 2
@@ -181,6 +191,7 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
             nstate = prod(n, blk["state"], L * blk["state_ub"], f"nstate{s}")
             nafter = prod(n, blk["after"], L * blk["after_ub"], f"nafter{s}")
             nbuf = prod(n, blk["buf"], L * blk["buf_ub"], f"nbuf{s}")
+            ngrad = prod(n, blk["gmem"], L * blk["gmem_ub"], f"ngrad{s}") if co.buffer_cap else 0
             nother = prod(n, agg[c]["other"], L * blk["other_ub"], f"nother{s}") if blk["other_ub"] else 0
             # Linear cuts the LP relaxation sees (it drops the products): a product of a count
             # and a block quantity is at least the count times the quantity's smallest value.
@@ -200,21 +211,23 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
             md.add(rw >= act[c][0]).OnlyEnforceIf(has_full)
             md.add(rw >= agg[c]["saved_core"]).OnlyEnforceIf(has_sel)
             mem.append(rw)
-            grad_sync, numel_mem, after_t = nsync, nbuf, nafter
+            grad_sync, numel_mem, after_t, grad_mem = nsync, nbuf, nafter, ngrad
         else:
             stage, window, nother = edge_sends + pre_t + post_t, 0, 0
-            grad_sync, numel_mem, after_t = 0, 0, 0
+            grad_sync, numel_mem, after_t, grad_mem = 0, 0, 0, 0
         for on, part in ((first, pre), (last, post)):
             if on:
                 window += part["time"] + part["z3"] - part["fwd"]
                 grad_sync += part["sync"]
                 numel_mem += part["buf"]
+                grad_mem += part["gmem"]
                 after_t += part["after"]
                 nother += part["other"]
                 mem += [part["state"], in_flight("1f1b", p, s, m) * part["saved"]]
         stage_times.append(stage)
         ex = M.var(horizon, f"exposed{s}")
-        md.add(ex >= grad_sync - window)
+        md.add(ex >= grad_sync - window).OnlyEnforceIf(serial.Not())
+        md.add(ex >= grad_sync + serial_alpha).OnlyEnforceIf(serial)  # FSDP2: one collective after backward
         md.add(ex >= tail + (pre["sync"] if first else 0))
         exposed.append(ex + nother)
         after.append(after_t + gather_alpha)
@@ -226,17 +239,30 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
             md.add(work >= post["work"])
         mem.append(work)
         if co.buffer_cap:
-            buf = M.var(M.m(co.buffer_cap), f"buffers{s}")
+            # DDP: a flat copy of the gradients; textbook ZeRO: two buckets (or all the gradients
+            # when fewer); FSDP2: every weight of the stage, gathered twice over at the peak.
+            buf = M.var(M.m(co.buffer_cap) + 10 * M.m(limit_bytes), f"buffers{s}")
             capped = md.new_bool_var(f"capped{s}")
-            md.add(buf >= M.m(co.buffer_cap)).OnlyEnforceIf(capped)
-            md.add(buf >= numel_mem).OnlyEnforceIf(capped.Not())
+            md.add(buf >= grad_mem).OnlyEnforceIf(M.z[0])
+            md.add(buf >= numel_mem).OnlyEnforceIf(serial)
+            md.add(buf >= M.m(co.buffer_cap)).OnlyEnforceIf([bucketed, capped])
+            md.add(buf >= 2 * grad_mem).OnlyEnforceIf([bucketed, capped.Not()])
             mem.append(buf)
-            if 3 in zeros:
+            if 3 in zeros and not co.fsdp[3]:
                 big = M.var(max(b["pbytes_ub"] for b in (pre, post, *blks)), f"zero3_buffer{s}")
                 for part, on in ((blk, True), (pre, first), (post, last)):
                     if on:
                         md.add(big >= part["pbytes"]).OnlyEnforceIf(M.z[3])
                 mem.append(big)
+        if co.pipeline_buffers:  # torch pipelining: m received, m + in flight sent (or m outputs)
+            f = in_flight("1f1b", p, s, m)
+            if not first:
+                mem.append(cand_sum(M, "block", classes[s - 1], lambda g, c_: co.send_bytes[g][c_], lambda v: M.m(m * v)))
+            if not last:
+                mem.append(cand_sum(M, "block", c, lambda g, c_: co.send_bytes[g][c_], lambda v, f=f: M.m((m + f) * v)))
+            else:
+                mem.append(cand_sum(M, "post", 0, lambda g, c_: co.out_bytes[g][c_], lambda v: M.m(m * v))
+                           + M.m(m * co.out_const))
         md.add(sum(mem) <= M.m(limit_bytes))
     md.add(sum(n for n, _ in counts) == L)
     _tie_empty_ends(M, classes, counts)

@@ -10,9 +10,13 @@ full) and n_s = sum_r k_{s,r}:
     S_s     = sum_r k_{s,r} TL_r + [s=0] T_pre + [s=p-1] T_post + sends          stage, per micro-batch
     pipe    = sum_s S_s + (m-1) max_s S_s                                        1F1B (`makespan_closed_form`)
     sync_s  = max(rate_z G_s - window_s, tail) + other axes                       exposed gradient sync
+              (FSDP2, `Coefficients.fsdp`: alpha + beta G_s, one reduce_scatter after backward)
     after_s = optimizer (28 B per local parameter, sharded by ZeRO) + ZeRO-1/2 gather
     step    = pipe + max_s sync_s + max_s after_s
     mem_s   = states_z + in_flight_s * activations_r + recompute working + working + buffers
+              (buffers: DDP's flat gradient copy at ZeRO-0, two buckets for textbook ZeRO;
+              FSDP2: states all sharded, buffers twice the stage's local weights; plus
+              torch pipelining's send, receive and output buffers, m or m + in-flight of each)
 
 With per-stage partitions (`Assignment.stage_choice`) the block sums are per stage, and a stage
 boundary between different partitions adds to the later stage the chain edges' forward across
@@ -28,12 +32,14 @@ one consumer's contribution dominates, as Partial does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardc.cost.comm import collective_time
-from shardc.cost.compose import EstimateOptions, zero_group
+from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
 from shardc.cost.memory import in_flight, state_bytes_per_param
 from shardc.cost.sync import ADAM_BYTES_PER_PARAM
+from shardc.ir import Layout
+from shardc.registry import get_op, has_op
 from shardc.search.problem import ZEROS, Problem
 
 CAND_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "saved", "saved_core", "inputs", "transient", "numel",
@@ -59,6 +65,17 @@ class Coefficients:
     zero3: tuple[float, float]  # (seconds, seconds per byte) of a ZeRO-3 layer all-gather
     buffer_cap: float  # 2 x bucket when data-parallel, else 0
     w_elem: int
+    # Per ZeRO stage: whether it runs as FSDP2 on the whole module (`compose.fsdp2`: states all
+    # sharded, every weight gathered before forward and held, the gradients reduce-scattered
+    # in one exposed collective after backward), and that collective's (seconds, per byte).
+    fsdp: tuple[bool, ...] = (False, False, False, False)
+    serial: tuple[tuple[float, float], ...] = ((0.0, 0.0),) * 4
+    # torch.distributed.pipelining's buffers (`peak.pipeline_buffers`): per group and candidate
+    # the bytes it sends to the next stage, and those of the loss's input (the last stage's output).
+    send_bytes: list[list[float]] = field(default_factory=list)
+    out_bytes: list[list[float]] = field(default_factory=list)
+    out_const: float = 0.0
+    pipeline_buffers: bool = False
 
 
 def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Coefficients:
@@ -109,29 +126,55 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     edge_grad = [[[sum(e.bwd[a][b].values()) for b in range(len(e.cons_grad))] for a in range(len(e.prod_info))]
                  for e in problem.edges]
     send = [[0.0] * len(var.cands) for var in problem.groups]
+    send_bytes = [[0.0] * len(var.cands) for var in problem.groups]
     seen: set[tuple[int, int]] = set()
     for e in problem.edges:
         if e.kind == "chain" and (e.producer, e.out_index) not in seen:
             seen.add((e.producer, e.out_index))
             for c, cost in enumerate(problem.groups[e.producer].costs):
-                layout = cost.produced[e.out_index][0]
-                send[e.producer][c] += problem.pricer.p2p(problem.pricer.local_bytes(e.value, layout))
+                nbytes = problem.pricer.local_bytes(e.value, cost.produced[e.out_index][0])
+                send[e.producer][c] += problem.pricer.p2p(nbytes)
+                send_bytes[e.producer][c] += nbytes
+    out_bytes, out_const = _output_bytes(problem)
     bucket = options.bucket_bytes
     kinds = ["all_reduce" if z == 0 else "reduce_scatter" for z in ZEROS]
     rate = tuple(collective_time(k, bucket, levels, ctx.algorithm) / bucket if shard > 1 else 0.0 for k in kinds)
     block_grad = sum(min(r["gbytes"] for r in rows) for rows, var in zip(cand, problem.groups) if var.section == "block")
     last = min(bucket, block_grad) if block_grad > 0 else bucket
     tail = tuple(collective_time(k, last, levels, ctx.algorithm) if shard > 1 else 0.0 for k in kinds)
-    state = tuple(w / (shard if z >= 3 else 1) + g / (shard if z >= 2 else 1) + o / (shard if z >= 1 else 1)
-                  for z in ZEROS)
+    fsdp = tuple(fsdp2(options, z, shard) for z in ZEROS)
+    state = tuple(w / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
+                  + o / (shard if z >= 1 else 1) for z in ZEROS)
     optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZEROS)
-    gather = tuple(_affine("all_gather", levels, ctx.algorithm) if z in (1, 2) and shard > 1 else (0.0, 0.0)
-                   for z in ZEROS)
-    zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 else (0.0, 0.0)
+    gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
+                   else (0.0, 0.0) for z in ZEROS)
+    zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 and not fsdp[3] else (0.0, 0.0)
+    serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZEROS)
+    rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZEROS)
+    tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZEROS)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
-                       2 * bucket if shard > 1 else 0.0, w)
+                       2 * bucket if shard > 1 else 0.0, w, fsdp, serial, send_bytes, out_bytes, out_const,
+                       options.pipeline_runtime == "torch" and problem.shape.pp > 1)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
+
+
+def _output_bytes(problem: Problem) -> tuple[list[list[float]], float]:
+    """Per group and candidate, the bytes of the last stage's output per micro-batch it makes
+    (the loss's input, else the graph's outputs), and the part no group makes."""
+    graph = problem.facts.graph
+    values = next(([n.inputs[0]] for n in reversed(graph.nodes)
+                   if has_op(n.op) and get_op(n.op).kind == "loss" and n.inputs), list(graph.outputs))
+    out = [[0.0] * len(var.cands) for var in problem.groups]
+    const = 0.0
+    for value in values:
+        var, k = problem.owner.get(id(value), (-1, 0))
+        if var < 0:
+            const += problem.pricer.local_bytes(value, Layout())
+            continue
+        for c, cost in enumerate(problem.groups[var].costs):
+            out[var][c] += problem.pricer.local_bytes(value, cost.produced[k][0] if k < len(cost.produced) else Layout())
+    return out, const
 
 
 def _affine(kind: str, levels, algorithm: str, size: float = 256 * 2**20) -> tuple[float, float]:
@@ -150,13 +193,15 @@ class Linear:
 def section_sums(problem: Problem, choice: tuple[int, ...]) -> dict[str, dict[str, float]]:
     """Per section (pre, block, post): the chosen coefficients summed, edges included."""
     co = coefficients(problem)
-    acc = {s: dict.fromkeys((*CAND_KEYS, "pbytes", "send"), 0.0) for s in ("pre", "block", "post")}
+    acc = {s: dict.fromkeys((*CAND_KEYS, "pbytes", "send", "sbytes", "obytes"), 0.0) for s in ("pre", "block", "post")}
     for i, (var, c) in enumerate(zip(problem.groups, choice)):
         row = co.cand[i][c]
         sec = acc[var.section]
         for key in CAND_KEYS:
             sec[key] = max(sec[key], row[key]) if key == "transient" else sec[key] + row[key]
         sec["send"] += co.send[i][c]
+        sec["sbytes"] += co.send_bytes[i][c]
+        sec["obytes"] += co.out_bytes[i][c]
     shares: dict[int, float] = {}
     for i, e in enumerate(problem.edges):
         a, b = e.prod_class[choice[e.producer]], e.cons_class[choice[e.consumer]]
@@ -261,7 +306,10 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         grad = n * blk["gbytes"] + pre["gbytes"] * first + post["gbytes"] * last
         floor = co.tail[zero] + (co.rate[zero] * pre["gbytes"] if first else 0.0)
         other = n * blk["other"] + pre["other"] * first + post["other"] * last
-        exposed.append(max(co.rate[zero] * grad - window, floor) + other)
+        if co.fsdp[zero]:
+            exposed.append(co.serial[zero][0] + co.serial[zero][1] * grad + other)
+        else:
+            exposed.append(max(co.rate[zero] * grad - window, floor) + other)
         numel = n * blk["numel"] + pre["numel"] * first + post["numel"] * last
         gather = co.gather[zero][0] + co.gather[zero][1] * numel * co.w_elem if co.gather[zero][1] else 0.0
         after.append(numel * co.optimizer[zero] + gather)
@@ -269,9 +317,14 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         saved = sum(c * a for c, a in zip(k, act)) + pre["saved"] * first + post["saved"] * last
         rw = max(blk["saved"] if k[2] else 0.0, blk["saved_core"] if k[1] else 0.0)
         work = max(blk["transient"], pre["transient"] * first, post["transient"] * last)
-        buffers = min(co.buffer_cap, 2 * numel * co.w_elem) if co.buffer_cap else 0.0
-        if zero >= 3 and co.buffer_cap:
+        buffers = (grad if zero == 0 else min(co.buffer_cap, 2 * grad)) if co.buffer_cap else 0.0
+        if co.fsdp[zero]:
+            buffers = 2 * numel * co.w_elem
+        elif zero >= 3 and co.buffer_cap:
             buffers += 2 * max(blk["pbytes"], pre["pbytes"] * first, post["pbytes"] * last)
+        if co.pipeline_buffers:
+            recv = sums[vecs[s - 1]]["block"]["sbytes"] if not first else 0.0
+            buffers += m * recv + ((m + f) * blk["sbytes"] if not last else m * (post["obytes"] + co.out_const))
         memory.append(numel * co.state[zero] + f * saved + rw + work + buffers)
     pipe = sum(stage_time) + (m - 1) * max(stage_time)
     return Linear(pipe + max(exposed) + max(after), tuple(memory))

@@ -41,7 +41,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shardc.cost.estimate import Estimate
+from shardc.cost.memory import in_flight
 from shardc.cost.model import estimate
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster
@@ -153,33 +156,98 @@ def micro_batch_sizes(gbs: int, dp: int) -> list[int]:
 
 
 def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
-    """A lower bound of the problem's linearised objective (`shardc.search.linear.objective`):
-    every group at its cheapest, edges free, each pipeline send at its cheapest; the slowest
-    stage at least the smallest makespan of whole blocks over the stages (the prefix on the
-    first, the suffix on the last, sends on every boundary), the pipeline at least
-    sum + (m-1) x slowest; plus, for the best ZeRO stage, the optimizer on an even share of the
-    parameters and the last gradient bucket. Infinite when even an even share of the smallest
-    model states (the ZeRO stage that shards most) overflows `limit` on every device."""
+    """A lower bound of the problem's linearised objective (`shardc.search.linear.objective`),
+    the smallest over the ZeRO stages of: every group at its cheapest, edges free, each
+    pipeline send at its cheapest, a ZeRO-3 block paying at least the weight gather its most
+    smallest compute cannot hide; the pipeline at least sum + (m-1) x slowest stage, where the
+    slowest stage is at least the smallest makespan of whole blocks over the stages (the prefix
+    on the first, the suffix on the last, sends on every boundary) with each stage's blocks
+    recomputed as little as its memory allows (model states at that ZeRO stage, activations of
+    its micro-batches in flight, every quantity at its smallest candidate: `_makespan`); plus
+    the optimizer on an even share of the parameters and the last gradient bucket. Infinite
+    when no split of the blocks fits `limit` at any ZeRO stage."""
     co = coefficients(problem)
     L, p, m = problem.layers, problem.shape.pp, problem.micro_batches
-    low = {s: 0.0 for s in ("pre", "block", "post")}
-    numel = {s: 0.0 for s in ("pre", "block", "post")}
+    sections = ("pre", "block", "post")
+    low = {s: np.zeros(3) for s in sections}  # time per recomputation: none, selective, full
+    act = {s: np.zeros(3) for s in sections}
+    numel = dict.fromkeys(sections, 0.0)
+    compute = np.zeros(2)  # the block's smallest forward and backward compute
+    rest = np.zeros(3)  # the block's smallest time besides compute, per recomputation
     send = 0.0
     for rows, v, sends in zip(co.cand, problem.groups, co.send):
-        low[v.section] += min(r["time"] for r in rows)
-        numel[v.section] += min(r["numel"] for r in rows)
+        low[v.section] += [min(x["time"] for x in rows), min(x["time"] + x["core"] for x in rows),
+                           min(x["time"] + x["fwd"] for x in rows)]
+        act[v.section] += [min(x["saved"] for x in rows), min(x["saved"] - x["saved_core"] for x in rows),
+                           min(x["inputs"] for x in rows)]
+        numel[v.section] += min(x["numel"] for x in rows)
+        if v.section == "block":
+            compute += [min(x["cfwd"] for x in rows), min(x["cbwd"] for x in rows)]
+            rest += [
+                min(x["time"] - x["cfwd"] - x["cbwd"] for x in rows),
+                min(x["time"] + x["core"] - x["cfwd"] - x["cbwd"] for x in rows),
+                min(x["time"] + x["fwd"] - x["cfwd"] - x["cbwd"] for x in rows)]
         send += min(sends)
     send = send if p > 1 else 0.0
-    extra = [low["pre"] * (s == 0) + low["post"] * (s == p - 1) + send * ((s > 0) + (s < p - 1)) for s in range(p)]
-    total = L * low["block"] + sum(extra)
-    slowest = max(total / p, _makespan(L, low["block"], extra))
+    extra = np.array([low["pre"][0] * (s == 0) + low["post"][0] * (s == p - 1) + send * ((s > 0) + (s < p - 1))
+                      for s in range(p)])
     params = L * numel["block"] + numel["pre"] + numel["post"]
-    states = min(co.state[z] for z in ZEROS) * params / p
-    if states > limit:
+    best = float("inf")
+    for z in ZEROS:
+        tl = low["block"].copy()
+        if z >= 3 and co.zero3[1] > 0:
+            # A block's compute plus its unhidden gathers is max(compute, gather) each way,
+            # nondecreasing in the compute: at least that of the smallest compute.
+            gather = co.zero3[0] + co.zero3[1] * co.w_elem * numel["block"]
+            tl = np.maximum(tl, rest + max(compute[0], gather) + max(compute[1], gather))
+        total = L * tl[0] + extra.sum()
+        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra))
+        after = co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p
+        best = min(best, float(total + (m - 1) * slowest + after + co.tail[z]))
+    return best
+
+
+def _makespan(problem: Problem, limit: float, tl: np.ndarray, act: dict[str, np.ndarray], numel: dict[str, float],
+              state: float, extra: np.ndarray) -> float:
+    """The smallest T such that the stages hold the L blocks with none above T, a stage's time
+    for n blocks being extra_s plus the cheapest mix of recomputations (an LP over the counts,
+    its vertices enumerated) whose activations, times the micro-batches in flight, fit beside
+    the model states (nondecreasing in n; infinite where nothing fits)."""
+    L, p, m = problem.layers, problem.shape.pp, problem.micro_batches
+    s = np.arange(p)
+    f = np.array([in_flight("1f1b", p, i, m) for i in range(p)], dtype=float)[:, None]
+    fixed = ((numel["pre"] * (s == 0) + numel["post"] * (s == p - 1)) * state
+             + f[:, 0] * (act["pre"][0] * (s == 0) + act["post"][0] * (s == p - 1)))[:, None]
+    n = np.arange(L + 1, dtype=float)[None, :]
+    cap = (limit - fixed - n * numel["block"] * state) / f
+    a = act["block"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.full(cap.shape, np.inf)
+        for r in range(3):
+            cost = np.where(n * a[r] <= cap * (1 + 1e-9), np.minimum(cost, n * tl[r]), cost)
+            for q in range(r + 1, 3):
+                if a[r] != a[q]:
+                    k = (cap - n * a[q]) / (a[r] - a[q])
+                    ok = (k >= 0) & (k <= n)
+                    cost = np.where(ok, np.minimum(cost, k * tl[r] + (n - k) * tl[q]), cost)
+    cost = np.where(cap < 0, np.inf, cost) + extra[:, None]
+    values = np.unique(cost[np.isfinite(cost)])
+    if values.size == 0:
         return float("inf")
-    tail = min(co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p + co.tail[z]
-               for z in ZEROS)
-    return total + (m - 1) * slowest + tail
+
+    def fits(t: float) -> bool:
+        return int(((cost <= t).sum(axis=1) - 1).clip(min=0).sum()) >= L and bool((cost[:, 0] <= t).all())
+
+    lo, hi = 0, values.size - 1
+    if not fits(values[hi]):
+        return float("inf")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(values[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(values[lo])
 
 
 def grid_bound(problem: Problem) -> float:
@@ -189,31 +257,6 @@ def grid_bound(problem: Problem) -> float:
                  for rows, v in zip(co.cand, problem.groups))
     p, m = problem.shape.pp, problem.micro_batches
     return per_mb * (1 + (m - 1) / p)
-
-
-def _makespan(L: int, block: float, extra: list[float]) -> float:
-    """The smallest T such that whole blocks of `block` seconds, L of them, fit on stages with
-    `extra` seconds already each: sum_s floor((T - extra_s) / block) >= L."""
-    if L == 0 or block <= 0:
-        return max(extra)
-
-    def fits(t: float) -> bool:
-        return sum(max(0, int((t - e) / block + 1e-9)) for e in extra) >= L
-
-    lo, hi = max(min(extra), 0.0), max(extra) + L * block
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    # The answer is extra_s + k x block for some stage and count: the largest such value <= hi.
-    best = hi
-    for e in extra:
-        k = int((hi - e) / block + 1e-9)
-        if k >= 0 and fits(e + k * block):
-            best = min(best, e + k * block)
-    return best
 
 
 def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit: float

@@ -125,6 +125,12 @@ class Model:
         return yy
 
 
+def cand_sum(M: Model, section: str, k: int, value: Callable[[int, int], float], unit) -> Any:
+    """The sum over a section's groups (class `k`) of `unit(value(group, candidate))` chosen."""
+    return sum(unit(value(g, c)) * x for g, v in enumerate(M.p.groups) if v.section == section
+               for c, x in enumerate(M.xs[k][g]) if unit(value(g, c)))
+
+
 def _sum(coef: list[list[float]], yy: list[list[Any]], unit) -> Any:
     return sum(unit(coef[a][b]) * yy[a][b] for a in range(len(yy)) for b in range(len(yy[a])) if unit(coef[a][b]))
 
@@ -227,11 +233,13 @@ def section(M: Model, name: str, k: int, sec: dict[str, list], ub_t: int, zeros:
     for g in mine:
         md.add(work >= sum(M.m(r["transient"]) * xx for r, xx in zip(co.cand[g], x[g])))
     d["work"] = work
-    d["sync"], d["sync_ub"] = M.by_zero(name, "sync", lambda r, z: M.t(co.rate[z] * r["gbytes"]), k)
+    d["sync"], d["sync_ub"] = M.by_zero(
+        name, "sync", lambda r, z: M.t((co.serial[z][1] if co.fsdp[z] else co.rate[z]) * r["gbytes"]), k)
     d["state"], d["state_ub"] = M.by_zero(name, "state", lambda r, z: M.m(co.state[z] * r["numel"]), k)
     d["after"], d["after_ub"] = M.by_zero(
         name, "after", lambda r, z: M.t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)), k)
     d["buf"], d["buf_ub"] = M.lin(name, "numel", lambda v: M.m(2 * v * co.w_elem), k)
+    d["gmem"], d["gmem_ub"] = M.lin(name, "gbytes", M.m, k)
     d["pbytes"], d["pbytes_ub"] = d["buf"], d["buf_ub"]  # twice a layer's weights, in memory units
     numel_ub = sum(max(r["numel"] for r in co.cand[g]) for g in mine)
     ag_ub = M.t(co.zero3[0]) + M.t(co.zero3[1] * co.w_elem * numel_ub) + 1

@@ -16,6 +16,9 @@ Timing (`time_matmul`): the shapes the model's own matmuls have (`model_shapes`:
 matmuls of the same size) and a sweep of square sizes; each timed as back-to-back calls,
 median of three trials, CUDA events on a GPU and the wall clock on the CPU: only the device
 string differs, so the tests run the very code a GPU run does on tiny sizes.
+
+`shardc.study.gpu_report` runs it after a study, predicts the plans again on the fitted curve
+and writes the report section.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import json
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -158,10 +161,10 @@ def time_matmul(shape: MatmulShape, dtype: str, device: str = "cuda", *, budget_
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[
         canonical_dtype(dtype)]
     dev = torch.device(device)
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=dev).manual_seed(0)
 
-    def rand(*shape: int) -> Any:
-        return torch.randn(*shape, generator=g).to(device=dev, dtype=dt)
+    def rand(*shape: int) -> Any:  # made on the device: a 50257 x 8192 operand is slow to make on a CPU
+        return torch.randn(*shape, generator=g, device=dev, dtype=dt)
 
     if shape.kind == "linear":
         x, w = rand(shape.batch * shape.m, shape.k), rand(shape.n, shape.k)
@@ -298,73 +301,6 @@ def calibrate(measurements: Sequence[Measurement], device: DeviceSpec) -> dict[s
     return {"device": device.name, "kernel_latency_s": device.kernel_latency, "fits": fits, "rows": rows}
 
 
-def report_section(result: dict[str, Any]) -> str:
-    """The markdown section the study report gets: how far the preset was off, and the tables."""
-    env = result.get("environment", {})
-    lines = [f"## GPU compute model: measured matmuls against the {result['device']} preset", ""]
-    if env:
-        lines += [f"Measured on {env.get('gpu', env.get('device', '?'))} (torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
-                  f"device `{env.get('device', '?')}`).", ""]
-    lines += ["Model: `t = max(F / (peak * e * F / (F + h)), bytes / bandwidth) + latency`; fitted per dtype by "
-              f"least squares on relative error (latency {result['kernel_latency_s'] * 1e6:.1f} us kept).", "",
-              "| dtype | peak TFLOP/s | best measured TFLOP/s | efficiency preset / fitted | half FLOPs preset / fitted "
-              "| median abs error preset / fitted |", "|---|---|---|---|---|---|"]
-    findings = []
-    for dtype, f in result["fits"].items():
-        if "error" in f:
-            lines.append(f"| {dtype} | - | - | no fit: {f['error']} | - | - |")
-            continue
-        fitted_err = "-" if f["median_abs_fitted_error"] is None else f"{f['median_abs_fitted_error']:.0%}"
-        lines.append(f"| {dtype} | {f['peak_flops'] / 1e12:.1f} | {f['best_measured_tflops']:.1f} | "
-                     f"{f['preset_efficiency']:.2f} / {f['efficiency']:.2f} | {f['preset_half_flops']:.3g} / "
-                     f"{f['half_flops']:.3g} | {f['median_abs_preset_error']:.0%} / {fitted_err} |")
-        findings.append(f"{dtype}: the preset's matmul times were off by {f['median_abs_preset_error']:.0%} "
-                        f"(median over {sum(1 for r in result['rows'] if r['dtype'] == dtype)} shapes); large "
-                        f"matmuls reach {f['efficiency']:.0%} of the {f['peak_flops'] / 1e12:.0f} TFLOP/s peak "
-                        f"where the preset assumes {f['preset_efficiency']:.0%}")
-    lines += [""] + [f"- {x}." for x in findings]
-    lines += ["", "| source | matmul | shape (b x m x n x k) | dtype | measured us | measured TFLOP/s | preset TFLOP/s "
-              "| preset error | fitted error |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        fitted = "-" if r["fitted_error"] is None else f"{r['fitted_error']:+.0%}"
-        lines.append(f"| {r['source']} | {r['label']} | {r['shape']} | {r['dtype']} | {r['measured_s'] * 1e6:.1f} | "
-                     f"{r['measured_tflops']:.2f} | {r['preset_tflops']:.2f} | {r['preset_error']:+.0%} | {fitted} |")
-    if result.get("plans"):
-        lines += ["", "Step time of each plan that ran, predicted on the preset and on the preset with the fitted "
-                  "curve (ms):", "", "| plan | measured | preset | error | fitted curve | error |",
-                  "|---|---|---|---|---|---|"]
-        for r in result["plans"]:
-            lines.append(f"| {r['plan']} | {r['measured_s'] * 1e3:.2f} | {r['preset_s'] * 1e3:.2f} | "
-                         f"{r['preset_error']:+.0%} | {r['fitted_s'] * 1e3:.2f} | {r['fitted_error']:+.0%} |")
-    return "\n".join(lines) + "\n"
-
-
-def repredict_plans(data: dict[str, Any], device: DeviceSpec,
-                    step_time: Callable[[Any, DeviceSpec], float]) -> list[dict[str, Any]]:
-    """Each plan of a study that ran, predicted again with `device`'s curve replaced by the one
-    fitted for the plan's dtype (`step_time(study_plan, device) -> seconds`, the cost model);
-    kept in `data["gpu_calibration"]["plans"]` beside the measured and preset step times."""
-    from shardc.study.plans import label, parse_study_plan
-
-    fits = data.get("gpu_calibration", {}).get("fits", {})
-    rows = []
-    for p in data.get("plans", []):
-        if p.get("status") != "ok":
-            continue
-        sp = parse_study_plan(p["plan"])
-        fit = fits.get(canonical_dtype(sp.plan.dtype), {})
-        if "efficiency" not in fit:
-            continue
-        curve = CurveFit(fit["dtype"], fit["peak_flops"], fit["efficiency"], fit["half_flops"], fit["points"])
-        fitted = step_time(sp, fitted_device(device, curve))
-        measured, preset_s = p["measured_step_time_s"], p["predicted_step_time_s"]
-        rows.append({"plan": label(p["plan"]), "measured_s": measured, "preset_s": preset_s, "fitted_s": fitted,
-                     "preset_error": (preset_s - measured) / measured, "fitted_error": (fitted - measured) / measured})
-    if data.get("gpu_calibration"):
-        data["gpu_calibration"]["plans"] = rows
-    return rows
-
-
 def environment(device: str) -> dict[str, str]:
     import torch
 
@@ -395,48 +331,10 @@ def run_gpu_calibration(model_spec: str | None, device_spec: DeviceSpec, *, devi
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu-calibration.json").write_text(json.dumps(result, indent=1))
+        from shardc.study.gpu_report import report_section
+
         (out / "gpu-calibration.md").write_text(report_section(result))
     return result
-
-
-def calibrate_study(data: dict[str, Any], model_spec: str | None, cluster_for: Callable[[int], Cluster],
-                    nprocs: Sequence[int], out_dir: str | Path, *, device: str = "cuda",
-                    sizes: Sequence[int] | None = None) -> None:
-    """After a study: its model's matmuls and the size sweep timed against the device spec its
-    plans were predicted on (`cluster_for(n).device`): on `cuda:0` in bf16 and fp32, or on the
-    CPU in fp32 on one thread (as the study's processes run) with sizes to 512. Kept in
-    `data["gpu_calibration"]` (a resumed study keeps the one it has); then every plan that ran is
-    predicted again on the fitted curve (`repredict_plans`)."""
-    from dataclasses import replace as replaced
-
-    import torch
-
-    from shardc.study.predict import predict
-
-    spec = cluster_for(min(nprocs)).device
-    if not data.get("gpu_calibration"):
-        if device == "cuda":
-            data["gpu_calibration"] = run_gpu_calibration(model_spec, spec, device="cuda:0", out_dir=out_dir,
-                                                          sizes=sizes or DEFAULT_SIZES)
-        else:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                data["gpu_calibration"] = run_gpu_calibration(model_spec, spec, device="cpu", dtypes=("fp32",),
-                                                              sizes=sizes or CPU_SIZES, out_dir=out_dir, budget_s=0.005)
-            finally:
-                torch.set_num_threads(threads)
-    repredict_plans(data, spec, lambda sp, dev: predict(model_spec or data["model"], sp, replaced(
-        cluster_for(sp.devices), device=dev))[1]["step_time_s"])
-
-
-def append_to_report(data: dict[str, Any], out_dir: str | Path) -> bool:
-    """Append the calibration section to `out_dir/report.md` when the study has one."""
-    if not data.get("gpu_calibration"):
-        return False
-    with open(Path(out_dir) / "report.md", "a") as f:
-        f.write("\n" + report_section(data["gpu_calibration"]))
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -460,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_gpu_calibration(args.model, preset(name).device, device=args.device, dtypes=args.dtypes.split(","),
                                  sizes=[int(x) for x in args.sizes.split(",") if x], out_dir=args.out,
                                  budget_s=args.budget)
+    from shardc.study.gpu_report import report_section
+
     print(report_section(result))
     return 0
 

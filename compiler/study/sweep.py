@@ -237,7 +237,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     total = sum(len(j) for j in jobs.values())
     _run_groups(jobs, work, store, predictions, cluster_for, total, job_timeout_s, console, recalibrated)
     if gpu_calibration if gpu_calibration is not None else device == "cuda":
-        from shardc.study.gpu_calibration import calibrate_study
+        from shardc.study.gpu_report import calibrate_study
 
         console.print("timing the device's matmuls against the model's device spec (gpu-calibration.md)")
         calibrate_study(store.data, model_spec, cluster_for, nprocs, out, device=device)
@@ -247,7 +247,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         from shardc.study.report import write_report
 
         write_report(store.data, out)
-        from shardc.study.gpu_calibration import append_to_report
+        from shardc.study.gpu_report import append_to_report
 
         append_to_report(store.data, out)
         console.print(f"study written to {out}/ (report.md, results.json, plots)")
