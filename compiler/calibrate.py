@@ -49,8 +49,10 @@ from shardc.calibrate_ops import (
     _copy_bandwidth,
     _kernel_latency,
     _matmul_rate,
+    _seconds,
     eager_from_json,
     measure_eager,
+    probe_workload,
 )
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_bytes
@@ -117,6 +119,13 @@ class LocalProfile:
     collectives: tuple[CollectiveFit, ...]
     eager: EagerCosts | None = None                   # eager op and optimizer costs, 1 process
     concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
+    probe_alone_rate: float = 0.0                     # `calibrate_ops.probe_workload` calls/s, 1 process
+
+    def probe_flops(self, rate: float) -> float:
+        """A study probe's workload rate now (calls/s, wall time) as the matmul rate `under_load`
+        takes: the lone 256 x 256 matmul rate slowed by the workload's slowdown."""
+        alone = dict(self.matmul_points).get(self.concurrent_matmul_n, self.peak_fp32)
+        return alone * rate / self.probe_alone_rate if self.probe_alone_rate > 0 else alone
 
     def eager_slowdown(self, nproc: int) -> float:
         """How much slower one of `nproc` concurrent processes runs than alone, measured like
@@ -267,6 +276,7 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
             latency = _kernel_latency(budget)
             progress.advance(task)
             eager = measure_eager(quick, lambda what: progress.update(task, description=what))
+            probe_rate = 1.0 / _seconds(probe_workload(), budget)
             progress.advance(task)
         finally:
             torch.set_num_threads(threads)
@@ -285,7 +295,7 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
     profile = LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(),
         os.cpu_count() or 1, _machine_memory(), torch.__version__, quick, points, peak, fit.alpha * peak,
-        ratios, bandwidth, latency, tuple(concurrent), tuple(fits), eager, CONCURRENT_MATMUL_N)
+        ratios, bandwidth, latency, tuple(concurrent), tuple(fits), eager, CONCURRENT_MATMUL_N, probe_rate)
     write_profile(profile, target)
     if summary:
         print_profile(profile, console, path=target)

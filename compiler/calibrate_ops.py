@@ -278,6 +278,26 @@ def _fit_two(samples: Sequence[tuple[float, float, float]]) -> tuple[float, floa
     return min(only_a, only_b, key=err)
 
 
+def probe_workload() -> Callable[[], None]:
+    """One call: forward and backward of a small MLP block in eager mode (linear 128 -> 512, gelu,
+    linear back, layer_norm) on a (8, 64, 128) batch: a few MiB of weights and activations, more
+    than a core's L2, like a training step. Timed alone (CPU time) by the calibration and in a
+    window of wall time around each study plan, the ratio says how much slower the machine runs
+    eager training now, counting both the share of a core and the caches other processes evict."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(8, 64, 128)
+    w1, w2 = torch.randn(512, 128, requires_grad=True), torch.randn(128, 512, requires_grad=True)
+    norm = torch.ones(128, requires_grad=True)
+
+    def run() -> None:
+        y = F.layer_norm(F.linear(F.gelu(F.linear(x, w1)), w2), (128,), norm)
+        torch.autograd.grad(y.sum(), [w1, w2, norm])
+
+    return run
+
+
 def measure_eager(quick: bool = False, progress: Callable[[str], None] | None = None) -> EagerCosts:
     """Every class's fit and the optimizer's, in this process at one intra-op thread (module doc).
     About 3 s with `quick`, about 8 s without, on an idle core."""

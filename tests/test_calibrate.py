@@ -62,6 +62,7 @@ def test_measured_numbers_are_positive_and_fits_sane(measured) -> None:
     assert 1e-13 < kinds["linear"].fwd_per_unit < 1e-9 and kinds["transcendental"].fwd_per_unit > 0  # s/FLOP, s/B
     assert 0 < eager.optimizer_per_tensor < 1e-3 and 0 < eager.optimizer_per_param < 1e-6
     assert 0 < eager.sharded_optimizer_per_tensor < 1e-2  # FSDP2's DTensor parameters, from the gloo run
+    assert 1 < profile.probe_alone_rate < 1e6  # the study's eager-workload probe, calls/s alone
     cluster = local_cluster(2, profile)
     assert cluster.device.eager is not None
     assert cluster.num_devices == 2 and cluster.device.peak("fp32") > 0 and cluster.device.peak("bf16") > 0

@@ -1,8 +1,15 @@
-"""Checkpoints across plans on real gloo process groups, interrupted saves, and bad input.
+"""Checkpoints of pipelined `plan.parallelize` modules across plans, interrupted saves, bad input.
 
-One 4-process run trains under pp=2 x dp=2, saves, trains on; then loads that checkpoint under
-tp=2 x dp=2 and pp=4 (and a plain-model checkpoint under pp=2 x tp=2) and checks parameters
-and the resumed losses. Parameters must be identical (exact) after a round trip.
+One 4-process gloo run compiles the GPT example with 4 blocks (tied embedding and head) and
+trains it 2 AdamW steps under dp=2 x pp=2 (DDP stage modules, 1F1B), saves model and
+optimizer state with the plan and `extra`, and trains 2 more steps. Then the checkpoint loads
+under dp=2 x tp=2 (pp=1) and under pp=4 with other initial weights: the step and `extra` come
+back, parameters equal the saved ones exactly, and the 2 resumed steps (the second depends on
+the loaded Adam moments) have the uninterrupted run's losses. It also loads into a plain model
+holding DTensor shards (torch's `parallelize_module` on the MLPs). A plain model's checkpoint loads
+under pp=4; the sharded checkpoint loads into the plain model (as a full state dict, tied names
+sharing one tensor, and through `load_checkpoint` without a process group).
+tests/test_checkpoint_plans.py covers tp x pp, FSDP2 stage modules and the other direction.
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pipeline import BATCH, MICRO, TinyLM, batches, lm_loss
+from test_backend_numerics import EPS, LR, build
 
+import shardc
 from shardc.backends.torch.checkpoint import (
     full_state_dict,
     latest_checkpoint,
@@ -24,125 +32,126 @@ from shardc.backends.torch.checkpoint import (
 from shardc.backends.torch.launch import spawn
 from shardc.diagnostics import ShardcError
 
-
-def _full(state: dict) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
-
-
-def _pipeline(mesh, model):
-    from shardc.backends.torch.eject import apply_tensor_parallel
-    from shardc.backends.torch.pipeline import PipelineRunner
-
-    return PipelineRunner(model, mesh, lm_loss, n_microbatches=MICRO // mesh["dp"].size(), schedule="1f1b",
-                          shard_model=apply_tensor_parallel)
+SPEC = "examples/gpt.py:tiny?batch=4&n_layer=4"
+SMALL = "examples/gpt.py:tiny?batch=4&n_embd=32&n_head=2"  # 2 blocks, half the width
+PLANS = ("dp=2,pp=2", "dp=2,tp=2", "pp=4")
+STEPS = 4
 
 
-def _train(runner_or_model, mesh, opt, steps) -> list[float]:
-    from shardc.backends.torch.pipeline import PipelineRunner, average_gradients
+def _data(inputs: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(1234)
+    return [tuple(torch.randint(0, 128, x.shape, generator=g) for x in inputs) for _ in range(STEPS)]
 
-    dp = mesh["dp"].size()
-    dp_rank, share = mesh["dp"].get_local_rank(), BATCH // dp
-    losses = []
-    for x, y in steps:
-        part = slice(dp_rank * share, (dp_rank + 1) * share)
-        if isinstance(runner_or_model, PipelineRunner):
-            loss = runner_or_model.step(x[part], y[part])
-        else:  # plain or tensor-parallel model: same micro-batches, gradients averaged over dp
-            total = torch.zeros(())
-            for xm, ym in zip(x[part].chunk(MICRO // dp), y[part].chunk(MICRO // dp)):
-                micro_loss = lm_loss(runner_or_model(xm), ym) / (MICRO // dp)
-                micro_loss.backward()
-                total += micro_loss.detach()
-            if dp > 1:
-                average_gradients(list(runner_or_model.parameters()), mesh["dp"].get_group())
-                torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
-                total /= dp
-            loss = total
-        losses.append(loss.item())
+
+def _train(module, data, opt) -> list[float]:
+    import torch.distributed as dist
+
+    out = []
+    for batch in data:
+        loss = module.step(*batch)
         opt.step()
         opt.zero_grad()
-    return losses
+        value = loss.detach().clone()
+        dist.all_reduce(value)  # equal on pipeline ranks, data shares averaged
+        out.append(float(value) / dist.get_world_size())
+    return out
 
 
-def checkpoint_worker(rank: int, world: int, root: str, plain_root: str) -> dict:
+def _full(compiled, module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in compiled.full_state_dict(module).items()}
+
+
+def _fresh(compiled, seed: int):
+    torch.manual_seed(seed)  # a different init: everything must come from the checkpoint
+    model, _, _ = build(SPEC)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    module = compiled.parallelize(model)
+    return module, torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+
+
+def checkpoint_worker(rank: int, world: int, plans: dict, root: str, plain_root: str) -> dict:
+    _, inputs, _ = build(SPEC)
+    data = _data(inputs)
+    out: dict = {}
+    a = plans["dp=2,pp=2"]
+    model, _, _ = build(SPEC)
+    module = a.parallelize(model)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    _train(module, data[:2], opt)
+    save_checkpoint(root, module, opt, step=2, plan=str(a.plan), extra={"seed": 0})
+    out["saved"] = _full(a, module)
+    out["a_after"] = _train(module, data[2:], opt)
+    for key in ("dp=2,tp=2", "pp=4"):
+        module, opt = _fresh(plans[key], seed=7)
+        info = load_checkpoint(root, module, opt)
+        out[key] = ((info.step, info.extra, info.plan), _full(plans[key], module), _train(module, data[2:], opt))
+    module, _ = _fresh(plans["pp=4"], seed=9)
+    load_checkpoint(plain_root, module)
+    out["from_plain"] = _full(plans["pp=4"], module)
+    out["dtensor"] = _load_into_dtensor_model(root)
+    return out if rank == 0 else {}
+
+
+def _load_into_dtensor_model(root: str) -> dict[str, torch.Tensor]:
+    """The checkpoint into a plain model whose MLPs torch's `parallelize_module` shards over tp=2."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardc.backends.torch.eject import apply_tensor_parallel
 
-    data = batches(steps=4)
-    out: dict = {}
-    # plan A: pp=2 x dp=2, two steps, save, one more step
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
-    torch.manual_seed(0)
-    runner = _pipeline(mesh, TinyLM())
-    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3)
-    out["a_losses"] = _train(runner, mesh, opt, data[:2])
-    save_checkpoint(root, runner, opt, step=2, plan="pp=2,dp=2", extra={"seed": 0})
-    out["a_saved"] = _full(runner.state_dict())
-    out["a_after"] = _train(runner, mesh, opt, data[2:])
-    # plan B: tp=2 x dp=2 (DTensor shards), resume from step 2
-    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    torch.manual_seed(123)  # different init: everything must come from the checkpoint
-    model = apply_tensor_parallel(TinyLM(), mesh["tp"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    info = load_checkpoint(root, model, opt)
-    out["b_step"], out["b_extra"] = info.step, info.extra
-    out["b_loaded"] = _full(model.state_dict())
-    out["b_after"] = _train(model, mesh, opt, data[2:])
-    # plan C: pp=4
-    mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
-    torch.manual_seed(7)
-    runner = _pipeline(mesh, TinyLM())
-    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3)
-    load_checkpoint(root, runner, opt)
-    out["c_loaded"] = _full(runner.state_dict())
-    out["c_after"] = _train(runner, mesh, opt, data[2:])
-    # unpartitioned -> sharded: a plain model's checkpoint under pp=2 x tp=2
-    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
-    torch.manual_seed(9)
-    runner = _pipeline(mesh, TinyLM())
-    load_checkpoint(plain_root, runner)
-    out["d_loaded"] = _full(runner.state_dict())
-    return out
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, _, _ = build(SPEC)
+    mlp = {f"blocks.{i}.mlp.{fc}": kind for i in range(4) for fc, kind in (("fc1", "colwise"), ("fc2", "rowwise"))}
+    apply_tensor_parallel(model, mesh["tp"], mlp)
+    assert hasattr(model.blocks[0].mlp.fc1.weight, "full_tensor")
+    load_checkpoint(root, model)
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
 
 
-def test_checkpoints_across_plans(tmp_path: Path) -> None:
+def test_pipelined_checkpoints_across_plans(tmp_path: Path) -> None:
+    model, inputs, _ = build(SPEC)
+    plans = {p: shardc.compile(model, inputs, plan=p) for p in PLANS}
     torch.manual_seed(42)
-    plain = TinyLM()
+    plain, _, _ = build(SPEC)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(2.0)
     save_checkpoint(tmp_path / "plain", plain, step=0)
-    results = spawn(checkpoint_worker, 4, str(tmp_path / "ckpt"), str(tmp_path / "plain"))
-    saved: dict[str, torch.Tensor] = {}
-    for r in results:
-        saved.update(r["a_saved"])
+    out = spawn(checkpoint_worker, 4, plans, str(tmp_path / "ckpt"), str(tmp_path / "plain"), timeout_s=600)[0]
+    saved = out["saved"]
     full = full_state_dict(tmp_path / "ckpt")
-    for name, value in saved.items():
-        assert torch.equal(full[name], value), name
-    assert torch.equal(full["head.weight"], full["wte.weight"])  # tied names share one tensor
-    fresh = TinyLM()
+    assert set(full) == set(build(SPEC)[0].state_dict()), set(full)  # parameters, persistent buffers
+    assert set(full) - set(saved) == {"lm_head.weight"}, set(full) - set(saved)
+    for name in set(full) & set(saved):
+        assert torch.equal(full[name], saved[name]), name
+    assert full["lm_head.weight"] is full["wte.weight"]  # tied names share one stored tensor
+    for key in ("dp=2,tp=2", "pp=4"):
+        (step, extra, plan), state, resumed = out[key]
+        assert (step, extra, plan) == (2, {"seed": 0}, str(plans["dp=2,pp=2"].plan)), key
+        for name, value in saved.items():
+            assert torch.equal(state[name], value), (key, name)
+        # training resumed under another plan continues with the losses of the run that never stopped
+        assert resumed == pytest.approx(out["a_after"], rel=1e-5), (key, resumed, out["a_after"])
+    for name, value in out["dtensor"].items():
+        assert torch.equal(value, full[name]), ("DTensor shards", name)
+    for name, value in plain.named_parameters():
+        assert torch.equal(out["from_plain"][name], value.detach()), ("plain -> pp=4", name)
+    fresh, _, _ = build(SPEC)
     fresh.load_state_dict(full)  # into the plain unpartitioned model
-    for r in results:
-        assert r["b_step"] == 2 and r["b_extra"] == {"seed": 0}
-        for name, value in r["b_loaded"].items():
-            assert torch.equal(value, saved[name]), ("tp=2 x dp=2", name)
-        for name, value in r["c_loaded"].items():
-            assert torch.equal(value, saved[name]), ("pp=4", name)
-        for name, value in r["d_loaded"].items():
-            assert torch.equal(value, plain.state_dict()[name]), ("plain -> pp=2 x tp=2", name)
-        # resumed training (under other plans) continues with the losses of the run that never stopped
-        for got, want in zip(r["b_after"] + r["c_after"], results[0]["a_after"] * 2):
-            assert abs(got - want) <= 1e-5 * abs(want), (r["b_after"], r["c_after"], results[0]["a_after"])
-    # and the plain model loads it with load_checkpoint too (no process group)
-    other = TinyLM()
-    load_checkpoint(tmp_path / "ckpt", other)
-    for name, value in other.state_dict().items():
-        assert torch.equal(value, full[name])
+    other, _, _ = build(SPEC)
+    load_checkpoint(tmp_path / "ckpt", other)  # and through load_checkpoint, no process group
+    loaded = other.state_dict()
+    for name, want in fresh.state_dict().items():
+        assert torch.equal(loaded[name], want), name
+    assert torch.equal(other.wte.weight.detach(), saved["wte.weight"])
 
 
 def dying_save_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed.checkpoint.filesystem as fs
 
-    torch.manual_seed(0)
-    model = TinyLM()
+    model, _, _ = build(SMALL)
     save_checkpoint(root, model, step=1)
     with torch.no_grad():
         for p in model.parameters():
@@ -163,27 +172,27 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
         spawn(dying_save_worker, 2, str(tmp_path), timeout_s=120, pg_timeout_s=20)
     assert latest_checkpoint(tmp_path).name == "step-00000001"
     assert (tmp_path / "latest").read_text().strip() == "step-00000001"
-    torch.manual_seed(0)
-    expected = TinyLM().state_dict()
+    model, _, _ = build(SMALL)
+    expected = model.state_dict()
     loaded = full_state_dict(tmp_path)
     for name, value in expected.items():
-        assert torch.equal(loaded[name], value)
+        assert torch.equal(loaded[name], value), name
     # the next save cleans the half-written directory and commits normally
-    save_checkpoint(tmp_path, TinyLM(), step=3)
+    save_checkpoint(tmp_path, model, step=3)
     assert latest_checkpoint(tmp_path).name == "step-00000003"
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
 def test_checkpoint_from_another_model_says_what_differs(tmp_path: Path) -> None:
-    save_checkpoint(tmp_path, TinyLM(layers=4), step=5)
+    save_checkpoint(tmp_path, build(SPEC)[0], step=5)
     with pytest.raises(ShardcError) as err:
-        load_checkpoint(tmp_path, TinyLM(layers=2, d=16))
+        load_checkpoint(tmp_path, build(SMALL)[0])
     text = str(err.value)
-    assert "from another model" in text and "26 parameters not in the model: blocks.2.attn.k.weight" in text
-    assert "blocks.0.attn.k.weight: checkpoint shape (32, 32), model shape (16, 16)" in text
+    assert "from another model" in text and "24 parameters not in the model: blocks.2.attn.proj.bias" in text
+    assert "blocks.0.attn.qkv.weight: checkpoint shape (192, 64), model shape (96, 32)" in text
     assert read_manifest(tmp_path)["step"] == 5
 
 
 def test_missing_checkpoint_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ShardcError, match="no committed checkpoint"):
-        load_checkpoint(tmp_path, TinyLM())
+        load_checkpoint(tmp_path, build(SMALL)[0])

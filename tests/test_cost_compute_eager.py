@@ -136,6 +136,9 @@ def test_eager_costs_scale_with_sharing_and_round_trip_through_json() -> None:
     old.pop("concurrent_matmul_n")
     v1 = LocalProfile.from_json(old)  # a version 1 cache still loads, on the roofline
     assert v1.eager is None and local_cluster(2, v1).device.eager is None
+    # a study probe's eager-workload rate maps to the matmul rate `under_load` takes
+    probed = dataclasses.replace(prof, probe_alone_rate=400.0)
+    assert probed.probe_flops(200.0) == pytest.approx(25e9) and prof.probe_flops(200.0) == pytest.approx(50e9)
     with pytest.raises(ValueError, match="version 7"):
         LocalProfile.from_json({**prof.to_json(), "version": 7})
 

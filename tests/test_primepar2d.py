@@ -8,7 +8,7 @@ neighbours each step and accumulates the output locally: no collective, nothing 
 from __future__ import annotations
 
 import pytest
-from test_backend_numerics import GPT, build, check, run_cases
+from test_backend_numerics import GPT, HF_GPT2, build, check, run_cases
 from test_candidates import labels, mlp_graph
 
 from shardc.backends.torch.launch import spawn
@@ -118,6 +118,19 @@ def mixed_grid_edit(graph: object) -> None:
     _grid_mlp(graph, GRID, GRID_T)
 
 
+def conv1d_grid_edit(graph: object) -> None:
+    """transformers GPT-2's MLP (Conv1D: `matmul` by a [k, n] weight) on P(2x2)."""
+    graph.mesh = Mesh(graph.mesh.axes + (("tq", 2),))  # type: ignore[attr-defined]
+    edited = 0
+    for node in graph.nodes:  # type: ignore[attr-defined]
+        if node.op == "matmul" and node.location.module_path.endswith((".mlp.c_fc", ".mlp.c_proj")):
+            node.partition = Partition((("tp", "m"), ("tq", "n")), (TemporalSplit("k", 2, "tp", "tq"),))
+            for v in node.inputs[1:]:
+                v.layout = None
+            edited += 1
+    assert edited == 4, "the GPT-2 example no longer has two blocks of c_fc/c_proj"
+
+
 def _grid_mlp(graph: object, fc1: Partition, fc2: Partition) -> None:
     graph.mesh = Mesh(graph.mesh.axes + (("tq", 2),))  # type: ignore[attr-defined]
     edited = 0
@@ -133,7 +146,7 @@ def _grid_mlp(graph: object, fc1: Partition, fc2: Partition) -> None:
     assert edited == 4, "the GPT example no longer has two blocks of fc1/fc2"
 
 
-def test_gpt_mlp_on_a_2x2_grid_trains_like_one_process() -> None:
+def test_mlps_on_a_2x2_grid_train_like_one_process() -> None:
     import shardc
 
     model, inputs, names = build(GPT)
@@ -145,10 +158,13 @@ def test_gpt_mlp_on_a_2x2_grid_trains_like_one_process() -> None:
     assert "grid_contraction" in code and "skew_start" in code  # weights skewed at the layer's start
     mixed = shardc.compile(model, inputs, plan="tp=2", input_names=names, before_lower=mixed_grid_edit)
     assert "fc2.weight : f32[64,256]{tp:S(0), tq:S(1)}" in str(mixed)
-    results = spawn(run_cases, 4, [(GPT, compiled, ""), (GPT, mixed, "")], timeout_s=400)[0]
-    for name, result in zip(("rows on tp", "fc2 rows on tq"), results):
+    model, inputs, names = build(HF_GPT2)
+    conv1d = shardc.compile(model, inputs, plan="tp=2", input_names=names, before_lower=conv1d_grid_edit)
+    cases = [(GPT, compiled, ""), (GPT, mixed, ""), (HF_GPT2, conv1d, "")]
+    results = spawn(run_cases, 4, cases, timeout_s=400)[0]
+    for (spec, _, _), name, result in zip(cases, ("rows on tp", "fc2 rows on tq", "Conv1D matmuls"), results):
         assert not isinstance(result, str), result
-        check(GPT, f"tp=2 x tq=2 grid MLP, {name}", *result)
+        check(spec, f"tp=2 x tq=2 grid MLP, {name}", *result)
 
 
 def wide_mlp(layers: int = 2, b: int = 8, s: int = 2048, h: int = 2048, f: int = 8192) -> object:

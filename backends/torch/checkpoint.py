@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,26 +55,18 @@ class CheckpointInfo:
 
 # ---- the model as named parameters --------------------------------------------------------
 
-def _modules_of(model: Any) -> list[nn.Module]:
+def _module_of(model: Any) -> nn.Module:
     if isinstance(model, nn.Module):
-        return [model]
-    if hasattr(model, "modules") and isinstance(model.modules, list):  # PipelineRunner
-        return list(model.modules)
-    if isinstance(model, Sequence):
-        return list(model)
-    raise ShardcError(f"cannot checkpoint a {type(model).__name__}; give an nn.Module, a list of stage "
-                      "modules or a PipelineRunner")
+        return model
+    raise ShardcError(f"cannot checkpoint a {type(model).__name__}; give an nn.Module: the plain model, one "
+                      "holding DTensor shards, or a module from plan.parallelize (pipelined or not)")
 
 
-def _tied_of(model: Any, modules: list[nn.Module]) -> list[tuple[str, ...]]:
-    tied = getattr(model, "_tied", None)
-    if tied is not None:
-        return list(tied)
+def _tied_of(module: nn.Module) -> list[tuple[str, ...]]:
+    """Names sharing one parameter, in order of appearance (the first is the canonical one)."""
     groups: dict[int, list[str]] = {}
-    for m in modules:
-        for name, p in m.named_parameters(remove_duplicate=False):
-            if name not in groups.setdefault(id(p), []):
-                groups[id(p)].append(name)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
     return [tuple(v) for v in groups.values() if len(v) > 1]
 
 
@@ -83,26 +75,20 @@ def _canonical(tied: Iterable[tuple[str, ...]]) -> dict[str, str]:
 
 
 def named_state(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], list[tuple[str, ...]]]:
-    """This rank's parameters and buffers by canonical name, plus alias->canonical and tied groups.
-
-    A parameter wrapped for sharding by shardc's code generator may carry `_shardc_dtensor`
-    (a callable returning a DTensor view of it); DTensors are kept as they are.
-    """
-    modules = _modules_of(model)
-    tied = _tied_of(model, modules)
+    """This rank's parameters and persistent buffers by canonical name (DTensors kept as they
+    are), plus canonical->own name and the tied groups."""
+    module = _module_of(model)
+    tied = _tied_of(module)
     canon = _canonical(tied)
     out: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
-    for m in modules:
-        saved = set(m.state_dict().keys())  # non-persistent buffers are the model's to rebuild, not state
-        for name, t in [*m.named_parameters(remove_duplicate=False), *m.named_buffers()]:
-            if name not in saved and not isinstance(t, nn.Parameter):
-                continue
-            key = canon.get(name, name)
-            if key in out:
-                continue
-            view = getattr(t, "_shardc_dtensor", None)
-            out[key] = view() if callable(view) else t
+    saved = set(module.state_dict().keys())  # non-persistent buffers are the model's to rebuild, not state
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]:
+        if name not in saved and not isinstance(t, nn.Parameter):
+            continue
+        key = canon.get(name, name)
+        if key not in out:
+            out[key] = t
             names[key] = name
     return out, names, tied
 
@@ -172,11 +158,10 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, params: Mapping[str, to
                        model: Any) -> dict[str, Any]:
     """Optimizer state keyed `optim.<param name>.<state name>`, hyperparameters `optim.groups`."""
     by_id: dict[int, str] = {}
-    modules = _modules_of(model)
-    canon = _canonical(_tied_of(model, modules))
-    for m in modules:
-        for name, p in m.named_parameters(remove_duplicate=False):
-            by_id.setdefault(id(p), canon.get(name, name))
+    module = _module_of(model)
+    canon = _canonical(_tied_of(module))
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), canon.get(name, name))
     out: dict[str, Any] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -184,7 +169,7 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, params: Mapping[str, to
         for p in group["params"]:
             if id(p) not in by_id:
                 raise ShardcError("the optimizer holds a parameter that is not in the model being checkpointed",
-                                  hint="build the optimizer from this rank's parameters (runner.parameters())")
+                                  hint="build the optimizer from this rank's parameters (model.parameters())")
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     out[f"optim.{by_id[id(p)]}.{key}"] = value
@@ -239,9 +224,8 @@ def save_checkpoint(root: str | Path, model: Any, optimizer: torch.optim.Optimiz
                     step: int, plan: str = "", extra: Mapping[str, Any] | None = None) -> Path:
     """Save model (and optimizer) state of every rank as one checkpoint `root/step-N`; collective.
 
-    `model` is an nn.Module (plain, holding DTensor shards, or from `plan.parallelize`), a list
-    of pipeline stage modules, or a PipelineRunner. Every rank must call it. Returns the
-    committed directory.
+    `model` is an nn.Module: plain, holding DTensor shards, or from `plan.parallelize` (pipelined
+    or not). Every rank must call it. Returns the committed directory.
     """
     import torch.distributed.checkpoint as dcp
 

@@ -10,8 +10,8 @@ tp: DDP takes no DTensor parameters, FSDP2 over dp is torch's 2-D recipe), pipel
 and left out of the code: temporal or rotating partitions, context parallelism (ring attention),
 per-node partitions that differ from Megatron's pairing, offload, selective recomputation.
 
-The same discovery (`megatron_plan`) gives `apply_tensor_parallel`, used for pipeline stages and
-as the hand-written baseline of `benchmarks/runtime.py`.
+The same discovery (`megatron_plan`) gives `apply_tensor_parallel`, the hand-written baseline of
+`benchmarks/runtime.py`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,18 @@ HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_head", "n_kv_heads", "num_
 FUSED_QKV = frozenset({"qkv", "c_attn", "query_key_value", "Wqkv"})
 
 
+def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's repeated blocks: its largest `nn.ModuleList` (ties: the first one found)."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and (best is None or len(mod) > len(best[1])):
+            best = (name, mod)
+    if best is None or len(best[1]) == 0:
+        raise ShardcError(f"model {type(model).__name__} has no nn.ModuleList of blocks",
+                          hint="tensor parallelism by name shards the linears of the model's repeated blocks")
+    return best
+
+
 def megatron_plan(model: nn.Module) -> dict[str, str]:
     """Module path -> "colwise" | "rowwise" for every `nn.Linear` in the model's blocks, by name.
 
@@ -41,8 +53,6 @@ def megatron_plan(model: nn.Module) -> dict[str, str]:
     a block with column-wise linears but no row-wise one (or the reverse) is an error, since the
     pairing would leave a partial sum or a shard unclosed.
     """
-    from shardc.backends.torch.pipeline import block_list
-
     prefix, blocks = block_list(model)
     out: dict[str, str] = {}
     for i, block in enumerate(blocks):
@@ -192,7 +202,7 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
     if plan.pp > 1:
         pp_note = (f"# Pipeline: cut the blocks into {plan.pp * plan.vpp} stages and run them with "
                    f"torch.distributed.pipelining.PipelineStage and Schedule{'Interleaved1F1B' if plan.vpp > 1 else ('GPipe' if plan.schedule == 'gpipe' else '1F1B')};\n"
-                   "# see shardc.backends.torch.pipeline for a stage cutter. This file trains pp=1 only.\n")
+                   "# (torch.distributed.pipelining.pipeline can cut a traced model). This file trains pp=1 only.\n")
         missing = [*missing, f"pipeline pp={plan.pp}: stage modules must be cut by hand (PipelineStage needs one module per stage)"]
     header = "\n".join(f"  - {m}" for m in missing) or "  (none)"
     body = f'''"""Ejected by shardc from plan {plan} for {model_spec}. Needs only torch.

@@ -82,7 +82,8 @@ class _Grid(torch.autograd.Function):
         dy = dy.contiguous()
         # The gradient with the longer transfer is computed first, so that its send overlaps
         # the other's matmul.
-        order = ("x", "w") if x.numel() >= w.numel() else ("w", "x")
+        order = tuple(which for which in (("x", "w") if x.numel() >= w.numel() else ("w", "x"))
+                      if ctx.needs_input_grad[0 if which == "x" else 1])
         acc: dict[str, torch.Tensor] = {}
         for t in range(q):
             last = t + 1 == q
@@ -100,7 +101,7 @@ class _Grid(torch.autograd.Function):
             if not last:
                 x, w = _done(x, hx), _done(w, hw)
             acc = {which: _done(acc[which], sent[which]) for which in order}
-        return acc["x"], acc["w"], None, None, None, None, None
+        return acc.get("x"), acc.get("w"), None, None, None, None, None
 
 
 def skew_start(w: torch.Tensor, mesh: MeshGroups, w_axis: str, x_axis: str, tag: int) -> Any:

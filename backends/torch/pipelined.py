@@ -43,7 +43,6 @@ from shardc.backends.torch.parallelize import (
     local_tensors,
     mesh_groups,
 )
-from shardc.backends.torch.pipeline import local_tensor
 from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
 from shardc.diagnostics import ShardcError
@@ -273,6 +272,11 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
     module = PipelinedModule(graph, plan, stage_ids, modules, wrapped, loss_module, dm, full_inputs, loss_fn, dev)
     describe_state(module, graph, dm, model)
     return module
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def schedule_class(name: str, virtual: int) -> type:

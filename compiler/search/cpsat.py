@@ -32,6 +32,7 @@ from shardc.search.sections import STAGE_CLASSES, Model, cand_sum, edges, sectio
 SECTIONS = ("pre", "block", "post")
 WALL_GUARD = 20.0  # a solve's default wall-clock guard, in multiples of its deterministic limit
 UNIFORM_SHARE = 0.4  # of a solve's time limit, for the round with one block partition (see `solve`)
+EXTRA: dict = {}
 LINEARIZATION = 2  # CP-SAT linearises the products too (McCormick), which is where the bound comes from
 
 
@@ -141,6 +142,12 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
                    M.low("block", lambda r: to_m(r["inputs"]))]
         low_fwd = M.low("block", lambda r: to_t(r["fwd"]))
         low_state = min(M.low("block", partial(_state_units, M, co.state[z])) for z in zeros)
+        low_buf = M.low("block", lambda r: to_m(2 * r["numel"] * co.w_elem))
+        low_grad = M.low("block", lambda r: to_m(r["gbytes"]))
+        low_sync = min(M.low("block", lambda r, z=z: to_t((co.serial[z][1] if co.fsdp[z] else co.rate[z]) * r["gbytes"]))
+                       for z in zeros)
+        low_after = min(M.low("block", lambda r, z=z: to_t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)))
+                        for z in zeros)
     tail = M.var(max(M.t(t) for t in co.tail), "tail")
     for z in ZEROS:
         md.add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
@@ -151,6 +158,7 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
     bucketed = md.new_bool_var("bucketed")  # ZeRO 1-3 as textbook ZeRO (two gradient buckets)
     md.add(bucketed == sum(M.z[z] for z in ZEROS if z >= 1 and not co.fsdp[z]))
     stage_times, exposed, after = [], [], []
+    block_terms: list[Any] = []
     horizon = (L * tl_ub + pre["time_ub"] + post["time_ub"] + pre["z3_ub"] + post["z3_ub"] + 2 * send_ub
                + 2 * cross_ub + 1) * 2
 
@@ -185,6 +193,7 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
         mem = []
         if L > 0:
             pt = [prod(k[r], tl[c][r], L * tl_ub, f"pt{s}_{r}") for r in range(3)]
+            block_terms += pt
             pa = [prod(k[r], act[c][r], L * act_ub, f"pa{s}_{r}") for r in range(3)]
             nf = prod(n, agg[c]["fwd"], L * blk["fwd_ub"], f"nf{s}")
             nsync = prod(n, blk["sync"], L * blk["sync_ub"], f"nsync{s}")
@@ -200,6 +209,11 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
                 md.add(pa[r] >= low_act[r] * k[r])
             md.add(nf >= low_fwd * n)
             md.add(nstate >= low_state * n)
+            md.add(nbuf >= low_buf * n)
+            md.add(nsync >= low_sync * n)
+            md.add(nafter >= low_after * n)
+            if co.buffer_cap:
+                md.add(ngrad >= low_grad * n)
             stage = sum(pt) + edge_sends + pre_t + post_t + cross_t
             window = sum(pt) - nf + (blks[classes[s - 1]]["send"] if not first else 0) + cross_w
             f = in_flight("1f1b", p, s, m)
@@ -269,8 +283,17 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
     bottleneck = M.var(horizon, "bottleneck")
     for st in stage_times:
         md.add(bottleneck >= st)
-    # Redundant, linear: the slowest stage holds at least ceil(L / p) blocks of the cheapest
-    # time, and at least the mean stage.
+    # Redundant, linear: every block costs at least its class's TL_0 (so at least the smallest
+    # of them), the slowest stage holds at least ceil(L / p) blocks of the cheapest time, and
+    # is at least the mean stage. The first is what lets the relaxation see the chosen block
+    # time behind the products.
+    if L > 0:
+        if K == 1:
+            md.add(sum(block_terms) >= L * tl[0][0])
+        else:
+            cheapest = M.var(tl_ub, "cheapest_block")
+            md.add_min_equality(cheapest, [t_k[0] for t_k in tl])
+            md.add(sum(block_terms) >= L * cheapest)
     if L > 0 and p > 1:
         md.add(bottleneck >= -(-L // p) * low_tl[0])
     md.add(p * bottleneck >= sum(stage_times))
@@ -295,6 +318,8 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
     if workers > 1:
         prm.interleave_search = True
     prm.linearization_level = LINEARIZATION
+    for key, val in EXTRA.items():
+        setattr(prm, key, val)
     status = solver.solve(md)
     if status == cp_model.MODEL_INVALID:  # a bug in this module, never the input
         raise AssertionError(f"CP-SAT model invalid: {md.validate()}")

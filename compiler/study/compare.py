@@ -100,6 +100,7 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
         "predicted_step_time_s_profile": profile_step,
         "step_time_error_profile": rel_error(profile_step, measured_step),
         "probe_flops": [r.get("probe_flops") for r in results],
+        "probe_rate": [r.get("probe_rate") for r in results],
         "measured_cpu_step_time_s": cpu_step,  # the busiest rank's main-thread CPU time, median over steps
         "step_times_s": slowest, "losses": results[0]["losses"],
         "measured_peak_memory_bytes": [x["measured_peak_memory_bytes"] for x in ranks],

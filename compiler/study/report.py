@@ -281,8 +281,10 @@ METHOD = """\
   AdamW, gradients kept
   between steps (`zero_grad(set_to_none=False)`), fp32. Warm-up steps, then measured steps, each started
   together after a barrier; the step time is the slowest rank's, median over steps. Right before and
-  right after the timed steps every rank runs a 0.15 s fp32 matmul probe at once (the calibration's
-  concurrent benchmark; harmonic mean of the two), so the compute rate the machine's load left then is known.
+  right after the timed steps every rank runs, all at once, 0.15 s of an eager training workload (a
+  small MLP block forward and backward, a few MiB, `calibrate_ops.probe_workload`) and of a 256 x 256
+  matmul (harmonic mean of the two probes): against the workload's lone rate in the profile, how much
+  slower the machine's load made eager training then (its share of a core and evicted caches).
 - Time breakdown: torch.profiler on one more step. compute = the main thread's ops; communication =
   collective intervals on any thread; exposed = not under compute; waiting = each collective's duration
   minus the shortest any rank saw for the same call (the last to arrive does not wait).
@@ -302,7 +304,7 @@ METHOD = """\
   CPU time on one thread; the node costs come from these instead of a roofline, scaled by how much
   slower a process runs while the others share the cores.
   The step-time error is against the same model on that profile recalibrated to the moment the plan ran
-  (`calibrate.under_load`: the probe's compute rate, the copy bandwidth scaled alike but never above a
+  (`calibrate.under_load`: the workload probe's slowdown, the copy bandwidth scaled alike but never above a
   lone process's, and the all_reduce fit from this study's own all_reduce-by-size benchmark); the error on
   the profile as calibrated before the sweep is reported beside it.
 - Bytes sent per collective: message size from the op's tensors, ring volume for the group size.

@@ -8,8 +8,9 @@ plan is written to `results.json` at once (atomically), so an interrupted study 
 the plan in flight and resumes with the next. A plan that fails is recorded with its error
 (the failing rank's exception) and the rest of the group restarts in a fresh process group.
 Once a plan has run it is predicted again on the profile recalibrated to the load it ran under
-(`calibrate.under_load`: the compute probe every rank ran before its timed steps, and this
-study's all_reduce-by-size benchmark); both predictions are recorded.
+(`calibrate.under_load`: the probes every rank ran before and after its timed steps, an eager
+training workload timed against its lone rate in the profile (else a 256 x 256 matmul), and
+this study's all_reduce-by-size benchmark); both predictions are recorded.
 
 On `--device cuda` each process count needs as many GPUs (NCCL, rank r on `cuda:r`); plans are
 predicted on the GPU preset `--cluster` names (`H200`) or the visible GPU's, and after the sweep
@@ -200,7 +201,12 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         base = profile if profile is not None else load_profile()
         points = [(x["bytes"], x["measured_s"]) for x in store.data["allreduce"].get(str(sp.devices), {}).get(
             "points", [])] if sp.devices > 1 else []  # one process has no link to refit
-        now = under_load(base, sp.devices, sum(probes) / len(probes), points)
+        rates = [r["probe_rate"] for r in results if r.get("probe_rate")]
+        if rates and base.probe_alone_rate > 0:  # the eager-workload probe, when the profile has its reference
+            flops = base.probe_flops(sum(rates) / len(rates))
+        else:
+            flops = sum(probes) / len(probes)
+        now = under_load(base, sp.devices, flops, points)
         cluster = study_cluster(sp.devices, device, profile=now, memory_limit_bytes=memory_limit_bytes)
         return {**predict(model_spec, sp, cluster)[1], "cluster": str(cluster)}
 

@@ -229,6 +229,17 @@ def compute_probe(n: int = 256, window_s: float = 0.15) -> float:
     return _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, window_s)
 
 
+def workload_probe(window_s: float = 0.15) -> float:
+    """Calls/s of `calibrate_ops.probe_workload` (eager training in miniature) right now, all ranks
+    at once: against its lone rate in the profile, how much slower eager training runs now."""
+    from shardc.calibrate import _window_rate
+    from shardc.calibrate_ops import probe_workload
+
+    run = probe_workload()
+    dist.barrier()
+    return _window_rate(run, 1.0, window_s)
+
+
 def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | None = None) -> dict[str, Any]:
     """Warm-up, timed steps, a profiled step and a memory-tracked step (see the module doc)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -250,6 +261,7 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
 
     losses = [step() for _ in range(job["warmup"])]
     probe = compute_probe() if not cuda else None  # the CPU's load now (`calibrate.under_load`)
+    rates = [workload_probe()] if not cuda else []
     times, gpu_times, cpu_times = [], [], []
     for _ in range(job["steps"]):
         dist.barrier()
@@ -269,6 +281,7 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
             gpu_times.append(events[0].elapsed_time(events[1]) / 1e3)
     if probe is not None:  # the load while the steps ran: probed before and after (harmonic mean)
         probe = 2.0 / (1.0 / probe + 1.0 / compute_probe())
+        rates.append(workload_probe())
     dist.barrier()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities, record_shapes=True) as prof:
@@ -295,6 +308,6 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
             0.0, allocator["peak_allocated_bytes"] - memory["tracked_peak_bytes"])}
     collectives = memory.pop("collectives")
     return {"step_times_s": times, "median_step_s": statistics.median(times), "probe_flops": probe, "losses": losses,
-            "cpu_step_times_s": cpu_times,
+            "cpu_step_times_s": cpu_times, "probe_rate": 2.0 / sum(1.0 / r for r in rates) if rates else None,
             "profile": events_data, "memory": memory, "collectives": collectives, "device": str(device),
             **({"gpu_step_times_s": gpu_times} if cuda else {})}
