@@ -7,10 +7,13 @@ The objective and the memory constraints are `shardc.search.linear.objective`'s 
 linearisation of the analytical model), stage boundaries between classes priced across the
 two partitions. Products of block counts and per-block quantities use multiplication
 constraints, which the LP relaxation drops, so the relaxation also gets linear cuts that keep
-time and memory in the bound: each product is at least the count times the quantity's
-smallest value; the blocks on the slowest stage are at least ceil(L / p) of the cheapest; the
-pipeline is at least the balanced one. (Stages are not symmetric: an earlier stage holds more
-micro-batches in flight, so no order is imposed on their block counts.) The search is bounded
+time and memory in the bound: all blocks together cost at least L times the chosen block time
+(with one partition for all stages this ties the objective to the candidates, which is what
+lets the first round prove optimality in a fraction of a second); each product is at least the
+count times the quantity's smallest value (times, activations, states, gradient sync,
+optimizer, buffers); the slowest stage holds at least ceil(L / p) of the cheapest blocks and is
+at least the mean stage. (Stages are not symmetric: an earlier stage holds more micro-batches
+in flight, so no order is imposed on their block counts.) The search is bounded
 (deterministic time), seeded, warm-started from a hint, and reports the plan's own linearised
 objective and the proven bound.
 """
@@ -31,8 +34,8 @@ from shardc.search.sections import STAGE_CLASSES, Model, cand_sum, edges, sectio
 
 SECTIONS = ("pre", "block", "post")
 WALL_GUARD = 20.0  # a solve's default wall-clock guard, in multiples of its deterministic limit
-UNIFORM_SHARE = 0.4  # of a solve's time limit, for the round with one block partition (see `solve`)
-EXTRA: dict = {}
+UNIFORM_SHARE = 0.6  # of a solve's time limit, for the round with one block partition (see `solve`)
+STAGE_SHARE = 0.3  # at most this share for the per-stage round (it rarely proves optimality)
 LINEARIZATION = 2  # CP-SAT linearises the products too (McCormick), which is where the bound comes from
 
 
@@ -59,7 +62,7 @@ def _state_units(model: Model, per_param: float, row: dict[str, float]) -> int:
 def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0, workers: int = 1,
           hint: Assignment | None = None, zeros: tuple[int, ...] = ZEROS,
           recomputes: tuple[int, ...] = (0, 1, 2), stage_limit: int = STAGE_CLASSES,
-          wall_limit: float | None = None) -> SolveResult:
+          wall_limit: float | None = None, cutoff: float | None = None) -> SolveResult:
     """Build and solve the model; `hint` warm-starts it (a grid plan or a saved plan).
     `stage_limit` bounds the distinct block partitions over the stages (1: one for all).
     `wall_limit` is a wall-clock guard (default `WALL_GUARD` times the limit): the budget is
@@ -67,17 +70,22 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
 
     Two rounds when stages may differ: first the model with one block partition for every
     stage (`UNIFORM_SHARE` of the time limit), then the per-stage model warm-started from that
-    plan and cut off at its objective, so that it spends its time on strictly better plans.
+    plan and cut off at its objective, so that it spends its time on strictly better plans
+    (what the first round left, at most `STAGE_SHARE` of the limit: its relaxation is weaker,
+    one product per stage where the first round's block count is the constant L).
     The bound is the per-stage model's (a cut-off model proven infeasible proves the first
-    plan optimal)."""
+    plan optimal). With `cutoff` (the search's incumbent) the second round looks only for plans
+    better than both; proving there is none bounds the problem by the smaller (the first
+    round runs free, from its hint, which is where good plans are found)."""
     p, L = problem.shape.pp, problem.layers
     wall = wall_limit if wall_limit is not None else WALL_GUARD * time_limit
     if stage_limit <= 1 or p <= 1 or L <= 1:
         return _solve_one(problem, limit_bytes, time_limit, seed, workers, hint, zeros, recomputes, 1, None, wall)
     first = _solve_one(problem, limit_bytes, UNIFORM_SHARE * time_limit, seed, workers, hint, zeros, recomputes, 1,
                        None, wall)
-    rest = max(time_limit - first.deterministic_s, 0.01)
-    cutoff = first.objective_s if first.assignment is not None else None
+    rest = max(min(time_limit - first.deterministic_s, STAGE_SHARE * time_limit), 0.01)
+    found = [v for v in (first.objective_s if first.assignment is not None else None, cutoff) if v is not None]
+    cutoff = min(found) if found else None
     start = first.assignment or hint
     if hint is not None and hint.stage_choice and first.assignment is not None:  # a per-stage warm start
         lin = objective(problem, hint.choice, hint.stages, hint.zero, hint.stage_choice)
@@ -85,15 +93,26 @@ def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0
             start = hint
     second = _solve_one(problem, limit_bytes, rest, seed, workers, start, zeros, recomputes,
                         stage_limit, cutoff, max(wall - first.wall_s, 0.5))
+    second = _cut(second, cutoff)
     spent, wall = first.deterministic_s + second.deterministic_s, first.wall_s + second.wall_s
     if second.assignment is not None and (cutoff is None or second.objective_s < cutoff):
         return SolveResult(second.assignment, second.status, second.objective_s, second.bound_s, wall, spent)
     if first.assignment is None:
         return SolveResult(None, second.status, float("inf"), second.bound_s, wall, spent)
-    if second.status in ("OPTIMAL", "INFEASIBLE"):
-        return SolveResult(first.assignment, "OPTIMAL", first.objective_s, first.objective_s, wall, spent)
-    return SolveResult(first.assignment, "FEASIBLE", first.objective_s, min(second.bound_s, first.objective_s), wall,
-                       spent)
+    exact = second.status in ("OPTIMAL", "INFEASIBLE") and cutoff is not None and cutoff >= first.objective_s
+    return SolveResult(first.assignment, "OPTIMAL" if exact else "FEASIBLE", first.objective_s,
+                       min(second.bound_s, first.objective_s), wall, spent)
+
+
+def _cut(result: SolveResult, cutoff: float | None) -> SolveResult:
+    """A cut-off model's result for the whole problem: proven infeasible means nothing beats the
+    cut-off (its bound); no answer within the budget means at most the cut-off."""
+    if cutoff is None or result.assignment is not None:
+        return result
+    if result.status == "INFEASIBLE":
+        return SolveResult(None, "INFEASIBLE", float("inf"), cutoff, result.wall_s, result.deterministic_s)
+    return SolveResult(None, result.status, float("inf"), min(result.bound_s, cutoff), result.wall_s,
+                       result.deterministic_s)
 
 
 def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: int, workers: int,
@@ -318,8 +337,6 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
     if workers > 1:
         prm.interleave_search = True
     prm.linearization_level = LINEARIZATION
-    for key, val in EXTRA.items():
-        setattr(prm, key, val)
     status = solver.solve(md)
     if status == cp_model.MODEL_INVALID:  # a bug in this module, never the input
         raise AssertionError(f"CP-SAT model invalid: {md.validate()}")

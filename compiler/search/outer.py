@@ -21,7 +21,8 @@ Rules:
   each problem's best grid point its warm start (else the grid point best by the linearised
   objective, or a plan file's).
 - Shapes are solved in order of their bound; a shape whose bound cannot beat the incumbent is
-  pruned without solving. The solves share `SOLVE_SHARE` of the time limit in CP-SAT's
+  pruned without solving, and the others are solved cut off at the incumbent (CP-SAT looks
+  only for better plans; proving there is none bounds the shape by the incumbent). The solves share `SOLVE_SHARE` of the time limit in CP-SAT's
   deterministic seconds (each gets a slice of what is left), so a fixed seed and worker count
   give the same plan on a busy machine too; the wall clock stops the solves only past
   `WALL_STOP` times the limit (a machine too loaded to keep any promise; `wall_stop=inf`
@@ -345,7 +346,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         budget = max(0.05, min(budget_left / 2, budget_left / max(1, (len(order) - n) / 4), 10.0))
         hint = hints.get(i)
         result = solve(problem, limit, budget, seed, workers, hint[0] if hint else _linear_hint(problem, limit),
-                       wall_limit=max(wall_stop * time_limit - (time.perf_counter() - start), 0.5))
+                       wall_limit=max(wall_stop * time_limit - (time.perf_counter() - start), 0.5),
+                       cutoff=incumbent if incumbent < float("inf") else None)
         budget_left -= max(result.deterministic_s, 0.01)
         solved += 1
         log.append(f"{problem.shape} mb={problem.mb}: {result.status} {result.objective_s:.4g}s "
