@@ -239,7 +239,7 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
                     console: Any = None, show: bool = True, summary: bool = False) -> LocalProfile:
     """Measure this machine (see the module doc) and write the profile to `path` atomically.
 
-    Takes under a minute on an idle machine (`quick=True`: under 15 s, fewer sizes and
+    Takes about 40 s on an idle 2-core machine (`quick=True`: about 15 s per process count, fewer sizes and
     repetitions). `console` is a rich Console (default: stderr) for the progress bar (`show`)
     and, with `summary=True`, the `profile_tables` once done (else call `print_profile`).
     """

@@ -13,6 +13,9 @@ per_unit` (`fit_affine`, relative error): units are FLOPs for matmuls and the fo
 - Times are this thread's CPU time (`time.thread_time`): a busy machine does not inflate them.
   They are costs on a core of one's own; how much of a core a process gets is the sharing
   model's business (`calibrate.local_cluster`, and the study's probe).
+- Each timed call starts with cold caches (`_evict` overwrites 8 MiB first): in a training step
+  every op runs once after the others have used the caches, and a hot loop underprices it
+  (by 1.3-2x on the GPT example's ops here).
 - A backward is timed with `torch.autograd.grad`, less the engine's fixed cost per backward call
   (a chain of views gives it), so what is left is per node; its fit weighs errors relative to
   the whole measured call, so a small difference cannot dominate.
@@ -86,19 +89,33 @@ def _timed(run: Callable[[], tuple[float, float]], budget: float) -> tuple[float
     return statistics.median(fwd), statistics.median(bwd)
 
 
+COLD_BYTES = 8 << 20  # more than a core's L2: what an op finds in its caches after the others of a step
+
+
+def _evict(buffer: Any) -> None:
+    """Overwrite `buffer` (`COLD_BYTES`) so that the next call finds its data and code out of the
+    core's caches, as each op of a training step does after the others ran (a hot loop would not)."""
+    buffer.add_(1.0)
+
+
 def _fwd_bwd(fn: Callable[[], Any], wrt: Sequence[Any], budget: float) -> tuple[float, float]:
-    """Seconds of `fn()` under autograd and of `torch.autograd.grad` of its output w.r.t. `wrt`."""
+    """Seconds of `fn()` under autograd and of `torch.autograd.grad` of its output w.r.t. `wrt`,
+    each started with cold caches (`_evict`)."""
     import torch
 
     out = fn()
     grad = torch.ones_like(out)
+    buffer = torch.zeros(COLD_BYTES // 4)
 
     def run() -> tuple[float, float]:
+        _evict(buffer)
         t0 = time.thread_time()
         y = fn()
         t1 = time.thread_time()
+        _evict(buffer)
+        t2 = time.thread_time()
         torch.autograd.grad(y, wrt, grad)
-        return t1 - t0, time.thread_time() - t1
+        return t1 - t0, time.thread_time() - t2
 
     return _timed(run, budget)
 
@@ -251,8 +268,10 @@ def optimizer_fit(budget: float) -> tuple[float, float]:
         for p in params:
             p.grad = torch.randn(numel)
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+        buffer = torch.zeros(COLD_BYTES // 4)
 
-        def step(opt: Any = opt) -> tuple[float, float]:
+        def step(opt: Any = opt, buffer: Any = buffer) -> tuple[float, float]:
+            _evict(buffer)  # the states are out of cache after backward, as in a step
             t0 = time.thread_time()
             opt.step()
             opt.zero_grad(set_to_none=False)
