@@ -57,7 +57,7 @@ from shardc.calibrate_ops import (
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_bytes
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: wrapper_overhead; versions 1 and 2 still load (no overhead)
 CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's (and the study's probe's) matmul size
 # Ring steps and volume factor per collective over n ranks (bytes = the full buffer).
 _RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
@@ -120,6 +120,14 @@ class LocalProfile:
     eager: EagerCosts | None = None                   # eager op and optimizer costs, 1 process
     concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
     probe_alone_rate: float = 0.0                     # `calibrate_ops.probe_workload` calls/s, 1 process
+    wrapper_overhead: tuple[tuple[int, float], ...] = ()  # (nprocs, s per collective wrapper call)
+
+    def call_overhead(self, nproc: int) -> float:
+        """Seconds a shardc collective wrapper adds per call over `nproc` processes, from the
+        nearest measured count (0 for profiles without the measurement)."""
+        if not self.wrapper_overhead or nproc <= 1:
+            return 0.0
+        return min(self.wrapper_overhead, key=lambda c: (abs(c[0] - nproc), -c[0]))[1]
 
     def probe_flops(self, rate: float) -> float:
         """A study probe's workload rate now (calls/s, wall time) as the matmul rate `under_load`
@@ -156,20 +164,22 @@ class LocalProfile:
         best = min(fits, key=lambda c: (abs(c.nprocs - nproc), -c.nprocs))
         link = best.link()
         assert link is not None
-        return LinkSpec(f"gloo-{best.nprocs}proc", link.bandwidth, link.latency)
+        return LinkSpec(f"gloo-{best.nprocs}proc", link.bandwidth, link.latency,
+                        call_overhead=self.call_overhead(nproc))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LocalProfile:
-        if data.get("version") not in (1, PROFILE_VERSION):
+        if data.get("version") not in (1, 2, PROFILE_VERSION):
             raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
         fits = tuple(CollectiveFit(c["op"], int(c["nprocs"]), tuple((int(b), float(t)) for b, t in c["points"]),
                                    AlphaBeta(**c["fit"])) for c in data["collectives"])
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k not in ("collectives", "eager")}
         for k in ("matmul_points", "dtype_ratio", "concurrent"):
             kwargs[k] = tuple(tuple(x) for x in data[k])
+        kwargs["wrapper_overhead"] = tuple((int(n), float(t)) for n, t in data.get("wrapper_overhead", ()))
         return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
 
@@ -280,11 +290,12 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
             progress.advance(task)
         finally:
             torch.set_num_threads(threads)
-        concurrent, fits = [], []
+        concurrent, fits, overhead = [], [], []
         for n in nprocs:
             progress.update(task, description=f"{n} processes: matmul, copy, gloo collectives")
             res = _run_workers(n, cfg)
             concurrent.append((n, res["flops"], res["bandwidth"]))
+            overhead.append((n, float(res["wrapper_overhead"])))
             for op in COLLECTIVES:
                 pts = tuple((int(b), float(t)) for b, t in res[op])
                 fits.append(CollectiveFit(op, n, pts, fit_affine([b for b, _ in pts], [t for _, t in pts])))
@@ -295,7 +306,8 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
     profile = LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(),
         os.cpu_count() or 1, _machine_memory(), torch.__version__, quick, points, peak, fit.alpha * peak,
-        ratios, bandwidth, latency, tuple(concurrent), tuple(fits), eager, CONCURRENT_MATMUL_N, probe_rate)
+        ratios, bandwidth, latency, tuple(concurrent), tuple(fits), eager, CONCURRENT_MATMUL_N, probe_rate,
+        tuple(overhead))
     write_profile(profile, target)
     if summary:
         print_profile(profile, console, path=target)
@@ -379,6 +391,8 @@ def profile_tables(profile: LocalProfile) -> list[Any]:
         comm.add_row(c.op, str(c.nprocs), f"{c.fit.alpha * 1e6:.1f}",
                      f"{1 / c.fit.beta / 1e9:.2f}" if c.fit.beta > 0 else "-",
                      f"{link.latency * 1e6:.1f}" if link else "-", f"{link.bandwidth / 1e9:.2f}" if link else "-")
+    for n, t in profile.wrapper_overhead:
+        comm.add_row("shardc wrapper (extra per call)", str(n), f"{t * 1e6:.1f}", "-", "-", "-")
     tables = [compute, comm]
     if profile.eager is not None:
         eager = Table(title="eager ops, 1 process: call (us) + per unit (ns per byte; per 1000 FLOPs for matmul)")

@@ -3,7 +3,8 @@
 Each of `nprocs` processes (one intra-op thread) measures its matmul rate and copy bandwidth
 while all run together (`_window_rate`: work done over wall time, so the time a process waits
 for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast and send/recv
-by message size (the slowest rank's time per call, median of 3 trials), and AdamW on DTensor
+by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
+shardc's autograd-aware collective wrapper (`_wrapper_overhead`), and AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step). `shardc.calibrate`
 fits and caches the results; the study's probe reuses `_window_rate`.
 """
@@ -22,6 +23,8 @@ from typing import Any
 from shardc.diagnostics import ShardcError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+OVERHEAD_NUMEL = 256  # the small tensor the wrapper overhead is measured on (1 KiB)
+OVERHEAD_CHAIN = 8  # wrapped calls per forward + backward in that measurement
 
 
 def _window_rate(fn: Callable[[], object], work: float, window: float) -> float:
@@ -35,8 +38,8 @@ def _window_rate(fn: Callable[[], object], work: float, window: float) -> float:
     return work * calls / elapsed
 
 
-def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes: concurrent matmul and copy rates, then gloo collectives."""
+def _init(rank: int, nprocs: int, workdir: str) -> None:
+    """One intra-op thread, then join the gloo group of `nprocs` through a file store in `workdir`."""
     from datetime import timedelta
 
     import torch
@@ -47,6 +50,27 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=nprocs,
                             timeout=timedelta(seconds=120))
+
+
+def _overhead_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes measuring only `_wrapper_overhead` (rank 0 writes it)."""
+    import torch.distributed as dist
+
+    _init(rank, nprocs, workdir)
+    try:
+        overhead = _wrapper_overhead(nprocs, rank, cfg)
+        if rank == 0:
+            Path(workdir, "result.json").write_text(json.dumps({"wrapper_overhead": overhead}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes: concurrent matmul and copy rates, then gloo collectives."""
+    import torch
+    import torch.distributed as dist
+
+    _init(rank, nprocs, workdir)
     try:
         n = cfg["matmul_n"]
         a, b = torch.randn(n, n), torch.randn(n, n)
@@ -60,6 +84,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results: dict[str, Any] = {"flops": rates[0].item() / nprocs, "bandwidth": rates[1].item() / nprocs}
         for op in COLLECTIVES:
             results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg)) for numel in cfg["numels"]]
+        results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank, cfg)
         results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"])
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
@@ -123,13 +148,50 @@ def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], Non
     return send_recv
 
 
-def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
-    """Seconds per call: the slowest rank's mean over each of 3 trials, median of the trials.
-    The repetition count comes from one timed call, agreed on by all ranks."""
+def _wrapper_overhead(nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
+    """Seconds one call of shardc's autograd-aware `all_reduce` wrapper takes beyond a raw gloo
+    all_reduce of the same small tensor, forward and backward together: the autograd node, the
+    copy and the Python around the collective, which tensor-parallel plans pay at every wrapped
+    collective. A chain of `OVERHEAD_CHAIN` wrapped calls run forward then backward once (as in
+    a model, one backward pass for many nodes) against as many raw calls, per call; both timed
+    as `_time_collective` does. Never negative."""
     import torch
     import torch.distributed as dist
 
-    run = _collective(op, numel, nprocs, rank)
+    from shardc.backends.torch.collectives import MeshGroups, all_reduce
+
+    mesh = MeshGroups({"tp": nprocs}, {"tp": rank}, {"tp": dist.group.WORLD})
+    x, grad = torch.ones(OVERHEAD_NUMEL, requires_grad=True), torch.ones(OVERHEAD_NUMEL)
+    buf = torch.ones(OVERHEAD_NUMEL)
+
+    def wrapped() -> None:
+        y = x
+        for _ in range(OVERHEAD_CHAIN):
+            y = all_reduce(y, mesh, "tp")
+        y.backward(grad)
+        x.grad = None
+
+    def raw() -> None:
+        for _ in range(OVERHEAD_CHAIN):
+            dist.all_reduce(buf)
+
+    tight = {**cfg, "max_reps": max(cfg["max_reps"], 50), "point_budget": max(cfg["point_budget"], 0.2)}
+    return max(0.0, (_time_calls(wrapped, tight) - _time_calls(raw, tight)) / OVERHEAD_CHAIN)
+
+
+def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
+    """Seconds per call of collective `op` on `numel` elements (per `_time_calls`; send/recv
+    counts one message, half its round trip)."""
+    return _time_calls(_collective(op, numel, nprocs, rank), cfg) / (2 if op == "send_recv" else 1)
+
+
+def _time_calls(run: Callable[[], None], cfg: dict[str, Any]) -> float:
+    """Seconds per call of `run` (collective on every rank): the slowest rank's mean over each of
+    3 trials, median of the trials. The repetition count comes from one timed call, agreed on by
+    all ranks."""
+    import torch
+    import torch.distributed as dist
+
     run()
     t0 = time.perf_counter()
     run()
@@ -144,11 +206,12 @@ def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str,
             run()
         trials[i] = (time.perf_counter() - t0) / reps
     dist.all_reduce(trials, op=dist.ReduceOp.MAX)
-    return float(trials.median().item()) / (2 if op == "send_recv" else 1)
+    return float(trials.median().item())
 
 
-def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    """Start `nprocs` fresh interpreters running `_worker` and return rank 0's results.
+def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry: str = "_worker") -> dict[str, Any]:
+    """Start `nprocs` fresh interpreters running `entry` (`_worker`, or `_overhead_worker`) and
+    return rank 0's results.
 
     Plain subprocesses rather than multiprocessing: they do not re-import the caller's
     `__main__` (which fails from stdin or a notebook), and a file store in a temporary
@@ -158,7 +221,7 @@ def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0) -> di
     import sys
 
     with tempfile.TemporaryDirectory(prefix="shardc-calibrate-") as workdir:
-        code = "import json, sys; from shardc.calibrate_gloo import _worker; _worker(*json.loads(sys.argv[1]))"
+        code = f"import json, sys; from shardc.calibrate_gloo import {entry}; {entry}(*json.loads(sys.argv[1]))"
         procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, nprocs, workdir, cfg])],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for rank in range(nprocs)]

@@ -45,17 +45,20 @@ class LinkSpec:
     """One level of the interconnect: per-device bandwidth (bytes/s, one direction) and latency (s).
 
     `latency` is the per-message (per ring step) cost including software; `efficiency` the
-    fraction of `bandwidth` large collectives reach (1.0 = wire rate).
+    fraction of `bandwidth` large collectives reach (1.0 = wire rate). `call_overhead` (s) is
+    what one of shardc's autograd-aware collective wrappers costs beyond the raw collective
+    (forward and backward together; measured for the local gloo profile, 0 where unknown).
     """
 
     name: str
     bandwidth: float
     latency: float
     efficiency: float = 1.0
+    call_overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0:
-            raise ValueError(f"link {self.name}: bandwidth must be > 0 and latency >= 0")
+        if self.bandwidth <= 0 or self.latency < 0 or self.call_overhead < 0:
+            raise ValueError(f"link {self.name}: bandwidth must be > 0, latency and call_overhead >= 0")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"link {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
 

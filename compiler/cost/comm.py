@@ -112,6 +112,13 @@ def collective_time(kind: str, nbytes: float, levels: LinkLevels | LinkSpec, alg
     return min(options)
 
 
+def call_overhead(levels: LinkLevels) -> float:
+    """Seconds one of shardc's autograd-aware collective wrappers adds to the raw collective over
+    `levels` (forward and backward together): the largest `LinkSpec.call_overhead` among the
+    levels the group spans; 0 for a group of one rank."""
+    return max((link.call_overhead for link, size in levels if size > 1), default=0.0)
+
+
 def group_levels(mesh: Mesh, axes: Sequence[str], cluster: Cluster) -> LinkLevels:
     """The link levels a group along `axes` of `mesh` crosses on `cluster` (rank 0's group).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from shardc.cost.comm import CommStep, collective_time, combine_gradients, reshard_steps
+from shardc.cost.comm import CommStep, call_overhead, collective_time, combine_gradients, reshard_steps
 from shardc.cost.context import CostContext, axis_category
 from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
 
@@ -119,8 +119,11 @@ def steps_time(ctx: CostContext, steps: Sequence[CommStep]) -> dict[str, float]:
 
 
 def comm_time(ctx: CostContext, step: CommStep) -> float:
-    """Seconds of one collective over the link levels of its mesh axis."""
-    return collective_time(step.kind, step.nbytes, ctx.levels((step.axis,)), ctx.algorithm)
+    """Seconds of one collective over the link levels of its mesh axis, plus the per-call cost of
+    the backend's collective wrapper (`comm.call_overhead`, 0 except for calibrated links)."""
+    levels = ctx.levels((step.axis,))
+    t = collective_time(step.kind, step.nbytes, levels, ctx.algorithm)
+    return t + call_overhead(levels) if t > 0 else t
 
 
 def _add(acc: dict[str, float], key: str, value: float) -> None:

@@ -3,10 +3,13 @@
 Rules:
 - A parameter's gradient must be summed over every mesh axis on which it is `Partial`
   (see `layer_params`). Over the data-parallel axes (dp, cp) that is the DP sync: all_reduce,
-  or reduce_scatter when ZeRO shards the optimizer; it runs in buckets of `bucket_bytes` in
-  the order backward produces gradients (last layer first), each bucket launched when its
-  last gradient is ready during the step's final backward and the buckets serialised on the
-  link. Only what outlasts that backward (`tail`) is exposed. Other axes (tp, for sequence-
+  or reduce_scatter when ZeRO shards the optimizer. It runs in buckets as torch DDP forms them
+  (`ddp_buckets`): whole parameters in the order backward produces their gradients (last layer
+  first, a layer's parameters in reverse registration order), a bucket closing once it holds
+  at least its cap, the first bucket's cap 1 MiB when DDP's default 25 MiB is used (else the
+  cap itself). Each bucket is launched when its last gradient is ready during the step's final
+  backward and the buckets are serialised on the link. Only what outlasts that backward
+  (`tail`) is exposed. Other axes (tp, for sequence-
   parallel norm weights) are all-reduced after backward, exposed.
 - Gradients of model chunks that finished earlier (interleaved schedules) are ready when the
   final backward starts. Pipelines (pp > 1) sync the same way: torch's pipeline stage drives
@@ -31,6 +34,8 @@ from shardc.cost.pipeline import PipelineTimes
 from shardc.plan import ParallelPlan
 
 ADAM_BYTES_PER_PARAM = 28
+DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25
+DDP_FIRST_BUCKET_BYTES = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,22 +54,39 @@ class DeviceSync:
         return self.gather + self.optimizer
 
 
+def first_bucket_bytes(bucket_bytes: float) -> float:
+    """DDP's cap on its first bucket: 1 MiB with the default bucket size (torch passes
+    `bucket_cap_mb=None`), else the bucket size itself (torch 2.13 `BucketCapacityConfig`)."""
+    return min(DDP_FIRST_BUCKET_BYTES, bucket_bytes) if bucket_bytes == DDP_DEFAULT_BUCKET_BYTES else bucket_bytes
+
+
+def ddp_buckets(ready: Sequence[tuple[float, float]], bucket_bytes: float) -> list[tuple[float, float]]:
+    """(ready time, bytes) per bucket as DDP's reducer rebuilds them after the first step: the
+    gradients in `ready` order, never split, a bucket closing once it holds >= its cap (the
+    first bucket's cap is `first_bucket_bytes`), the last bucket holding what is left."""
+    out: list[tuple[float, float]] = []
+    cap = first_bucket_bytes(bucket_bytes)
+    fill, fill_ready = 0.0, 0.0
+    for t, nbytes in ready:
+        if nbytes <= 0:
+            continue
+        fill, fill_ready = fill + nbytes, max(fill_ready, t)
+        if fill >= cap:
+            out.append((fill_ready, fill))
+            fill, cap = 0.0, bucket_bytes
+    if fill > 0:
+        out.append((fill_ready, fill))
+    return out
+
+
 def bucket_tail(ready: Sequence[tuple[float, float]], window: float, levels, kind: str, bucket_bytes: float,
                 algorithm: str = "auto") -> float:
-    """Exposed seconds of bucketed gradient sync. `ready`: (time gradients are ready within the
-    last backward of length `window`, bytes), in backward order."""
+    """Exposed seconds of bucketed gradient sync. `ready`: (time a parameter's gradient is ready
+    within the last backward of length `window`, its bytes), in backward order; buckets per
+    `ddp_buckets`, each launched when ready and after the previous one, one at a time."""
     finish = 0.0
-    fill, fill_ready = 0.0, 0.0
-    full = collective_time(kind, bucket_bytes, levels, algorithm)
-    for t, nbytes in ready:
-        while nbytes > 0:
-            take = min(nbytes, bucket_bytes - fill)
-            fill, nbytes, fill_ready = fill + take, nbytes - take, t
-            if fill >= bucket_bytes:
-                finish = max(finish, fill_ready) + full
-                fill = 0.0
-    if fill > 0:
-        finish = max(finish, fill_ready) + collective_time(kind, fill, levels, algorithm)
+    for t, nbytes in ddp_buckets(ready, bucket_bytes):
+        finish = max(finish, t) + collective_time(kind, nbytes, levels, algorithm)
     return max(0.0, finish - window)
 
 
@@ -94,19 +116,16 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
             if layer.stage == last_stage:
                 t += layer.cost.bwd_s * window / total_b
             at = t if layer.stage == last_stage else 0.0
-            dp_bytes = 0.0
-            for name, (numel, axes) in layer.params.items():
+            for name, (numel, axes) in reversed(layer.params.items()):  # backward: last registered first
                 if name in seen:
                     continue
                 seen.add(name)
                 params.append((numel, layer.annotation.zero))
                 if axes & set(zero_axes):
-                    dp_bytes += numel * g_elem
+                    ready.append((at, numel * g_elem))
                 rest = tuple(sorted(axes - set(zero_axes)))
                 if rest:
                     other[rest] = other.get(rest, 0.0) + numel * g_elem
-            if dp_bytes:
-                ready.append((at, dp_bytes))
         zero = max((l.annotation.zero for l in mine), default=0)
         kind = "reduce_scatter" if zero >= 1 else "all_reduce"
         fsdp = options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
