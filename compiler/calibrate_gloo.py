@@ -25,6 +25,8 @@ from shardc.diagnostics import ShardcError
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 OVERHEAD_NUMEL = 256  # the small tensor the wrapper overhead is measured on (1 KiB)
 OVERHEAD_CHAIN = 8  # wrapped calls per forward + backward in that measurement
+OVERHEAD_TRIALS = 7
+OVERHEAD_BUDGET = 0.5  # seconds for that measurement (about; quick or not, as noise needs it)
 
 
 def _window_rate(fn: Callable[[], object], work: float, window: float) -> float:
@@ -53,12 +55,12 @@ def _init(rank: int, nprocs: int, workdir: str) -> None:
 
 
 def _overhead_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes measuring only `_wrapper_overhead` (rank 0 writes it)."""
+    """One of `nprocs` processes measuring only `_wrapper_overhead` (rank 0 writes it; `cfg` unused)."""
     import torch.distributed as dist
 
     _init(rank, nprocs, workdir)
     try:
-        overhead = _wrapper_overhead(nprocs, rank, cfg)
+        overhead = _wrapper_overhead(nprocs, rank)
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps({"wrapper_overhead": overhead}))
     finally:
@@ -84,7 +86,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results: dict[str, Any] = {"flops": rates[0].item() / nprocs, "bandwidth": rates[1].item() / nprocs}
         for op in COLLECTIVES:
             results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg)) for numel in cfg["numels"]]
-        results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank, cfg)
+        results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank)
         results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"])
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
@@ -148,13 +150,16 @@ def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], Non
     return send_recv
 
 
-def _wrapper_overhead(nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
-    """Seconds one call of shardc's autograd-aware `all_reduce` wrapper takes beyond a raw gloo
-    all_reduce of the same small tensor, forward and backward together: the autograd node, the
-    copy and the Python around the collective, which tensor-parallel plans pay at every wrapped
+def _wrapper_overhead(nprocs: int, rank: int) -> float:
+    """Seconds one call of shardc's autograd-aware `all_reduce` wrapper adds to a raw gloo
+    all_reduce of the same small tensor, forward and backward together: the copy, the autograd
+    node and the Python around the collective, which tensor-parallel plans pay at every wrapped
     collective. A chain of `OVERHEAD_CHAIN` wrapped calls run forward then backward once (as in
-    a model, one backward pass for many nodes) against as many raw calls, per call; both timed
-    as `_time_collective` does. Never negative."""
+    a model, one backward pass for many nodes) against as many raw calls, per call, in this
+    thread's CPU time: a small gloo call's wall time here varies by milliseconds with the
+    scheduler, its CPU time by microseconds. The two alternate in `OVERHEAD_TRIALS` trials (the
+    slowest rank's each), the median difference is taken and scaled by how many processes share
+    each core (`nprocs / cores`, at least 1): the wall time that CPU work takes while all run."""
     import torch
     import torch.distributed as dist
 
@@ -175,8 +180,25 @@ def _wrapper_overhead(nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
         for _ in range(OVERHEAD_CHAIN):
             dist.all_reduce(buf)
 
-    tight = {**cfg, "max_reps": max(cfg["max_reps"], 50), "point_budget": max(cfg["point_budget"], 0.2)}
-    return max(0.0, (_time_calls(wrapped, tight) - _time_calls(raw, tight)) / OVERHEAD_CHAIN)
+    for _ in range(3):
+        wrapped()
+        raw()
+    t0 = time.perf_counter()
+    wrapped()
+    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    reps = int(max(2, min(200, OVERHEAD_BUDGET / (2 * OVERHEAD_TRIALS) / max(probe.item(), 1e-7))))
+    trials = torch.zeros(2, OVERHEAD_TRIALS, dtype=torch.float64)
+    for i in range(OVERHEAD_TRIALS):
+        for j, run in enumerate((wrapped, raw)):
+            dist.barrier()
+            t0 = time.thread_time()
+            for _ in range(reps):
+                run()
+            trials[j, i] = (time.thread_time() - t0) / reps
+    dist.all_reduce(trials, op=dist.ReduceOp.MAX)
+    cpu = max(0.0, float((trials[0] - trials[1]).median().item()) / OVERHEAD_CHAIN)
+    return cpu * max(1.0, nprocs / (os.cpu_count() or 1))
 
 
 def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
