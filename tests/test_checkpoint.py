@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_backend_numerics import EPS, LR, build
+from test_checkpoint_plans import fresh_module, full_params, train_steps
 
 import shardc
 from shardc.backends.torch.checkpoint import (
@@ -43,34 +44,6 @@ def _data(inputs: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
     return [tuple(torch.randint(0, 128, x.shape, generator=g) for x in inputs) for _ in range(STEPS)]
 
 
-def _train(module, data, opt) -> list[float]:
-    import torch.distributed as dist
-
-    out = []
-    for batch in data:
-        loss = module.step(*batch)
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        dist.all_reduce(value)  # equal on pipeline ranks, data shares averaged
-        out.append(float(value) / dist.get_world_size())
-    return out
-
-
-def _full(compiled, module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in compiled.full_state_dict(module).items()}
-
-
-def _fresh(compiled, seed: int):
-    torch.manual_seed(seed)  # a different init: everything must come from the checkpoint
-    model, _, _ = build(SPEC)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    module = compiled.parallelize(model)
-    return module, torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-
-
 def checkpoint_worker(rank: int, world: int, plans: dict, root: str, plain_root: str) -> dict:
     _, inputs, _ = build(SPEC)
     data = _data(inputs)
@@ -79,17 +52,17 @@ def checkpoint_worker(rank: int, world: int, plans: dict, root: str, plain_root:
     model, _, _ = build(SPEC)
     module = a.parallelize(model)
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    _train(module, data[:2], opt)
+    train_steps(module, data[:2], opt)
     save_checkpoint(root, module, opt, step=2, plan=str(a.plan), extra={"seed": 0})
-    out["saved"] = _full(a, module)
-    out["a_after"] = _train(module, data[2:], opt)
+    out["saved"] = full_params(a, module)
+    out["a_after"] = train_steps(module, data[2:], opt)
     for key in ("dp=2,tp=2", "pp=4"):
-        module, opt = _fresh(plans[key], seed=7)
+        module, opt = fresh_module(plans[key], seed=7, spec=SPEC)
         info = load_checkpoint(root, module, opt)
-        out[key] = ((info.step, info.extra, info.plan), _full(plans[key], module), _train(module, data[2:], opt))
-    module, _ = _fresh(plans["pp=4"], seed=9)
+        out[key] = ((info.step, info.extra, info.plan), full_params(plans[key], module), train_steps(module, data[2:], opt))
+    module, _ = fresh_module(plans["pp=4"], seed=9, spec=SPEC)
     load_checkpoint(plain_root, module)
-    out["from_plain"] = _full(plans["pp=4"], module)
+    out["from_plain"] = full_params(plans["pp=4"], module)
     out["dtensor"] = _load_into_dtensor_model(root)
     return out if rank == 0 else {}
 

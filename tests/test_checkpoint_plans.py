@@ -26,7 +26,7 @@ SPEC = "examples/gpt.py:tiny?batch=4"
 OTHER = "examples/gpt.py:tiny?batch=4&n_embd=32&n_head=2"
 
 
-def _train(module, data, opt) -> list[float]:
+def train_steps(module, data, opt) -> list[float]:
     import torch.distributed as dist
 
     out = []
@@ -40,13 +40,14 @@ def _train(module, data, opt) -> list[float]:
     return out
 
 
-def _full(compiled, module) -> dict[str, torch.Tensor]:
+def full_params(compiled, module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in compiled.full_state_dict(module).items()}
 
 
-def _fresh(compiled, seed: int):
+def fresh_module(compiled, seed: int, spec: str = SPEC):
+    """`compiled.parallelize` of a model with other initial weights, and its AdamW."""
     torch.manual_seed(seed)  # a different init: everything must come from the checkpoint
-    model, _, _ = build(SPEC)
+    model, _, _ = build(spec)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
@@ -62,17 +63,17 @@ def worker(rank: int, world: int, plans: dict, root: str, plain_root: str) -> di
     model, _, _ = build(SPEC)
     module = a.parallelize(model)
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    out["a_losses"] = _train(module, data[:2], opt)
+    out["a_losses"] = train_steps(module, data[:2], opt)
     save_checkpoint(root, module, opt, step=2, plan=str(a.plan))
-    out["saved"] = _full(a, module)
-    out["a_after"] = _train(module, data[2:], opt)
+    out["saved"] = full_params(a, module)
+    out["a_after"] = train_steps(module, data[2:], opt)
     for key in ("dp=2,tp=2", "dp=2,pp=2,zero=1"):
-        module, opt = _fresh(plans[key], seed=7)
+        module, opt = fresh_module(plans[key], seed=7)
         load_checkpoint(root, module, opt)
-        out[key] = (_full(plans[key], module), _train(module, data[2:], opt))
-    module, _ = _fresh(a, seed=9)
+        out[key] = (full_params(plans[key], module), train_steps(module, data[2:], opt))
+    module, _ = fresh_module(a, seed=9)
     load_checkpoint(plain_root, module)
-    out["from_plain"] = _full(a, module)
+    out["from_plain"] = full_params(a, module)
     other = plans["other"].parallelize(build(OTHER)[0])
     try:
         load_checkpoint(root, other)
