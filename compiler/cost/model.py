@@ -30,7 +30,7 @@ from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster
-from shardc.ir import Graph, LayerAnnotation
+from shardc.ir import Graph, LayerAnnotation, Shard
 from shardc.plan import ParallelPlan
 from shardc.registry import get_op
 
@@ -95,15 +95,20 @@ def _batch_scale(graph: Graph, plan: ParallelPlan) -> tuple[float, int]:
 
     The local batch is the first input's batch dim under its layout (ceil division, as the
     local shapes of every batched tensor are), so a graph traced at a batch smaller than the
-    data-parallel degree is still costed at `mb` sequences per device."""
+    data-parallel degree is still costed at `mb` sequences per device. `mb` counts sequences per
+    data-parallel rank: where a model axis (tp, cp, ...) also cuts the batch, as a solver's
+    `tp:e0` partition does, each device holds `mb / that axis's size` of them."""
     if not graph.inputs or not graph.inputs[0].type.shape:
         return 1.0, plan.mb
     first = graph.inputs[0]
     batch = first.type.shape[0]
-    local = batch
+    local, model_axes = batch, 1
     if graph.mesh is not None and first.layout is not None:
         local = first.layout.local_shape(first.type.shape, graph.mesh)[0]
-    return plan.mb / max(local, 1), batch
+        for axis, p in first.layout.placements:
+            if isinstance(p, Shard) and p.dim == 0 and axis != "dp":
+                model_axes *= graph.mesh.axis_size(axis)
+    return plan.mb / model_axes / max(local, 1), batch
 
 
 def plan_of(graph: Graph) -> ParallelPlan:
