@@ -301,7 +301,8 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
                 fits.append(CollectiveFit(op, n, pts, fit_affine([b for b, _ in pts], [t for _, t in pts])))
             if not eager.sharded_optimizer_per_tensor:  # CPU time per op: the first count's will do
                 eager = replace(eager, sharded_optimizer_per_tensor=res["sharded_optimizer"][0],
-                                sharded_optimizer_per_param=res["sharded_optimizer"][1])
+                                sharded_optimizer_per_param=res["sharded_optimizer"][1],
+                                fsdp_per_tensor=res["fsdp_overhead"][0], fsdp_per_param=res["fsdp_overhead"][1])
             progress.advance(task)
     profile = LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(),
@@ -406,6 +407,8 @@ def profile_tables(profile: LocalProfile) -> list[Any]:
                       f"{profile.eager.optimizer_per_param * 1e9:.2f} per element", "", "")
         eager.add_row("optimizer (FSDP2)", f"{profile.eager.sharded_optimizer_per_tensor * 1e6:.1f} per tensor",
                       f"{profile.eager.sharded_optimizer_per_param * 1e9:.2f} per element", "", "")
+        eager.add_row("FSDP2 per micro-batch", f"{profile.eager.fsdp_per_tensor * 1e6:.1f} per tensor",
+                      f"{profile.eager.fsdp_per_param * 1e9:.2f} per element", "", "")
         tables.append(eager)
     return tables
 

@@ -4,8 +4,9 @@ Each of `nprocs` processes (one intra-op thread) measures its matmul rate and co
 while all run together (`_window_rate`: work done over wall time, so the time a process waits
 for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast and send/recv
 by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
-shardc's autograd-aware collective wrapper (`_wrapper_overhead`), and AdamW on DTensor
-parameters sharded over all of them (FSDP2's optimizer step). `shardc.calibrate`
+shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
+parameters sharded over all of them (FSDP2's optimizer step) and FSDP2's own work per
+micro-batch (`_fsdp_overhead`). `shardc.calibrate`
 fits and caches the results; the study's probe reuses `_window_rate`.
 """
 
@@ -67,6 +68,19 @@ def _overhead_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) 
         dist.destroy_process_group()
 
 
+def _fsdp_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes measuring only `_fsdp_overhead` (rank 0 writes it; `cfg` unused)."""
+    import torch.distributed as dist
+
+    _init(rank, nprocs, workdir)
+    try:
+        fit = _fsdp_overhead(nprocs)
+        if rank == 0:
+            Path(workdir, "result.json").write_text(json.dumps({"fsdp_overhead": fit}))
+    finally:
+        dist.destroy_process_group()
+
+
 def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     """One of `nprocs` processes: concurrent matmul and copy rates, then gloo collectives."""
     import torch
@@ -88,6 +102,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
             results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg)) for numel in cfg["numels"]]
         results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank)
         results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"])
+        results["fsdp_overhead"] = _fsdp_overhead(nprocs)
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
     finally:
@@ -122,6 +137,55 @@ def _sharded_optimizer(nprocs: int, budget: float) -> tuple[float, float]:
             return time.thread_time() - t0, 0.0
 
         samples.append((count, count * numel, _timed(step, budget / len(OPTIMIZER_CASES))[0]))
+    return _fit_two(samples)
+
+
+FSDP_CASES = ((48, 512), (12, 16384), (3, 131072))  # (parameter tensors, elements each)
+FSDP_REPS = 9  # micro-batches timed per case and per variant (a fixed count: every rank gathers as often)
+
+
+def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
+    """(seconds per parameter tensor, per element) that FSDP2 adds to one micro-batch's forward
+    and backward of a unit sharded over all processes, as the torch backend runs ZeRO-1/2
+    (`fully_shard(reshard_after_forward=False)`, gradient sync off but for the last micro-batch:
+    torch 2.13 still reshards after each backward, so every forward gathers again): its hooks,
+    the copies into and out of the flat all-gather buffer, and accumulating the unsharded
+    gradients. The unit is a module using each parameter in one elementwise op; the same module
+    unsharded is timed alike and subtracted. In this thread's CPU time, cold caches, as the eager
+    costs are (the gather's own wait is the all_gather collective's, priced by the link)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardc.calibrate_ops import COLD_BYTES, _evict, _fit_two
+
+    class Unit(torch.nn.Module):
+        def __init__(self, count: int, numel: int) -> None:
+            super().__init__()
+            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel)) for _ in range(count))
+
+        def forward(self, x: Any) -> Any:
+            return sum((p * x).sum() for p in self.ps)
+
+    mesh = init_device_mesh("cpu", (nprocs,))
+    buffer = torch.zeros(COLD_BYTES // 4)
+    x = torch.ones(())
+    samples = []
+    for count, numel in FSDP_CASES:
+        times = []
+        for sharded in (False, True):
+            unit = Unit(count, numel)
+            if sharded:
+                fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+                unit.set_requires_gradient_sync(False)  # type: ignore[operator]
+            spent = []
+            for _ in range(FSDP_REPS + 2):
+                _evict(buffer)
+                t0 = time.thread_time()
+                unit(x).backward()
+                spent.append(time.thread_time() - t0)
+            times.append(sorted(spent[2:])[FSDP_REPS // 2])
+        samples.append((count, count * numel, max(times[1] - times[0], 1e-7)))
     return _fit_two(samples)
 
 
@@ -232,8 +296,8 @@ def _time_calls(run: Callable[[], None], cfg: dict[str, Any]) -> float:
 
 
 def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry: str = "_worker") -> dict[str, Any]:
-    """Start `nprocs` fresh interpreters running `entry` (`_worker`, or `_overhead_worker`) and
-    return rank 0's results.
+    """Start `nprocs` fresh interpreters running `entry` (`_worker`, `_overhead_worker` or
+    `_fsdp_worker`) and return rank 0's results.
 
     Plain subprocesses rather than multiprocessing: they do not re-import the caller's
     `__main__` (which fails from stdin or a notebook), and a file store in a temporary

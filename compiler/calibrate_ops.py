@@ -353,7 +353,8 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
     kinds = tuple((str(k), KernelFit(**f)) for k, f in data["kinds"])
     return EagerCosts(kinds, float(data["optimizer_per_tensor"]), float(data["optimizer_per_param"]),
                       float(data.get("sharded_optimizer_per_tensor", 0.0)),
-                      float(data.get("sharded_optimizer_per_param", 0.0)))
+                      float(data.get("sharded_optimizer_per_param", 0.0)),
+                      float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)))
 
 
 # ---- the profile's other single-process benchmarks ---------------------------------------------

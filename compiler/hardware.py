@@ -102,6 +102,11 @@ class EagerCosts:
     # The same step on parameters FSDP2 keeps as sharded DTensors (0: not measured, as plain)
     sharded_optimizer_per_tensor: float = 0.0
     sharded_optimizer_per_param: float = 0.0
+    # FSDP2's own work per micro-batch of one unit (its hooks, the copies into and out of the
+    # flat gather buffer, unsharded gradient accumulation), beyond the same forward and backward
+    # unsharded, s per parameter tensor and per element of the unit (0: not measured)
+    fsdp_per_tensor: float = 0.0
+    fsdp_per_param: float = 0.0
 
     def fit(self, *keys: str) -> KernelFit:
         """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
@@ -112,7 +117,12 @@ class EagerCosts:
         """Every cost times `factor` (a process sharing its core runs everything slower alike)."""
         return EagerCosts(tuple((k, f.scaled(factor)) for k, f in self.kinds), self.optimizer_per_tensor * factor,
                           self.optimizer_per_param * factor, self.sharded_optimizer_per_tensor * factor,
-                          self.sharded_optimizer_per_param * factor)
+                          self.sharded_optimizer_per_param * factor, self.fsdp_per_tensor * factor,
+                          self.fsdp_per_param * factor)
+
+    def fsdp_measured(self) -> bool:
+        """Whether FSDP2's per-micro-batch work was measured (profiles before it: no)."""
+        return self.fsdp_per_tensor > 0 or self.fsdp_per_param > 0
 
     def optimizer(self, sharded: bool) -> tuple[float, float]:
         """(s per tensor, s per element) of the optimizer step on plain or FSDP2-sharded parameters."""

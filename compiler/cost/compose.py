@@ -183,7 +183,7 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         if sends[s] or back:
             times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + (sends[s] + back) * m
     pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
-    syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem)
+    syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
     if links.device.eager is not None and not plan.offload:  # a CPU's measured eager optimizer step
         dtensors = options.zero_runtime == "fsdp2"
         syncs = [replace(s, optimizer=optimizer_step_time(links.device, s.params, shard, dtensors)) for s in syncs]

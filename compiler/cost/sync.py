@@ -16,10 +16,17 @@ Rules:
   a DDP module per stage, whose reducer is armed only for that stage's last micro-batch and
   all-reduces its buckets while that backward runs.
 - After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). As the torch backend
-  runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) the weights are all-gathered
-  once before forward and every gradient reduce-scattered once after backward, both exposed
-  (in a pipeline, after the stage's last micro-batch, as torch's stage drives FSDP2). The
-  optimizer step
+  runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) every gradient is
+  reduce-scattered once after backward and the weights all-gathered before forward, both
+  exposed. Without a pipeline FSDP2 reshards after every micro-batch's backward (torch 2.13
+  `reshard_after_backward` stays True under `set_requires_gradient_sync(False)`), so it gathers
+  once per micro-batch with ZeRO-1/2 and twice (forward and backward) with ZeRO-3
+  (`fsdp_gathers`); in a pipeline once per step (torch's stage keeps the weights unsharded
+  until its last micro-batch). Each gather also copies the local shard into the flat buffer and
+  the gathered buffer out to the parameters, and the reduce-scatter copies the gradients in and
+  the shard out, at the device's copy bandwidth (`fsdp_copy_time`). Where FSDP2's work per
+  micro-batch was measured (the local profile), that figure, per parameter tensor and element,
+  replaces the copies of the forward gathers (`fsdp_microbatch_time`). The optimizer step
   reads and writes 28 bytes per local parameter at memory bandwidth (host when offloaded,
   plus moving gradients down and weights up over PCIe).
 """
@@ -90,10 +97,41 @@ def bucket_tail(ready: Sequence[tuple[float, float]], window: float, levels, kin
     return max(0.0, finish - window)
 
 
+def fsdp_gathers(zero: int, pp: int, microbatches: int) -> int:
+    """All-gathers of the weights per step as the torch backend runs ZeRO through FSDP2 (module
+    rules): one per micro-batch (ZeRO-1/2) or two (ZeRO-3) without a pipeline, one with one."""
+    if pp > 1:
+        return 1
+    return max(1, microbatches) * (2 if zero >= 3 else 1)
+
+
+def fsdp_copy_time(nbytes: float, shard: int, device) -> float:
+    """Seconds FSDP2 spends copying around one all-gather (or reduce-scatter) of `nbytes`
+    (unsharded): the 1/`shard` local part into the flat buffer and the whole buffer out, each
+    read and written at `device.memory_bandwidth` (bytes moved, read plus write, per second)."""
+    return 2.0 * nbytes * (1.0 + 1.0 / max(shard, 1)) / device.memory_bandwidth
+
+
+def fsdp_microbatch_time(device, tensors: float, elements: float, zero: int, pp: int, microbatches: int,
+                         nbytes: float, shard: int) -> float:
+    """Seconds per step of FSDP2's own work around its gathers (module rules), beyond the
+    collectives: on a device with the measured per-micro-batch figures (`EagerCosts.fsdp_*`),
+    those per forward-gathering micro-batch (over the unit's `tensors` and `elements`) plus the
+    copies of ZeRO-3's backward gathers; else the copies of every gather (`fsdp_copy_time`)."""
+    gathers = fsdp_gathers(zero, pp, microbatches)
+    copy = fsdp_copy_time(nbytes, shard, device)
+    eager = device.eager
+    if eager is None or not eager.fsdp_measured():
+        return gathers * copy
+    forward = 1 if pp > 1 else max(1, microbatches)
+    return forward * (tensors * eager.fsdp_per_tensor + elements * eager.fsdp_per_param) + (gathers - forward) * copy
+
+
 def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
-                  pipe: PipelineTimes, stage_bwd: Sequence[float], g_elem: int, w_elem: int) -> list[DeviceSync]:
+                  pipe: PipelineTimes, stage_bwd: Sequence[float], g_elem: int, w_elem: int,
+                  microbatches: int = 1) -> list[DeviceSync]:
     """A `DeviceSync` per pipeline device (see module rules). `ctx`: a `CostContext` or a
-    `compose.Links` (link levels, algorithm, device)."""
+    `compose.Links` (link levels, algorithm, device); `microbatches` per step."""
     p = plan.pp
     out: list[DeviceSync] = []
     levels = ctx.levels(zero_axes)
@@ -132,14 +170,20 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         if shard <= 1:
             tail = 0.0
         elif fsdp:  # one collective over every gradient once backward is over
-            tail = collective_time(kind, sum(b for _, b in ready), levels, ctx.algorithm)
+            total = sum(b for _, b in ready)
+            tail = collective_time(kind, total, levels, ctx.algorithm) + fsdp_copy_time(total, shard, device)
         else:
             tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm)
         tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
         grad_bytes = sum(b for _, b in ready)
         local = sum(n for n, _ in params)
         gather = 0.0
-        if fsdp or (shard > 1 and zero in (1, 2)):  # FSDP2: before forward; ZeRO-1/2: after the optimizer
+        if fsdp:  # before each forward (and ZeRO-3: each backward)
+            gather = (fsdp_gathers(zero, p, microbatches) * collective_time("all_gather", local * w_elem, levels,
+                                                                            ctx.algorithm)
+                      + fsdp_microbatch_time(device, len(params), local, zero, p, microbatches, local * w_elem,
+                                             shard))
+        elif shard > 1 and zero in (1, 2):  # ZeRO-1/2: after the optimizer
             gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
         if plan.offload:

@@ -10,8 +10,11 @@ full) and n_s = sum_r k_{s,r}:
     S_s     = sum_r k_{s,r} TL_r + [s=0] T_pre + [s=p-1] T_post + sends          stage, per micro-batch
     pipe    = sum_s S_s + (m-1) max_s S_s                                        1F1B (`makespan_closed_form`)
     sync_s  = max(rate_z G_s - window_s, tail) + other axes                       exposed gradient sync
-              (FSDP2, `Coefficients.fsdp`: alpha + beta G_s, one reduce_scatter after backward)
+              (FSDP2, `Coefficients.fsdp`: alpha + beta G_s, one reduce_scatter after backward,
+              beta with FSDP2's copies in and out)
     after_s = optimizer (28 B per local parameter, sharded by ZeRO) + ZeRO-1/2 gather
+              (FSDP2: `sync.fsdp_gathers` gathers with their copies and FSDP2's per-micro-batch
+              work, per tensor spread over the model's elements: `_fsdp_gather`)
     step    = pipe + max_s sync_s + max_s after_s
     mem_s   = states_z + in_flight_s * activations_r + recompute working + working + buffers
               (buffers: DDP's flat gradient copy at ZeRO-0, two buckets for textbook ZeRO;
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 from shardc.cost.comm import collective_time
 from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
 from shardc.cost.memory import in_flight, state_bytes_per_param
-from shardc.cost.sync import ADAM_BYTES_PER_PARAM
+from shardc.cost.sync import ADAM_BYTES_PER_PARAM, fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
 from shardc.ir import Layout
 from shardc.registry import get_op, has_op
 from shardc.search.problem import ZEROS, Problem
@@ -150,6 +153,9 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
                    else (0.0, 0.0) for z in ZEROS)
     zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 and not fsdp[3] else (0.0, 0.0)
     serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZEROS)
+    copy = fsdp_copy_time(1.0, shard, ctx.device)  # FSDP2's copies per byte around each collective
+    serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZEROS, serial))
+    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w) if fsdp[z] else gather[z] for z in ZEROS)
     rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZEROS)
     tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZEROS)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
@@ -188,6 +194,24 @@ def _affine(kind: str, levels, algorithm: str, size: float = 256 * 2**20) -> tup
 class Linear:
     step_time_s: float
     memory_bytes: tuple[float, ...]
+
+
+def _fsdp_gather(problem: Problem, zero: int, affine: tuple[float, float], shard: int,
+                 w_elem: int) -> tuple[float, float]:
+    """(seconds, seconds per byte) of FSDP2's gathers per step with their copies and its
+    per-micro-batch work (`sync.fsdp_gathers`, `sync.fsdp_microbatch_time`): the per-tensor part
+    spread over the model's elements (exact on one stage, the whole model)."""
+    pp, m = problem.shape.pp, problem.micro_batches
+    blocks = problem.facts.layering.count
+    weight = lambda var: blocks if var.section == "block" else 1  # noqa: E731 (one block's groups stand for all)
+    tensors = sum(weight(var) * len(var.costs[0].params) for var in problem.groups if var.costs)
+    numel = sum(weight(var) * n for var in problem.groups if var.costs for _, n, _ in var.costs[0].params)
+    count = fsdp_gathers(zero, pp, m)
+    if numel <= 0:
+        return count * affine[0], count * affine[1]
+    per_byte = fsdp_microbatch_time(problem.pricer.ctx.device, tensors, numel, zero, pp, m, numel * w_elem,
+                                    shard) / (numel * w_elem)
+    return count * affine[0], count * affine[1] + per_byte
 
 
 def section_sums(problem: Problem, choice: tuple[int, ...]) -> dict[str, dict[str, float]]:
