@@ -14,6 +14,11 @@ What is measured (CPU, fp32, one intra-op thread per process, as the gloo tests 
   broadcast and send/recv times by message size, each fitted to `alpha + beta * bytes`, and
   AdamW's step on FSDP2's sharded DTensor parameters.
 
+Every figure is taken at one reference speed (`shardc.speed`): this machine's cores flip
+between speeds (1.45x apart here) within seconds, so each measurement is timed beside a probe
+workload and scaled to the probe's time at the calibration's start. The study predicts a plan
+on `at_speed(profile, factor)`, the factor read by the same probe beside the plan's steps.
+
 The sharing model for `local_cluster(n)`: n processes share the cores, so a process computes
 at `per_process(n)` = measured concurrent rate when n was measured, else
 `single * min(n, cores) * scaling / n` with `scaling` the mean measured ratio of aggregate to
@@ -44,20 +49,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from shardc.calibrate_gloo import COLLECTIVES, _run_workers, _window_rate  # noqa: F401 (_window_rate: the study's probe)
+from shardc.calibrate_gloo import COLLECTIVES, _run_workers
 from shardc.calibrate_ops import (
     _copy_bandwidth,
     _kernel_latency,
     _matmul_rate,
-    _seconds,
     eager_from_json,
     measure_eager,
-    probe_workload,
 )
 from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_bytes
+from shardc.speed import SpeedIndex
 
-PROFILE_VERSION = 3  # 3: wrapper_overhead; versions 1 and 2 still load (no overhead)
+PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
 CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's (and the study's probe's) matmul size
 # Ring steps and volume factor per collective over n ranks (bytes = the full buffer).
 _RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
@@ -119,7 +123,7 @@ class LocalProfile:
     collectives: tuple[CollectiveFit, ...]
     eager: EagerCosts | None = None                   # eager op and optimizer costs, 1 process
     concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
-    probe_alone_rate: float = 0.0                     # `calibrate_ops.probe_workload` calls/s, 1 process
+    probe_alone_rate: float = 0.0                     # 1 / the reference speed's probe seconds (`shardc.speed`)
     wrapper_overhead: tuple[tuple[int, float], ...] = ()  # (nprocs, s per collective wrapper call)
 
     def call_overhead(self, nproc: int) -> float:
@@ -128,12 +132,6 @@ class LocalProfile:
         if not self.wrapper_overhead or nproc <= 1:
             return 0.0
         return min(self.wrapper_overhead, key=lambda c: (abs(c[0] - nproc), -c[0]))[1]
-
-    def probe_flops(self, rate: float) -> float:
-        """A study probe's workload rate now (calls/s, wall time) as the matmul rate `under_load`
-        takes: the lone 256 x 256 matmul rate slowed by the workload's slowdown."""
-        alone = dict(self.matmul_points).get(self.concurrent_matmul_n, self.peak_fp32)
-        return alone * rate / self.probe_alone_rate if self.probe_alone_rate > 0 else alone
 
     def eager_slowdown(self, nproc: int) -> float:
         """How much slower one of `nproc` concurrent processes runs than alone, measured like
@@ -164,15 +162,21 @@ class LocalProfile:
         best = min(fits, key=lambda c: (abs(c.nprocs - nproc), -c.nprocs))
         link = best.link()
         assert link is not None
+        sends = [c for c in self.collectives if c.op == "send_recv" and c.points]
+        p2p = None
+        if sends:  # a pipeline's send is far cheaper than an all_reduce's ring step on gloo
+            near = min(sends, key=lambda c: (abs(c.nprocs - nproc), -c.nprocs)).fit
+            bandwidth = 1.0 / near.beta if near.beta > 0 else link.bandwidth
+            p2p = (near.alpha, bandwidth)
         return LinkSpec(f"gloo-{best.nprocs}proc", link.bandwidth, link.latency,
-                        call_overhead=self.call_overhead(nproc))
+                        call_overhead=self.call_overhead(nproc), p2p=p2p)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LocalProfile:
-        if data.get("version") not in (1, 2, PROFILE_VERSION):
+        if data.get("version") not in (1, 2, 3, PROFILE_VERSION):
             raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
         fits = tuple(CollectiveFit(c["op"], int(c["nprocs"]), tuple((int(b), float(t)) for b, t in c["points"]),
                                    AlphaBeta(**c["fit"])) for c in data["collectives"])
@@ -269,24 +273,27 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
         task = progress.add_task("calibrating", total=5 + len(nprocs))
         try:
             torch.set_num_threads(1)
+            progress.update(task, description="speed reference")
+            speed = SpeedIndex()  # every figure below is taken to this speed (`shardc.speed`)
+            cfg["speed_reference"] = speed.reference
             progress.update(task, description="matmul fp32 by size")
-            points = tuple((n, _matmul_rate(n, torch.float32, budget)) for n in sizes)
+            points = tuple((n, _matmul_rate(n, torch.float32, budget, speed)) for n in sizes)
             fit = fit_affine([2.0 * n ** 3 for n, _ in points], [2.0 * n ** 3 / r for n, r in points])
             peak = 1.0 / fit.beta if fit.beta > 0 else max(r for _, r in points)
             progress.advance(task)
             progress.update(task, description="matmul bf16/fp16")
             ref = dict(points)[256]
-            ratios = tuple((name, _matmul_rate(256, dt, budget) / ref)
+            ratios = tuple((name, _matmul_rate(256, dt, budget, speed) / ref)
                            for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)))
             progress.advance(task)
             progress.update(task, description="memory bandwidth")
-            bandwidth = _copy_bandwidth(cfg["copy_numel"] * (1 if quick else 4), budget)
+            bandwidth = _copy_bandwidth(cfg["copy_numel"] * (1 if quick else 4), budget, speed)
             progress.advance(task)
             progress.update(task, description="op latency")
-            latency = _kernel_latency(budget)
+            latency = _kernel_latency(budget, speed=speed)
             progress.advance(task)
-            eager = measure_eager(quick, lambda what: progress.update(task, description=what))
-            probe_rate = 1.0 / _seconds(probe_workload(), budget)
+            eager = measure_eager(quick, lambda what: progress.update(task, description=what), speed)
+            probe_rate = 1.0 / speed.reference
             progress.advance(task)
         finally:
             torch.set_num_threads(threads)
@@ -333,24 +340,21 @@ def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool =
     return run_calibration(target, console=console)
 
 
-def under_load(profile: LocalProfile, nproc: int, flops: float,
-               allreduce: Sequence[tuple[float, float]] = ()) -> LocalProfile:
-    """`profile` as this machine is now: the per-process matmul rate of `nproc` concurrent
-    processes is `flops` (measured now, e.g. just before a plan runs) and their copy bandwidth
-    scales by the same factor (the sharing model: everything a process does slows alike); given
-    all_reduce (bytes, seconds) points measured now, the all_reduce fit for `nproc` is refitted."""
-
-    old = profile.per_process_flops(nproc)
-    bandwidth = next((b for n, _, b in profile.concurrent if n == nproc), profile.memory_bandwidth / profile.slowdown(nproc))
-    # A process never copies faster than it does alone: the scaled bandwidth is capped there.
-    scaled = min(bandwidth * flops / old, profile.memory_bandwidth)
-    concurrent = tuple(c for c in profile.concurrent if c[0] != nproc) + ((nproc, flops, scaled),)
-    fits = profile.collectives
-    points = tuple((int(b), float(t)) for b, t in allreduce if t > 0)
-    if len(points) >= 2:
-        fit = CollectiveFit("all_reduce", nproc, points, fit_affine([b for b, _ in points], [t for _, t in points]))
-        fits = tuple(c for c in fits if not (c.op == "all_reduce" and c.nprocs == nproc)) + (fit,)
-    return replace(profile, concurrent=concurrent, collectives=fits)
+def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
+    """`profile` on this machine running `factor` times slower than the profile's reference speed
+    (`shardc.speed`: the probe workload's time now over its reference time): everything a process
+    does, computing, copying, launching, collective calls, takes `factor` times as long."""
+    if factor <= 0:
+        raise ValueError(f"speed factor must be positive, got {factor}")
+    f = float(factor)
+    fits = tuple(CollectiveFit(c.op, c.nprocs, tuple((b, t * f) for b, t in c.points),
+                               AlphaBeta(c.fit.alpha * f, c.fit.beta * f)) for c in profile.collectives)
+    return replace(
+        profile, matmul_points=tuple((n, r / f) for n, r in profile.matmul_points), peak_fp32=profile.peak_fp32 / f,
+        memory_bandwidth=profile.memory_bandwidth / f, kernel_latency=profile.kernel_latency * f,
+        concurrent=tuple((n, fl / f, bw / f) for n, fl, bw in profile.concurrent), collectives=fits,
+        eager=profile.eager.scaled(f) if profile.eager is not None else None,
+        wrapper_overhead=tuple((n, t * f) for n, t in profile.wrapper_overhead))
 
 
 def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:

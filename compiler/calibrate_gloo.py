@@ -86,30 +86,46 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from shardc.speed import SpeedIndex
+
     _init(rank, nprocs, workdir)
     try:
+        speed = SpeedIndex(cfg.get("speed_reference"))  # the parent's reference: its figures' units
         n = cfg["matmul_n"]
         a, b = torch.randn(n, n), torch.randn(n, n)
         src, dst = torch.randn(cfg["copy_numel"]), torch.empty(cfg["copy_numel"])
         dist.barrier()
+        before = speed.seconds(3)  # all ranks at once: the mode of the core and our own contention
         flops = _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, cfg["window"])
         dist.barrier()
         bandwidth = _window_rate(lambda: dst.copy_(src), 2.0 * src.nbytes, cfg["window"])
-        rates = torch.tensor([flops, bandwidth], dtype=torch.float64)
+        slow = 1.0 / speed.scale([before, speed.seconds(3)])  # rates at the reference speed: x slow
+        rates = torch.tensor([flops * slow, bandwidth * slow], dtype=torch.float64)
         dist.all_reduce(rates)
         results: dict[str, Any] = {"flops": rates[0].item() / nprocs, "bandwidth": rates[1].item() / nprocs}
         for op in COLLECTIVES:
-            results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg)) for numel in cfg["numels"]]
-        results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank)
-        results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"])
-        results["fsdp_overhead"] = _fsdp_overhead(nprocs)
+            results[op] = [(4 * numel, _time_collective(op, numel, nprocs, rank, cfg, speed)) for numel in cfg["numels"]]
+        results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank) * _scale_now(speed)
+        results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"], speed)
+        results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in _fsdp_overhead(nprocs))
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
 
-def _sharded_optimizer(nprocs: int, budget: float) -> tuple[float, float]:
+def _scale_now(speed: Any) -> float:
+    """The factor to the reference speed now: every rank times the probe, the slowest counts
+    (the ranks of a collective measurement wait for each other)."""
+    import torch
+    import torch.distributed as dist
+
+    probe = torch.tensor([speed.seconds(2)], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    return float(speed.scale([probe.item()]))
+
+
+def _sharded_optimizer(nprocs: int, budget: float, speed: Any = None) -> tuple[float, float]:
     """(seconds per tensor, per local element) of AdamW's step and zero_grad on parameters that
     are DTensors sharded over all processes, as FSDP2 leaves them: each op goes through DTensor's
     dispatch. In this thread's CPU time, as the single-process eager costs are."""
@@ -136,7 +152,7 @@ def _sharded_optimizer(nprocs: int, budget: float) -> tuple[float, float]:
             opt.zero_grad(set_to_none=False)
             return time.thread_time() - t0, 0.0
 
-        samples.append((count, count * numel, _timed(step, budget / len(OPTIMIZER_CASES))[0]))
+        samples.append((count, count * numel, _timed(step, budget / len(OPTIMIZER_CASES), speed)[0]))
     return _fit_two(samples)
 
 
@@ -265,10 +281,12 @@ def _wrapper_overhead(nprocs: int, rank: int) -> float:
     return cpu * max(1.0, nprocs / (os.cpu_count() or 1))
 
 
-def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any]) -> float:
+def _time_collective(op: str, numel: int, nprocs: int, rank: int, cfg: dict[str, Any], speed: Any = None) -> float:
     """Seconds per call of collective `op` on `numel` elements (per `_time_calls`; send/recv
-    counts one message, half its round trip)."""
-    return _time_calls(_collective(op, numel, nprocs, rank), cfg) / (2 if op == "send_recv" else 1)
+    counts one message, half its round trip), at `speed`'s reference speed when given (a copy and
+    a TCP stack are CPU work: the core's mode moves them too)."""
+    scale = _scale_now(speed) if speed is not None else 1.0
+    return _time_calls(_collective(op, numel, nprocs, rank), cfg) / (2 if op == "send_recv" else 1) * scale
 
 
 def _time_calls(run: Callable[[], None], cfg: dict[str, Any]) -> float:

@@ -13,7 +13,7 @@ per_unit` (`fit_affine`, relative error): units are FLOPs for matmuls and the fo
 - Times are this thread's CPU time (`time.thread_time`): a busy machine does not inflate them.
   They are costs on a core of one's own; how much of a core a process gets is the sharing
   model's business (`calibrate.local_cluster`, and the study's probe).
-- Each timed call starts with cold caches (`_evict` overwrites 8 MiB first): in a training step
+- Each timed call starts with cold caches (`_evict` overwrites 32 MiB first): in a training step
   every op runs once after the others have used the caches, and a hot loop underprices it
   (by 1.3-2x on the GPT example's ops here).
 - A backward is timed with `torch.autograd.grad`, less the engine's fixed cost per backward call
@@ -38,6 +38,7 @@ from functools import partial
 from typing import Any
 
 from shardc.hardware import EagerCosts, KernelFit
+from shardc.speed import EVICT_BYTES, SpeedIndex
 
 # class -> (registry op, attrs); each is built at a size by `_inputs`
 REPRESENTATIVE: dict[str, tuple[str, dict[str, Any]]] = {
@@ -50,7 +51,7 @@ REPRESENTATIVE: dict[str, tuple[str, dict[str, Any]]] = {
     "loss": ("cross_entropy", {}),
     "dropout": ("dropout", {"p": 0.1}),
     # Ops whose cost differs from their class's representative by several times, fitted on their own:
-    "masked_fill": ("masked_fill", {"value": -1e9}),  # a broadcast mask (attention's causal one)
+    "masked_fill": ("masked_fill", {"value": -1e9}),  # a broadcast, strided mask (attention's causal one)
     "mul": ("mul", {"other": 0.5}),  # by a scalar: its backward is a kernel, add's is none
 }
 WIDTH = 128  # the last dim of every vector op's input (a hidden size)
@@ -70,26 +71,34 @@ def _inputs(kind: str, numel: int) -> list[Any]:
         return [torch.randint(0, 512, (rows,)), torch.randn(512, WIDTH, requires_grad=True)]
     if kind == "masked_fill":
         blocks = max(1, numel // 4096)
-        return [torch.randn(blocks, 64, 64, requires_grad=True), torch.rand(1, 64, 64) > 0.5]
+        # The mask as GPT-style models slice it from a registered (block, block) buffer: strided.
+        return [torch.randn(blocks, 64, 64, requires_grad=True), (torch.rand(1, 256, 256) > 0.5)[:, :64, :64]]
     if kind == "loss":
         return [torch.randn(max(1, numel // 512), 512, requires_grad=True), torch.randint(0, 512, (max(1, numel // 512),))]
     return [x]
 
 
-def _timed(run: Callable[[], tuple[float, float]], budget: float) -> tuple[float, float]:
-    """Median forward and backward seconds over repeated runs (>= 5, until `budget` is spent)."""
+def _timed(run: Callable[[], tuple[float, float]], budget: float, speed: SpeedIndex | None = None
+           ) -> tuple[float, float]:
+    """Median forward and backward seconds over repeated runs (>= 5, until `budget` is spent);
+    with `speed`, one probe call follows each run and the medians are taken to its reference
+    speed (`shardc.speed`: the machine's speed flips between modes within seconds)."""
     run()
     fwd: list[float] = []
     bwd: list[float] = []
+    probes: list[float] = []
     start = time.perf_counter()
     while len(fwd) < 5 or (time.perf_counter() - start < budget and len(fwd) < 200):
         f, b = run()
         fwd.append(f)
         bwd.append(b)
-    return statistics.median(fwd), statistics.median(bwd)
+        if speed is not None:
+            probes.append(speed.seconds())
+    scale = speed.scale(probes) if speed is not None else 1.0
+    return statistics.median(fwd) * scale, statistics.median(bwd) * scale
 
 
-COLD_BYTES = 8 << 20  # more than a core's L2: what an op finds in its caches after the others of a step
+COLD_BYTES = EVICT_BYTES  # what an op finds in its caches after the others of a step (`shardc.speed`)
 
 
 def _evict(buffer: Any) -> None:
@@ -98,7 +107,8 @@ def _evict(buffer: Any) -> None:
     buffer.add_(1.0)
 
 
-def _fwd_bwd(fn: Callable[[], Any], wrt: Sequence[Any], budget: float) -> tuple[float, float]:
+def _fwd_bwd(fn: Callable[[], Any], wrt: Sequence[Any], budget: float, speed: SpeedIndex | None = None
+             ) -> tuple[float, float]:
     """Seconds of `fn()` under autograd and of `torch.autograd.grad` of its output w.r.t. `wrt`,
     each started with cold caches (`_evict`)."""
     import torch
@@ -117,10 +127,11 @@ def _fwd_bwd(fn: Callable[[], Any], wrt: Sequence[Any], budget: float) -> tuple[
         torch.autograd.grad(y, wrt, grad)
         return t1 - t0, time.thread_time() - t2
 
-    return _timed(run, budget)
+    return _timed(run, budget, speed)
 
 
-def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144)) -> KernelFit:
+def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144), speed: SpeedIndex | None = None
+                   ) -> KernelFit:
     """A parameter's gradient accumulation in backward (autograd's AccumulateGrad adding into the
     `.grad` that `zero_grad(set_to_none=False)` kept), per parameter tensor and byte: a weight-only
     `linear` backward by `Tensor.backward` (which accumulates) less the same by `autograd.grad`
@@ -145,7 +156,7 @@ def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144)) -> Ker
                 torch.autograd.grad(y, [w], g)
             return time.thread_time() - t0, 0.0
 
-        with_grad, without = _timed(partial(run, True), budget)[0], _timed(partial(run, False), budget)[0]
+        with_grad, without = _timed(partial(run, True), budget, speed)[0], _timed(partial(run, False), budget, speed)[0]
         units.append(float(w.nbytes))
         diffs.append(max(with_grad - without, 0.0))
         raw.append(with_grad)
@@ -153,7 +164,7 @@ def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144)) -> Ker
     return KernelFit(0.0, 0.0, fit.alpha, fit.beta)
 
 
-def view_costs(budget: float, chain: int = 16) -> tuple[KernelFit, float]:
+def view_costs(budget: float, chain: int = 16, speed: SpeedIndex | None = None) -> tuple[KernelFit, float]:
     """(the view class's fit, the autograd engine's fixed cost per backward call): a chain of
     `chain` reshapes, and a single one, timed forward and backward."""
     import torch
@@ -171,13 +182,14 @@ def view_costs(budget: float, chain: int = 16) -> tuple[KernelFit, float]:
             return y
         return fn
 
-    f1, b1 = _fwd_bwd(chained(1), [x], budget)
-    fk, bk = _fwd_bwd(chained(chain), [x], budget)
+    f1, b1 = _fwd_bwd(chained(1), [x], budget, speed)
+    fk, bk = _fwd_bwd(chained(chain), [x], budget, speed)
     per_bwd = max(0.0, (bk - b1) / (chain - 1))
     return KernelFit(fk / chain, 0.0, per_bwd, 0.0), max(0.0, b1 - per_bwd)
 
 
-def kernel_fit(kind: str, sizes: Sequence[int], budget: float, engine: float) -> KernelFit:
+def kernel_fit(kind: str, sizes: Sequence[int], budget: float, engine: float, speed: SpeedIndex | None = None
+               ) -> KernelFit:
     """The class's representative op timed at `sizes` (elements) and fitted (module doc)."""
     from shardc.calibrate import fit_affine
     from shardc.cost.compute import class_bytes
@@ -190,7 +202,7 @@ def kernel_fit(kind: str, sizes: Sequence[int], budget: float, engine: float) ->
         ins = _inputs(kind, numel)
         out = op.impl(*ins, **attrs)
         units.append(class_bytes(kind, [float(t.nbytes) for t in ins], float(out.nbytes)))
-        f, b = _fwd_bwd(partial(op.impl, *ins, **attrs), [t for t in ins if t.requires_grad], budget)
+        f, b = _fwd_bwd(partial(op.impl, *ins, **attrs), [t for t in ins if t.requires_grad], budget, speed)
         fwd.append(f)
         bwd.append(max(b - engine, 0.0))
         raw.append(b)
@@ -239,13 +251,13 @@ def attention_cases(quick: bool) -> list[Case]:
     return cases
 
 
-def matmul_fit(cases: Sequence[Case], budget: float, engine: float) -> KernelFit:
+def matmul_fit(cases: Sequence[Case], budget: float, engine: float, speed: SpeedIndex | None = None) -> KernelFit:
     """Forward and backward of `cases` fitted in FLOPs (backward: 2x the forward's)."""
     from shardc.calibrate import fit_affine
 
     flops, fwd, bwd, raw = [], [], [], []
     for fn, wrt, f in cases:
-        tf, tb = _fwd_bwd(fn, wrt, budget)
+        tf, tb = _fwd_bwd(fn, wrt, budget, speed)
         flops.append(f)
         fwd.append(tf)
         bwd.append(max(tb - engine, 0.0))
@@ -257,7 +269,7 @@ def matmul_fit(cases: Sequence[Case], budget: float, engine: float) -> KernelFit
 OPTIMIZER_CASES = ((64, 512), (16, 16384), (4, 262144))  # (tensors, elements each)
 
 
-def optimizer_fit(budget: float) -> tuple[float, float]:
+def optimizer_fit(budget: float, speed: SpeedIndex | None = None) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per element) of AdamW's step plus zero_grad, fitted
     in relative error over `OPTIMIZER_CASES` (both >= 0)."""
     import torch
@@ -277,7 +289,7 @@ def optimizer_fit(budget: float) -> tuple[float, float]:
             opt.zero_grad(set_to_none=False)
             return time.thread_time() - t0, 0.0
 
-        samples.append((count, count * numel, _timed(step, budget)[0]))
+        samples.append((count, count * numel, _timed(step, budget, speed)[0]))
     return _fit_two(samples)
 
 
@@ -297,28 +309,10 @@ def _fit_two(samples: Sequence[tuple[float, float, float]]) -> tuple[float, floa
     return min(only_a, only_b, key=err)
 
 
-def probe_workload() -> Callable[[], None]:
-    """One call: forward and backward of a small MLP block in eager mode (linear 128 -> 512, gelu,
-    linear back, layer_norm) on a (8, 64, 128) batch: a few MiB of weights and activations, more
-    than a core's L2, like a training step. Timed alone (CPU time) by the calibration and in a
-    window of wall time around each study plan, the ratio says how much slower the machine runs
-    eager training now, counting both the share of a core and the caches other processes evict."""
-    import torch
-    import torch.nn.functional as F
-
-    x = torch.randn(8, 64, 128)
-    w1, w2 = torch.randn(512, 128, requires_grad=True), torch.randn(128, 512, requires_grad=True)
-    norm = torch.ones(128, requires_grad=True)
-
-    def run() -> None:
-        y = F.layer_norm(F.linear(F.gelu(F.linear(x, w1)), w2), (128,), norm)
-        torch.autograd.grad(y.sum(), [w1, w2, norm])
-
-    return run
-
-
-def measure_eager(quick: bool = False, progress: Callable[[str], None] | None = None) -> EagerCosts:
-    """Every class's fit and the optimizer's, in this process at one intra-op thread (module doc).
+def measure_eager(quick: bool = False, progress: Callable[[str], None] | None = None,
+                  speed: SpeedIndex | None = None) -> EagerCosts:
+    """Every class's fit and the optimizer's, in this process at one intra-op thread (module doc),
+    each at `speed`'s reference speed when given.
     About 3 s with `quick`, about 8 s without, on an idle core."""
     import torch
 
@@ -329,18 +323,19 @@ def measure_eager(quick: bool = False, progress: Callable[[str], None] | None = 
     try:
         say = progress or (lambda _: None)
         say("eager ops: views")
-        view, engine = view_costs(budget)
+        view, engine = view_costs(budget, speed=speed)
         kinds: list[tuple[str, KernelFit]] = [("view", view)]
         say("eager ops: matmul")
-        linear = matmul_fit(linear_cases(quick), budget, engine)
-        kinds += [("matmul", linear), ("linear", linear), ("attention_matmul", matmul_fit(attention_cases(quick), budget, engine))]
+        linear = matmul_fit(linear_cases(quick), budget, engine, speed)
+        attention = matmul_fit(attention_cases(quick), budget, engine, speed)
+        kinds += [("matmul", linear), ("linear", linear), ("attention_matmul", attention)]
         for kind in REPRESENTATIVE:
             say(f"eager ops: {kind}")
-            kinds.append((kind, kernel_fit(kind, sizes, budget, engine)))
+            kinds.append((kind, kernel_fit(kind, sizes, budget, engine, speed)))
         say("gradient accumulation")
-        kinds.append(("accumulate_grad", accumulate_fit(budget)))
+        kinds.append(("accumulate_grad", accumulate_fit(budget, speed=speed)))
         say("optimizer step")
-        per_tensor, per_param = optimizer_fit(budget)
+        per_tensor, per_param = optimizer_fit(budget, speed)
     finally:
         torch.set_num_threads(threads)
     return EagerCosts(tuple(kinds), per_tensor, per_param)
@@ -359,36 +354,40 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
 
 # ---- the profile's other single-process benchmarks ---------------------------------------------
 
-def _seconds(fn: Callable[[], object], budget: float, inner: int = 1) -> float:
+def _seconds(fn: Callable[[], object], budget: float, inner: int = 1, speed: SpeedIndex | None = None) -> float:
     """Median seconds per call of `fn` over repeated batches of `inner` calls, >= 3 batches, in
     this thread's CPU time (`time.thread_time`): what a call costs on a core of its own, however
     busy the machine is (sharing is what the concurrent benchmarks and the study's probe measure)."""
     fn()
     samples: list[float] = []
+    # Probed before and after, not between samples: these loops run hot, and a probe would evict.
+    probes = [speed.seconds(3)] if speed is not None else []
     start = time.perf_counter()
     while len(samples) < 3 or (time.perf_counter() - start < budget and len(samples) < 50):
         t0 = time.thread_time()
         for _ in range(inner):
             fn()
         samples.append((time.thread_time() - t0) / inner)
-    return statistics.median(samples)
+    if speed is not None:
+        probes.append(speed.seconds(3))
+    return statistics.median(samples) * (speed.scale(probes) if speed is not None else 1.0)
 
 
-def _matmul_rate(n: int, dtype: Any, budget: float) -> float:
+def _matmul_rate(n: int, dtype: Any, budget: float, speed: SpeedIndex | None = None) -> float:
     import torch
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2.0 * n ** 3 / _seconds(lambda: torch.mm(a, b), budget)
+    return 2.0 * n ** 3 / _seconds(lambda: torch.mm(a, b), budget, speed=speed)
 
 
-def _copy_bandwidth(numel: int, budget: float) -> float:
+def _copy_bandwidth(numel: int, budget: float, speed: SpeedIndex | None = None) -> float:
     import torch
 
     src, dst = torch.randn(numel), torch.empty(numel)
-    return 2.0 * src.nbytes / _seconds(lambda: dst.copy_(src), budget)  # read + write
+    return 2.0 * src.nbytes / _seconds(lambda: dst.copy_(src), budget, speed=speed)  # read + write
 
 
-def _kernel_latency(budget: float, chain: int = 32) -> float:
+def _kernel_latency(budget: float, chain: int = 32, speed: SpeedIndex | None = None) -> float:
     """The fixed cost of one op in eager training: a chain of tiny modules run forward with
     autograd recording (dispatch, autograd node, module call), per module. Backward costs about
     the same per op and input gradient, which is how the model charges it."""
@@ -402,4 +401,4 @@ def _kernel_latency(budget: float, chain: int = 32) -> float:
         for m in mods:
             y = m(y)
 
-    return _seconds(forward, budget, inner=4) / chain
+    return _seconds(forward, budget, inner=4, speed=speed) / chain

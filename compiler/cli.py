@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-matmuls", action=argparse.BooleanOptionalAction, default=None,
                    help="after the sweep, time matmuls against the device spec (default: on with --device cuda)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the report and results.json go")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per plan")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per plan (medians; the probe times the machine beside each)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--fresh-profile", action="store_true",
                    help="recalibrate this machine before the sweep (its load changes the predictions)")

@@ -48,6 +48,9 @@ class LinkSpec:
     fraction of `bandwidth` large collectives reach (1.0 = wire rate). `call_overhead` (s) is
     what one of shardc's autograd-aware collective wrappers costs beyond the raw collective
     (forward and backward together; measured for the local gloo profile, 0 where unknown).
+    `p2p` (latency s, bandwidth bytes/s) prices one point-to-point message (pipeline send/recv,
+    rotation) where it was measured apart from the collectives' ring steps (gloo: a send costs
+    a sixth of an all_reduce step here); None: a message is one ring step.
     """
 
     name: str
@@ -55,12 +58,15 @@ class LinkSpec:
     latency: float
     efficiency: float = 1.0
     call_overhead: float = 0.0
+    p2p: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0 or self.call_overhead < 0:
             raise ValueError(f"link {self.name}: bandwidth must be > 0, latency and call_overhead >= 0")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"link {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
+        if self.p2p is not None and (self.p2p[0] < 0 or self.p2p[1] <= 0):
+            raise ValueError(f"link {self.name}: p2p latency must be >= 0 and bandwidth > 0, got {self.p2p}")
 
     @property
     def effective_bandwidth(self) -> float:

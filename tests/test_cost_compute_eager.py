@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, local_cluster, under_load
+from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
 from shardc.cost import estimate
 from shardc.cost.compute import class_bytes, node_compute_time, op_class, optimizer_step_time
 from shardc.hardware import DeviceSpec, EagerCosts, KernelFit
@@ -129,16 +129,14 @@ def test_eager_costs_scale_with_sharing_and_round_trip_through_json() -> None:
     dev = local_cluster(4, prof).device
     assert dev.eager is not None and dev.eager.optimizer_per_tensor == pytest.approx(50e-6 * 2.5)
     assert local_cluster(2, prof).device.eager.fit("view").fwd_call == pytest.approx(4e-6 * 1.25)
-    idle = under_load(prof, 2, 80e9)  # never faster than alone
-    assert local_cluster(2, idle).device.eager.fit("view").fwd_call == pytest.approx(4e-6)
+    slow = at_speed(prof, 1.5)  # the machine 1.5x slower than the profile's reference speed
+    assert local_cluster(2, slow).device.eager.fit("view").fwd_call == pytest.approx(4e-6 * 1.25 * 1.5)
+    assert local_cluster(4, slow).device.eager.optimizer_per_tensor == pytest.approx(50e-6 * 2.5 * 1.5)
     old = _profile(None, version=1).to_json()
     old.pop("eager")
     old.pop("concurrent_matmul_n")
     v1 = LocalProfile.from_json(old)  # a version 1 cache still loads, on the roofline
     assert v1.eager is None and local_cluster(2, v1).device.eager is None
-    # a study probe's eager-workload rate maps to the matmul rate `under_load` takes
-    probed = dataclasses.replace(prof, probe_alone_rate=400.0)
-    assert probed.probe_flops(200.0) == pytest.approx(25e9) and prof.probe_flops(200.0) == pytest.approx(50e9)
     with pytest.raises(ValueError, match="version 7"):
         LocalProfile.from_json({**prof.to_json(), "version": 7})
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, local_cluster, under_load
+from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
 from shardc.cost import CostContext, estimate, layer_costs
 from shardc.cost.compose import EstimateOptions
 from shardc.cost.synthetic import gpt_graph
@@ -98,12 +98,14 @@ def _profile() -> LocalProfile:
                         (CollectiveFit("all_reduce", 2, ((1024, 1e-4), (1 << 20, 1e-3)), fit),))
 
 
-def test_under_load_replaces_the_rate_and_caps_bandwidth() -> None:
+def test_at_speed_slows_everything_a_process_does_alike() -> None:
     prof = _profile()
-    busy = under_load(prof, 2, 20e9, [(1024, 2e-4), (1 << 20, 2e-3)])
-    assert busy.per_process_flops(2) == 20e9
-    assert local_cluster(2, busy).device.memory_bandwidth == pytest.approx(2e9)
-    assert local_cluster(2, busy).intra.latency > local_cluster(2, prof).intra.latency
-    idle = under_load(prof, 2, 200e9)
-    assert local_cluster(2, idle).device.memory_bandwidth == pytest.approx(prof.memory_bandwidth)
-    assert local_cluster(2, idle).device.kernel_latency == pytest.approx(prof.kernel_latency)
+    slow, fast = local_cluster(2, at_speed(prof, 2.0)), local_cluster(2, prof)
+    assert slow.device.memory_bandwidth == pytest.approx(fast.device.memory_bandwidth / 2)
+    assert slow.device.kernel_latency == pytest.approx(fast.device.kernel_latency * 2)
+    assert slow.device.peak("fp32") == pytest.approx(fast.device.peak("fp32") / 2)
+    assert slow.intra.latency == pytest.approx(fast.intra.latency * 2)
+    assert slow.intra.bandwidth == pytest.approx(fast.intra.bandwidth / 2)
+    assert at_speed(prof, 1.0) == prof
+    with pytest.raises(ValueError, match="positive"):
+        at_speed(prof, 0.0)

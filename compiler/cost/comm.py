@@ -47,6 +47,8 @@ def _ring(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
         return (n - 1) * link.latency + (n - 1) / n * nbytes / bw
     if kind == "broadcast":
         return math.ceil(math.log2(n)) * link.latency + nbytes / bw
+    if link.p2p is not None:  # send_recv, rotate: one neighbour transfer, measured as such
+        return link.p2p[0] + nbytes / link.p2p[1]
     return link.latency + nbytes / bw  # send_recv, rotate: one neighbour transfer
 
 

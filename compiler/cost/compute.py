@@ -177,15 +177,22 @@ def class_bytes(kind: str, in_bytes: Sequence[float], out_bytes: float) -> float
 
 
 def eager_time(op: OpDef, attrs: dict, flops: float, in_bytes: Sequence[float], out_bytes: float,
-               grads: Sequence[bool], device: DeviceSpec, dtype: str) -> tuple[float, float, float]:
-    """(forward s, backward s, backward FLOPs) of one op from the device's measured eager costs."""
+               grads: Sequence[bool], device: DeviceSpec, dtype: str, copies: bool = False
+               ) -> tuple[float, float, float]:
+    """(forward s, backward s, backward FLOPs) of one op from the device's measured eager costs;
+    `copies`: a view node that copies at run time (`context.copying_views`)."""
     assert device.eager is not None
     kind = op_class(op, attrs)
     needs = any(grads)
     if kind == "view":
         fit = device.eager.fit("view")
-        bwd = fit.bwd_call if needs and op.kind == "view" else 0.0
-        return fit.fwd_call, bwd, 0.0
+        fwd, bwd = fit.fwd_call, (fit.bwd_call if needs and op.kind == "view" else 0.0)
+        copy = device.eager.fit("elementwise")
+        if copies:  # a reshape PyTorch cannot view: a copy (read and write); its gradient is a view
+            fwd += copy.fwd_call + (sum(in_bytes) + out_bytes) * copy.fwd_per_unit
+        if needs and op.name == "split":  # the pieces' gradients are concatenated: a copy of the input
+            bwd += copy.fwd_call + 2.0 * sum(in_bytes) * copy.fwd_per_unit
+        return fwd, bwd, 0.0
     # torch.matmul here is attention's batched one (its own fit); other ops by name, then class.
     fit = device.eager.fit("attention_matmul" if op.name == "matmul" else op.name, kind)
     if kind == "matmul":
@@ -218,15 +225,14 @@ def optimizer_step_time(device: DeviceSpec, params: Sequence[tuple[float, int]],
 def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
                       attrs: dict, device: DeviceSpec, dtype: str, *, needs_grad: Sequence[bool],
                       scale: float = 1.0, scaled_in: Sequence[bool] | None = None,
-                      scaled_out: Sequence[bool] | None = None) -> NodeCost:
+                      scaled_out: Sequence[bool] | None = None, copies: bool = False) -> NodeCost:
     """Forward and backward time of one op on local types (see the module rules).
 
     `needs_grad[i]` says whether input i needs a gradient. `scale` multiplies the batch of
     the tensors flagged in `scaled_in`/`scaled_out` (all when None) and the FLOPs, so a graph
-    traced at one batch can be costed at another.
+    traced at one batch can be costed at another. `copies`: a view that copies at run time (a
+    reshape PyTorch cannot view); a split's backward concatenates its pieces' gradients.
     """
-    if op.kind in FREE_KINDS and device.eager is None:
-        return NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
     s_in = [scale if (scaled_in is None or scaled_in[i]) else 1.0 for i in range(len(in_types))]
     s_out = [scale if (scaled_out is None or scaled_out[i]) else 1.0 for i in range(len(out_types))]
     # FLOPs follow the batch when any operand is batched (a weight is not: max() would pick 1).
@@ -237,8 +243,14 @@ def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequ
     out_bytes = sum(t.nbytes * s for t, s in zip(out_types, s_out))
     nbytes = sum(in_bytes) + out_bytes
     grads = [bool(g) for g in needs_grad]
+    if op.kind in FREE_KINDS and device.eager is None:
+        copy = 2.0 * out_bytes if copies else 0.0
+        cat = 2.0 * sum(in_bytes) if op.name == "split" and any(grads) else 0.0
+        fwd = kernel_time(0.0, copy, device, dtype, matmul=False) + device.kernel_latency if copy else 0.0
+        bwd = kernel_time(0.0, cat, device, dtype, matmul=False) + device.kernel_latency if cat else 0.0
+        return NodeCost(fwd, bwd, 0.0, 0.0, copy)
     if device.eager is not None:
-        fwd_s, bwd_s, bwd_flops = eager_time(op, attrs, flops, in_bytes, out_bytes, grads, device, dtype)
+        fwd_s, bwd_s, bwd_flops = eager_time(op, attrs, flops, in_bytes, out_bytes, grads, device, dtype, copies)
         acc = dict(device.eager.kinds).get("accumulate_grad")
         if acc is not None and scaled_in is not None:  # parameters (unbatched, needing a gradient)
             bwd_s += sum(acc.bwd_call + b * acc.bwd_per_unit for b, g, batched in zip(in_bytes, grads, scaled_in)

@@ -27,6 +27,43 @@ def aliases(node: Node) -> bool:
     return node.op in ALIASING_OPS
 
 
+def copying_views(graph: Graph) -> set[int]:
+    """ids of the view nodes that copy at run time: strides are followed through the graph on
+    the meta device (every non-view op makes a contiguous tensor; a view op runs its registry impl
+    on inputs of the strides it gets), and a reshape whose result is not a view of its input
+    (PyTorch could not view those strides: the attention output's transpose then reshape) copies."""
+    import torch
+
+    strides: dict[int, tuple[int, ...]] = {}
+    found: set[int] = set()
+    for node in graph.nodes:
+        op = get_op(node.op)
+        if op.kind != "view" or node.op == "concat":
+            continue
+        try:
+            ins = [torch.empty_strided(v.type.shape, strides.get(id(v)) or _contiguous(v.type.shape), device="meta")
+                   for v in node.inputs]
+            out = op.impl(*ins, **node.attrs)
+        except Exception:  # an op the meta device cannot run: taken as a view
+            continue
+        outs = out if isinstance(out, tuple | list) else (out,)
+        for v, t in zip(node.outputs, outs):
+            if isinstance(t, torch.Tensor):
+                strides[id(v)] = tuple(t.stride())
+        if node.op == "reshape" and isinstance(out, torch.Tensor) and not out._is_view():
+            found.add(id(node))
+            strides.pop(id(node.outputs[0]), None)  # the copy is contiguous
+    return found
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(1, d)
+    return tuple(reversed(out))
+
+
 def axis_category(axis: str) -> str:
     """Time category of a collective on mesh axis `axis` (tp_comm, cp_comm, dp_comm, pp_comm)."""
     return AXIS_CATEGORY.get(axis, "tp_comm")
@@ -50,6 +87,8 @@ class CostContext:
     # the solver prices a candidate by costing its nodes as if they were so partitioned.
     partitions: dict[int, Partition | None] = field(default_factory=dict)
     layouts: dict[int, Layout] = field(default_factory=dict)
+    # View nodes that copy when they run (a reshape of a tensor whose strides cannot be viewed).
+    copies: set[int] = field(default_factory=set)
     _local: dict[int, LocalNode] = field(default_factory=dict)
     _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
 
@@ -79,18 +118,19 @@ class CostContext:
                 for out in node.outputs:
                     ctx.layer_of[id(out)] = node.layer
         ctx.users = graph.users()
+        ctx.copies = copying_views(graph)
         return ctx
 
     def rescoped(self, mesh: Mesh | None, batch_scale: float) -> CostContext:
         """The same dataflow facts on another mesh and batch scale (no overlays, fresh caches)."""
         return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.batched,
-                           self.needs_grad, self.users, self.layer_of)
+                           self.needs_grad, self.users, self.layer_of, copies=self.copies)
 
     def with_overlay(self, partitions: dict[int, Partition | None], layouts: dict[int, Layout]) -> CostContext:
         """This context with nodes partitioned and values laid out as given (ids as keys)."""
         return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
                            self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
-                           _levels=self._levels)
+                           self.copies, _levels=self._levels)
 
     def partition(self, node: Node) -> Partition | None:
         return self.partitions[id(node)] if id(node) in self.partitions else node.partition

@@ -205,7 +205,8 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                                  local.out_types, node.attrs, device, dtype,
                                  needs_grad=grads, scale=ctx.batch_scale,
                                  scaled_in=[id(v) in ctx.batched for v in node.inputs],
-                                 scaled_out=[id(v) in ctx.batched for v in node.outputs])
+                                 scaled_out=[id(v) in ctx.batched for v in node.outputs],
+                                 copies=id(node) in ctx.copies)
         cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)  # the slowest rank's
         if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
             cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)

@@ -49,6 +49,20 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
     return sxy / (sxx * syy) ** 0.5 if sxx and syy else None
 
 
+def plan_speed(results: Sequence[dict[str, Any]]) -> float | None:
+    """How many times slower than the profile's reference speed the machine ran a plan's measured
+    steps (`shardc.speed`): per step, the slowest rank's probe before it and after it, averaged
+    (the ranks of a step wait for each other), the median over steps over the reference; None
+    without probes (CUDA, or results from before them)."""
+    probes = [r.get("speed_probe_s") or [] for r in results]
+    reference = results[0].get("speed_reference_s") if results else None
+    steps = min((len(p) for p in probes), default=0) - 1
+    if not reference or steps < 1:
+        return None
+    per_step = [(max(p[k] for p in probes) + max(p[k + 1] for p in probes)) / 2 for k in range(steps)]
+    return statistics.median(per_step) / reference
+
+
 def _collective_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
     """Per collective kind: count, bytes sent (ring), and message sizes (min, median, max)."""
     out: dict[str, Any] = {}
@@ -65,11 +79,11 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
                recalibrated: dict[str, Any] | None = None) -> dict[str, Any]:
     """The results.json entry of a plan that ran: every measured and predicted number and the errors.
 
-    `predicted` is the model on the profile the study started with; `recalibrated` the same
-    model on that profile with this machine's compute rate and all_reduce times as measured when
-    the plan ran (`calibrate.under_load`). The step-time error is the recalibrated one when given
-    (the machine is shared: its load, not the plan, moves between calibration and run); both
-    are kept."""
+    `predicted` is the model on the profile the study started with, at the profile's reference
+    speed; `recalibrated` the same model on that profile at the speed the probe read beside the
+    plan's steps (`calibrate.at_speed`, `plan_speed`). The step-time error is the recalibrated one
+    when given (this machine's cores flip between speeds 1.45x apart within seconds, whatever the
+    plan); both are kept."""
     results = sorted(results, key=lambda r: r["rank"])
     steps = len(results[0]["step_times_s"])
     slowest = [max(r["step_times_s"][k] for r in results) for k in range(steps)]
@@ -99,8 +113,8 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
         "step_time_error": rel_error(predicted_step, measured_step),
         "predicted_step_time_s_profile": profile_step,
         "step_time_error_profile": rel_error(profile_step, measured_step),
-        "probe_flops": [r.get("probe_flops") for r in results],
-        "probe_rate": [r.get("probe_rate") for r in results],
+        "speed_factor": plan_speed(results),  # the machine's speed while the steps ran, x the reference time
+        "speed_probe_s": [r.get("speed_probe_s") for r in results],
         "measured_cpu_step_time_s": cpu_step,  # the busiest rank's main-thread CPU time, median over steps
         "step_times_s": slowest, "losses": results[0]["losses"],
         "measured_peak_memory_bytes": [x["measured_peak_memory_bytes"] for x in ranks],

@@ -7,10 +7,9 @@ per process count (`launch.spawn`), after an all_reduce-by-size benchmark. Every
 plan is written to `results.json` at once (atomically), so an interrupted study loses at most
 the plan in flight and resumes with the next. A plan that fails is recorded with its error
 (the failing rank's exception) and the rest of the group restarts in a fresh process group.
-Once a plan has run it is predicted again on the profile recalibrated to the load it ran under
-(`calibrate.under_load`: the probes every rank ran before and after its timed steps, an eager
-training workload timed against its lone rate in the profile (else a 256 x 256 matmul), and
-this study's all_reduce-by-size benchmark); both predictions are recorded.
+Once a plan has run it is predicted again on the profile at the speed the machine ran it
+(`calibrate.at_speed`: every rank times the probe workload of `shardc.speed` before and after
+each measured step, against the profile's reference time for it); both predictions are recorded.
 
 On `--device cuda` each process count needs as many GPUs (NCCL, rank r on `cuda:r`); plans are
 predicted on the GPU preset `--cluster` names (`H200`) or the visible GPU's, and after the sweep
@@ -120,7 +119,7 @@ def prepare(model_spec: str, loaded: Any, sp: StudyPlan, cluster: Any, common: d
 
 def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: str | None = None,
               sweep: str | None = None, device: str = "cpu", out_dir: str | os.PathLike[str],
-              steps: int = 5, warmup: int = 2, console: Any = None, profile: Any = None,
+              steps: int = 10, warmup: int = 2, console: Any = None, profile: Any = None,
               memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
               allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True,
               fresh_profile: bool = False, cluster: str | None = None, gpu_calibration: bool | None = None) -> int:
@@ -191,28 +190,25 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         return clusters[n]
 
     def recalibrated(sp: StudyPlan, results: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The plan predicted again on the profile as the machine was when it ran (`under_load`)."""
-        probes = [r["probe_flops"] for r in results if r.get("probe_flops")]
-        if device != "cpu" or not probes:
+        """The plan predicted again on the profile at the speed the machine ran it (`at_speed`)."""
+        from shardc.study.compare import plan_speed
+
+        factor = plan_speed(results)
+        if device != "cpu" or factor is None:
             return None
-        from shardc.calibrate import load_profile, under_load
+        from shardc.calibrate import at_speed, load_profile
         from shardc.study.predict import predict
 
         base = profile if profile is not None else load_profile()
-        points = [(x["bytes"], x["measured_s"]) for x in store.data["allreduce"].get(str(sp.devices), {}).get(
-            "points", [])] if sp.devices > 1 else []  # one process has no link to refit
-        rates = [r["probe_rate"] for r in results if r.get("probe_rate")]
-        if rates and base.probe_alone_rate > 0:  # the eager-workload probe, when the profile has its reference
-            flops = base.probe_flops(sum(rates) / len(rates))
-        else:
-            flops = sum(probes) / len(probes)
-        now = under_load(base, sp.devices, flops, points)
-        cluster = study_cluster(sp.devices, device, profile=now, memory_limit_bytes=memory_limit_bytes)
-        return {**predict(model_spec, sp, cluster)[1], "cluster": str(cluster)}
+        cluster = study_cluster(sp.devices, device, profile=at_speed(base, factor),
+                                memory_limit_bytes=memory_limit_bytes)
+        return {**predict(model_spec, sp, cluster)[1], "cluster": str(cluster), "speed_factor": factor}
 
     store = ResultsStore(out / "results.json", {"model": model_spec, "device": device, "steps": steps,
                                                 "warmup": warmup})
-    common = {"model": model_spec, "steps": steps, "warmup": warmup, "seed": 0, "device": device}
+    common = {"model": model_spec, "steps": steps, "warmup": warmup, "seed": 0, "device": device,
+              "speed_reference": 1.0 / profile.probe_alone_rate if profile is not None and profile.probe_alone_rate > 0
+              else None}
     jobs: dict[int, list[dict[str, Any]]] = {}
     predictions: dict[str, tuple[StudyPlan, dict[str, Any]]] = {}
     for text in texts:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from shardc.diagnostics import ShardcError
+from shardc.speed import SpeedIndex
 from shardc.study.measure import ddp_bucket_bytes, profile_events, track_memory
 
 MARKER = "shardc.study.step"
@@ -219,25 +220,7 @@ def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float,
                                    process_group=dm[axes[0]].get_group(), bucket_cap_mb=bucket_mb)
 
 
-def compute_probe(n: int = 256, window_s: float = 0.15) -> float:
-    """This process's fp32 matmul FLOP/s right now, all ranks running it at once (the calibration's
-    concurrent benchmark): what the machine's load leaves this plan, measured around its steps."""
-    from shardc.calibrate import _window_rate
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    dist.barrier()
-    return _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, window_s)
-
-
-def workload_probe(window_s: float = 0.15) -> float:
-    """Calls/s of `calibrate_ops.probe_workload` (eager training in miniature) right now, all ranks
-    at once: against its lone rate in the profile, how much slower eager training runs now."""
-    from shardc.calibrate import _window_rate
-    from shardc.calibrate_ops import probe_workload
-
-    run = probe_workload()
-    dist.barrier()
-    return _window_rate(run, 1.0, window_s)
+PROBE_CALLS = 2  # probe calls beside each measured step (3-5 ms each here)
 
 
 def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | None = None) -> dict[str, Any]:
@@ -260,9 +243,10 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
         return float(loss)
 
     losses = [step() for _ in range(job["warmup"])]
-    probe = compute_probe() if not cuda else None  # the CPU's load now (`calibrate.under_load`)
-    rates = [workload_probe()] if not cuda else []
+    # The CPU's speed beside every step (`shardc.speed`); the reference is the profile's.
+    speed = SpeedIndex(job.get("speed_reference")) if not cuda else None
     times, gpu_times, cpu_times = [], [], []
+    probes = [speed.seconds(PROBE_CALLS)] if speed is not None else []  # before the first step, after each
     for _ in range(job["steps"]):
         dist.barrier()
         _sync(device)
@@ -279,9 +263,8 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
         cpu_times.append(time.thread_time() - c0)
         if events:
             gpu_times.append(events[0].elapsed_time(events[1]) / 1e3)
-    if probe is not None:  # the load while the steps ran: probed before and after (harmonic mean)
-        probe = 2.0 / (1.0 / probe + 1.0 / compute_probe())
-        rates.append(workload_probe())
+        if speed is not None:
+            probes.append(speed.seconds(PROBE_CALLS))
     dist.barrier()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities, record_shapes=True) as prof:
@@ -307,7 +290,8 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
         memory["peak_breakdown"] = {**memory["peak_breakdown"], "allocator_extra": max(
             0.0, allocator["peak_allocated_bytes"] - memory["tracked_peak_bytes"])}
     collectives = memory.pop("collectives")
-    return {"step_times_s": times, "median_step_s": statistics.median(times), "probe_flops": probe, "losses": losses,
-            "cpu_step_times_s": cpu_times, "probe_rate": 2.0 / sum(1.0 / r for r in rates) if rates else None,
+    return {"step_times_s": times, "median_step_s": statistics.median(times), "losses": losses,
+            "cpu_step_times_s": cpu_times, "speed_probe_s": probes,
+            "speed_reference_s": speed.reference if speed is not None else None,
             "profile": events_data, "memory": memory, "collectives": collectives, "device": str(device),
             **({"gpu_step_times_s": gpu_times} if cuda else {})}
