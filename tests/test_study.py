@@ -58,6 +58,11 @@ def test_results_schema_and_report_files(studies) -> None:
     rank = p["ranks"][0]
     assert rank["measured_memory"]["parameters"] == pytest.approx(rank["predicted_memory"]["parameters"], rel=1e-6)
     assert rank["collectives"]["all_reduce"]["count"] >= 1
+    # The whole peak as predicted (nothing of the study's own, such as the speed probe's buffers, counted)
+    assert p["max_abs_memory_error"] <= 0.05, p["memory_errors"]
+    # The speed probe beside each step: before the first and after each of the 2, on every rank
+    assert [len(x) for x in p["speed_probe_s"]] == [3, 3] and 0.2 < p["speed_factor"] < 5
+    assert p["predicted_recalibrated"]["speed_factor"] == p["speed_factor"]
     assert set(rank["time_breakdown"]) >= {"compute_s", "communication_s", "waiting_s", "exposed_communication_s"}
     assert [x["bytes"] for x in first["allreduce"]["2"]["points"]] == list(SIZES)
     assert "summary" in first and "spearman_step_time" in first["summary"]

@@ -150,8 +150,8 @@ def accuracy(data: dict[str, Any], summary: dict[str, Any]) -> str:
             f"largest error {summary['max_abs_memory_error']:.1%}. Mean predicted minus measured by category at the "
             f"peak: {text}.\n"
             f"- Time: median |error| {med:.1%}" + (f", Spearman rank correlation {rho:.2f}" if rho is not None else "")
-            + " (profile recalibrated to the load when each plan ran)"
-            + (f"; on the profile as calibrated before the sweep: median |error| {static:.1%}" if static is not None
+            + " (the profile at the speed the probe read beside each plan's steps)"
+            + (f"; on the profile at its reference speed: median |error| {static:.1%}" if static is not None
                else "")
             + (f", Spearman {rho_static:.2f}" if rho_static is not None else "") + "."
             + (f"\n- Noise floor: plans that differ only in DDP's bucket size (>= 0.1 MiB, where the model predicts "

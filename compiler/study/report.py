@@ -217,24 +217,33 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
              f"max error {_pct(summary['max_abs_memory_error'])} | {ok(t['memory_within_5pct_every_plan'])} |",
              f"| step time within 15%, median over plans | {_pct(summary['median_abs_step_time_error'])} | "
              f"{ok(t['median_time_error_within_15pct'])} |",
+             f"| step time at the profile's reference speed (no probe), median | "
+             f"{_pct(summary.get('median_abs_step_time_error_profile'))} | reported |",
              f"| rank order (Spearman) | {summary['spearman_step_time'] if summary['spearman_step_time'] is None else round(summary['spearman_step_time'], 3)} | reported |",
              f"| sweep under 10 minutes | {data.get('wall_time_s', 0.0):.0f} s | {ok(t['wall_time_under_10_min'])} |", "",
              f"{summary['ran']} plans ran, {summary['errors']} failed, {summary['does_not_fit']} predicted not to fit, "
              f"{summary['invalid']} invalid.", "",
              "## Plans", "",
-             "| plan | procs | status | step measured | step predicted | error | peak memory measured (MiB, per rank) "
-             "| predicted | worst memory error |", "|---|---|---|---|---|---|---|---|---|"]
+             "Step predicted: at the speed the probe read beside the plan's steps (speed: x the profile's reference "
+             "time); at reference: the profile as calibrated.", "",
+             "| plan | procs | status | step measured | step predicted | error | speed | at reference (error) "
+             "| peak memory measured (MiB, per rank) | predicted | worst memory error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in data["plans"]:
         if p["status"] == "ok":
             lines.append(
                 f"| {label(p['plan'])} | {p['nproc']} | ok | {p['measured_step_time_s'] * 1e3:.1f} ms | "
                 f"{p['predicted_step_time_s'] * 1e3:.1f} ms | {_pct(p['step_time_error'])} | "
+                + (f"{p['speed_factor']:.2f}" if p.get("speed_factor") else "-") + " | "
+                + f"{p.get('predicted_step_time_s_profile', p['predicted_step_time_s']) * 1e3:.1f} ms "
+                + f"({_pct(p.get('step_time_error_profile'))}) | "
                 + " / ".join(f"{b / MiB:.2f}" for b in p["measured_peak_memory_bytes"]) + " | "
                 + " / ".join(f"{b / MiB:.2f}" for b in p["predicted_peak_memory_bytes"])
                 + f" | {p['max_abs_memory_error']:.1%} |")
         else:
             err = (p.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
-            lines.append(f"| {label(p['plan'])} | {p.get('nproc') or '-'} | {p['status']} | - | - | - | - | - | {err} |")
+            lines.append(f"| {label(p['plan'])} | {p.get('nproc') or '-'} | {p['status']} | - | - | - | - | - | - | - "
+                         f"| {err} |")
     lines += ["", "## Where the time goes (measured, slowest rank per category)", "",
               "| plan | step | compute | communication | exposed communication | waiting | other | "
               "predicted breakdown (critical stage) |", "|---|---|---|---|---|---|---|---|"]
@@ -280,11 +289,11 @@ METHOD = """\
   study-only key `bucket_mb=` keeps an older path: plain DDP with that bucket size.
   AdamW, gradients kept
   between steps (`zero_grad(set_to_none=False)`), fp32. Warm-up steps, then measured steps, each started
-  together after a barrier; the step time is the slowest rank's, median over steps. Right before and
-  right after the timed steps every rank runs, all at once, 0.15 s of an eager training workload (a
-  small MLP block forward and backward, a few MiB, `calibrate_ops.probe_workload`) and of a 256 x 256
-  matmul (harmonic mean of the two probes): against the workload's lone rate in the profile, how much
-  slower the machine's load made eager training then (its share of a core and evicted caches).
+  together after a barrier; the step time is the slowest rank's, median over steps. Before the first
+  measured step and after each one every rank times a speed probe (`shardc.speed`: two calls of a
+  small MLP block's eager forward and backward, from cold caches, in CPU time): this virtual machine's
+  cores flip between two speeds about 1.45x apart within seconds (the same single-process step runs
+  in 41 ms, then 62 ms, then 41 again), and the probe tells which one a step ran at.
 - Time breakdown: torch.profiler on one more step. compute = the main thread's ops; communication =
   collective intervals on any thread; exposed = not under compute; waiting = each collective's duration
   minus the shortest any rank saw for the same call (the last to arrive does not wait).
@@ -303,10 +312,11 @@ METHOD = """\
   autograd node, and AdamW's step per parameter tensor and per element (plain and FSDP2's DTensors), in
   CPU time on one thread; the node costs come from these instead of a roofline, scaled by how much
   slower a process runs while the others share the cores.
-  The step-time error is against the same model on that profile recalibrated to the moment the plan ran
-  (`calibrate.under_load`: the workload probe's slowdown, the copy bandwidth scaled alike but never above a
-  lone process's, and the all_reduce fit from this study's own all_reduce-by-size benchmark); the error on
-  the profile as calibrated before the sweep is reported beside it.
+  Every figure of the profile was itself timed beside the probe and taken to one reference speed (the
+  probe's time at the calibration's start). The step-time error is against the same model on that
+  profile at the speed the probe read around the plan's steps (`calibrate.at_speed`: per step the
+  slowest rank's probe before and after it, the median over steps, over the reference; every cost a
+  process pays scaled by it); the error on the profile at its reference speed is reported beside it.
 - Bytes sent per collective: message size from the op's tensors, ring volume for the group size.
 """
 

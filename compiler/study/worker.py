@@ -265,6 +265,8 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
             gpu_times.append(events[0].elapsed_time(events[1]) / 1e3)
         if speed is not None:
             probes.append(speed.seconds(PROBE_CALLS))
+    reference = speed.reference if speed is not None else None
+    speed = None  # its probe tensors and 32 MiB eviction buffer must not count in the tracked memory
     dist.barrier()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities, record_shapes=True) as prof:
@@ -292,6 +294,6 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
     collectives = memory.pop("collectives")
     return {"step_times_s": times, "median_step_s": statistics.median(times), "losses": losses,
             "cpu_step_times_s": cpu_times, "speed_probe_s": probes,
-            "speed_reference_s": speed.reference if speed is not None else None,
+            "speed_reference_s": reference,
             "profile": events_data, "memory": memory, "collectives": collectives, "device": str(device),
             **({"gpu_step_times_s": gpu_times} if cuda else {})}
