@@ -168,8 +168,13 @@ class LocalProfile:
             near = min(sends, key=lambda c: (abs(c.nprocs - nproc), -c.nprocs)).fit
             bandwidth = 1.0 / near.beta if near.beta > 0 else link.bandwidth
             p2p = (near.alpha, bandwidth)
+        # Every collective as measured, at each group size measured with no more processes than
+        # these (a group of 2 among 4 processes: the 2-process fit; the others' load is the probe's).
+        measured = tuple((c.op, c.nprocs, c.fit.alpha, c.fit.beta) for c in self.collectives
+                         if c.op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") and c.points
+                         and c.nprocs <= max(nproc, 2))
         return LinkSpec(f"gloo-{best.nprocs}proc", link.bandwidth, link.latency,
-                        call_overhead=self.call_overhead(nproc), p2p=p2p)
+                        call_overhead=self.call_overhead(nproc), p2p=p2p, measured=measured)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -50,7 +50,7 @@ class LinkSpec:
     (forward and backward together; measured for the local gloo profile, 0 where unknown).
     `p2p` (latency s, bandwidth bytes/s) prices one point-to-point message (pipeline send/recv,
     rotation) where it was measured apart from the collectives' ring steps (gloo: a send costs
-    a sixth of an all_reduce step here); None: a message is one ring step.
+    a sixth of an all_reduce step here); None: a message is one ring step. `measured`: see below.
     """
 
     name: str
@@ -59,6 +59,16 @@ class LinkSpec:
     efficiency: float = 1.0
     call_overhead: float = 0.0
     p2p: tuple[float, float] | None = None
+    # (collective, ranks, alpha s, beta s/byte): whole collectives measured on this link (the local
+    # gloo profile); a group of that many ranks on this link alone is priced by its own fit.
+    measured: tuple[tuple[str, int, float, float], ...] = ()
+
+    def measured_time(self, kind: str, ranks: int, nbytes: float) -> float | None:
+        """`alpha + beta * nbytes` of the collective measured at `ranks` on this link, or None."""
+        for name, n, alpha, beta in self.measured:
+            if name == kind and n == ranks:
+                return alpha + beta * nbytes
+        return None
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0 or self.call_overhead < 0:

@@ -11,7 +11,9 @@ of `nbytes` per device (the gathered size for all_gather, the input for reduce_s
     tree   all_reduce      2 ceil(log2 n) alpha + 2 nbytes / beta   (pipelined double binary tree)
     send/recv, rotate      alpha + nbytes / beta
 
-so small messages are latency-bound and the block size matters. A group that spans nodes is
+so small messages are latency-bound and the block size matters. A link that measured a whole
+collective at a group size (`LinkSpec.measured`: the calibrated local gloo profile) prices that
+collective on one level by the measured fit instead. A group that spans nodes is
 either a flat ring on the slowest link or hierarchical: reduce_scatter within each node, the
 collective across nodes on 1/k of the buffer, all_gather within the node; `algorithm="auto"`
 takes the fastest, as NCCL's tuner does. Which link a mesh axis uses follows from the
@@ -102,6 +104,10 @@ def collective_time(kind: str, nbytes: float, levels: LinkLevels | LinkSpec, alg
         return 0.0
     if kind in ("send_recv", "rotate"):
         return _ring(kind, nbytes, 2, levels[-1][0])
+    if len(levels) == 1:  # a calibrated link prices a collective it measured at this group size by its fit
+        measured = levels[0][0].measured_time(kind, levels[0][1], nbytes)
+        if measured is not None:
+            return measured
     if algorithm == "ring":
         return _flat(kind, nbytes, levels, "ring")
     if algorithm == "tree":
