@@ -12,7 +12,9 @@ per_unit` (`fit_affine`, relative error): units are FLOPs for matmuls and the fo
 
 - Times are this thread's CPU time (`time.thread_time`): a busy machine does not inflate them.
   They are costs on a core of one's own; how much of a core a process gets is the sharing
-  model's business (`calibrate.local_cluster`, and the study's probe).
+  model's business (`calibrate.local_cluster`). Each sample is followed by a call of the speed
+  probe (`shardc.speed`) and the medians are taken to its reference speed: the core's own speed
+  flips between modes 1.45x apart within seconds on this machine.
 - Each timed call starts with cold caches (`_evict` overwrites 32 MiB first): in a training step
   every op runs once after the others have used the caches, and a hot loop underprices it
   (by 1.3-2x on the GPT example's ops here).
