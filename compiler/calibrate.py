@@ -62,7 +62,7 @@ from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_by
 from shardc.speed import SpeedIndex
 
 PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
-CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's (and the study's probe's) matmul size
+CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's matmul size
 # Ring steps and volume factor per collective over n ranks (bytes = the full buffer).
 _RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
          "all_gather": lambda n: (n - 1, (n - 1) / n),

@@ -7,7 +7,7 @@ by message size (the slowest rank's time per call, median of 3 trials), the per-
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step) and FSDP2's own work per
 micro-batch (`_fsdp_overhead`). `shardc.calibrate`
-fits and caches the results; the study's probe reuses `_window_rate`.
+fits and caches the results.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardc.speed import SpeedIndex
+    from shardc.speed import SpeedIndex, speed_factor
 
     _init(rank, nprocs, workdir)
     try:
@@ -99,7 +99,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         flops = _window_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, cfg["window"])
         dist.barrier()
         bandwidth = _window_rate(lambda: dst.copy_(src), 2.0 * src.nbytes, cfg["window"])
-        slow = 1.0 / speed.scale([before, speed.seconds(3)])  # rates at the reference speed: x slow
+        slow = speed_factor([before, speed.seconds(3)], speed.reference)  # rates at the reference speed: x slow
         rates = torch.tensor([flops * slow, bandwidth * slow], dtype=torch.float64)
         dist.all_reduce(rates)
         results: dict[str, Any] = {"flops": rates[0].item() / nprocs, "bandwidth": rates[1].item() / nprocs}

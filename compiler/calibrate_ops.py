@@ -359,7 +359,7 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
 def _seconds(fn: Callable[[], object], budget: float, inner: int = 1, speed: SpeedIndex | None = None) -> float:
     """Median seconds per call of `fn` over repeated batches of `inner` calls, >= 3 batches, in
     this thread's CPU time (`time.thread_time`): what a call costs on a core of its own, however
-    busy the machine is (sharing is what the concurrent benchmarks and the study's probe measure)."""
+    busy the machine is (sharing is what the concurrent benchmarks measure)."""
     fn()
     samples: list[float] = []
     # Probed before and after, not between samples: these loops run hot, and a probe would evict.

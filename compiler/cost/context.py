@@ -41,8 +41,8 @@ def copying_views(graph: Graph) -> set[int]:
         if op.kind != "view" or node.op == "concat":
             continue
         try:
-            ins = [torch.empty_strided(v.type.shape, strides.get(id(v)) or _contiguous(v.type.shape), device="meta")
-                   for v in node.inputs]
+            ins = [torch.empty_strided(v.type.shape, strides[id(v)], device="meta") if id(v) in strides
+                   else torch.empty(v.type.shape, device="meta") for v in node.inputs]
             out = op.impl(*ins, **node.attrs)
         except Exception:  # an op the meta device cannot run: taken as a view
             continue
@@ -51,17 +51,8 @@ def copying_views(graph: Graph) -> set[int]:
             if isinstance(t, torch.Tensor):
                 strides[id(v)] = tuple(t.stride())
         if node.op == "reshape" and isinstance(out, torch.Tensor) and not out._is_view():
-            found.add(id(node))
-            strides.pop(id(node.outputs[0]), None)  # the copy is contiguous
+            found.add(id(node))  # the copy's own strides (contiguous) were recorded above
     return found
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= max(1, d)
-    return tuple(reversed(out))
 
 
 def axis_category(axis: str) -> str:

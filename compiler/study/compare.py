@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from shardc.speed import speed_factor
 from shardc.study.measure import profile_breakdown
 from shardc.study.plans import StudyPlan
 
@@ -60,7 +61,7 @@ def plan_speed(results: Sequence[dict[str, Any]]) -> float | None:
     if not reference or steps < 1:
         return None
     per_step = [(max(p[k] for p in probes) + max(p[k + 1] for p in probes)) / 2 for k in range(steps)]
-    return statistics.median(per_step) / reference
+    return speed_factor(per_step, reference)
 
 
 def _collective_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
