@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph
-from shardc.registry import get_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import get_op
 
 
 def model_state(model: torch.nn.Module, graph: Graph,

@@ -8,7 +8,7 @@ Steps (each bounded in time; a failing step is recorded and the next one runs):
    trained 3 AdamW steps by shardc in one NCCL process on the GPU, fp32 (TF32 off), against
    the same training of the plain model on the CPU: losses and parameters, with the largest
    relative difference;
-4. calibration: `python -m shardc.study.gpu_calibration` on GPT-2 small's matmul shapes and
+4. calibration: `python -m shardc.calibration.gpu` on GPT-2 small's matmul shapes and
    square sizes to 8192, bf16 and fp32, against the preset;
 5. study: `shardc study --device cuda --nproc 1 --sweep recompute,mb --calibrate-matmuls` on a
    4-layer GPT (the report includes the calibration on the study model's shapes, and each plan
@@ -92,7 +92,7 @@ def step_environment(device: str) -> dict[str, Any]:
                            "shardc": str(Path(shardc.__file__).resolve().parent), "device": device,
                            "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
     if device == "cuda":
-        from shardc.study.gpu_calibration import detected_preset
+        from shardc.calibration.gpu import detected_preset
 
         env["gpu"] = torch.cuda.get_device_name(0)
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
@@ -143,7 +143,7 @@ def numerics_worker(rank: int, world: int, plans: tuple[str, ...]) -> list[Any]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     import shardc
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     out = []
     for plan in plans:
@@ -184,7 +184,7 @@ def step_numerics(device: str, log: Log) -> dict[str, Any]:
     import torch
 
     from shardc.backends.torch.launch import spawn
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     torch.manual_seed(0)
     loaded = load_model(TINY, device="cpu")
@@ -235,7 +235,7 @@ def step_calibration(device: str, preset: str, out: Path, work: Path, log: Log) 
     target = work / "calibration"
     args = ["--model", model, "--device", "cuda:0" if device == "cuda" else "cpu", "--preset", preset,
             "--sizes", sizes, "--budget", budget, "--out", str(target)]
-    cmd = [sys.executable, "-m", "shardc.study.gpu_calibration", *args]
+    cmd = [sys.executable, "-m", "shardc.calibration.gpu", *args]
     log.write(f"$ {' '.join(cmd)}")
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=log.limit(240))
     log.write(done.stdout[-20000:] + done.stderr[-20000:])

@@ -29,7 +29,7 @@ def _trainers(spec: str, nproc: int) -> dict[str, Any]:
 
     from shardc.api import compile as shardc_compile
     from shardc.backends.torch.eject import apply_tensor_parallel
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     def fresh() -> tuple[Any, tuple[Any, ...]]:
         torch.manual_seed(0)

@@ -1,6 +1,5 @@
 """shardc: a compiler for distributed training of Transformer models."""
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import (
     Graph,
     Layer,
@@ -17,6 +16,7 @@ from shardc.ir import (
     TensorType,
     Value,
 )
+from shardc.ir.diagnostics import ShardcError
 
 __all__ = [
     "Graph", "Layer", "LayerAnnotation", "Layout", "Location", "Mesh", "Node", "Partial", "Partition",

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Mesh
-from shardc.plan import ParallelPlan
+from shardc.ir.diagnostics import ShardcError
+from shardc.plan.parallel import ParallelPlan
 
 
 @dataclass
@@ -203,7 +203,7 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     from shardc.passmanager import PassContext, run_pipeline
 
     if isinstance(model, str):
-        from shardc.models import load_model
+        from shardc.frontend.spec import load_model
 
         loaded = load_model(model, device="cpu")
         model, example_inputs = loaded.model, loaded.example_inputs
@@ -271,7 +271,7 @@ def transfer_partitions(src: Graph, dst: Graph) -> None:
     """Give `dst` (the same model traced with another batch) `src`'s mesh, layers, attributes,
     node partitions and the layouts of its inputs, parameters and buffers, node by node.
     `src` may be lowered already: its collectives are skipped."""
-    from shardc.collectives import COLLECTIVE_OPS
+    from shardc.ops.collectives import COLLECTIVE_OPS
 
     src_nodes = [n for n in src.nodes if n.op not in COLLECTIVE_OPS]
     ops_src, ops_dst = [n.op for n in src_nodes], [n.op for n in dst.nodes]

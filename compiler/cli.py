@@ -1,6 +1,6 @@
 """The `shardc` command line: inspect, estimate, plan, compile, run, study, calibrate.
 
-Every command that takes a model accepts the one model syntax of `shardc.models`
+Every command that takes a model accepts the one model syntax of `shardc.frontend.spec`
 (`path/file.py:factory?k=v`, `hf:gpt2?n_layer=2`, `model.onnx`, or a printed `.ir` file for
 `inspect`), and every command that takes a plan accepts the syntax of `ParallelPlan.parse`.
 A `ShardcError` is printed as its message alone (exit code 2), never as a stack trace.
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 
 def _console() -> Any:
@@ -108,11 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_graph(args: argparse.Namespace) -> Any:
     """Model spec or printed IR file -> Graph (the IR file is parsed, not traced)."""
     if args.model.endswith(".ir"):
-        from shardc.parser import parse_file
+        from shardc.ir.parser import parse_file
 
         return parse_file(args.model)
     from shardc.frontend import trace
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     loaded = load_model(args.model, device=args.device)
     return trace(loaded.model, loaded.example_inputs, name=loaded.name,
@@ -200,7 +200,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from shardc.calibrate import print_profile, run_calibration
+    from shardc.calibration.local import print_profile, run_calibration
 
     profile = run_calibration(args.out, quick=args.quick)
     print_profile(profile, _console())

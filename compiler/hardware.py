@@ -1,7 +1,7 @@
 """Hardware descriptions: devices, links and clusters (nodes x devices per node).
 
 The preset catalog and `parse_cluster("8xA100-80GB")` live here; the calibrated `local`
-profile is measured by `shardc.calibrate` and cached in a file.
+profile is measured by `shardc.calibration.local` and cached in a file.
 
 Units everywhere: FLOP/s, bytes, bytes/s, seconds. Decimal prefixes (1 GB/s = 1e9 B/s) for
 bandwidths as data sheets print them; memory capacities in binary units (an "80GB" A100 has
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 GiB = 1 << 30
 
@@ -339,7 +339,7 @@ def parse_cluster(text: str) -> Cluster:
     s = text.strip()
     m = _LOCAL.match(s)
     if m:
-        from shardc.calibrate import local_cluster  # calibrate imports this module
+        from shardc.calibration.local import local_cluster  # calibrate imports this module
 
         return local_cluster(int(m.group(1)) if m.group(1) else _default_local_procs())
     m = _SHAPE.match(s)
@@ -351,7 +351,7 @@ def parse_cluster(text: str) -> Cluster:
         if second is not None:
             total = first * int(second)
             raise ShardcError(f"cluster {text!r}: the local machine is one node; write {total}xlocal or local{total}")
-        from shardc.calibrate import local_cluster
+        from shardc.calibration.local import local_cluster
 
         return local_cluster(first)
     p = preset(name)

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TextIO
 
-from shardc.diagnostics import ShardcError, VerificationError
 from shardc.ir import Graph, Mesh
+from shardc.ir.diagnostics import ShardcError, VerificationError
 
 _KEBAB = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 
@@ -296,8 +296,8 @@ def run_pipeline(
     node. `print_after_all` prints `// ----- IR after <pass> -----` and the IR after each
     pass; `time_passes` prints a timing table at the end. Output goes to `out` (stdout).
     """
-    from shardc.printer import print_graph
-    from shardc.verifier import verify as verify_graph
+    from shardc.ir.printer import print_graph
+    from shardc.ops.verifier import verify as verify_graph
 
     ctx = ctx if ctx is not None else PassContext()
     out = out if out is not None else sys.stdout

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from shardc.diagnostics import ShardcError
-from shardc.plan import ParallelPlan
+from shardc.ir.diagnostics import ShardcError
+from shardc.plan.parallel import ParallelPlan
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -50,15 +50,15 @@ def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int) -> t
     try:
         from shardc.cost import estimate
         from shardc.frontend import trace
+        from shardc.frontend.spec import load_model
         from shardc.hardware import parse_cluster
-        from shardc.models import load_model
 
         if cluster is None and _on_gpus():
-            from shardc.study.gpu_calibration import detected_preset
+            from shardc.calibration.gpu import detected_preset
 
             cluster = f"{nproc}x{detected_preset()}"  # the processes run on these GPUs
         elif cluster is None:
-            from shardc.calibrate import load_profile
+            from shardc.calibration.local import load_profile
 
             load_profile(calibrate_if_missing=False)  # raises when this machine was never calibrated
             cluster = f"local{nproc}"

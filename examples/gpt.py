@@ -2,7 +2,7 @@
 
 Attention is written out Megatron-style (q k^T * scale, causal `masked_fill`, softmax, dropout,
 @ v) so the traced graph holds every tensor Korthikanti et al. count in 34sbh + 5as^2b. The
-factories never choose a device: `shardc.models.load_model` builds them under
+factories never choose a device: `shardc.frontend.spec.load_model` builds them under
 `with torch.device(dev)`, and on the meta device a 175B model costs no memory.
 """
 

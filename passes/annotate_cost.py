@@ -28,9 +28,9 @@ from typing import Any, ClassVar
 import torch
 
 from shardc.ir import DTYPE_BYTES, Graph, Layout, Mesh, Node, TensorType, Value
+from shardc.ops.registry import CostRow, OpDef, get_op, has_op, node_layouts
+from shardc.ops.verifier import layouts_agree, meta_tensor, run_on_meta
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.registry import CostRow, OpDef, get_op, has_op, node_layouts
-from shardc.verifier import layouts_agree, meta_tensor, run_on_meta
 
 COST_KEYS = ("flops", "bytes", "saved_bytes", "param_bytes", "params")
 # Ops whose output is a new buffer even when their one-device implementation returns the input.

@@ -51,7 +51,14 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
-from shardc.diagnostics import ShardcError
+from shardc.analysis.propagate import (
+    derives_from_input,
+    dim_roles,
+    follow,
+    io_layouts,
+    iteration_space,
+    node_roles,
+)
 from shardc.ir import (
     Graph,
     Layer,
@@ -67,11 +74,11 @@ from shardc.ir import (
     TemporalSplit,
     Value,
 )
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import IterationSpace, get_op
 from shardc.passes.group_layers import group_layers, layer_of_path
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.plan import ParallelPlan, model_dims, validate_plan
-from shardc.propagate import derives_from_input, dim_roles, follow, io_layouts, iteration_space, node_roles
-from shardc.registry import IterationSpace, get_op
+from shardc.plan.parallel import ParallelPlan, model_dims, validate_plan
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 

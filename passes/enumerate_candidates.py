@@ -1,7 +1,7 @@
 """`enumerate-candidates{dp=1,cp=1,tp=1,mb=1}`: annotate every node group with its candidate count.
 
 Rule: nodes are grouped (elementwise and view ops merged into their producers, see
-`shardc.search.groups`) and each group's partitions on the intra-stage mesh dp x cp x tp are
+`shardc.analysis.groups`) and each group's partitions on the intra-stage mesh dp x cp x tp are
 enumerated by `shardc.search.candidates.enumerate_group`. The pass only annotates: each
 anchor gets `ann[candidates=N]`; ops without a rule get `ann[replicated=true]`. The solver
 (`solve`) recomputes the candidates itself; this pass is for inspection.
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from shardc.analysis.groups import build_groups, dim_roles
 from shardc.ir import Graph
+from shardc.ops.registry import has_op
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.registry import has_op
 from shardc.search.candidates import Shapes, enumerate_group
-from shardc.search.groups import build_groups, dim_roles
 from shardc.search.problem import MeshShape
 
 

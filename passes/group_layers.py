@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardc.ir import Graph, Layer, Node, Value
+from shardc.ir.printer import format_attrs
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.printer import format_attrs
 
 _INDEX = re.compile(r"\d+")
 

@@ -1,8 +1,8 @@
 """lower: make every resharding, gradient synchronisation and stage cut explicit in the IR.
 
 Rule. Each node's partition fixes the layout it needs on every input and the layout it produces
-(`shardc.propagate.io_layouts`, the registry's rules). Wherever a value's layout differs from
-what a consumer needs, the pass inserts the steps `shardc.resharding.edge_steps` gives, the same
+(`shardc.analysis.propagate.io_layouts`, the registry's rules). Wherever a value's layout differs from
+what a consumer needs, the pass inserts the steps `shardc.analysis.resharding.edge_steps` gives, the same
 ones the cost model charges, one mesh axis at a time:
 
     P -> R  all_reduce        P -> S  reduce_scatter     S -> R  all_gather
@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardc.diagnostics import ShardcError
+from shardc.analysis.propagate import io_layouts
+from shardc.analysis.resharding import DATA_AXES, Edge, ReshardStep, edge_steps, node_stage
 from shardc.ir import Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
+from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.propagate import io_layouts
-from shardc.resharding import DATA_AXES, Edge, ReshardStep, edge_steps, node_stage
 
 
 def splits_axis(node: Node, axis: str) -> bool:
@@ -46,7 +46,7 @@ def splits_axis(node: Node, axis: str) -> bool:
 
 
 def step_node_attrs(step: ReshardStep) -> tuple[str, dict[str, Any]]:
-    """The IR op and attributes of one resharding step (`shardc.resharding`)."""
+    """The IR op and attributes of one resharding step (`shardc.analysis.resharding`)."""
     axis = step.axis
     before, after = step.layout_before.on(axis), step.layout_after.on(axis)
 

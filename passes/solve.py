@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
 from shardc.ir import Graph
+from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.search.outer import search
 from shardc.search.planfile import annotate_graph

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 from test_apply_plan_graphs import GraphBuilder, attention_block, mlp_block, tiny_lm
 
-from shardc.diagnostics import ShardcError
-from shardc.equality import assert_graphs_equal
+from shardc.analysis.resharding import node_rotations
 from shardc.ir import Graph, Layout, Mesh, Partition, Shard, TemporalSplit, TensorType
-from shardc.parser import parse
+from shardc.ir.diagnostics import ShardcError
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
 from shardc.passes.apply_plan import ApplyPlan, apply_plan
 from shardc.passmanager import PassContext, run_pipeline
-from shardc.plan import ParallelPlan
-from shardc.printer import print_graph
-from shardc.resharding import node_rotations
+from shardc.plan.parallel import ParallelPlan
 
 HERE = Path(__file__).parent / "ir"
 

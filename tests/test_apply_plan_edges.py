@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 from test_apply_plan_graphs import attention_block, mlp_block, tiny_lm
 
+from shardc.analysis.resharding import Edge, ReshardStep, backward_step, edge_steps
 from shardc.ir import Graph
 from shardc.passes.apply_plan import apply_plan
-from shardc.plan import ParallelPlan
-from shardc.resharding import Edge, ReshardStep, backward_step, edge_steps
+from shardc.plan.parallel import ParallelPlan
 
 
 def kinds(graph: Graph, backward: bool = False, activations_only: bool = True) -> Counter[str]:

@@ -8,14 +8,14 @@ from collections import Counter
 
 import pytest
 
-from shardc.equality import assert_graphs_equal
+from shardc.analysis.resharding import backward_step, edge_steps
 from shardc.frontend import trace
+from shardc.frontend.spec import load_model
 from shardc.ir import Graph, Partition, TemporalSplit
-from shardc.models import load_model
-from shardc.parser import parse
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
 from shardc.passmanager import run_pipeline
-from shardc.printer import print_graph
-from shardc.resharding import backward_step, edge_steps
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from shardc.ir import Graph, Location, Node, TensorType, Value
-from shardc.ops import DTYPE_NAMES, TORCH_DTYPES
-from shardc.registry import get_op
+from shardc.ops.builtin import DTYPE_NAMES, TORCH_DTYPES
+from shardc.ops.registry import get_op
 
 
 class GraphBuilder:

@@ -11,9 +11,9 @@ import shardc
 from shardc.backends.torch import collectives as C
 from shardc.backends.torch.codegen import local_piece
 from shardc.backends.torch.parallelize import check_model, local_tensors
-from shardc.diagnostics import ShardcError
+from shardc.frontend.spec import load_model
 from shardc.ir import Layout, Mesh, Shard
-from shardc.models import load_model
+from shardc.ir.diagnostics import ShardcError
 
 GPT = "examples/gpt.py:tiny?batch=4"
 

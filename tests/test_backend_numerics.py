@@ -40,7 +40,7 @@ class WithLoss(torch.nn.Module):
 
 def build(spec: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], tuple[str, ...]]:
     """The model (same weights in every process: seeded) and its example inputs."""
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     torch.manual_seed(0)
     loaded = load_model(spec, device=device)
@@ -107,7 +107,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, object, str]]) -> li
     """On every rank: parallelize each compiled plan on a fresh copy of its model and train it.
     `mode` "meta" builds the model on the meta device and materialises it with `gpt_init`;
     "world" and "shape" expect the bad-input errors and return their messages."""
-    from shardc.diagnostics import ShardcError
+    from shardc.ir.diagnostics import ShardcError
 
     torch.use_deterministic_algorithms(True)
     results: list[tuple[list[float], dict] | str] = []

@@ -8,8 +8,8 @@ import json
 import pytest
 from rich.console import Console
 
-from shardc import calibrate
-from shardc.calibrate import (
+from shardc.calibration import local as calibrate
+from shardc.calibration.local import (
     COLLECTIVES,
     AlphaBeta,
     CollectiveFit,
@@ -20,8 +20,8 @@ from shardc.calibrate import (
     run_calibration,
     write_profile,
 )
-from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
+from shardc.ir.diagnostics import ShardcError
 
 
 @pytest.fixture(scope="module")

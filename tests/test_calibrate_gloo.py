@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from shardc.calibrate import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile, local_cluster
-from shardc.calibrate_gloo import _run_workers
+from shardc.calibration.gloo import _run_workers
+from shardc.calibration.local import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile, local_cluster
 
 
 def test_wrapper_overhead_is_measured_with_two_gloo_processes() -> None:

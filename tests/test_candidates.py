@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardc.analysis.groups import build_groups, dim_roles
 from shardc.hardware import parse_cluster
 from shardc.ir import Graph, Layer, Location, Mesh, Node, TensorType, Value
 from shardc.search.candidates import Shapes, enumerate_group
 from shardc.search.evaluate import Assignment
-from shardc.search.groups import build_groups, dim_roles
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.synthetic import PRESETS, transformer_graph

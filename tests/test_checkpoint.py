@@ -31,7 +31,7 @@ from shardc.backends.torch.checkpoint import (
     save_checkpoint,
 )
 from shardc.backends.torch.launch import spawn
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 SPEC = "examples/gpt.py:tiny?batch=4&n_layer=4"
 SMALL = "examples/gpt.py:tiny?batch=4&n_embd=32&n_head=2"  # 2 blocks, half the width

@@ -20,7 +20,7 @@ from test_backend_numerics import EPS, LR, batches, build
 import shardc
 from shardc.backends.torch.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from shardc.backends.torch.launch import spawn
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 SPEC = "examples/gpt.py:tiny?batch=4"
 OTHER = "examples/gpt.py:tiny?batch=4&n_embd=32&n_head=2"

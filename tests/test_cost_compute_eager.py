@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
+from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
 from shardc.cost import estimate
 from shardc.cost.compute import class_bytes, node_compute_time, op_class, optimizer_step_time
 from shardc.hardware import DeviceSpec, EagerCosts, KernelFit
 from shardc.ir import TensorType
-from shardc.registry import get_op
+from shardc.ops.registry import get_op
 
 EAGER = EagerCosts(
     (("view", KernelFit(4e-6, 0.0, 6e-6, 0.0)),

@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from shardc.calibrate_gloo import _run_workers
-from shardc.calibrate_ops import eager_from_json
+from shardc.calibration.gloo import _run_workers
+from shardc.calibration.ops import eager_from_json
 from shardc.cost import estimate
 from shardc.cost.sync import fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
 from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, KernelFit, parse_cluster
-from shardc.plan import ParallelPlan
+from shardc.plan.parallel import ParallelPlan
 
 EAGER = EagerCosts((("elementwise", KernelFit(3e-6, 3e-11, 8e-6, 1e-11)),), 50e-6, 4e-9, 200e-6, 6e-9)
 MEASURED = dataclasses.replace(EAGER, fsdp_per_tensor=20e-6, fsdp_per_param=5e-9)

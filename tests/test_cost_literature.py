@@ -10,7 +10,7 @@ from shardc.cost import CostContext, estimate, layer_costs
 from shardc.cost.compose import EstimateOptions
 from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import parse_cluster
-from shardc.plan import ParallelPlan
+from shardc.plan.parallel import ParallelPlan
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
+from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
 from shardc.cost import CostContext, estimate, layer_costs
 from shardc.cost.compose import EstimateOptions
 from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import parse_cluster
-from shardc.plan import ParallelPlan
+from shardc.plan.parallel import ParallelPlan
 
 B, S, H, A, V = 4, 64, 128, 4, 512
 
@@ -81,7 +81,7 @@ def test_torch_pipeline_keeps_receive_buffers_and_last_stage_outputs() -> None:
 
 def test_estimate_traces_a_factory_at_the_plans_batch(tmp_path) -> None:
     from shardc.cost.report import prepare_graph
-    from shardc.diagnostics import ShardcError
+    from shardc.ir.diagnostics import ShardcError
 
     cluster = parse_cluster("8xH100")
     plan = ParallelPlan.parse("dp=8,mb=1")

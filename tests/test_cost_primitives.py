@@ -72,7 +72,7 @@ def test_tp_communication_per_layer_exact() -> None:
 
 def test_dp_gradient_sync_volume_exact() -> None:
     from shardc.cost import estimate
-    from shardc.plan import ParallelPlan
+    from shardc.plan.parallel import ParallelPlan
 
     g = gpt_graph(layers=2, hidden=512, heads=8, vocab=1024, seq=128, batch=8, dp=4, tp=2)
     e = estimate(g, parse_cluster("8xA100-80GB"), ParallelPlan.parse("dp=4,tp=2,mb=2,gbs=16"))

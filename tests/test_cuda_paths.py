@@ -15,7 +15,7 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
 from shardc.backends.torch.launch import PeakMemory, choose_backend, spawn
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 from shardc.study.measure import profile_breakdown, profile_events
 
 

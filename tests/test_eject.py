@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from shardc.backends.torch.eject import eject, eject_plan, megatron_plan
 from shardc.backends.torch.launch import spawn
-from shardc.models import load_model
+from shardc.frontend.spec import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = f"{ROOT}/examples/llama.py:tiny?batch=4&seq=8"

@@ -10,10 +10,10 @@ import pytest
 from shardc.cost import estimate
 from shardc.cost.report import plot, run_estimate
 from shardc.cost.synthetic import gpt_graph
-from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
 from shardc.ir import LayerAnnotation
-from shardc.plan import ParallelPlan
+from shardc.ir.diagnostics import ShardcError
+from shardc.plan.parallel import ParallelPlan
 
 
 def _small(**kw):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardc.models import load_model
+from shardc.frontend.spec import load_model
 
 SIZES = [  # spec, parameters (published or computed), relative tolerance
     ("examples/gpt.py:gpt2_small", 124.44e6, 0.001),

@@ -9,11 +9,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardc.backends.reference import model_state, run_graph
-from shardc.diagnostics import ShardcError
-from shardc.equality import assert_graphs_equal
 from shardc.frontend import coverage, trace, trace_with_state
-from shardc.parser import parse
-from shardc.printer import print_graph
+from shardc.ir.diagnostics import ShardcError
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
 
 
 class Scan(nn.Module):
@@ -55,7 +55,7 @@ def test_allow_opaque_keeps_the_call_runs_it_and_reports_it() -> None:
     assert not report.complete and report.opaque_count == 1
     assert report.opaque[0].target == "torch.flip" and report.opaque[0].module_paths == ("inner",)
     assert "torch.flip x1 in inner" in str(report)
-    from shardc.registry import get_op
+    from shardc.ops.registry import get_op
 
     space = get_op("opaque").iteration_space([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
     assert space.splittable() == ()

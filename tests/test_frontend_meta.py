@@ -7,7 +7,7 @@ import time
 import torch
 
 from shardc.frontend import trace_with_state
-from shardc.models import load_model
+from shardc.frontend.spec import load_model
 
 
 def test_gpt3_175b_traces_on_meta_with_its_parameter_count() -> None:

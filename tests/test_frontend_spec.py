@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardc.diagnostics import ShardcError
-from shardc.models import load_model, parse_query, parse_value
+from shardc.frontend.spec import load_model, parse_query, parse_value
+from shardc.ir.diagnostics import ShardcError
 
 
 def test_query_values_are_typed() -> None:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from shardc.backends.reference import model_state, run_graph
-from shardc.equality import assert_graphs_equal
 from shardc.frontend import coverage, trace_with_state
-from shardc.models import load_model
-from shardc.parser import parse
-from shardc.printer import print_graph
-from shardc.verifier import verify
+from shardc.frontend.spec import load_model
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
+from shardc.ops.verifier import verify
 
 EXAMPLES = ["examples/gpt.py:tiny", "examples/gpt.py:tiny?tie=false&bias=false", "examples/llama.py:tiny",
             "examples/bert.py:tiny", "examples/mlp.py:tiny", "examples/mlp.py:tiny?loss=mse"]

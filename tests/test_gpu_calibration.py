@@ -1,4 +1,4 @@
-"""The GPU compute-model calibration (`shardc.study.gpu_calibration`, `gpu_report`), on the CPU.
+"""The GPU compute-model calibration (`shardc.calibration.gpu`, `gpu_report`), on the CPU.
 
 The fit is checked on synthetic timings made from a known efficiency curve (exact, noisy,
 latency-dominated, and from the preset itself); the timing code runs for real on the CPU on
@@ -13,9 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardc.diagnostics import ShardcError
-from shardc.hardware import preset
-from shardc.study.gpu_calibration import (
+from shardc.calibration.gpu import (
     MatmulShape,
     Measurement,
     calibrate,
@@ -30,6 +28,8 @@ from shardc.study.gpu_calibration import (
     square_shapes,
     time_matmul,
 )
+from shardc.hardware import preset
+from shardc.ir.diagnostics import ShardcError
 from shardc.study.gpu_report import append_to_report, calibrate_study, report_section, repredict_plans
 
 H200 = preset("H200").device
@@ -87,7 +87,7 @@ def test_calibrate_against_the_preset_itself_has_no_error_and_a_slow_gpu_is_repo
 
 
 def _fit_of(result: dict):
-    from shardc.study.gpu_calibration import CurveFit
+    from shardc.calibration.gpu import CurveFit
 
     f = result["fits"]["bf16"]
     return CurveFit("bf16", f["peak_flops"], f["efficiency"], f["half_flops"], f["points"])
@@ -95,7 +95,7 @@ def _fit_of(result: dict):
 
 def test_model_shapes_of_the_gpt_example() -> None:
     from shardc.frontend import trace
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     loaded = load_model("examples/gpt.py:tiny?batch=4", device="meta")
     graph = trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names)

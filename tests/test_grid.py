@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardc.hardware import parse_cluster
-from shardc.plan import ParallelPlan
+from shardc.plan.parallel import ParallelPlan
 from shardc.search.grid import best_grid, grid_assignments, megatron_choice
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.synthetic import PRESETS, transformer_graph

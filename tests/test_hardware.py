@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.calibrate import AlphaBeta, CollectiveFit, LocalProfile, write_profile
-from shardc.diagnostics import ShardcError
+from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, write_profile
 from shardc.hardware import (
     ALIASES,
     PRESETS,
@@ -16,6 +15,7 @@ from shardc.hardware import (
     make_cluster,
     parse_cluster,
 )
+from shardc.ir.diagnostics import ShardcError
 
 GiB = 1 << 30
 

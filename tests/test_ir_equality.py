@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.equality import assert_graphs_equal, first_difference, graphs_equal
 from shardc.ir import Layout, Location, Partition, Replicate, Shard, TensorType
-from shardc.parser import parse
+from shardc.ir.equality import assert_graphs_equal, first_difference, graphs_equal
+from shardc.ir.parser import parse
 
 TEXT = """\
 graph @g mesh<tp=2> {

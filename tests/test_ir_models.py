@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from shardc.equality import assert_graphs_equal
 from shardc.frontend import trace
-from shardc.models import load_model
-from shardc.parser import parse
+from shardc.frontend.spec import load_model
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
+from shardc.ops.verifier import verify
 from shardc.passes.annotate_cost import cost_table
 from shardc.passmanager import PassContext, run_pipeline
-from shardc.printer import print_graph
-from shardc.verifier import verify
 
 MODELS = [
     "examples/gpt.py:tiny?n_layer=3",

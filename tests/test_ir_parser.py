@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shardc.diagnostics import ParseError
-from shardc.parser import parse, parse_file
+from shardc.ir.diagnostics import ParseError
+from shardc.ir.parser import parse, parse_file
 
 GOOD = """\
 graph @g mesh<tp=2> {

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from shardc.equality import assert_graphs_equal, first_difference
 from shardc.ir import (
     Graph,
     Layer,
@@ -24,9 +23,10 @@ from shardc.ir import (
     TensorType,
     Value,
 )
-from shardc.parser import parse, parse_file
-from shardc.printer import print_graph
-from shardc.verifier import verify
+from shardc.ir.equality import assert_graphs_equal, first_difference
+from shardc.ir.parser import parse, parse_file
+from shardc.ir.printer import print_graph
+from shardc.ops.verifier import verify
 
 HERE = Path(__file__).parent / "ir"
 

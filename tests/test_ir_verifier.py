@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.diagnostics import VerificationError
 from shardc.ir import Layout, Shard, TensorType, Value
-from shardc.parser import parse
-from shardc.verifier import verify
+from shardc.ir.diagnostics import VerificationError
+from shardc.ir.parser import parse
+from shardc.ops.verifier import verify
 
 BASE = """\
 graph @g mesh<dp=2, tp=2> {
@@ -148,4 +148,4 @@ def test_error_carries_node_and_location() -> None:
         verify(graph)
     assert info.value.node is graph.nodes[1]
     assert "at module blocks.0.act" in str(info.value)
-    assert "hint: register it with shardc.registry.register" in str(info.value)
+    assert "hint: register it with shardc.ops.registry.register" in str(info.value)

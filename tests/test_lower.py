@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.diagnostics import ShardcError
-from shardc.parser import parse
+from shardc.ir.diagnostics import ShardcError
+from shardc.ir.parser import parse
+from shardc.ops.verifier import verify
 from shardc.passes.lower import lower
 from shardc.passmanager import PassContext, run_pipeline
-from shardc.verifier import verify
 
 MLP = """\
 graph @mlp mesh<dp=2, tp=2> {
@@ -199,7 +199,7 @@ def test_pipelined_gpt_with_every_axis_lowers_and_verifies() -> None:
     """`apply-plan{dp=2,cp=2,tp=2,sp=true,pp=2},lower` on the GPT example (it used to fail
     verification: "stages must not decrease")."""
     from shardc.frontend import trace
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     loaded = load_model("examples/gpt.py:tiny?batch=4", device="meta")
     graph = trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardc.frontend.onnx import OnnxModule, import_onnx
-from shardc.models import load_model
+from shardc.frontend.spec import load_model
 
 
 def export(spec: str, path: Path) -> Path:

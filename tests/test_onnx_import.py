@@ -11,9 +11,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from shardc.diagnostics import ShardcError
 from shardc.frontend.onnx import import_onnx, parse_input_shapes, write_onnx
-from shardc.registry import get_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import get_op
 
 
 def run_ir(graph, inputs, state):

@@ -15,7 +15,7 @@ import torch
 import shardc
 from shardc.backends.torch.launch import spawn
 from shardc.frontend.onnx import OnnxModule, example_inputs, import_onnx, write_onnx
-from shardc.models import load_model
+from shardc.frontend.spec import load_model
 
 PLANS = ("dp=2", "tp=2,mb=2")  # one micro-batch each: this file fixes its batch dim
 STEPS = 3

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardc.parser import parse
+from shardc.ir.parser import parse
 from shardc.passes.annotate_cost import LayerCost, alias_roots, annotate_cost, cost_table, node_costs
 from shardc.passmanager import run_pipeline
 

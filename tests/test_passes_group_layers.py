@@ -5,12 +5,12 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from shardc.equality import assert_graphs_equal
 from shardc.ir import LayerAnnotation
-from shardc.parser import parse, parse_file
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse, parse_file
+from shardc.ir.printer import print_graph
 from shardc.passes.group_layers import assign_layers, group_layers, layer_of_path, structural_hash
 from shardc.passmanager import run_pipeline
-from shardc.printer import print_graph
 
 HERE = Path(__file__).parent / "ir"
 

@@ -8,9 +8,10 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, TensorType
-from shardc.parser import parse
+from shardc.ir.diagnostics import ShardcError
+from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
 from shardc.passmanager import (
     Pass,
     PassContext,
@@ -21,7 +22,6 @@ from shardc.passmanager import (
     register_pass,
     run_pipeline,
 )
-from shardc.printer import print_graph
 
 TEXT = """\
 graph @g {

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layer, Location, Node, TensorType, Value
-from shardc.plan import PLAN_KEYS, ModelDims, ParallelPlan, model_dims, plan_keys_help, validate_plan
+from shardc.ir.diagnostics import ShardcError
+from shardc.plan.parallel import PLAN_KEYS, ModelDims, ParallelPlan, model_dims, plan_keys_help, validate_plan
 
 EXAMPLE = "dp=8,tp=8,pp=16,vpp=3,mb=1,gbs=1536,schedule=1f1b,recompute=full,sp=1,cp=1,zero=1,dtype=bf16,offload=0"
 
@@ -216,7 +216,7 @@ def test_model_dims_without_attention() -> None:
 
 def test_model_dims_on_traced_models() -> None:
     from shardc.frontend import trace
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     expected = {
         "examples/gpt.py:tiny": ModelDims(2, 4, 4, 64, 128, 16, 2),

@@ -14,14 +14,14 @@ from test_candidates import labels, mlp_graph
 from shardc.backends.torch.launch import spawn
 from shardc.cost.context import CostContext
 from shardc.cost.layer import layer_terms
-from shardc.diagnostics import ShardcError
-from shardc.equality import assert_graphs_equal
 from shardc.hardware import parse_cluster
 from shardc.ir import Mesh, Partition, TemporalSplit, TensorType
-from shardc.parser import parse
-from shardc.registry import get_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse
+from shardc.ops.registry import get_op
+from shardc.ops.verifier import verify
 from shardc.search.outer import mesh_shapes
-from shardc.verifier import verify
 
 GRID = Partition((("tp", "e1"), ("tq", "n")), (TemporalSplit("k", 2, "tp", "tq"),))
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from shardc.backends.reference import model_state, run_graph
-from shardc.diagnostics import ShardcError
 from shardc.frontend import trace_with_state
 from shardc.ir import Graph, Node, TensorType, Value
+from shardc.ir.diagnostics import ShardcError
 
 
 def test_hand_built_graph() -> None:

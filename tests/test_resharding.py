@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.diagnostics import ShardcError
+from shardc.analysis.resharding import ReshardStep, backward_step, conjugate, redistribute
 from shardc.ir import Layout, Mesh, Partial, Replicate, Shard, TensorType
-from shardc.resharding import ReshardStep, backward_step, conjugate, redistribute
+from shardc.ir.diagnostics import ShardcError
 
 MESH = Mesh((("dp", 2), ("tp", 4)))
 T = TensorType((8, 12), "f32")  # 384 bytes whole; a quarter (one tp shard) is 96

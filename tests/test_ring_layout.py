@@ -18,14 +18,14 @@ from shardc.backends.torch.ring import (
     zigzag_take,
 )
 from shardc.cost.ring import causal_ring_blocks, causal_ring_cost
-from shardc.diagnostics import ShardcError
-from shardc.equality import assert_graphs_equal
 from shardc.ir import Layout, Partition, Shard
-from shardc.parser import parse
+from shardc.ir.diagnostics import ShardcError
+from shardc.ir.equality import assert_graphs_equal
+from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
 from shardc.passes.apply_plan import apply_plan
 from shardc.passes.lower import lower
-from shardc.plan import ParallelPlan
-from shardc.printer import print_graph
+from shardc.plan.parallel import ParallelPlan
 
 EXPECTED_ATTN_CP2_ZIGZAG = """\
 graph @attn mesh<pp=1, dp=1, cp=2, tp=1> [plan="dp=1,tp=1,pp=1,vpp=1,cp=2:zigzag,sp=0,mb=1,gbs=auto,schedule=1f1b,\

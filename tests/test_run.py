@@ -10,7 +10,7 @@ import torch
 
 from shardc.backends.torch.launch import synthetic_batch
 from shardc.cli import main
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 from shardc.run import resolve_plan, run_model
 
 SPEC = "examples/gpt.py:tiny"
@@ -19,7 +19,7 @@ SPEC = "examples/gpt.py:tiny"
 def reference_losses(steps: int, seed: int) -> list[float]:
     """One process, the same seed, data and optimizer as the workers."""
     from shardc.backends.torch.launch import _vocab_of
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     torch.manual_seed(seed)
     loaded = load_model(SPEC, device="cpu")

@@ -11,9 +11,10 @@ import pytest
 from test_candidates import mlp_graph
 
 from shardc.cost import estimate
-from shardc.diagnostics import ShardcError
 from shardc.hardware import parse_cluster
-from shardc.parser import parse
+from shardc.ir.diagnostics import ShardcError
+from shardc.ir.parser import parse
+from shardc.ops.verifier import verify
 from shardc.search.cpsat import solve
 from shardc.search.linear import objective
 from shardc.search.outer import mesh_shapes, search
@@ -21,7 +22,6 @@ from shardc.search.planfile import annotate_graph, assignment_from_plan, load_pl
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.report import run_plan
 from shardc.search.synthetic import PRESETS, transformer_graph
-from shardc.verifier import verify
 
 
 def _splits(layers: int, stages: int):

@@ -27,9 +27,9 @@ from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import local_ops as L
 from shardc.backends.torch import ring as R
 from shardc.backends.torch import temporal as T
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
-from shardc.registry import get_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import get_op
 
 MEAN_OPS = frozenset({"mean"})
 
@@ -287,7 +287,7 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
             if isinstance(t, nn.Parameter):
                 return t
         else:
-            from shardc.ops import TORCH_DTYPES
+            from shardc.ops.builtin import TORCH_DTYPES
 
             t = torch.empty(local_shape(v, mesh), dtype=TORCH_DTYPES[v.type.dtype], device="meta")
         return nn.Parameter(t, requires_grad=v.requires_grad) if kind == "parameter" else t

@@ -1,7 +1,7 @@
 """Autograd-aware collectives over the process group of one mesh axis.
 
 Each forward collective has its conjugate as backward, so `loss.backward()` on a generated module
-and any torch optimizer work unchanged (see `shardc.collectives` for the table). Generated code
+and any torch optimizer work unchanged (see `shardc.ops.collectives` for the table). Generated code
 calls the plain functions at the bottom (`all_reduce(x, mesh, "tp", op="sum", grad="identity")`);
 `mesh` is the module's `MeshGroups`, which maps axis names to process groups and coordinates.
 Without a process group (world of one, or code printed offline) every collective is the identity.

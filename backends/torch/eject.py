@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 # Megatron's pairing by the names models give their linears (GPT, Llama, GPT-NeoX, BERT style).
 COLWISE = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj",
@@ -155,7 +155,7 @@ def eject(plan: Any, model_spec: str, graph: Any = None) -> str:
 
 def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
     """Like `eject`, also returning the unsupported parts as data."""
-    from shardc.plan import ParallelPlan
+    from shardc.plan.parallel import ParallelPlan
 
     if isinstance(plan, str):
         plan = ParallelPlan.parse(plan)
@@ -165,14 +165,14 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
         raise ShardcError(f"eject needs a model file spec (path/file.py:factory), not {model_spec!r}")
     kwargs = {}
     if query:
-        from shardc.models import parse_query
+        from shardc.frontend.spec import parse_query
 
         kwargs = parse_query(query, model_spec)
     missing = unsupported_parts(plan, graph)
     tp_block = ""
     if plan.tp > 1:
         try:
-            from shardc.models import load_model
+            from shardc.frontend.spec import load_model
 
             styles = megatron_plan(load_model(model_spec, device="meta").model)
         except ShardcError as err:

@@ -129,7 +129,7 @@ def grid_axes(node: Any) -> tuple[str, str] | None:
     """(x_axis, w_axis) of a lowered grid node: each of its first two inputs moves along the grid
     axis on which it is sharded on the reduced dim (None: not a grid node, or malformed)."""
     from shardc.ir import Layout, Shard
-    from shardc.registry import get_op
+    from shardc.ops.registry import get_op
 
     part = node.partition
     split = next((t for t in part.temporal if t.grid is not None), None) if part is not None else None

@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 PG_TIMEOUT_S = 60.0
 
@@ -318,7 +318,7 @@ def _build_trainer(config: dict[str, Any], model: Any, example: Sequence[Any]) -
     plan compiled and parallelized by shardc (pipelines included); `step` runs forward and
     backward over the plan's micro-batches."""
     from shardc.api import compile as shardc_compile
-    from shardc.plan import ParallelPlan
+    from shardc.plan.parallel import ParallelPlan
 
     plan = ParallelPlan.parse(config["plan"])
     compiled = shardc_compile(model, tuple(example), plan=plan)
@@ -373,7 +373,7 @@ def worker_main(config_path: str) -> int:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=config.get("pg_timeout_s", PG_TIMEOUT_S)))
-        from shardc.models import load_model
+        from shardc.frontend.spec import load_model
 
         torch.manual_seed(config["seed"])
         loaded = load_model(config["model"], device="cpu")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shardc.backends.torch.collectives import MeshGroups, all_reduce
-from shardc.registry import get_op
+from shardc.ops.registry import get_op
 
 
 @cache
@@ -29,7 +29,7 @@ def compute_op(name: str) -> Callable[..., Any]:
         return impl(*args, **attrs)
 
     run.__name__ = run.__qualname__ = name
-    run.__module__ = "shardc.ops"
+    run.__module__ = "shardc.ops.builtin"
     return run
 
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph
+from shardc.ir.diagnostics import ShardcError
 
 
 def micro_rows(x: torch.Tensor, groups: int, count: int, index: int) -> torch.Tensor:

@@ -29,8 +29,8 @@ from torch import nn
 from shardc.backends.torch.codegen import generate, local_piece
 from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.ring import gather
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Mesh, Shard
+from shardc.ir.diagnostics import ShardcError
 
 InitFn = Callable[[str, torch.Tensor], Any]
 

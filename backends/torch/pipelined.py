@@ -45,8 +45,8 @@ from shardc.backends.torch.parallelize import (
 )
 from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Layout, Shard
+from shardc.ir.diagnostics import ShardcError
 
 
 class PipelinedModule(nn.Module):
@@ -329,7 +329,7 @@ def _examples(values: list[Any], mesh: Any) -> tuple[torch.Tensor, ...]:
     Given inputs and outputs, torch's `PipelineStage` skips its first-step metadata inference,
     a real forward outside `no_sync` that would arm DDP's reducer before the schedule's own
     backwards (DDP then all-reduces every micro-batch and asserts when rebuilding buckets)."""
-    from shardc.ops import TORCH_DTYPES
+    from shardc.ops.builtin import TORCH_DTYPES
 
     out = []
     for v in values:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardc.diagnostics import ShardcError
+from shardc.analysis.resharding import node_stage
 from shardc.ir import Graph, Node, Value
-from shardc.resharding import node_stage
+from shardc.ir.diagnostics import ShardcError
 
 
 @dataclass

@@ -27,9 +27,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, LinkSpec
 from shardc.ir import Layout, Mesh, Partial, Placement, Replicate, Shard, TensorType
+from shardc.ir.diagnostics import ShardcError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "rotate", "broadcast")
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")

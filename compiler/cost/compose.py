@@ -31,10 +31,10 @@ from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
 from shardc.cost.timeline import LayerMemory
-from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import LayerAnnotation, Mesh, Node
-from shardc.plan import ParallelPlan
+from shardc.ir.diagnostics import ShardcError
+from shardc.plan.parallel import ParallelPlan
 
 ZERO_AXES = ("dp", "cp")
 

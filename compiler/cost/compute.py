@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from shardc.hardware import DeviceSpec
 from shardc.ir import DTYPE_BYTES, Layout, Mesh, Node, Shard, TensorType
-from shardc.registry import IterationSpace, OpDef, get_op, node_layouts
+from shardc.ops.registry import IterationSpace, OpDef, get_op, node_layouts
 
 MATMUL_KINDS = frozenset({"contraction", "attention"})
 FREE_KINDS = frozenset({"view", "creation"})

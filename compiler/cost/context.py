@@ -13,7 +13,7 @@ from shardc.cost.comm import LinkLevels, group_levels
 from shardc.cost.compute import LocalNode, localize
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import Graph, Layout, Mesh, Node, Partition, Value
-from shardc.registry import get_op
+from shardc.ops.registry import get_op
 
 AXIS_CATEGORY = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm"}
 # Ops whose output aliases the input's storage (a saved view keeps its base alive).

@@ -8,7 +8,7 @@ from typing import Any
 
 from shardc.hardware import Cluster, format_bytes
 from shardc.ir import Graph
-from shardc.plan import ParallelPlan
+from shardc.plan.parallel import ParallelPlan
 
 TIME_CATEGORIES = ("compute_fwd", "compute_bwd", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
                    "bubble", "optimizer")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from shardc.cost.comm import CommStep
 from shardc.ir import Layout, Partition, Shard, TemporalSplit, TensorType
-from shardc.registry import IterationSpace
+from shardc.ops.registry import IterationSpace
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,11 +28,11 @@ from shardc.cost.estimate import Estimate
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_params, layer_terms
 from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
-from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster
 from shardc.ir import Graph, LayerAnnotation, Shard
-from shardc.plan import ParallelPlan
-from shardc.registry import get_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import get_op
+from shardc.plan.parallel import ParallelPlan
 
 __all__ = ["EstimateOptions", "estimate", "plan_of"]
 

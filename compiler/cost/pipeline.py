@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 
 @dataclass(frozen=True, slots=True)

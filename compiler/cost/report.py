@@ -6,8 +6,8 @@ import inspect
 from typing import Any
 
 from shardc.cost.estimate import MEMORY_CATEGORIES, TIME_CATEGORIES, Estimate
-from shardc.diagnostics import ShardcError
 from shardc.hardware import format_bytes
+from shardc.ir.diagnostics import ShardcError
 
 
 def _ms(seconds: float) -> str:
@@ -107,9 +107,9 @@ def prepare_graph(model_spec: str, cluster: Any, plan: Any, *, device: str = "me
     example batch the plan cannot split (dp*mb must divide it, or dp when gbs is given) is
     traced at batch dp*mb instead (the global batch then defaults to one micro-batch per
     replica); a pinned batch that does not work is reported by `validate_plan`."""
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
     from shardc.passes.group_layers import group_layers
-    from shardc.plan import model_dims, validate_plan
+    from shardc.plan.parallel import model_dims, validate_plan
 
     loaded = load_model(model_spec, device=device)
     spec = spec_for_plan(model_spec, plan, loaded)
@@ -126,7 +126,7 @@ def prepare_graph(model_spec: str, cluster: Any, plan: Any, *, device: str = "me
 def spec_for_plan(model_spec: str, plan: Any, loaded: Any) -> str:
     """`model_spec` with `batch=dp*mb` added when its default batch does not fit the plan and
     nothing pins it (see `prepare_graph`); else `model_spec` unchanged."""
-    from shardc.models import parse_query
+    from shardc.frontend.spec import parse_query
 
     base, _, query = model_spec.partition("?")
     if not (base.startswith("hf:") or base.endswith(".py") or ".py:" in base):
@@ -148,7 +148,7 @@ def _takes_batch(model_spec: str) -> bool:
     """Whether the spec's factory accepts `batch` (hf: specs always do)."""
     if model_spec.startswith("hf:"):
         return True
-    from shardc.models import _FILE_SPEC, _import_file
+    from shardc.frontend.spec import _FILE_SPEC, _import_file
 
     match = _FILE_SPEC.match(model_spec)
     if match is None:
@@ -173,7 +173,7 @@ def run_estimate(model_spec: str, cluster: str, plan: str, *, json_out: bool = F
 
     from shardc.cost.model import estimate
     from shardc.hardware import parse_cluster
-    from shardc.plan import ParallelPlan
+    from shardc.plan.parallel import ParallelPlan
 
     console = console or Console()
     the_cluster = parse_cluster(cluster)

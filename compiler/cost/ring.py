@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from shardc.cost.compute import NodeCost
 from shardc.ir import Node, Partition
-from shardc.registry import get_op
+from shardc.ops.registry import get_op
 
 
 def causal_ring_blocks(n: int, zigzag: bool) -> list[float]:

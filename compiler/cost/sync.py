@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from shardc.cost.comm import collective_time
 from shardc.cost.pipeline import PipelineTimes
-from shardc.plan import ParallelPlan
+from shardc.plan.parallel import ParallelPlan
 
 ADAM_BYTES_PER_PARAM = 28
 DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25

@@ -28,7 +28,7 @@ from shardc.ir import (
     TensorType,
     Value,
 )
-from shardc.registry import get_op, node_layouts
+from shardc.ops.registry import get_op, node_layouts
 
 
 class _Builder:

@@ -36,7 +36,7 @@ from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
 from shardc.cost.layer import LayerTerms, attention_core
 from shardc.ir import Node
-from shardc.registry import get_op
+from shardc.ops.registry import get_op
 
 PASS_THROUGH = frozenset({"add"})  # d(a + b)/da = d(a + b)/db = the output gradient itself
 

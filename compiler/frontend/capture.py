@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 # ("input", name, example) | ("parameter", name, tensor) | ("buffer", name, tensor) | ("constant", tensor)
 # | ("python", value)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from shardc.ir import Graph, Location, Node, TensorType, Value
-from shardc.ops import DTYPE_NAMES
-from shardc.registry import get_op, has_op
+from shardc.ops.builtin import DTYPE_NAMES
+from shardc.ops.registry import get_op, has_op
 
 
 class Unsupported(Exception):

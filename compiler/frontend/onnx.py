@@ -19,10 +19,10 @@ from typing import Any, TypeAlias
 
 import torch
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Location, Node, TensorType, Value
-from shardc.ops import DTYPE_NAMES, TORCH_DTYPES
-from shardc.registry import get_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.builtin import DTYPE_NAMES, TORCH_DTYPES
+from shardc.ops.registry import get_op
 
 MIN_OPSET = 17
 Operand: TypeAlias = Value | torch.Tensor
@@ -360,7 +360,7 @@ class OnnxModule(torch.nn.Module):
         return import_onnx(self.shardc_import.path, input_shapes=shapes).graph
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        from shardc.registry import get_op
+        from shardc.ops.registry import get_op
 
         graph = self.shardc_graph
         state = dict(self.named_parameters()) | dict(self.named_buffers())

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from shardc.diagnostics import ShardcError
 from shardc.frontend.onnx import HANDLERS, Operand, _Importer, _onnx_torch_dtype
 from shardc.ir import Value
-from shardc.ops import DTYPE_NAMES
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.builtin import DTYPE_NAMES
 
 
 def _shape(o: Operand) -> tuple[int, ...]:

@@ -23,11 +23,11 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from shardc.diagnostics import ShardcError
 from shardc.frontend.capture import Captured, capture, module_path_of, source_of
 from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta, typed_key
 from shardc.frontend.rules import lookup, resolve_target, target_name
 from shardc.ir import Graph, Location, Value
+from shardc.ir.diagnostics import ShardcError
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ class _Lowering:
         return ShardcError(
             f"unsupported op {name} ({node.op}) in module {loc.module_path or '<root>'}"
             + (f" at {loc.source}" if loc.source else "") + f": {why}",
-            hint="register the op: add `register(OpDef(...))` to compiler/ops.py (shardc.registry.register) "
+            hint="register the op: add `register(OpDef(...))` to compiler/ops.py (shardc.ops.registry.register) "
                  "and a lowering rule in compiler/frontend/normalize.py; or trace with allow_opaque=True "
                  "(--allow-opaque) to keep it as an opaque node that stays replicated")
 

@@ -33,9 +33,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from shardc.analysis.groups import NodeGroup, iteration_roles
 from shardc.ir import Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
-from shardc.registry import IterationSpace, get_op, has_op, node_layouts
-from shardc.search.groups import NodeGroup, iteration_roles
+from shardc.ops.registry import IterationSpace, get_op, has_op, node_layouts
 from shardc.search.primepar import GRID_AXES, grid_partitions, without_axes
 
 CHUNK_STEPS = 4

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.analysis.groups import NodeGroup
 from shardc.cost.comm import collective_time, neighbour_link
 from shardc.cost.compute import node_compute_time, repeated, rotation_steps
 from shardc.cost.context import CostContext
@@ -28,7 +29,6 @@ from shardc.cost.layer import LayerTerms, layer_params, layer_terms, regather_ex
 from shardc.hardware import Cluster
 from shardc.ir import Layout, Mesh, Value
 from shardc.search.candidates import Candidate
-from shardc.search.groups import NodeGroup
 
 PLAN_DTYPE_IR = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
 

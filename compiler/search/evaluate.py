@@ -24,7 +24,7 @@ from shardc.cost.compose import EstimateOptions, LayerWork, Links, compose
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer
 from shardc.ir import LayerAnnotation
-from shardc.plan import ParallelPlan
+from shardc.plan.parallel import ParallelPlan
 from shardc.search.problem import Problem
 
 RECOMPUTES = ("none", "selective", "full")

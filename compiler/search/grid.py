@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.ir import Shard
-from shardc.registry import get_op, has_op
+from shardc.ops.registry import get_op, has_op
 from shardc.search.candidates import Candidate
 from shardc.search.evaluate import RECOMPUTES, Assignment, Evaluation, balanced_stages, evaluate
 from shardc.search.linear import coefficients

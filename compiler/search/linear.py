@@ -42,7 +42,7 @@ from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
 from shardc.cost.memory import in_flight, state_bytes_per_param
 from shardc.cost.sync import ADAM_BYTES_PER_PARAM, fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
 from shardc.ir import Layout
-from shardc.registry import get_op, has_op
+from shardc.ops.registry import get_op, has_op
 from shardc.search.problem import ZEROS, Problem
 
 CAND_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "saved", "saved_core", "inputs", "transient", "numel",

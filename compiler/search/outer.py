@@ -47,8 +47,8 @@ import numpy as np
 from shardc.cost.estimate import Estimate
 from shardc.cost.memory import in_flight
 from shardc.cost.model import estimate
-from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster
+from shardc.ir.diagnostics import ShardcError
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments

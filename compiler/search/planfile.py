@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, LayerAnnotation, Layout, Partial, Placement, Value
+from shardc.ir.diagnostics import ShardcError
 from shardc.search.evaluate import RECOMPUTES, Assignment, per_stage
 from shardc.search.problem import MeshShape, Problem
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from shardc.ir import Mesh, TemporalSplit
-from shardc.registry import IterationSpace
+from shardc.ops.registry import IterationSpace
 
 GRID_AXES = ("tp", "tq")
 Spatial = tuple[tuple[str, str], ...]

@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shardc.analysis.groups import NodeGroup, build_groups, dim_roles
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
 from shardc.ir import Graph, Layout, Mesh, Value
 from shardc.search.candidates import Candidate, Shapes, enumerate_group
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
-from shardc.search.groups import NodeGroup, build_groups, dim_roles
 
 ZEROS = (0, 1, 2, 3)
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, parse_cluster
 from shardc.ir import Graph
-from shardc.registry import has_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import has_op
 from shardc.search.evaluate import RECOMPUTES
 from shardc.search.outer import Found, SearchResult, search
 from shardc.search.planfile import (
@@ -47,7 +47,7 @@ def load_graph(model_spec: str, batch: int | None = None) -> Graph:
                   for k, v in (item.split("=", 1) for item in query.split("&") if item)}
         return transformer_graph(dataclasses.replace(PRESETS[name], **kwargs))
     from shardc.frontend import trace
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
     from shardc.passes.group_layers import group_layers
 
     if ".py:" in model_spec and "batch=" not in model_spec:

@@ -20,7 +20,7 @@ from shardc.cost.context import CostContext
 from shardc.cost.layer import LayerTerms
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.ir import Layout, Node, Partial, Partition, Value
-from shardc.registry import get_op, has_op
+from shardc.ops.registry import get_op, has_op
 from shardc.search.problem import Problem
 
 

@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from shardc.speed import speed_factor
+from shardc.calibration.speed import speed_factor
 from shardc.study.measure import profile_breakdown
 from shardc.study.plans import StudyPlan
 
@@ -52,7 +52,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 def plan_speed(results: Sequence[dict[str, Any]]) -> float | None:
     """How many times slower than the profile's reference speed the machine ran a plan's measured
-    steps (`shardc.speed`): per step, the slowest rank's probe before it and after it, averaged
+    steps (`shardc.calibration.speed`): per step, the slowest rank's probe before it and after it, averaged
     (the ranks of a step wait for each other), the median over steps over the reference; None
     without probes (CUDA, or results from before them)."""
     probes = [r.get("speed_probe_s") or [] for r in results]

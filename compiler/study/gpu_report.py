@@ -2,7 +2,7 @@
 
 After `shardc study --device cuda` (or `--calibrate-matmuls` on the CPU) the model's matmuls and
 a size sweep are timed against the device spec the plans were predicted on
-(`shardc.study.gpu_calibration`); every plan that ran is then predicted again with the fitted
+(`shardc.calibration.gpu`); every plan that ran is then predicted again with the fitted
 efficiency curve in place of the preset's, and the report gets a section saying how far the
 preset was off: per dtype the fitted against the preset's efficiency and half-rate FLOPs and
 the median error, per matmul the measured and predicted rates, per plan the step time measured,
@@ -15,14 +15,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardc.hardware import Cluster, DeviceSpec, canonical_dtype
-from shardc.study.gpu_calibration import (
+from shardc.calibration.gpu import (
     CPU_SIZES,
     DEFAULT_SIZES,
     CurveFit,
     fitted_device,
     run_gpu_calibration,
 )
+from shardc.hardware import Cluster, DeviceSpec, canonical_dtype
 
 
 def report_section(result: dict[str, Any]) -> str:

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shardc.diagnostics import ShardcError
-from shardc.plan import ParallelPlan
+from shardc.ir.diagnostics import ShardcError
+from shardc.plan.parallel import ParallelPlan
 
 STUDY_KEYS = ("split", "bucket_mb")
 SWEEP_KEYS = ("dp", "tp", "pp", "zero", "recompute", "mb")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 from shardc.study.plans import StudyPlan
 
 
@@ -23,7 +23,7 @@ def study_cluster(nproc: int, device: str = "cpu", *, profile: Any = None, memor
     if device == "cuda":
         cluster = gpu_cluster(nproc)
     else:
-        from shardc.calibrate import local_cluster
+        from shardc.calibration.local import local_cluster
 
         cluster = local_cluster(nproc, profile)
     if memory_limit_bytes is not None:

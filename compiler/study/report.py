@@ -290,7 +290,7 @@ METHOD = """\
   AdamW, gradients kept
   between steps (`zero_grad(set_to_none=False)`), fp32. Warm-up steps, then measured steps, each started
   together after a barrier; the step time is the slowest rank's, median over steps. Before the first
-  measured step and after each one every rank times a speed probe (`shardc.speed`: two calls of a
+  measured step and after each one every rank times a speed probe (`shardc.calibration.speed`: two calls of a
   small MLP block's eager forward and backward, from cold caches, in CPU time): this virtual machine's
   cores flip between two speeds about 1.45x apart within seconds (the same single-process step runs
   in 41 ms, then 62 ms, then 41 again), and the probe tells which one a step ran at.

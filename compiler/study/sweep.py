@@ -8,13 +8,13 @@ plan is written to `results.json` at once (atomically), so an interrupted study 
 the plan in flight and resumes with the next. A plan that fails is recorded with its error
 (the failing rank's exception) and the rest of the group restarts in a fresh process group.
 Once a plan has run it is predicted again on the profile at the speed the machine ran it
-(`calibrate.at_speed`: every rank times the probe workload of `shardc.speed` before and after
+(`calibrate.at_speed`: every rank times the probe workload of `shardc.calibration.speed` before and after
 each measured step, against the profile's reference time for it); both predictions are recorded.
 
 On `--device cuda` each process count needs as many GPUs (NCCL, rank r on `cuda:r`); plans are
 predicted on the GPU preset `--cluster` names (`H200`) or the visible GPU's, and after the sweep
 the matmuls of the model and a size sweep are timed on the GPU and the preset's efficiency
-curve fitted to them (`shardc.study.gpu_calibration`): the report says how far the preset was off.
+curve fitted to them (`shardc.calibration.gpu`): the report says how far the preset was off.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 from shardc.study.plans import DEFAULT_SWEEP, StudyPlan, parse_study_plan, read_plans_file, sweep_plans
 
 RESULTS_VERSION = 1
@@ -137,7 +137,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     """
     from rich.console import Console
 
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
     from shardc.study.predict import study_cluster
 
     console = console or Console(stderr=True)
@@ -162,12 +162,12 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     loaded = load_model(model_spec, device="cpu")
     batch = int(loaded.example_inputs[0].shape[0])
     if fresh_profile and device == "cpu" and profile is None:
-        from shardc.calibrate import run_calibration
+        from shardc.calibration.local import run_calibration
 
         profile = run_calibration(out / "local-profile.json", quick=True, nprocs=tuple(n for n in nprocs if n > 1),
                                   console=console)
     if device == "cpu" and profile is None:
-        from shardc.calibrate import load_profile, run_calibration
+        from shardc.calibration.local import load_profile, run_calibration
 
         profile = load_profile()
         if profile.eager is None:  # a version 1 cache: the CPU's eager costs were never measured
@@ -179,8 +179,8 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     def cluster_for(n: int) -> Any:
         if n not in clusters and device == "cuda":
             from shardc.backends.torch.launch import choose_backend
+            from shardc.calibration.gpu import gpu_study_cluster
             from shardc.hardware import with_overrides
-            from shardc.study.gpu_calibration import gpu_study_cluster
 
             choose_backend(n, "cuda")
             gpus = gpu_study_cluster(n, cluster)
@@ -196,7 +196,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         factor = plan_speed(results)
         if device != "cpu" or factor is None:
             return None
-        from shardc.calibrate import at_speed, load_profile
+        from shardc.calibration.local import at_speed, load_profile
         from shardc.study.predict import predict
 
         base = profile if profile is not None else load_profile()

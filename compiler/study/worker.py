@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardc.diagnostics import ShardcError
-from shardc.speed import SpeedIndex
+from shardc.calibration.speed import SpeedIndex
+from shardc.ir.diagnostics import ShardcError
 from shardc.study.measure import ddp_bucket_bytes, profile_events, track_memory
 
 MARKER = "shardc.study.step"
@@ -138,7 +138,7 @@ def _build(job: dict[str, Any], world: int, device: torch.device | None = None
            ) -> tuple[Any, list[torch.nn.Module], Any, tuple[torch.Tensor, ...]]:
     """(trainable, its modules for memory roles, a step function taking inputs, the inputs);
     the model is built on the CPU with the job's seed, its shards and the inputs live on `device`."""
-    from shardc.models import load_model
+    from shardc.frontend.spec import load_model
 
     device = device or torch.device("cpu")
     torch.manual_seed(job.get("seed", 0))
@@ -243,7 +243,7 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
         return float(loss)
 
     losses = [step() for _ in range(job["warmup"])]
-    # The CPU's speed beside every step (`shardc.speed`); the reference is the profile's.
+    # The CPU's speed beside every step (`shardc.calibration.speed`); the reference is the profile's.
     speed = SpeedIndex(job.get("speed_reference")) if not cuda else None
     times, gpu_times, cpu_times = [], [], []
     probes = [speed.seconds(PROBE_CALLS)] if speed is not None else []  # before the first step, after each

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardc.ir import Graph, Node, Value
-from shardc.printer import format_attr, format_layer, format_location
+from shardc.ir.printer import format_attr, format_layer, format_location
 
 
 def _attr_text(value: Any) -> str:

@@ -32,9 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import shardc.ops  # noqa: F401  (the built-in ops register first, so the registry is never half-loaded)
 from shardc.ir import TensorType
-from shardc.registry import IterationSpace, OpDef, register
+from shardc.ops.registry import IterationSpace, OpDef, register
 
 COLLECTIVE_OPS = (
     "all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "chunk", "to_partial", "pad", "all_to_all",

@@ -1,4 +1,4 @@
-"""The textual form of the IR. `shardc.parser.parse(print_graph(g))` gives back an equal graph.
+"""The textual form of the IR. `shardc.ir.parser.parse(print_graph(g))` gives back an equal graph.
 
     graph @gpt mesh<dp=2, tp=4> [microbatches=4] {
       input %idx : i64[8,1024]{dp:S(0)}

@@ -1,4 +1,4 @@
-"""Parse the textual IR that `shardc.printer` prints back into a `Graph`.
+"""Parse the textual IR that `shardc.ir.printer` prints back into a `Graph`.
 
 The grammar is the printer's (see its module docstring); whitespace and newlines between
 tokens are free and `//` starts a comment that runs to the end of the line, so IR printed by
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from shardc.diagnostics import ParseError
 from shardc.ir import (
     Graph,
     Layer,
@@ -34,6 +33,7 @@ from shardc.ir import (
     TensorType,
     Value,
 )
+from shardc.ir.diagnostics import ParseError
 
 _WORD = re.compile(r"[A-Za-z0-9_.\-]+")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

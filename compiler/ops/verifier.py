@@ -25,9 +25,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from shardc.diagnostics import VerificationError
 from shardc.ir import Graph, Layout, Mesh, Node, Replicate, Shard, TensorType, Value
-from shardc.registry import IterationSpace, OpDef, get_op, has_op, node_layouts
+from shardc.ir.diagnostics import VerificationError
+from shardc.ops.registry import IterationSpace, OpDef, get_op, has_op, node_layouts
 
 # Ops that stand for unknown code (collectives are the identity on one device: inferred).
 UNINFERRED_KINDS = frozenset({"opaque"})
@@ -35,7 +35,7 @@ UNINFERRED_KINDS = frozenset({"opaque"})
 
 def meta_tensor(type_: TensorType) -> torch.Tensor:
     """An unallocated tensor with this type (shape inference and alias analysis use these)."""
-    from shardc.ops import TORCH_DTYPES
+    from shardc.ops.builtin import TORCH_DTYPES
 
     return torch.empty(type_.shape, dtype=TORCH_DTYPES[type_.dtype], device="meta")
 
@@ -51,7 +51,7 @@ def run_on_meta(op: OpDef, inputs: Sequence[torch.Tensor], attrs: dict[str, Any]
 
 
 def tensor_type(tensor: torch.Tensor) -> TensorType:
-    from shardc.ops import DTYPE_NAMES
+    from shardc.ops.builtin import DTYPE_NAMES
 
     return TensorType(tuple(int(d) for d in tensor.shape), DTYPE_NAMES[tensor.dtype])
 
@@ -143,7 +143,7 @@ class _Verifier:
                           "defined in the graph (a stale copy)", node)
         if not has_op(node.op):
             self.fail(f"unknown op {node.op!r}", node,
-                      "register it with shardc.registry.register(OpDef(...)) in compiler/ops.py")
+                      "register it with shardc.ops.registry.register(OpDef(...)) in compiler/ops.py")
         op = get_op(node.op)
         arity = op.num_outputs(node.attrs) if callable(op.num_outputs) else op.num_outputs
         if len(node.outputs) != arity:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardc.ir import Graph, Node, Value
-from shardc.registry import IterationSpace, get_op, has_op
+from shardc.ops.registry import IterationSpace, get_op, has_op
 
 FOLLOWER_KINDS = frozenset({"elementwise", "view"})
 

@@ -6,7 +6,7 @@ for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast 
 by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step) and FSDP2's own work per
-micro-batch (`_fsdp_overhead`). `shardc.calibrate`
+micro-batch (`_fsdp_overhead`). `shardc.calibration.local`
 fits and caches the results.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 OVERHEAD_NUMEL = 256  # the small tensor the wrapper overhead is measured on (1 KiB)
@@ -86,7 +86,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardc.speed import SpeedIndex, speed_factor
+    from shardc.calibration.speed import SpeedIndex, speed_factor
 
     _init(rank, nprocs, workdir)
     try:
@@ -133,7 +133,7 @@ def _sharded_optimizer(nprocs: int, budget: float, speed: Any = None) -> tuple[f
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from shardc.calibrate_ops import COLD_BYTES, OPTIMIZER_CASES, _evict, _fit_two, _timed
+    from shardc.calibration.ops import COLD_BYTES, OPTIMIZER_CASES, _evict, _fit_two, _timed
 
     mesh = init_device_mesh("cpu", (nprocs,))
     shard = lambda n: DTensor.from_local(torch.randn(n), mesh, [Shard(0)], run_check=False)  # noqa: E731
@@ -173,7 +173,7 @@ def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardc.calibrate_ops import COLD_BYTES, _evict, _fit_two
+    from shardc.calibration.ops import COLD_BYTES, _evict, _fit_two
 
     class Unit(torch.nn.Module):
         def __init__(self, count: int, numel: int) -> None:
@@ -325,7 +325,7 @@ def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry
     import sys
 
     with tempfile.TemporaryDirectory(prefix="shardc-calibrate-") as workdir:
-        code = f"import json, sys; from shardc.calibrate_gloo import {entry}; {entry}(*json.loads(sys.argv[1]))"
+        code = f"import json, sys; from shardc.calibration.gloo import {entry}; {entry}(*json.loads(sys.argv[1]))"
         procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, nprocs, workdir, cfg])],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for rank in range(nprocs)]

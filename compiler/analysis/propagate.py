@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 
 from shardc.ir import Graph, Layout, Mesh, Node, Partition, Placement, Shard, Value
-from shardc.registry import IterationSpace, get_op, node_layouts, operand_layout
+from shardc.ops.registry import IterationSpace, get_op, node_layouts, operand_layout
 
 ROLES = ("batch", "seq")
 

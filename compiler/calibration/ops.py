@@ -13,7 +13,7 @@ per_unit` (`fit_affine`, relative error): units are FLOPs for matmuls and the fo
 - Times are this thread's CPU time (`time.thread_time`): a busy machine does not inflate them.
   They are costs on a core of one's own; how much of a core a process gets is the sharing
   model's business (`calibrate.local_cluster`). Each sample is followed by a call of the speed
-  probe (`shardc.speed`) and the medians are taken to its reference speed: the core's own speed
+  probe (`shardc.calibration.speed`) and the medians are taken to its reference speed: the core's own speed
   flips between modes 1.45x apart within seconds on this machine.
 - Each timed call starts with cold caches (`_evict` overwrites 32 MiB first): in a training step
   every op runs once after the others have used the caches, and a hot loop underprices it
@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from shardc.calibration.speed import EVICT_BYTES, SpeedIndex
 from shardc.hardware import EagerCosts, KernelFit
-from shardc.speed import EVICT_BYTES, SpeedIndex
 
 # class -> (registry op, attrs); each is built at a size by `_inputs`
 REPRESENTATIVE: dict[str, tuple[str, dict[str, Any]]] = {
@@ -84,7 +84,7 @@ def _timed(run: Callable[[], tuple[float, float]], budget: float, speed: SpeedIn
            ) -> tuple[float, float]:
     """Median forward and backward seconds over repeated runs (>= 5, until `budget` is spent);
     with `speed`, one probe call follows each run and the medians are taken to its reference
-    speed (`shardc.speed`: the machine's speed flips between modes within seconds)."""
+    speed (`shardc.calibration.speed`: the machine's speed flips between modes within seconds)."""
     run()
     fwd: list[float] = []
     bwd: list[float] = []
@@ -100,7 +100,7 @@ def _timed(run: Callable[[], tuple[float, float]], budget: float, speed: SpeedIn
     return statistics.median(fwd) * scale, statistics.median(bwd) * scale
 
 
-COLD_BYTES = EVICT_BYTES  # what an op finds in its caches after the others of a step (`shardc.speed`)
+COLD_BYTES = EVICT_BYTES  # what an op finds in its caches after the others of a step (`shardc.calibration.speed`)
 
 
 def _evict(buffer: Any) -> None:
@@ -140,7 +140,7 @@ def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144), speed:
     (which does not). Charged as a backward cost (`bwd_call`, `bwd_per_unit`)."""
     import torch
 
-    from shardc.calibrate import fit_affine
+    from shardc.calibration.local import fit_affine
 
     units, diffs, raw = [], [], []
     for numel in sizes:
@@ -171,7 +171,7 @@ def view_costs(budget: float, chain: int = 16, speed: SpeedIndex | None = None) 
     `chain` reshapes, and a single one, timed forward and backward."""
     import torch
 
-    from shardc.registry import get_op
+    from shardc.ops.registry import get_op
 
     reshape = get_op("reshape").impl
     x = torch.randn(64, WIDTH, requires_grad=True)
@@ -193,9 +193,9 @@ def view_costs(budget: float, chain: int = 16, speed: SpeedIndex | None = None) 
 def kernel_fit(kind: str, sizes: Sequence[int], budget: float, engine: float, speed: SpeedIndex | None = None
                ) -> KernelFit:
     """The class's representative op timed at `sizes` (elements) and fitted (module doc)."""
-    from shardc.calibrate import fit_affine
+    from shardc.calibration.local import fit_affine
     from shardc.cost.compute import class_bytes
-    from shardc.registry import get_op
+    from shardc.ops.registry import get_op
 
     name, attrs = REPRESENTATIVE[kind]
     op = get_op(name)
@@ -222,7 +222,7 @@ def linear_cases(quick: bool) -> list[Case]:
     (m / 64, 64, k), a transformer's (batch, sequence, hidden) activation (3-D costs more than 2-D)."""
     import torch
 
-    from shardc.registry import get_op
+    from shardc.ops.registry import get_op
 
     linear = get_op("linear").impl
     cases: list[Case] = []
@@ -239,7 +239,7 @@ def attention_cases(quick: bool) -> list[Case]:
     operands first (part of what such a matmul costs in eager mode)."""
     import torch
 
-    from shardc.registry import get_op
+    from shardc.ops.registry import get_op
 
     matmul = get_op("matmul").impl
     cases: list[Case] = []
@@ -255,7 +255,7 @@ def attention_cases(quick: bool) -> list[Case]:
 
 def matmul_fit(cases: Sequence[Case], budget: float, engine: float, speed: SpeedIndex | None = None) -> KernelFit:
     """Forward and backward of `cases` fitted in FLOPs (backward: 2x the forward's)."""
-    from shardc.calibrate import fit_affine
+    from shardc.calibration.local import fit_affine
 
     flops, fwd, bwd, raw = [], [], [], []
     for fn, wrt, f in cases:

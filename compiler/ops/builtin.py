@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shardc.ir import TensorType
-from shardc.registry import IterationSpace, OpDef, register, space_from_signature
+from shardc.ops.registry import IterationSpace, OpDef, register, space_from_signature
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,

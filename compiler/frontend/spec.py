@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shardc.diagnostics import ShardcError
+from shardc.ir.diagnostics import ShardcError
 
 _FILE_SPEC = re.compile(r"^(?P<path>.+?\.py)(?::(?P<factory>[^?]*))?(?:\?(?P<query>.*))?$")
 

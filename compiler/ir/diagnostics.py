@@ -20,7 +20,7 @@ class ShardcError(Exception):
         super().__init__(self.render())
 
     def render(self) -> str:
-        from shardc.printer import format_node
+        from shardc.ir.printer import format_node
 
         parts = []
         if self.where:

@@ -142,30 +142,17 @@ def register(op: OpDef) -> OpDef:
 
 
 def get_op(name: str) -> OpDef:
-    _ensure_loaded()
     try:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(
-            f"no registry entry for op {name!r}; add one with shardc.registry.register(OpDef(...)) "
-            "in compiler/ops.py"
+            f"no registry entry for op {name!r}; add one with shardc.ops.registry.register(OpDef(...)) "
+            "in compiler/ops/builtin.py"
         ) from None
 
 
 def has_op(name: str) -> bool:
-    _ensure_loaded()
     return name in _REGISTRY
-
-
-def all_ops() -> dict[str, OpDef]:
-    _ensure_loaded()
-    return dict(_REGISTRY)
-
-
-def _ensure_loaded() -> None:
-    if not _REGISTRY:
-        import shardc.ops  # noqa: F401  (registers the built-in ops)
-    import shardc.collectives  # noqa: F401  (registers the communication ops; cached after once)
 
 
 # ---- signatures -----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from shardc.diagnostics import ShardcError
+from shardc.analysis.propagate import io_layouts, iteration_space, requires_grad
 from shardc.ir import (
     DTYPE_BYTES,
     Graph,
@@ -50,7 +50,7 @@ from shardc.ir import (
     TensorType,
     Value,
 )
-from shardc.propagate import io_layouts, iteration_space, requires_grad
+from shardc.ir.diagnostics import ShardcError
 
 COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send_recv", "rotate",
                            "rotate_reverse"})

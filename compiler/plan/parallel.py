@@ -15,9 +15,9 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from shardc.diagnostics import ShardcError
 from shardc.ir import Graph, Node, Value
-from shardc.registry import get_op, has_op
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import get_op, has_op
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CP_LAYOUTS = ("contiguous", "zigzag")

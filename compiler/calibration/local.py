@@ -14,7 +14,7 @@ What is measured (CPU, fp32, one intra-op thread per process, as the gloo tests 
   broadcast and send/recv times by message size, each fitted to `alpha + beta * bytes`, and
   AdamW's step on FSDP2's sharded DTensor parameters.
 
-Every figure is taken at one reference speed (`shardc.speed`): this machine's cores flip
+Every figure is taken at one reference speed (`shardc.calibration.speed`): this machine's cores flip
 between speeds (1.45x apart here) within seconds, so each measurement is timed beside a probe
 workload and scaled to the probe's time at the calibration's start. The study predicts a plan
 on `at_speed(profile, factor)`, the factor read by the same probe beside the plan's steps.
@@ -49,17 +49,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from shardc.calibrate_gloo import COLLECTIVES, _run_workers
-from shardc.calibrate_ops import (
+from shardc.calibration.gloo import COLLECTIVES, _run_workers
+from shardc.calibration.ops import (
     _copy_bandwidth,
     _kernel_latency,
     _matmul_rate,
     eager_from_json,
     measure_eager,
 )
-from shardc.diagnostics import ShardcError
+from shardc.calibration.speed import SpeedIndex
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_bytes
-from shardc.speed import SpeedIndex
+from shardc.ir.diagnostics import ShardcError
 
 PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
 CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's matmul size
@@ -123,7 +123,7 @@ class LocalProfile:
     collectives: tuple[CollectiveFit, ...]
     eager: EagerCosts | None = None                   # eager op and optimizer costs, 1 process
     concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
-    probe_alone_rate: float = 0.0                     # 1 / the reference speed's probe seconds (`shardc.speed`)
+    probe_alone_rate: float = 0.0                     # 1 / the reference speed's probe seconds (`shardc.calibration.speed`)
     wrapper_overhead: tuple[tuple[int, float], ...] = ()  # (nprocs, s per collective wrapper call)
 
     def call_overhead(self, nproc: int) -> float:
@@ -279,7 +279,7 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
         try:
             torch.set_num_threads(1)
             progress.update(task, description="speed reference")
-            speed = SpeedIndex()  # every figure below is taken to this speed (`shardc.speed`)
+            speed = SpeedIndex()  # every figure below is taken to this speed (`shardc.calibration.speed`)
             cfg["speed_reference"] = speed.reference
             progress.update(task, description="matmul fp32 by size")
             points = tuple((n, _matmul_rate(n, torch.float32, budget, speed)) for n in sizes)
@@ -347,7 +347,7 @@ def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool =
 
 def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
     """`profile` on this machine running `factor` times slower than the profile's reference speed
-    (`shardc.speed`: the probe workload's time now over its reference time): everything a process
+    (`shardc.calibration.speed`: the probe workload's time now over its reference time): everything a process
     does, computing, copying, launching, collective calls, takes `factor` times as long."""
     if factor <= 0:
         raise ValueError(f"speed factor must be positive, got {factor}")

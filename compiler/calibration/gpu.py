@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shardc.diagnostics import ShardcError
 from shardc.hardware import Cluster, DeviceSpec, canonical_dtype, make_cluster, preset
+from shardc.ir.diagnostics import ShardcError
 
 DEFAULT_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 CPU_SIZES = (64, 128, 256, 512)
@@ -318,7 +318,7 @@ def run_gpu_calibration(model_spec: str | None, device_spec: DeviceSpec, *, devi
     shapes: list[tuple[MatmulShape, str]] = []
     if model_spec:
         from shardc.frontend import trace
-        from shardc.models import load_model
+        from shardc.frontend.spec import load_model
 
         loaded = load_model(model_spec, device="meta")
         graph = trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names)
@@ -338,10 +338,10 @@ def run_gpu_calibration(model_spec: str | None, device_spec: DeviceSpec, *, devi
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m shardc.study.gpu_calibration [--model SPEC] [--device cuda] [--preset H200] --out DIR`."""
+    """`python -m shardc.calibration.gpu [--model SPEC] [--device cuda] [--preset H200] --out DIR`."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m shardc.study.gpu_calibration")
+    p = argparse.ArgumentParser(prog="python -m shardc.calibration.gpu")
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--preset", default=None, help="default: the visible GPU's preset")
