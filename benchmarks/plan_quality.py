@@ -4,15 +4,15 @@
 
 For each case: predicted step time of the solver's plan and of the best grid plan, both by
 `shardc.cost.estimate` on the graph annotated with the plan (the numbers `shardc plan`
-prints), their ratio, memory per device, and wall-clock solve time on this machine (tracing
-excluded: models are built straight in the IR by `shardc.search.synthetic`). GPT-3 175B is
-also compared with Megatron's published configuration (t=8, p=16, d=8, full recomputation).
+prints), their ratio, memory per device, and wall-clock solve time on this machine. Models are
+the example specs traced on the meta device, as `shardc plan SPEC` traces them (tracing is in
+the total time, not in the solve time). GPT-3 175B (vocabulary padded to 51200 as Megatron's)
+is also compared with Megatron's published configuration (t=8, p=16, d=8, full recomputation).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 from shardc.hardware import parse_cluster
@@ -21,22 +21,24 @@ from shardc.search.evaluate import RECOMPUTES, evaluate
 from shardc.search.grid import grid_assignments
 from shardc.search.outer import Found, score, search
 from shardc.search.problem import MeshShape, build_problem, graph_facts
-from shardc.search.synthetic import PRESETS, transformer_graph
+from shardc.search.report import load_graph
 
+GPT3 = "examples/gpt.py:gpt3_175b?vocab_size=51200"
+LLAMA_7B = "examples/llama.py:llama_7b?seq=2048"
 CASES = [
-    # name, preset, overrides, cluster, gbs, memory limit GiB (None: the device's)
-    ("GPT-2 1.5B, 8xA100-40GB", "gpt2_1.5b", {}, "8xA100-40GB", 64, None),
-    ("Llama-7B, 8xH100", "llama_7b", {"seq": 2048}, "8xH100", 64, None),
-    ("Llama-70B, 64xH100", "llama_70b", {}, "64xH100", 128, None),
-    ("GPT-3 175B, 1024xA100-80GB", "gpt3_175b", {}, "1024xA100-80GB", 1536, None),
-    ("Llama-7B 32k seq, 8xH100", "llama_7b", {"seq": 32768}, "8xH100", 8, None),
-    ("memory-tight: Llama-7B, 8xA100-40GB at 20 GiB", "llama_7b", {"seq": 2048}, "8xA100-40GB", 64, 20.0),
+    # name, model spec (traced at batch 2), cluster, gbs, memory limit GiB (None: the device's)
+    ("GPT-2 1.5B, 8xA100-40GB", "examples/gpt.py:gpt2_xl", "8xA100-40GB", 64, None),
+    ("Llama-7B, 8xH100", LLAMA_7B, "8xH100", 64, None),
+    ("Llama-70B, 64xH100", "examples/llama.py:llama_70b", "64xH100", 128, None),
+    ("GPT-3 175B, 1024xA100-80GB", GPT3, "1024xA100-80GB", 1536, None),
+    ("Llama-7B 32k seq, 8xH100", "examples/llama.py:llama_7b?seq=32768", "8xH100", 8, None),
+    ("memory-tight: Llama-7B, 8xA100-40GB at 20 GiB", LLAMA_7B, "8xA100-40GB", 64, 20.0),
 ]
 
 
-def run_case(name, preset, overrides, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
+def run_case(name, spec, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
     t0 = time.perf_counter()
-    graph = transformer_graph(dataclasses.replace(PRESETS[preset], **overrides))
+    graph = load_graph(spec)
     cluster = parse_cluster(cluster_name)
     limit = limit_gb * 2**30 if limit_gb else float(cluster.device.memory_bytes)
     facts = graph_facts(graph, cluster)
@@ -53,7 +55,7 @@ def run_case(name, preset, overrides, cluster_name, gbs, limit_gb, time_limit, g
     if grid is not None:
         row |= {"grid_step_s": grid.step_time_s, "grid_mem_gib": grid.memory_per_device_bytes / 2**30,
                 "grid_plan": grid.grid_point.plan_string(gbs)}
-    if preset == "gpt3_175b":
+    if spec == GPT3:
         problem = build_problem(facts, cluster, MeshShape(16, 8, 1, 8), 1, gbs)
         found = [Found(problem, a, evaluate(problem, a, limit), "grid", grid_point=p)
                  for p, a in grid_assignments(problem) if p.recompute == "full" and p.zero == 0]
@@ -77,7 +79,7 @@ def describe_stages(found) -> str:
 
 def one_shape(time_limit: float = 10.0) -> list[str]:
     """Solve time of one mesh shape of a 32-layer model (Llama-7B on 8xH100), problem build included."""
-    graph = transformer_graph(dataclasses.replace(PRESETS["llama_7b"], seq=2048))
+    graph = load_graph(LLAMA_7B)
     cluster = parse_cluster("8xH100")
     facts = graph_facts(graph, cluster)
     rows = []

@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from traced import gpt_graph
 
 from shardc.calibration.gloo import _run_workers
 from shardc.calibration.ops import eager_from_json
 from shardc.cost import estimate
 from shardc.cost.sync import fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
-from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, KernelFit, parse_cluster
 from shardc.plan.parallel import ParallelPlan
 

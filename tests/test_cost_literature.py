@@ -1,14 +1,15 @@
 """The cost model against the literature: Narayanan et al. 2021 (FLOPs, end-to-end throughput)
-and Korthikanti et al. 2022 (activation bytes per layer). Graphs are Megatron GPTs written as
-partitioned IR (`shardc.cost.synthetic.gpt_graph`); nothing here is fitted per row."""
+and Korthikanti et al. 2022 (activation bytes per layer). Graphs are `examples/gpt.py` traced on
+the meta device and partitioned by apply-plan (`traced.gpt_graph`), what `shardc estimate`
+prices; nothing here is fitted per row."""
 
 from __future__ import annotations
 
 import pytest
+from traced import gpt_graph
 
 from shardc.cost import CostContext, estimate, layer_costs
 from shardc.cost.compose import EstimateOptions
-from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import parse_cluster
 from shardc.plan.parallel import ParallelPlan
 

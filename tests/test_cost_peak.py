@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from traced import gpt_graph
 
 from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
 from shardc.cost import CostContext, estimate, layer_costs
 from shardc.cost.compose import EstimateOptions
-from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import parse_cluster
 from shardc.plan.parallel import ParallelPlan
 

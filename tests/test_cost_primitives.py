@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from traced import gpt_graph
 
 from shardc.cost import CostContext, collective_time, group_levels, in_flight, layer_costs, model_state_bytes
 from shardc.cost.pipeline import bubble_fraction, makespan_closed_form, simulate
-from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import LinkSpec, parse_cluster
 from shardc.ir import Mesh
 

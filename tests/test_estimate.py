@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from traced import gpt_graph
 
 from shardc.cost import estimate
 from shardc.cost.report import plot, run_estimate
-from shardc.cost.synthetic import gpt_graph
 from shardc.hardware import parse_cluster
 from shardc.ir import LayerAnnotation
 from shardc.ir.diagnostics import ShardcError

@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from traced import PRESETS, transformer_graph
+
 from shardc.hardware import parse_cluster
 from shardc.plan.parallel import ParallelPlan
 from shardc.search.grid import best_grid, grid_assignments, megatron_choice
 from shardc.search.problem import MeshShape, build_problem, graph_facts
-from shardc.search.synthetic import PRESETS, transformer_graph
 
 
-def _problem(shape: MeshShape, mb: int = 1):
-    g = transformer_graph(PRESETS["tiny"])
+def _problem(shape: MeshShape, mb: int = 1, graph=None):
+    g = graph if graph is not None else transformer_graph(PRESETS["tiny"])
     c = parse_cluster("8xH100")
     return build_problem(graph_facts(g, c), c, shape, mb, 16)
 
 
+def _megatron_labels(graph) -> dict[str, str]:
+    problem = _problem(MeshShape(1, 1, 1, 2), graph=graph)
+    return {v.group.name: v.cands[c].label for v, c in zip(problem.groups, megatron_choice(problem))}
+
+
 def test_megatron_layout_is_column_then_row():
-    problem = _problem(MeshShape(1, 1, 1, 2))
-    labels = {v.group.name: v.cands[c].label for v, c in zip(problem.groups, megatron_choice(problem))}
-    assert labels["linear@blocks.1.attn.q"] == "partition<tp:n>"
-    assert labels["scaled_dot_product_attention@blocks.1.attn"] == "partition<tp:g>"
-    assert labels["linear@blocks.1.attn.o"] == "partition<tp:k> ->{}"
-    assert labels["linear@blocks.1.mlp.fc1"] == "partition<tp:n>"
-    assert labels["linear@blocks.1.mlp.fc2"] == "partition<tp:k> ->{}"
-    assert all("rotate" not in label and "time" not in label for label in labels.values())
+    gpt = _megatron_labels(transformer_graph(PRESETS["tiny"]))
+    assert gpt["linear@blocks.1.attn.qkv"] == "partition<tp:n/3>"  # fused q, k, v: each split on its own
+    assert gpt["matmul@blocks.1.attn"] == "partition<tp:e1>"  # the heads
+    assert gpt["linear@blocks.1.attn.proj"] == "partition<tp:k> ->{}"
+    assert gpt["linear@blocks.1.mlp.fc1"] == "partition<tp:n>"
+    assert gpt["linear@blocks.1.mlp.fc2"] == "partition<tp:k> ->{}"
+    llama = _megatron_labels(transformer_graph(replace(PRESETS["tiny"], style="llama", kv_heads=2)))
+    for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
+        assert llama[f"linear@blocks.1.{name}"] == "partition<tp:n>"
+    assert llama["scaled_dot_product_attention@blocks.1.attn"] == "partition<tp:g>"
+    assert llama["linear@blocks.1.attn.wo"] == "partition<tp:k> ->{}"
+    assert llama["linear@blocks.1.mlp.w2"] == "partition<tp:k> ->{}"
+    for labels in (gpt, llama):
+        assert all("rotate" not in label and "time" not in label for label in labels.values())
 
 
 def test_grid_points_cover_recompute_and_zero():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from traced import PRESETS, transformer_graph
 
 from shardc.cost import estimate, plan_of
 from shardc.hardware import parse_cluster
@@ -17,7 +18,6 @@ from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import MeshShape, PricingCache, build_problem, graph_facts, pricing_shape
 from shardc.search.report import load_graph
-from shardc.search.synthetic import PRESETS, transformer_graph
 
 
 def _agree(graph, problem, a, cluster, linear_tol: float | None = 0.03) -> None:

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 from test_candidates import mlp_graph
+from traced import PRESETS, transformer_graph
 
 from shardc.cost import estimate
 from shardc.hardware import parse_cluster
@@ -18,7 +19,6 @@ from shardc.search.linear import objective
 from shardc.search.planfile import annotate_graph, assignment_from_plan, plan_dict
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.sections import stage_classes
-from shardc.search.synthetic import PRESETS, transformer_graph
 
 # Two blocks of an MLP on pp=2 x tp=2 with 4 micro-batches: the first stage holds two in flight,
 # the last one, so under 80% of the unconstrained plan's memory the first stage splits its

@@ -1,9 +1,9 @@
 """`shardc plan`: load a model, search, print the chosen plan against the best grid plan.
 
-`run_plan(...)` is the whole command: it loads and traces the model (or builds a
-`synthetic:NAME` Transformer straight in the IR), runs the outer search, prints the chosen
-plan, its predicted step time and memory with breakdowns, the best grid plan and the ratio,
-lists ops kept replicated for want of a rule, and writes the plan file and its partitioned IR.
+`run_plan(...)` is the whole command: it traces the model on the meta device, runs the outer
+search, prints the chosen plan, its predicted step time and memory with breakdowns, the best
+grid plan and the ratio, lists ops kept replicated for want of a rule, and writes the plan file
+and its partitioned IR.
 """
 
 from __future__ import annotations
@@ -31,21 +31,9 @@ from shardc.search.problem import build_problem, graph_facts
 
 
 def load_graph(model_spec: str, batch: int | None = None) -> Graph:
-    """`synthetic:NAME[?k=v]` builds a preset Transformer in the IR; anything else is traced
-    (at batch 2 unless the spec or `batch` says otherwise)."""
+    """The model traced on the meta device (at batch 2 unless the spec or `batch` says otherwise)."""
     if batch is not None:
         model_spec += ("&" if "?" in model_spec else "?") + f"batch={batch}"
-    if model_spec.startswith("synthetic:"):
-        import dataclasses
-
-        from shardc.search.synthetic import PRESETS, transformer_graph
-
-        name, _, query = model_spec[len("synthetic:"):].partition("?")
-        if name not in PRESETS:
-            raise ShardcError(f"unknown synthetic model {name!r}; known: {', '.join(PRESETS)}")
-        kwargs = {k: (v if not v.lstrip("-").isdigit() else int(v))
-                  for k, v in (item.split("=", 1) for item in query.split("&") if item)}
-        return transformer_graph(dataclasses.replace(PRESETS[name], **kwargs))
     from shardc.frontend import trace
     from shardc.frontend.spec import load_model
     from shardc.passes.group_layers import group_layers
