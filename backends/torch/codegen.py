@@ -116,7 +116,7 @@ class _Emitter:
 
     def __init__(self, fxg: fx.Graph, mesh: Mesh, coords: dict[str, int], mesh_node: fx.Node) -> None:
         self.g, self.mesh, self.coords, self.mesh_node = fxg, mesh, coords, mesh_node
-        self.skews: dict[int, fx.Node] = {}  # grid node id -> its weight's prefetched skew
+        self.skews: dict[Node, fx.Node] = {}  # grid node -> its weight's prefetched skew
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> fx.Node:
         node = self.g.create_node("call_function", fn, args, kwargs, name=py_name(name))
@@ -238,8 +238,8 @@ class _Emitter:
             raise ShardcError(f"a grid split {split} runs a linear or matmul whose two operands are sharded on "
                               f"{split.dim} along different grid axes", node=node)
         kw: dict[str, Any] = {"mesh": self.mesh_node, "x_axis": axes[0], "w_axis": axes[1]}
-        if id(node) in self.skews:
-            kw["skew"] = self.skews[id(node)]
+        if node in self.skews:
+            kw["skew"] = self.skews[node]
         return self.call(G.grid_contraction, (node.op, *args), kw, node.outputs[0].name)
 
 
@@ -267,19 +267,29 @@ def _under(path: str | None, name: str) -> str | None:
     return name[len(path) + 1 :]
 
 
-def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = None,
-             groups: C.MeshGroups | None = None, device: str = "cpu", local_inputs: bool = False) -> fx.GraphModule:
-    """The module rank `rank` runs. `tensors` maps parameter/buffer names to this rank's local
-    shards (meta tensors of the local shapes when None, e.g. to print code); an `nn.Parameter`
-    there is used as it is (shared by the modules of several pipeline stages on one rank).
-    With `local_inputs` the inputs are this rank's pieces already (a pipeline stage's)."""
-    mesh = graph.mesh
-    if mesh is None:
-        raise ShardcError(f"graph @{graph.name} has no mesh; lower a partitioned graph before codegen")
-    coords = mesh.coordinates(rank)
-    groups = groups or C.MeshGroups(dict(mesh.axes), coords)
-    state: dict[int, tuple[Value, str]] = {id(v): (v, "parameter") for v in graph.params}
-    state.update({id(v): (v, "buffer") for v in graph.buffers})
+@dataclass(frozen=True)
+class _Rank:
+    """What every region of one rank's module reads: the mesh and this rank's coordinates, its
+    process groups, each parameter's and buffer's kind and tensor, the layer path holding it
+    (`home`; absent: the root), and the index of the last region reading each value."""
+
+    mesh: Mesh
+    coords: dict[str, int]
+    groups: C.MeshGroups
+    kinds: dict[Value, str]
+    objects: dict[Value, torch.Tensor]
+    home: dict[Value, str]
+    last_read: dict[Value, int]
+
+    def state_path(self, v: Value) -> str:
+        return f"{self.home[v]}.{_under(self.home[v], v.name)}" if v in self.home else v.name
+
+
+def _state(graph: Graph, mesh: Mesh, tensors: dict[str, torch.Tensor] | None) -> tuple[dict[Value, str],
+                                                                                      dict[Value, torch.Tensor]]:
+    """Each parameter's and buffer's kind and this rank's tensor: the given shard (an
+    `nn.Parameter` there is used as it is), else a meta tensor of the local shape."""
+    kinds = dict.fromkeys(graph.params, "parameter") | dict.fromkeys(graph.buffers, "buffer")
 
     def tensor_of(v: Value, kind: str) -> torch.Tensor:
         if tensors is not None and v.name in tensors:
@@ -292,105 +302,151 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
             t = torch.empty(local_shape(v, mesh), dtype=TORCH_DTYPES[v.type.dtype], device="meta")
         return nn.Parameter(t, requires_grad=v.requires_grad) if kind == "parameter" else t
 
-    objects = {id(v): tensor_of(v, kind) for v, kind in state.values()}
-    regions = regions_of(graph)
-    later_uses: dict[int, int] = {}  # value id -> index of the last region reading it
+    return kinds, {v: tensor_of(v, kind) for v, kind in kinds.items()}
+
+
+def _placement(graph: Graph, regions: list[Region], kinds: dict[Value, str]) -> tuple[dict[Value, str],
+                                                                                      dict[Value, int]]:
+    """Where each parameter and buffer lives (the first layer reading it that its name lies
+    under) and the last region reading each value (graph outputs: past the last region)."""
+    last_read: dict[Value, int] = {}
     for k, region in enumerate(regions):
         for n in region.nodes:
             for v in n.inputs:
-                later_uses[id(v)] = k
+                last_read[v] = k
     for v in graph.outputs:
-        later_uses[id(v)] = len(regions)
-    home: dict[int, str] = {}  # state id -> region path holding it
+        last_read[v] = len(regions)
+    home: dict[Value, str] = {}
     for region in regions:
         for n in region.nodes:
             for v in n.inputs:
-                if id(v) in state and id(v) not in home and _under(region.path, v.name):
-                    home[id(v)] = region.path or ""
-    root_graph = fx.Graph()
-    root_mesh = root_graph.get_attr("mesh")
-    emit_root = _Emitter(root_graph, mesh, coords, root_mesh)
-    env: dict[int, fx.Node] = {}
-    for v in graph.inputs:
-        ph = root_graph.placeholder(py_name(v.name))
-        if local_inputs:
-            env[id(v)] = ph
-            continue
-        shards = tuple((a, p.dim, p.interleave) + (("zigzag",) if p.zigzag else ())
-                       for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
-        kw = {"name": v.name, "shape": v.type.shape, "shards": shards} | ({"device": device} if device != "cpu" else {})
-        env[id(v)] = emit_root.call(local_input, (ph, root_mesh), kw, f"{v.name}_local")
+                if v in kinds and v not in home and _under(region.path, v.name):
+                    home[v] = region.path or ""
+    return home, last_read
 
-    def root_state(v: Value) -> fx.Node:
-        if id(v) not in env:
-            path = f"{home[id(v)]}.{_under(home[id(v)], v.name)}" if id(v) in home else v.name
-            env[id(v)] = root_graph.get_attr(path)
-        return env[id(v)]
 
+def _layer_module(rank: _Rank, region: Region, k: int) -> tuple[fx.GraphModule, list[Value], list[Value]]:
+    """Region `k` as a sub-GraphModule holding the parameters and buffers at home in it; with
+    the values it takes from the root (in order) and those it returns that later regions read."""
+    path = region.path
+    assert path is not None
+    sub = fx.Graph()
+    sub_env: dict[Value, fx.Node] = {}
+    region_inputs: list[Value] = []
+    produced = {v for n in region.nodes for v in n.outputs}
+    for n in region.nodes:
+        for v in n.inputs:
+            if v in produced or v in sub_env:
+                continue
+            if v in rank.kinds and rank.home.get(v) == path:
+                continue
+            sub_env[v] = sub.placeholder(py_name(v.name))
+            region_inputs.append(v)
+    sub_mesh = sub.get_attr("mesh")
+    emit = _Emitter(sub, rank.mesh, rank.coords, sub_mesh)
+    sub_attrs: dict[str, Any] = {"mesh": rank.groups}
+
+    def arg(v: Value) -> fx.Node:
+        if v not in sub_env:  # a parameter or buffer this layer holds
+            rel = _under(path, v.name)
+            assert rel is not None
+            sub_env[v] = sub.get_attr(rel)
+            sub_attrs[rel] = rank.objects[v]
+        return sub_env[v]
+
+    emit.skews = G.prefetch_skews(region.nodes, arg, emit.call_positional, sub_mesh)
+    for n in region.nodes:
+        args = [arg(v) for v in n.inputs]
+        for v, out in zip(n.outputs, emit.node(n, args)):
+            sub_env[v] = out
+    outputs = [v for n in region.nodes for v in n.outputs if rank.last_read.get(v, -1) > k]
+    sub.output(tuple(sub_env[v] for v in outputs))
+    return fx.GraphModule(sub_attrs, sub, class_name=f"Layer_{py_name(path)}"), region_inputs, outputs
+
+
+class _Root:
+    """The root module's fx graph: global inputs cut to this rank's pieces, the root's own
+    nodes, and one call per layer module (through `checkpoint` when the layer recomputes)."""
+
+    def __init__(self, rank: _Rank) -> None:
+        self.rank = rank
+        self.graph = fx.Graph()
+        self.mesh_node = self.graph.get_attr("mesh")
+        self.emit = _Emitter(self.graph, rank.mesh, rank.coords, self.mesh_node)
+        self.env: dict[Value, fx.Node] = {}
+
+    def inputs(self, values: list[Value], local_inputs: bool, device: str) -> None:
+        for v in values:
+            ph = self.graph.placeholder(py_name(v.name))
+            if local_inputs:
+                self.env[v] = ph
+                continue
+            shards = tuple((a, p.dim, p.interleave) + (("zigzag",) if p.zigzag else ())
+                           for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
+            kw = {"name": v.name, "shape": v.type.shape, "shards": shards} | ({"device": device} if device != "cpu" else {})
+            self.env[v] = self.emit.call(local_input, (ph, self.mesh_node), kw, f"{v.name}_local")
+
+    def value(self, v: Value) -> fx.Node:
+        """`v` in the root: a computed value, or a parameter or buffer read at its path."""
+        if v in self.rank.kinds and v not in self.env:
+            self.env[v] = self.graph.get_attr(self.rank.state_path(v))
+        return self.env[v]
+
+    def nodes(self, region: Region) -> None:
+        for n in region.nodes:
+            args = [self.value(v) for v in n.inputs]
+            for v, out in zip(n.outputs, self.emit.node(n, args)):
+                self.env[v] = out
+
+    def call_layer(self, graph: Graph, region: Region, inputs: list[Value], outputs: list[Value]) -> None:
+        path = region.path
+        assert path is not None
+        call_args = tuple(self.value(v) for v in inputs)
+        recompute = graph.layers.get(region.layer or "")
+        if recompute is not None and recompute.annotation.recompute != "none":
+            fn = self.graph.get_attr(path)
+            call = self.emit.call(torch.utils.checkpoint.checkpoint, (fn, *call_args), {"use_reentrant": False},
+                                  f"{path}_out")
+        else:
+            call = self.graph.create_node("call_module", path, call_args, {}, name=py_name(f"{path}_out"))
+        for j, v in enumerate(outputs):
+            self.env[v] = self.graph.create_node("call_function", operator.getitem, (call, j), {}, name=py_name(v.name))
+
+
+def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = None,
+             groups: C.MeshGroups | None = None, device: str = "cpu", local_inputs: bool = False) -> fx.GraphModule:
+    """The module rank `rank` runs. `tensors` maps parameter/buffer names to this rank's local
+    shards (meta tensors of the local shapes when None, e.g. to print code); an `nn.Parameter`
+    there is used as it is (shared by the modules of several pipeline stages on one rank).
+    With `local_inputs` the inputs are this rank's pieces already (a pipeline stage's)."""
+    mesh = graph.mesh
+    if mesh is None:
+        raise ShardcError(f"graph @{graph.name} has no mesh; lower a partitioned graph before codegen")
+    coords = mesh.coordinates(rank)
+    kinds, objects = _state(graph, mesh, tensors)
+    regions = regions_of(graph)
+    home, last_read = _placement(graph, regions, kinds)
+    ctx = _Rank(mesh, coords, groups or C.MeshGroups(dict(mesh.axes), coords), kinds, objects, home, last_read)
+    root = _Root(ctx)
+    root.inputs(graph.inputs, local_inputs, device)
     submodules: list[tuple[str, fx.GraphModule]] = []
     for k, region in enumerate(regions):
         if region.path is None:
-            for n in region.nodes:
-                args = [root_state(v) if id(v) in state else env[id(v)] for v in n.inputs]
-                for v, out in zip(n.outputs, emit_root.node(n, args)):
-                    env[id(v)] = out
+            root.nodes(region)
             continue
-        sub = fx.Graph()
-        sub_env: dict[int, fx.Node] = {}
-        region_inputs: list[Value] = []
-        produced = {id(v) for n in region.nodes for v in n.outputs}
-        for n in region.nodes:
-            for v in n.inputs:
-                if id(v) in produced or id(v) in sub_env:
-                    continue
-                if id(v) in state and home.get(id(v)) == region.path:
-                    continue
-                sub_env[id(v)] = sub.placeholder(py_name(v.name))
-                region_inputs.append(v)
-        sub_mesh = sub.get_attr("mesh")
-        emit = _Emitter(sub, mesh, coords, sub_mesh)
-        sub_attrs: dict[str, Any] = {"mesh": groups}
-
-        def arg(v: Value, sub: fx.Graph = sub, sub_env: dict[int, fx.Node] = sub_env,
-                sub_attrs: dict[str, Any] = sub_attrs, path: str = region.path) -> fx.Node:
-            if id(v) not in sub_env:  # a parameter or buffer this layer holds
-                rel = _under(path, v.name)
-                assert rel is not None
-                sub_env[id(v)] = sub.get_attr(rel)
-                sub_attrs[rel] = objects[id(v)]
-            return sub_env[id(v)]
-
-        emit.skews = G.prefetch_skews(region.nodes, arg, emit.call_positional, sub_mesh)
-        for n in region.nodes:
-            args = [arg(v) for v in n.inputs]
-            for v, out in zip(n.outputs, emit.node(n, args)):
-                sub_env[id(v)] = out
-        outputs = [v for n in region.nodes for v in n.outputs if later_uses.get(id(v), -1) > k]
-        sub.output(tuple(sub_env[id(v)] for v in outputs))
-        module = fx.GraphModule(sub_attrs, sub, class_name=f"Layer_{py_name(region.path)}")
+        module, inputs, outputs = _layer_module(ctx, region, k)
         submodules.append((region.path, module))
-        call_args = tuple(root_state(v) if id(v) in state else env[id(v)] for v in region_inputs)
-        recompute = graph.layers.get(region.layer or "")
-        if recompute is not None and recompute.annotation.recompute != "none":
-            fn = root_graph.get_attr(region.path)
-            call = emit_root.call(torch.utils.checkpoint.checkpoint, (fn, *call_args), {"use_reentrant": False},
-                                  f"{region.path}_out")
-        else:
-            call = root_graph.create_node("call_module", region.path, call_args, {},
-                                          name=py_name(f"{region.path}_out"))
-        for j, v in enumerate(outputs):
-            env[id(v)] = root_graph.create_node("call_function", operator.getitem, (call, j), {}, name=py_name(v.name))
-    outs = [env[id(v)] for v in graph.outputs]
-    root_graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+        root.call_layer(graph, region, inputs, outputs)
+    outs = [root.env[v] for v in graph.outputs]
+    root.graph.output(outs[0] if len(outs) == 1 else tuple(outs))
     holder = nn.Module()
-    holder.add_module("mesh", groups)
+    holder.add_module("mesh", ctx.groups)
     for path, module in submodules:
         _place(holder, path, module)
-    for sid, (v, kind) in state.items():
-        path = f"{home[sid]}.{_under(home[sid], v.name)}" if sid in home else v.name
-        _place(holder, path, objects[sid], kind)
-    root_graph.lint()
-    return fx.GraphModule(holder, root_graph, class_name=f"{py_name(graph.name)}_rank{rank}")
+    for v, kind in kinds.items():
+        _place(holder, ctx.state_path(v), objects[v], kind)
+    root.graph.lint()
+    return fx.GraphModule(holder, root.graph, class_name=f"{py_name(graph.name)}_rank{rank}")
 
 
 def module_code(module: nn.Module) -> str:

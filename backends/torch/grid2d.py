@@ -146,10 +146,10 @@ def grid_axes(node: Any) -> tuple[str, str] | None:
     return (x_axis, w_axis) if x_axis is not None and w_axis is not None and x_axis != w_axis else None
 
 
-def prefetch_skews(nodes: list[Any], arg: Any, call: Any, mesh_node: Any) -> dict[int, Any]:
+def prefetch_skews(nodes: list[Any], arg: Any, call: Any, mesh_node: Any) -> dict[Any, Any]:
     """At the start of a layer, post the skew of every grid node's parameter weight (module
     rule): `arg(value)` gives the fx node of a value, `call(fn, args, name)` emits a call."""
-    out: dict[int, Any] = {}
+    out: dict[Any, Any] = {}  # grid node -> its weight's skew
     for node in nodes:
         axes = grid_axes(node)
         w = node.inputs[1] if axes is not None else None
@@ -157,5 +157,5 @@ def prefetch_skews(nodes: list[Any], arg: Any, call: Any, mesh_node: Any) -> dic
             w = w.producer.inputs[0]  # an identity in the generated code (DDP/FSDP sync it)
         if axes is None or w is None or w.kind != "parameter":
             continue
-        out[id(node)] = call(skew_start, (arg(w), mesh_node, axes[1], axes[0], 100 + len(out)), f"{w.name}_skew")
+        out[node] = call(skew_start, (arg(w), mesh_node, axes[1], axes[0], 100 + len(out)), f"{w.name}_skew")
     return out
