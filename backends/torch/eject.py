@@ -101,8 +101,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, str] 
 def _shrink_head_counts(module: nn.Module, tp: int) -> None:
     """Attention modules that keep `n_head`/`n_embd` as attributes see the local share after TP."""
     for mod in module.modules():
-        for attr in ("n_head", "n_heads", "num_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads",
-                     "n_embd", "hidden_size"):
+        for attr in (*HEAD_ATTRS, "n_embd", "hidden_size"):
             value = getattr(mod, attr, None)
             if isinstance(value, int) and not isinstance(mod, nn.Linear) and any(
                     isinstance(c, nn.Linear) for c in mod.children()):
@@ -169,45 +168,71 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
 
         kwargs = parse_query(query, model_spec)
     missing = unsupported_parts(plan, graph)
-    tp_block = ""
-    if plan.tp > 1:
-        try:
-            from shardc.frontend.spec import load_model
+    tp_block = _tensor_parallel(plan, model_spec, missing)
+    pp_note = _pipeline_note(plan, missing)
+    code = _SOURCE.format(
+        plan=plan, model_spec=model_spec, nproc=plan.dp * plan.tp, header="\n".join(f"  - {m}" for m in missing)
+        or "  (none)", pp_note=pp_note, head_attrs=HEAD_ATTRS, path=path, factory=factory or "default",
+        kwargs=kwargs, tp_block=textwrap.indent(textwrap.dedent(tp_block), "    "),
+        dp_block=textwrap.indent(textwrap.dedent(_data_parallel(plan)), "    "))
+    return Ejected(code, tuple(missing))
 
-            styles = megatron_plan(load_model(model_spec, device="meta").model)
-        except ShardcError as err:
-            missing.append(f"tensor parallelism tp={plan.tp}: {err.message} (not emitted)")
-            styles = {}
-        if styles:
-            lines = ["", "# Tensor parallelism: Megatron's column/row pairing in every block.",
-                     'parallelize_module(model, mesh["tp"], {']
-            lines += [f"    {k!r}: {'ColwiseParallel' if v == 'colwise' else 'RowwiseParallel'}()," for k, v in styles.items()]
-            lines += ["})",
-                      "for mod in model.modules():  # attention modules reshape by their local head count",
-                      "    if any(isinstance(c, torch.nn.Linear) for c in mod.children()):",
-                      "        for attr in HEAD_ATTRS:",
-                      "            if isinstance(getattr(mod, attr, None), int):",
-                      '                setattr(mod, attr, getattr(mod, attr) // mesh["tp"].size())', ""]
-            tp_block = "\n".join(lines)
-    if plan.zero >= 1 or plan.tp > 1:  # DDP takes no DTensor parameters; FSDP2 over dp is torch's 2-D recipe
-        dp_block = f"""
+
+def _tensor_parallel(plan: Any, model_spec: str, missing: list[str]) -> str:
+    """`parallelize_module` with Megatron's pairing (empty without tp; what cannot be found by
+    name is added to `missing`)."""
+    if plan.tp <= 1:
+        return ""
+    try:
+        from shardc.frontend.spec import load_model
+
+        styles = megatron_plan(load_model(model_spec, device="meta").model)
+    except ShardcError as err:
+        missing.append(f"tensor parallelism tp={plan.tp}: {err.message} (not emitted)")
+        return ""
+    if not styles:
+        return ""
+    lines = ["", "# Tensor parallelism: Megatron's column/row pairing in every block.",
+             'parallelize_module(model, mesh["tp"], {']
+    lines += [f"    {k!r}: {'ColwiseParallel' if v == 'colwise' else 'RowwiseParallel'}()," for k, v in styles.items()]
+    lines += ["})",
+              "for mod in model.modules():  # attention modules reshape by their local head count",
+              "    if any(isinstance(c, torch.nn.Linear) for c in mod.children()):",
+              "        for attr in HEAD_ATTRS:",
+              "            if isinstance(getattr(mod, attr, None), int):",
+              '                setattr(mod, attr, getattr(mod, attr) // mesh["tp"].size())', ""]
+    return "\n".join(lines)
+
+
+def _data_parallel(plan: Any) -> str:
+    """DDP, or FSDP2 over dp when ZeRO shards or tp makes DTensor parameters (DDP takes none:
+    FSDP2 over dp is torch's 2-D recipe)."""
+    if plan.zero >= 1 or plan.tp > 1:
+        return f"""
             if mesh["dp"].size() > 1:
                 fully_shard(model, mesh=mesh["dp"], reshard_after_forward={plan.zero >= 3})
         """
-    else:
-        dp_block = """
+    return """
             model = DistributedDataParallel(model, process_group=mesh["dp"].get_group()) if mesh["dp"].size() > 1 else model
         """
-    pp_note = ""
-    if plan.pp > 1:
-        pp_note = (f"# Pipeline: cut the blocks into {plan.pp * plan.vpp} stages and run them with "
-                   f"torch.distributed.pipelining.PipelineStage and Schedule{'Interleaved1F1B' if plan.vpp > 1 else ('GPipe' if plan.schedule == 'gpipe' else '1F1B')};\n"
-                   "# (torch.distributed.pipelining.pipeline can cut a traced model). This file trains pp=1 only.\n")
-        missing = [*missing, f"pipeline pp={plan.pp}: stage modules must be cut by hand (PipelineStage needs one module per stage)"]
-    header = "\n".join(f"  - {m}" for m in missing) or "  (none)"
-    body = f'''"""Ejected by shardc from plan {plan} for {model_spec}. Needs only torch.
 
-Run: torchrun --nproc-per-node {plan.dp * plan.tp} this_file.py
+
+def _pipeline_note(plan: Any, missing: list[str]) -> str:
+    """A comment naming torch's pipeline classes for the plan's schedule (the file trains pp=1;
+    the stages are added to `missing`)."""
+    if plan.pp <= 1:
+        return ""
+    schedule = "Interleaved1F1B" if plan.vpp > 1 else ("GPipe" if plan.schedule == "gpipe" else "1F1B")
+    missing.append(f"pipeline pp={plan.pp}: stage modules must be cut by hand (PipelineStage needs one module per stage)")
+    return (f"# Pipeline: cut the blocks into {plan.pp * plan.vpp} stages and run them with "
+            f"torch.distributed.pipelining.PipelineStage and Schedule{schedule};\n"
+            "# (torch.distributed.pipelining.pipeline can cut a traced model). This file trains pp=1 only.\n")
+
+
+# The ejected file (`str.format` fields; doubled braces are the file's own).
+_SOURCE = '''"""Ejected by shardc from plan {plan} for {model_spec}. Needs only torch.
+
+Run: torchrun --nproc-per-node {nproc} this_file.py
 Not expressed in torch's vocabulary (left out):
 {header}
 """
@@ -223,9 +248,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-HEAD_ATTRS = {HEAD_ATTRS!r}
+HEAD_ATTRS = {head_attrs!r}
 MODEL_FILE = {path!r}
-FACTORY = {factory or "default"!r}
+FACTORY = {factory!r}
 FACTORY_KWARGS = {kwargs!r}
 DP, TP = {plan.dp}, {plan.tp}
 
@@ -242,7 +267,7 @@ def build_model(seed: int = 0):
 def parallelize(model):
     """Apply the plan to a model on every rank (the process group must be initialised)."""
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-{textwrap.indent(textwrap.dedent(tp_block), "    ")}{textwrap.indent(textwrap.dedent(dp_block), "    ")}    return model, mesh
+{tp_block}{dp_block}    return model, mesh
 
 
 def main(steps: int = 3) -> None:
@@ -268,4 +293,3 @@ def main(steps: int = 3) -> None:
 if __name__ == "__main__":
     main(int(os.environ.get("STEPS", "3")))
 '''
-    return Ejected(body, tuple(missing))

@@ -91,53 +91,12 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     axes, shard = zero_group(ctx.mesh)
     levels = ctx.levels(axes)
     w, g, o = state_bytes_per_param(problem.dtype)
-    first_saver: dict[object, int] = {}
-    first_reader: dict[object, int] = {}
-    for i, var in enumerate(problem.groups):
-        for cost in var.costs:
-            for key in cost.terms.saved_entries:
-                first_saver.setdefault((var.section, key), i)
-            for key in cost.terms.input_entries:
-                first_reader.setdefault((var.section, key), i)
-    cand = []
-    for i, var in enumerate(problem.groups):
-        rows = []
-        for cost in var.costs:
-            t = cost.terms
-            other: dict[tuple[str, ...], float] = {}
-            gbytes = 0.0
-            for _, numel, grad_axes in cost.params:
-                if grad_axes & set(axes):
-                    gbytes += numel * g
-                rest = tuple(sorted(grad_axes - set(axes)))
-                if rest:
-                    other[rest] = other.get(rest, 0.0) + numel * g
-            rows.append({
-                "time": sum(t.fwd.values()) + sum(t.bwd.values()), "fwd": sum(t.fwd.values()),
-                "core": sum(t.core_fwd.values()), "cfwd": t.fwd.get("compute_fwd", 0.0),
-                "cbwd": t.bwd.get("compute_bwd", 0.0),
-                "saved": sum(b for k, (b, _) in t.saved_entries.items() if first_saver[(var.section, k)] == i),
-                "saved_core": sum(b for k, (b, c) in t.saved_entries.items()
-                                  if c and first_saver[(var.section, k)] == i),
-                "inputs": sum(b for k, b in t.input_entries.items() if first_reader[(var.section, k)] == i),
-                "transient": t.transient, "numel": sum(n for _, n, _ in cost.params), "gbytes": gbytes,
-                "other": sum(collective_time("all_reduce", b, ctx.levels(a), ctx.algorithm) for a, b in other.items()),
-            })
-        cand.append(rows)
+    cand = _candidate_rows(problem, axes, g)
     edge_fwd = [[[e.fwd_s(a, b) + sum(e.regather[a][b].values()) for b in range(len(e.cons_grad))]
                  for a in range(len(e.prod_info))] for e in problem.edges]
     edge_grad = [[[sum(e.bwd[a][b].values()) for b in range(len(e.cons_grad))] for a in range(len(e.prod_info))]
                  for e in problem.edges]
-    send = [[0.0] * len(var.cands) for var in problem.groups]
-    send_bytes = [[0.0] * len(var.cands) for var in problem.groups]
-    seen: set[tuple[int, int]] = set()
-    for e in problem.edges:
-        if e.kind == "chain" and (e.producer, e.out_index) not in seen:
-            seen.add((e.producer, e.out_index))
-            for c, cost in enumerate(problem.groups[e.producer].costs):
-                nbytes = problem.pricer.local_bytes(e.value, cost.produced[e.out_index][0])
-                send[e.producer][c] += problem.pricer.p2p(nbytes)
-                send_bytes[e.producer][c] += nbytes
+    send, send_bytes = _sends(problem)
     out_bytes, out_const = _output_bytes(problem)
     bucket = options.bucket_bytes
     kinds = ["all_reduce" if z == 0 else "reduce_scatter" for z in ZEROS]
@@ -163,6 +122,63 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
                        options.pipeline_runtime == "torch" and problem.shape.pp > 1)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
+
+
+def _candidate_rows(problem: Problem, axes: tuple[str, ...], grad_bytes: float) -> list[list[dict[str, float]]]:
+    """Per group and candidate, the `CAND_KEYS` scalars. A saved or read activation counts at
+    the first group of its section that holds it (groups of one section share their entries);
+    gradients synchronised over the ZeRO group are `gbytes`, those over other axes `other`."""
+    ctx = problem.pricer.ctx
+    first_saver: dict[object, int] = {}
+    first_reader: dict[object, int] = {}
+    for i, var in enumerate(problem.groups):
+        for cost in var.costs:
+            for key in cost.terms.saved_entries:
+                first_saver.setdefault((var.section, key), i)
+            for key in cost.terms.input_entries:
+                first_reader.setdefault((var.section, key), i)
+    cand = []
+    for i, var in enumerate(problem.groups):
+        rows = []
+        for cost in var.costs:
+            t = cost.terms
+            other: dict[tuple[str, ...], float] = {}
+            gbytes = 0.0
+            for _, numel, grad_axes in cost.params:
+                if grad_axes & set(axes):
+                    gbytes += numel * grad_bytes
+                rest = tuple(sorted(grad_axes - set(axes)))
+                if rest:
+                    other[rest] = other.get(rest, 0.0) + numel * grad_bytes
+            rows.append({
+                "time": sum(t.fwd.values()) + sum(t.bwd.values()), "fwd": sum(t.fwd.values()),
+                "core": sum(t.core_fwd.values()), "cfwd": t.fwd.get("compute_fwd", 0.0),
+                "cbwd": t.bwd.get("compute_bwd", 0.0),
+                "saved": sum(b for k, (b, _) in t.saved_entries.items() if first_saver[(var.section, k)] == i),
+                "saved_core": sum(b for k, (b, c) in t.saved_entries.items()
+                                  if c and first_saver[(var.section, k)] == i),
+                "inputs": sum(b for k, b in t.input_entries.items() if first_reader[(var.section, k)] == i),
+                "transient": t.transient, "numel": sum(n for _, n, _ in cost.params), "gbytes": gbytes,
+                "other": sum(collective_time("all_reduce", b, ctx.levels(a), ctx.algorithm) for a, b in other.items()),
+            })
+        cand.append(rows)
+    return cand
+
+
+def _sends(problem: Problem) -> tuple[list[list[float]], list[list[float]]]:
+    """Per group and candidate, the seconds and the bytes of what it sends to the next pipeline
+    stage: each chain edge's produced value once."""
+    send = [[0.0] * len(var.cands) for var in problem.groups]
+    send_bytes = [[0.0] * len(var.cands) for var in problem.groups]
+    seen: set[tuple[int, int]] = set()
+    for e in problem.edges:
+        if e.kind == "chain" and (e.producer, e.out_index) not in seen:
+            seen.add((e.producer, e.out_index))
+            for c, cost in enumerate(problem.groups[e.producer].costs):
+                nbytes = problem.pricer.local_bytes(e.value, cost.produced[e.out_index][0])
+                send[e.producer][c] += problem.pricer.p2p(nbytes)
+                send_bytes[e.producer][c] += nbytes
+    return send, send_bytes
 
 
 def _output_bytes(problem: Problem) -> tuple[list[list[float]], float]:
