@@ -45,57 +45,35 @@ def split_stages(graph: Graph) -> StagePlan:
     """Cut a lowered pipelined graph into stage graphs by the rule in the module docstring."""
     if not graph.nodes:
         raise ShardcError(f"graph @{graph.name} has no nodes to pipeline")
-    stage = {id(n): _stage_of(graph, n) for n in graph.nodes}
+    stage = {n: _stage_of(graph, n) for n in graph.nodes}
     count = max(stage.values()) + 1
     last = count - 1
-    readers: dict[int, set[int]] = {}
+    readers: dict[Value, set[int]] = {}
     for n in graph.nodes:
         if n.op == "recv":
             continue
         for v in n.inputs:
-            readers.setdefault(id(v), set()).add(stage[id(n)])
-    # the loss: forward closure of the one input only the last stage reads
-    candidates = [v for v in graph.inputs if readers.get(id(v)) == {last}]
-    target = candidates[-1] if candidates and last > 0 else None
-    tail: set[int] = set()
-    if target is not None:
-        reached = {id(target)}
-        for n in graph.nodes:
-            if stage[id(n)] == last and any(id(v) in reached for v in n.inputs):
-                tail.add(id(n))
-                reached.update(id(v) for v in n.outputs)
-        if not all(id(v) in reached for v in graph.outputs):
-            tail, target = set(), None  # the outputs do not come from the loss: no loss sub-graph
-    # wires: (value the producer side holds, value the consumer side reads, src stage, dst stage)
-    wires: list[tuple[Value, Value, int, int]] = []
-    for n in graph.nodes:
-        if n.op == "recv":
-            send = n.inputs[0].producer
-            assert send is not None and send.op == "send", f"recv %{n.outputs[0].name} without its send"
-            wires.append((send.inputs[0], n.outputs[0], stage[id(send)], stage[id(n)]))
-    for v in graph.inputs:
-        later = {s for s in readers.get(id(v), set()) if s > 0}
-        if v is target or not later:
-            continue
-        for s in sorted(later):
-            wires.append((v, v, 0, s))
-    first_inputs = [v for v in graph.inputs if 0 in readers.get(id(v), set()) or any(w[0] is v for w in wires)]
-    body = [n for n in graph.nodes if n.op not in ("send", "recv") and id(n) not in tail]
+            readers.setdefault(v, set()).add(stage[n])
+    tail, target = _loss_closure(graph, stage, readers, last)
+    wires = _wires(graph, stage, readers, target)
+    first_inputs = [v for v in graph.inputs if 0 in readers.get(v, set()) or any(w[0] is v for w in wires)]
+    body = [n for n in graph.nodes if n.op not in ("send", "recv") and n not in tail]
     stages: list[Graph] = []
     carried: list[Value] = first_inputs  # what enters the current stage
-    carry_map: dict[int, Value] = {}     # id(wire source) -> the value standing for it in this stage
+    carry_map: dict[int, Value] = {}     # wire index -> the value standing for its source in this stage
     for k in range(count):
-        nodes = [n for n in body if stage[id(n)] == k]
-        crossing = [w for w in wires if w[2] <= k < w[3]]  # leave after stage k
+        nodes = [n for n in body if stage[n] == k]
         outs: list[Value] = []
         next_map: dict[int, Value] = {}
         next_in: list[Value] = []
-        for w in crossing:
-            held = w[0] if w[2] == k else carry_map[id(w)]
+        for i, w in enumerate(wires):
+            if not w[2] <= k < w[3]:  # crosses only if it leaves after stage k
+                continue
+            held = w[0] if w[2] == k else carry_map[i]
             outs.append(held)
             arriving = w[1] if w[3] == k + 1 else Value(f"{w[1].name}.carry{k + 1}", w[1].type, "activation",
                                                             w[1].layout, requires_grad=w[1].requires_grad)
-            next_map[id(w)] = arriving
+            next_map[i] = arriving
             next_in.append(arriving)
         if k == last:
             outs = _tail_inputs(graph, tail, target) if target is not None else list(graph.outputs)
@@ -103,7 +81,7 @@ def split_stages(graph: Graph) -> StagePlan:
         carried, carry_map = next_in, next_map
     loss = None
     if target is not None:
-        loss_nodes = [n for n in graph.nodes if id(n) in tail]
+        loss_nodes = [n for n in graph.nodes if n in tail]
         loss = _sub_graph(graph, f"{graph.name}_loss", _tail_inputs(graph, tail, target) + [target], loss_nodes,
                           list(graph.outputs))
     holders: dict[str, set[int]] = {}
@@ -113,25 +91,63 @@ def split_stages(graph: Graph) -> StagePlan:
     return StagePlan(stages, loss, first_inputs, target, holders)
 
 
-def _tail_inputs(graph: Graph, tail: set[int], target: Value) -> list[Value]:
+def _loss_closure(graph: Graph, stage: dict[Node, int], readers: dict[Value, set[int]],
+                  last: int) -> tuple[set[Node], Value | None]:
+    """The loss: the forward closure, in the last stage, of the one graph input only the last
+    stage reads (the target); nothing when the graph's outputs do not all come from it."""
+    candidates = [v for v in graph.inputs if readers.get(v) == {last}]
+    target = candidates[-1] if candidates and last > 0 else None
+    tail: set[Node] = set()
+    if target is None:
+        return tail, None
+    reached = {target}
+    for n in graph.nodes:
+        if stage[n] == last and any(v in reached for v in n.inputs):
+            tail.add(n)
+            reached.update(n.outputs)
+    if not all(v in reached for v in graph.outputs):
+        return set(), None
+    return tail, target
+
+
+def _wires(graph: Graph, stage: dict[Node, int], readers: dict[Value, set[int]],
+           target: Value | None) -> list[tuple[Value, Value, int, int]]:
+    """What crosses stages: (value the producer side holds, value the consumer side reads, src
+    stage, dst stage) for every send/recv pair, then graph inputs later stages read from stage 0."""
+    wires: list[tuple[Value, Value, int, int]] = []
+    for n in graph.nodes:
+        if n.op == "recv":
+            send = n.inputs[0].producer
+            assert send is not None and send.op == "send", f"recv %{n.outputs[0].name} without its send"
+            wires.append((send.inputs[0], n.outputs[0], stage[send], stage[n]))
+    for v in graph.inputs:
+        later = {s for s in readers.get(v, set()) if s > 0}
+        if v is target or not later:
+            continue
+        for s in sorted(later):
+            wires.append((v, v, 0, s))
+    return wires
+
+
+def _tail_inputs(graph: Graph, tail: set[Node], target: Value) -> list[Value]:
     """Values the loss nodes read from the last stage's body, in first-use order."""
-    produced = {id(v) for n in graph.nodes if id(n) in tail for v in n.outputs}
+    produced = {v for n in graph.nodes if n in tail for v in n.outputs}
     out: list[Value] = []
     for n in graph.nodes:
-        if id(n) in tail:
+        if n in tail:
             for v in n.inputs:
-                if v is not target and id(v) not in produced and v.kind == "activation" and v not in out:
+                if v is not target and v not in produced and v.kind == "activation" and v not in out:
                     out.append(v)
     return out
 
 
 def _sub_graph(graph: Graph, name: str, inputs: list[Value], nodes: list[Node], outputs: list[Value]) -> Graph:
-    used = {id(v) for n in nodes for v in n.inputs}
-    params = [p for p in graph.params if id(p) in used]
-    buffers = [b for b in graph.buffers if id(b) in used]
-    defined = {id(v) for v in inputs} | {id(v) for v in params + buffers} | {id(v) for n in nodes for v in n.outputs}
-    missing = [v.name for n in nodes for v in n.inputs if id(v) not in defined]
-    missing += [v.name for v in outputs if id(v) not in defined]
+    used = {v for n in nodes for v in n.inputs}
+    params = [p for p in graph.params if p in used]
+    buffers = [b for b in graph.buffers if b in used]
+    defined = set(inputs) | set(params + buffers) | {v for n in nodes for v in n.outputs}
+    missing = [v.name for n in nodes for v in n.inputs if v not in defined]
+    missing += [v.name for v in outputs if v not in defined]
     if missing:
         raise ShardcError(f"pipeline stage {name} reads values no earlier stage sends: "
                           f"{', '.join(dict.fromkeys(missing))}", hint="lower the graph (shardc.compile does) "
