@@ -162,19 +162,30 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, params: Mapping[str, to
     canon = _canonical(_tied_of(module))
     for name, p in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), canon.get(name, name))
-    out: dict[str, Any] = {}
-    groups = []
+    groups, tensors = _optimizer_tensors(optimizer, by_id, "model",
+                                         "build the optimizer from this rank's parameters (model.parameters())")
+    out: dict[str, Any] = {f"optim.{name}.{key}": value for name, key, _, value in tensors}
+    out["optim.groups"] = groups
+    return out
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer, by_id: dict[int, str], holder: str,
+                       hint: str) -> tuple[list[dict[str, Any]], list[tuple[str, str, torch.Tensor, torch.Tensor]]]:
+    """The optimizer's hyperparameters per group, and its tensor states as (parameter name,
+    state name, parameter, value). Parameters are found by `id`: tensors compare elementwise,
+    so they cannot be dictionary keys. One the `holder` lacks is an error (with `hint`)."""
+    groups: list[dict[str, Any]] = []
+    tensors: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
     for group in optimizer.param_groups:
         groups.append({k: v for k, v in group.items() if k != "params"})
         for p in group["params"]:
             if id(p) not in by_id:
-                raise ShardcError("the optimizer holds a parameter that is not in the model being checkpointed",
-                                  hint="build the optimizer from this rank's parameters (model.parameters())")
+                raise ShardcError(f"the optimizer holds a parameter that is not in the {holder} being checkpointed",
+                                  hint=hint)
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim.{by_id[id(p)]}.{key}"] = value
-    out["optim.groups"] = groups
-    return out
+                    tensors.append((by_id[id(p)], key, p, value))
+    return groups, tensors
 
 
 # ---- save ---------------------------------------------------------------------------------
@@ -203,19 +214,11 @@ def _shardc_state(model: Any, optimizer: torch.optim.Optimizer | None, loading: 
     if optimizer is not None:
         if loading:
             _init_optimizer_state(optimizer)
-        by_id = {id(p): k for k, p in named.items()}
-        groups = []
-        for group in optimizer.param_groups:
-            groups.append({k: v for k, v in group.items() if k != "params"})
-            for p in group["params"]:
-                if id(p) not in by_id:
-                    raise ShardcError("the optimizer holds a parameter that is not in the module being checkpointed",
-                                      hint="build the optimizer from module.parameters()")
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        same = value.shape == p.shape and value.dim() > 0
-                        state[f"optim.{by_id[id(p)]}.{key}"] = views.view(by_id[id(p)], value, loading) if same \
-                            else value
+        groups, tensors = _optimizer_tensors(optimizer, {id(p): k for k, p in named.items()}, "module",
+                                             "build the optimizer from module.parameters()")
+        for name, key, p, value in tensors:
+            same = value.shape == p.shape and value.dim() > 0
+            state[f"optim.{name}.{key}"] = views.view(name, value, loading) if same else value
         state["optim.groups"] = groups
     return state, params, [tuple(t) for t in getattr(views.inner, "shardc_tied", ())], views
 

@@ -19,6 +19,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from shardc.backends.torch import collectives as C
@@ -103,19 +106,23 @@ def zigzag_all_gather(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, gr
 def zigzag_chunk(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, grad: str = "all_gather",
                  interleave: int = 1) -> torch.Tensor:
     """R -> S(dim, zigzag): this rank's two chunks of the replicated tensor."""
-    if mesh.size(axis) == 1:
-        return x
-    return C.chunk(zigzag_order(x, mesh.size(axis), dim, interleave), mesh, axis, dim, grad=grad,
-                   interleave=interleave)
+    return _into_zigzag(C.chunk, x, mesh, axis, dim, interleave, grad=grad)
 
 
 def zigzag_reduce_scatter(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, op: str = "sum",
                           interleave: int = 1) -> torch.Tensor:
     """P -> S(dim, zigzag)."""
+    return _into_zigzag(C.reduce_scatter, x, mesh, axis, dim, interleave, op=op)
+
+
+def _into_zigzag(collective: Callable[..., torch.Tensor], x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int,
+                 interleave: int, **kwargs: Any) -> torch.Tensor:
+    """The contiguous `collective` onto a shard, with positions put in zig-zag order first (so
+    that each rank's contiguous piece is its two zig-zag chunks); nothing on one rank."""
     if mesh.size(axis) == 1:
         return x
-    return C.reduce_scatter(zigzag_order(x, mesh.size(axis), dim, interleave), mesh, axis, dim, op=op,
-                            interleave=interleave)
+    return collective(zigzag_order(x, mesh.size(axis), dim, interleave), mesh, axis, dim, interleave=interleave,
+                      **kwargs)
 
 
 def zigzag_pad(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, interleave: int = 1) -> torch.Tensor:
