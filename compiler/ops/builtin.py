@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from shardc.ir import TensorType
 from shardc.ops.registry import IterationSpace, OpDef, register, space_from_signature
+from shardc.ops.targets import resolve_target
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
@@ -450,8 +451,6 @@ def _opaque_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
 def _opaque_impl(*tensors: torch.Tensor, target: str, args: Any = (), kwargs: Any = (), outputs: int = 1) -> Any:
     """Run the torch call an opaque node stands for: `$k` is input k, `$dtype:NAME` a torch dtype,
     `$device` the device of the first input."""
-    from shardc.frontend.rules import resolve_target
-
     fn = resolve_target(target)
     if fn is None:
         raise ValueError(f"opaque op: cannot import torch target {target!r}")
