@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from shardc.calibration.gloo import _run_workers
-from shardc.calibration.local import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile, local_cluster
+from shardc.calibration.profile import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile
+from shardc.hardware import local_cluster
 
 
 def test_wrapper_overhead_is_measured_with_two_gloo_processes() -> None:

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from shardc.calibration.gloo import _run_workers
-from shardc.calibration.ops import eager_from_json
+from shardc.calibration.profile import EagerCosts, KernelFit, eager_from_json
 from shardc.cost import estimate
 from shardc.cost.sync import fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
 from shardc.cost.synthetic import gpt_graph
-from shardc.hardware import Cluster, DeviceSpec, EagerCosts, KernelFit, parse_cluster
+from shardc.hardware import Cluster, DeviceSpec, parse_cluster
 from shardc.plan.parallel import ParallelPlan
 
 EAGER = EagerCosts((("elementwise", KernelFit(3e-6, 3e-11, 8e-6, 1e-11)),), 50e-6, 4e-9, 200e-6, 6e-9)
