@@ -313,7 +313,7 @@ def _time_calls(run: Callable[[], None], cfg: dict[str, Any]) -> float:
     return float(trials.median().item())
 
 
-def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry: str = "_worker") -> dict[str, Any]:
+def run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry: str = "_worker") -> dict[str, Any]:
     """Start `nprocs` fresh interpreters running `entry` (`_worker`, `_overhead_worker` or
     `_fsdp_worker`) and return rank 0's results.
 

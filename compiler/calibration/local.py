@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shardc.calibration.fit import fit_affine
-from shardc.calibration.gloo import COLLECTIVES, _run_workers
+from shardc.calibration.gloo import COLLECTIVES, run_workers
 from shardc.calibration.ops import measure_eager
 from shardc.calibration.profile import (
     PROFILE_VERSION,
@@ -115,7 +115,7 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
     """`nprocs` processes at once (`gloo._worker`): their `concurrent` row, collective fits and
     wrapper overhead, and `eager` with FSDP2's optimizer and per-micro-batch costs filled in
     where it has none yet (CPU time per op: the first count's will do)."""
-    res = _run_workers(nprocs, cfg)
+    res = run_workers(nprocs, cfg)
     fits = []
     for op in COLLECTIVES:
         pts = tuple((int(b), float(t)) for b, t in res[op])
