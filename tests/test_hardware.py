@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, write_profile
+from shardc.calibration.profile import AlphaBeta, CollectiveFit, LocalProfile, write_profile
 from shardc.hardware import (
     ALIASES,
     PRESETS,

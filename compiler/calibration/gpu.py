@@ -17,8 +17,9 @@ matmuls of the same size) and a sweep of square sizes; each timed as back-to-bac
 median of three trials, CUDA events on a GPU and the wall clock on the CPU: only the device
 string differs, so the tests run the very code a GPU run does on tiny sizes.
 
-`shardc.study.gpu_report` runs it after a study, predicts the plans again on the fitted curve
-and writes the report section.
+The result is data (`calibrate`, `run_gpu_calibration`); `gpu_markdown.report_section` writes it
+as markdown. `shardc.study.gpu_report` runs it after a study, predicts the plans again on the
+fitted curve and adds them to the study's report.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from shardc.calibration.fit import fit_linear
+from shardc.calibration.gpu_markdown import report_section
 from shardc.hardware import Cluster, DeviceSpec, canonical_dtype, make_cluster, preset
 from shardc.ir.diagnostics import ShardcError
 
@@ -246,17 +249,11 @@ def fit_curve(points: Sequence[tuple[float, float]], peak: float, latency: float
         raise ShardcError(f"fitting the {dtype or 'matmul'} efficiency curve needs two or more matmul sizes whose "
                           f"time is not mostly kernel latency ({latency * 1e6:.1f} us); got {len(rows)}",
                           hint="add larger sizes to the sweep")
-    w = [1.0 / (t * t) for _, t in rows]
-    sw = sum(w)
-    sf = sum(wi * f for wi, (f, _) in zip(w, rows))
-    st = sum(wi * t for wi, (_, t) in zip(w, rows))
-    sff = sum(wi * f * f for wi, (f, _) in zip(w, rows))
-    sft = sum(wi * f * t for wi, (f, t) in zip(w, rows))
-    det = sw * sff - sf * sf
-    slope = (sw * sft - sf * st) / det if det > 0 else 0.0
-    intercept = (st - slope * sf) / sw
+    flops, seconds = [f for f, _ in rows], [t for _, t in rows]
+    weights = [1.0 / (t * t) for t in seconds]
+    intercept, slope = fit_linear(flops, seconds, weights)
     if slope <= 0 or intercept < 0:  # no fixed cost (or noise): a line through the origin
-        intercept, slope = 0.0, sft / sff
+        intercept, slope = fit_linear(flops, seconds, weights, intercept=False)
     return CurveFit(dtype, peak, 1.0 / (slope * peak), intercept / slope, len(rows))
 
 
@@ -331,8 +328,6 @@ def run_gpu_calibration(model_spec: str | None, device_spec: DeviceSpec, *, devi
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu-calibration.json").write_text(json.dumps(result, indent=1))
-        from shardc.study.gpu_report import report_section
-
         (out / "gpu-calibration.md").write_text(report_section(result))
     return result
 
@@ -358,8 +353,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_gpu_calibration(args.model, preset(name).device, device=args.device, dtypes=args.dtypes.split(","),
                                  sizes=[int(x) for x in args.sizes.split(",") if x], out_dir=args.out,
                                  budget_s=args.budget)
-    from shardc.study.gpu_report import report_section
-
     print(report_section(result))
     return 0
 

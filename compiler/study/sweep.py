@@ -196,7 +196,8 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         factor = plan_speed(results)
         if device != "cpu" or factor is None:
             return None
-        from shardc.calibration.local import at_speed, load_profile
+        from shardc.calibration.local import load_profile
+        from shardc.calibration.profile import at_speed
         from shardc.study.predict import predict
 
         base = profile if profile is not None else load_profile()
