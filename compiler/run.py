@@ -16,7 +16,10 @@ exception. The whole run is bounded by a timeout.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +130,6 @@ def worker_main(config_path: str) -> int:
     """One rank of `shardc run` under torchrun: join the group, train the compiled plan
     (`shardc.train.train`, `steps` AdamW steps: the first untimed), write `rank<k>.json`;
     a failure is written to `rank<k>.error` and re-raised, so torchrun stops the others."""
-    import os
-    import traceback
-
     import torch
     import torch.distributed as dist
 
@@ -149,7 +149,7 @@ def worker_main(config_path: str) -> int:
         write_json(out_dir / f"rank{rank}.json", {
             "rank": rank, "losses": list(report.losses), "step_times_s": list(report.step_times_s),
             "median_step_time_s": report.median_step_s, "peak_memory_bytes": report.peak_memory_bytes,
-            "memory": report.memory, "backend": report.backend, "device": report.device})
+            "backend": report.backend, "device": report.device})
         dist.destroy_process_group()
         return 0
     except BaseException as err:
@@ -159,7 +159,6 @@ def worker_main(config_path: str) -> int:
 
 def _join_group(config: dict[str, Any]) -> Any:
     """Join torchrun's process group on the launcher's backend; this rank's device."""
-    import os
     from datetime import timedelta
 
     import torch
@@ -180,11 +179,9 @@ class _InjectedFailure(Hooks):
     """`SHARDC_FAIL_RANK=r SHARDC_FAIL_STEP=k`: rank r raises before step k (the failure tests)."""
 
     def __init__(self, rank: int) -> None:
-        import os
-
         fail_rank = os.environ.get("SHARDC_FAIL_RANK")
-        self.step = int(os.environ.get("SHARDC_FAIL_STEP", "0")) if fail_rank is not None and int(fail_rank) == rank \
-            else None
+        mine = fail_rank is not None and int(fail_rank) == rank
+        self.step = int(os.environ.get("SHARDC_FAIL_STEP", "0")) if mine else None
 
     def before_step(self, index: int, timed: bool) -> None:
         if index == self.step:
@@ -258,6 +255,4 @@ def run_model(spec: str, *, nproc: int, steps: int, plan: str | None = None, clu
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(worker_main(sys.argv[1]))

@@ -167,6 +167,8 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Session:
+    """What the loop trains with: the module and its step, the optimizer, and how to make step k's batch."""
+
     trainee: Trainee
     optimizer: torch.optim.Optimizer
     example: tuple[Any, ...]  # the inputs' shapes and dtypes, on the meta device: they hold no memory
