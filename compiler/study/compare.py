@@ -4,7 +4,7 @@ Definitions:
 - measured step time: per step, the slowest rank's time (steps start together after a
   barrier), then the median over the measured steps;
 - measured peak memory per rank: the largest total of live tensor bytes during the tracked
-  step (`shardc.study.measure`), with its breakdown by category;
+  step (`shardc.train.memory`), with its breakdown by category;
 - relative error: (predicted - measured) / measured, so +10% means the model over-predicts;
 - Spearman's rank correlation of predicted and measured step times over the plans that ran
   (ties get their average rank).
