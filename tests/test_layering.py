@@ -151,7 +151,7 @@ KNOWN_CYCLES: set[str] = {
     'shardc.api <-> shardc.backends.torch.pipelined',
     'shardc.calibration.gloo <-> shardc.calibration.local <-> shardc.calibration.ops <-> shardc.cost.compute <-> shardc.hardware',
     'shardc.calibration.gpu <-> shardc.study.gpu_report',
-    'shardc.frontend.creation <-> shardc.frontend.emit <-> shardc.frontend.normalize <-> shardc.frontend.rules <-> shardc.frontend.views <-> shardc.ops.builtin',
+    'shardc.frontend.creation <-> shardc.frontend.normalize <-> shardc.frontend.rules <-> shardc.frontend.views',
     'shardc.frontend.onnx <-> shardc.frontend.onnx_ops',
 }
 

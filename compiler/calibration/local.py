@@ -60,6 +60,7 @@ from shardc.calibration.ops import (
 from shardc.calibration.speed import SpeedIndex
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_bytes
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import torch_dtype
 
 PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
 CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's matmul size
@@ -288,8 +289,7 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
             progress.advance(task)
             progress.update(task, description="matmul bf16/fp16")
             ref = dict(points)[256]
-            ratios = tuple((name, _matmul_rate(256, dt, budget, speed) / ref)
-                           for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)))
+            ratios = tuple((name, _matmul_rate(256, torch_dtype(name), budget, speed) / ref) for name in ("bf16", "fp16"))
             progress.advance(task)
             progress.update(task, description="memory bandwidth")
             bandwidth = _copy_bandwidth(cfg["copy_numel"] * (1 if quick else 4), budget, speed)

@@ -21,7 +21,7 @@ import torch
 
 from shardc.ir import Graph, Location, Node, TensorType, Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.builtin import DTYPE_NAMES, TORCH_DTYPES
+from shardc.ir.dtypes import dtype_name, torch_dtype
 from shardc.ops.registry import get_op
 
 MIN_OPSET = 17
@@ -128,7 +128,7 @@ class _Importer:
 
     def _declare_input(self, inp: Any, input_shapes: dict[str, tuple[int, ...]]) -> Value:
         tt = inp.type.tensor_type
-        dtype = DTYPE_NAMES[_onnx_torch_dtype(tt.elem_type)]
+        dtype = dtype_name(_onnx_torch_dtype(tt.elem_type))
         if inp.name in input_shapes:
             shape = tuple(input_shapes[inp.name])
             if len(shape) != len(tt.shape.dim):
@@ -170,7 +170,7 @@ class _Importer:
         cached = self.env.get(f"\0{key}")
         if isinstance(cached, Value):
             return cached
-        dtype = DTYPE_NAMES[operand.dtype]
+        dtype = dtype_name(operand.dtype)
         trainable = bool(init_name) and operand.is_floating_point() and operand.numel() > 1
         name = self._unique(init_name or hint_name)
         v = Value(name, TensorType(tuple(operand.shape), dtype), "parameter" if trainable else "buffer",
@@ -204,7 +204,7 @@ class _Importer:
                     ops = [other]
                     break
         values = [self.materialize(o, f"{self.node.output[0]}_c{i}") for i, o in enumerate(ops)]
-        metas = [torch.empty(v.type.shape, dtype=TORCH_DTYPES[v.type.dtype], device="meta") for v in values]
+        metas = [torch.empty(v.type.shape, dtype=torch_dtype(v.type.dtype), device="meta") for v in values]
         try:
             result = opdef.impl(*metas, **attrs)
         except Exception as err:
@@ -212,7 +212,7 @@ class _Importer:
                               f"{op}: {err}", where=self.path) from None
         results = list(result) if isinstance(result, tuple | list) else [result]
         names = list(self.node.output)[: len(results)] + [f"{self.node.output[0]}_{i}" for i in range(len(results))]
-        outs = [Value(self._unique(names[i]), TensorType(tuple(r.shape), DTYPE_NAMES[r.dtype]))
+        outs = [Value(self._unique(names[i]), TensorType(tuple(r.shape), dtype_name(r.dtype)))
                 for i, r in enumerate(results)]
         loc = Location(_module_path(self.node), f"{Path(self.path).name}:{self.node.name or self.node.op_type}")
         self.graph.nodes.append(Node(op, values, outs, attrs, loc))
@@ -385,7 +385,7 @@ def example_inputs(graph: Graph, seed: int = 0) -> tuple[torch.Tensor, ...]:
             high[id(node.inputs[0])] = node.inputs[1].type.shape[0]
     out = []
     for v in graph.inputs:
-        dtype = TORCH_DTYPES[v.type.dtype]
+        dtype = torch_dtype(v.type.dtype)
         if v.type.is_float:
             out.append(torch.randn(v.type.shape, generator=gen, dtype=dtype))
         elif v.type.dtype == "bool":

@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from shardc.ir import Graph, Node, Value
+from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Graph, Node, Value, dtypes
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import PLAN_DTYPES
 from shardc.ops.registry import get_op, has_op
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CP_LAYOUTS = ("contiguous", "zigzag")
-RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("fp32", "bf16", "fp16")
-_DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "bfloat16": "bf16", "f16": "fp16", "float16": "fp16",
-                  "half": "fp16"}
-_IR_DTYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+_ZEROS = ", ".join(map(str, ZERO_STAGES))
 
 # key -> (type, default, meaning); the order here is the printed order.
 PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
@@ -39,9 +36,9 @@ PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     "mb": ("int", "1", "micro-batch size (sequences per micro-batch per data-parallel rank)"),
     "gbs": ("int|auto", "auto", "global batch (sequences per optimizer step); auto: the model's batch"),
     "schedule": ("|".join(SCHEDULES), "1f1b", "pipeline schedule"),
-    "recompute": ("|".join(RECOMPUTE), "none", "activation recomputation of every layer"),
-    "zero": ("0-3", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
-    "dtype": ("|".join(DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
+    "recompute": ("|".join(RECOMPUTE_CHOICES), "none", "activation recomputation of every layer"),
+    "zero": (f"{ZERO_STAGES[0]}-{ZERO_STAGES[-1]}", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
+    "dtype": ("|".join(PLAN_DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
     "offload": ("0|1", "0", "offload optimizer states to host memory"),
 })
 
@@ -65,9 +62,10 @@ def _int(key: str, text: str, low: int = 1) -> int:
     return value
 
 
-def _choice(key: str, text: str, choices: tuple[str, ...], aliases: Mapping[str, str] | None = None) -> str:
+def _choice(key: str, text: str, choices: tuple[str, ...], spelling: Callable[[str], str] | None = None) -> str:
+    """`text` as one of `choices`, after `spelling` maps its aliases to the canonical name."""
     t = text.strip().lower()
-    t = (aliases or {}).get(t, t)
+    t = spelling(t) if spelling else t
     if t not in choices:
         raise ShardcError(f"plan key {key}={text!r}: valid values are {', '.join(choices)}")
     return t
@@ -114,13 +112,12 @@ class ParallelPlan:
                 raise ShardcError(f"plan key {key}={v!r}: expected an integer >= 1")
         if self.gbs is not None and self.gbs < 1:
             raise ShardcError(f"plan key gbs={self.gbs}: expected an integer >= 1 or auto")
-        dtype = _choice("dtype", self.dtype, DTYPES, _DTYPE_ALIASES)
-        object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "recompute", _choice("recompute", self.recompute, RECOMPUTE))
+        object.__setattr__(self, "dtype", _choice("dtype", self.dtype, PLAN_DTYPES, dtypes.precision))
+        object.__setattr__(self, "recompute", _choice("recompute", self.recompute, RECOMPUTE_CHOICES))
         object.__setattr__(self, "sp", bool(self.sp))
         object.__setattr__(self, "offload", bool(self.offload))
-        if self.zero not in (0, 1, 2, 3):
-            raise ShardcError(f"plan key zero={self.zero!r}: valid values are 0, 1, 2, 3")
+        if self.zero not in ZERO_STAGES:
+            raise ShardcError(f"plan key zero={self.zero!r}: valid values are {_ZEROS}")
         object.__setattr__(self, "cp_layout", _choice("cp layout", self.cp_layout, CP_LAYOUTS))
         schedule = _choice("schedule", self.schedule, SCHEDULES)
         if self.vpp > 1:
@@ -158,8 +155,8 @@ class ParallelPlan:
                 values[key] = None if raw.lower() == "auto" else _int(key, raw)
             elif key == "zero":
                 values[key] = _int(key, raw, 0)
-                if values[key] > 3:
-                    raise ShardcError(f"plan key zero={raw!r}: valid values are 0, 1, 2, 3")
+                if values[key] not in ZERO_STAGES:
+                    raise ShardcError(f"plan key zero={raw!r}: valid values are {_ZEROS}")
             elif key in ("schedule", "recompute", "dtype"):
                 values[key] = raw
             elif key == "cp" and ":" in raw:
@@ -196,7 +193,7 @@ class ParallelPlan:
     @property
     def ir_dtype(self) -> str:
         """The compute dtype in the IR's spelling (`f32`, `bf16`, `f16`)."""
-        return _IR_DTYPE[self.dtype]
+        return dtypes.ir_dtype(self.dtype)
 
     def global_batch(self, batch: int | None = None) -> int:
         """`gbs`, or `batch` (the model's example batch) when gbs=auto."""
