@@ -61,14 +61,10 @@ from shardc.calibration.speed import SpeedIndex
 from shardc.hardware import Cluster, DeviceSpec, EagerCosts, LinkSpec, format_bytes
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import torch_dtype
+from shardc.ops.collectives import ring_traffic
 
 PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
 CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's matmul size
-# Ring steps and volume factor per collective over n ranks (bytes = the full buffer).
-_RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
-         "all_gather": lambda n: (n - 1, (n - 1) / n),
-         "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-         "send_recv": lambda n: (1, 1.0)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +89,10 @@ class CollectiveFit:
 
     def link(self) -> LinkSpec | None:
         """The ring link (per-step latency, per-direction bandwidth) that reproduces this fit."""
-        if self.op not in _RING or not self.points:
+        if self.op == "broadcast" or not self.points:  # gloo broadcasts along a tree: no ring reproduces it
             return None
-        steps, volume = _RING[self.op](self.nprocs)
+        traffic = ring_traffic(self.op, self.nprocs)
+        steps, volume = traffic.steps, traffic.fraction
         # A flat fit (noise hid the size dependence) gets the bandwidth the largest message
         # shows when all of its time is counted as transfer: a lower bound.
         biggest, seconds = max(self.points)

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardc.ops.collectives import ring_traffic
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "model_buffers", "other")
 COMM_MARKERS = ("c10d", "gloo", "nccl", "record_param_comms", "wait_tensor", "barrier")
 
@@ -223,7 +225,7 @@ class MemoryTracker(TorchDispatchMode):
         nbytes = sum(_local(t).numel() * _local(t).element_size() for t in _tensors(which))
         size = _group_size(args)
         self.collectives.append({"kind": kind, "bytes": nbytes, "group_size": size,
-                                 "sent_bytes": ring_sent_bytes(kind, nbytes, size), "phase": self._phase()})
+                                 "sent_bytes": ring_traffic(kind, size).fraction * nbytes, "phase": self._phase()})
 
     def _phase(self) -> str:
         if self.phase == "optimizer":
@@ -272,16 +274,6 @@ def collective_kind(op_name: str) -> str | None:
     parts = op_name.split(".")
     base = parts[1] if len(parts) > 1 else parts[0]
     return _KINDS.get(base.rstrip("_"))
-
-
-def ring_sent_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends for a collective on a full buffer of `nbytes` over `n` ranks (ring
-    algorithms; a send sends all of it, a receive nothing)."""
-    if kind == "send":
-        return float(nbytes)
-    if n <= 1 or kind == "recv":
-        return 0.0
-    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
 
 
 @contextmanager
