@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from shardc.analysis.propagate import io_layouts, iteration_space, requires_grad
 from shardc.ir import (
+    DATA_AXES,
     DTYPE_BYTES,
     Graph,
     Layout,
@@ -57,7 +58,6 @@ COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to
                            "rotate_reverse"})
 LOCAL = frozenset({"chunk", "to_partial", "pad", "identity"})
 KINDS = tuple(sorted(COMMUNICATING | LOCAL))
-DATA_AXES: tuple[str, ...] = ("dp", "cp")
 
 # Forward kind -> backward kind (Megatron's convention: the gradient of an all_gather output is
 # partial, that of an all_reduce output replicated); see `conjugate` for the general rule.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Graph, Node, Value, dtypes
+from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Axis, Graph, Node, Value, dtypes
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import PLAN_DTYPES
 from shardc.ops.registry import get_op, has_op
@@ -26,11 +26,11 @@ _ZEROS = ", ".join(map(str, ZERO_STAGES))
 
 # key -> (type, default, meaning); the order here is the printed order.
 PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
-    "dp": ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
-    "tp": ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
-    "pp": ("int", "1", "pipeline-parallel degree (number of stages)"),
+    Axis.DP: ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
+    Axis.TP: ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
+    Axis.PP: ("int", "1", "pipeline-parallel degree (number of stages)"),
     "vpp": ("int", "1", "virtual stages per device; >1 means the interleaved 1F1B schedule"),
-    "cp": ("int[:zigzag]", "1", "context-parallel degree (ring attention over the sequence); cp=N:zigzag "
+    Axis.CP: ("int[:zigzag]", "1", "context-parallel degree (ring attention over the sequence); cp=N:zigzag "
            "balances causal attention (2N chunks, rank i holds i and 2N-1-i)"),
     "sp": ("0|1", "0", "sequence parallel: shard norms/dropout over the sequence across tp ranks"),
     "mb": ("int", "1", "micro-batch size (sequences per micro-batch per data-parallel rank)"),
@@ -106,7 +106,7 @@ class ParallelPlan:
     cp_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):
+        for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):  # the integer fields
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ShardcError(f"plan key {key}={v!r}: expected an integer >= 1")
@@ -159,7 +159,7 @@ class ParallelPlan:
                     raise ShardcError(f"plan key zero={raw!r}: valid values are {_ZEROS}")
             elif key in ("schedule", "recompute", "dtype"):
                 values[key] = raw
-            elif key == "cp" and ":" in raw:
+            elif key == Axis.CP and ":" in raw:
                 degree, _, layout = raw.partition(":")
                 values[key], values["cp_layout"] = _int(key, degree), _choice("cp", layout, CP_LAYOUTS)
             else:
@@ -176,7 +176,7 @@ class ParallelPlan:
             if f.name == "cp_layout":
                 continue
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
-            if f.name == "cp" and self.cp_layout != "contiguous":
+            if f.name == Axis.CP and self.cp_layout != "contiguous":
                 text += f":{self.cp_layout}"
             parts.append(f"{f.name}={text}")
         return ",".join(parts)
@@ -308,7 +308,7 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
 
 
 def _degree_problem(plan: ParallelPlan, devices: int) -> str:
-    degrees = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp}
+    degrees = {Axis.DP: plan.dp, Axis.TP: plan.tp, Axis.PP: plan.pp, Axis.CP: plan.cp}
     text = (f"dp*tp*pp*cp = {plan.dp}*{plan.tp}*{plan.pp}*{plan.cp} = {plan.devices} but the cluster has "
             f"{devices} devices")
     fixes = []
