@@ -11,6 +11,7 @@ of `nbytes` per device (the gathered size for all_gather, the input for reduce_s
     tree   all_reduce      2 ceil(log2 n) alpha + 2 nbytes / beta   (pipelined double binary tree)
     send/recv, rotate      alpha + nbytes / beta
 
+(the ring rows read `shardc.ops.collectives.ring_traffic`, the one table of collective traffic),
 so small messages are latency-bound and the block size matters. A link that measured a whole
 collective at a group size (`LinkSpec.measured`: the calibrated local gloo profile) prices that
 collective on one level by the measured fit instead. A group that spans nodes is
