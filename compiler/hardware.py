@@ -29,17 +29,9 @@ from types import MappingProxyType
 
 from shardc.calibration.profile import EagerCosts, LocalProfile, read_profile
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import precision
 
 GiB = 1 << 30
-
-# Plan and IR spell dtypes differently; peak FLOP/s tables use the plan's names.
-_DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "f16": "fp16", "float16": "fp16", "half": "fp16",
-                  "bfloat16": "bf16", "f64": "fp64", "float64": "fp64"}
-
-
-def canonical_dtype(dtype: str) -> str:
-    """`f32`/`float32` -> `fp32`, `f16`/`half` -> `fp16`, `bfloat16` -> `bf16`; others unchanged."""
-    return _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +113,7 @@ class DeviceSpec:
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype` (plan or IR spelling: `bf16`, `fp32`, `f32`, ...)."""
-        want = canonical_dtype(dtype)
+        want = precision(dtype)  # peak tables use the plan's names
         for d, f in self.peak_flops:
             if d == want:
                 return f

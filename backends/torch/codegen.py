@@ -287,9 +287,9 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
             if isinstance(t, nn.Parameter):
                 return t
         else:
-            from shardc.ops.builtin import TORCH_DTYPES
+            from shardc.ir.dtypes import torch_dtype
 
-            t = torch.empty(local_shape(v, mesh), dtype=TORCH_DTYPES[v.type.dtype], device="meta")
+            t = torch.empty(local_shape(v, mesh), dtype=torch_dtype(v.type.dtype), device="meta")
         return nn.Parameter(t, requires_grad=v.requires_grad) if kind == "parameter" else t
 
     objects = {id(v): tensor_of(v, kind) for v, kind in state.values()}

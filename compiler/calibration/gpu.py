@@ -35,13 +35,13 @@ from typing import Any
 
 from shardc.calibration.fit import fit_linear
 from shardc.calibration.gpu_markdown import report_section
-from shardc.hardware import Cluster, DeviceSpec, canonical_dtype, make_cluster, preset
+from shardc.hardware import Cluster, DeviceSpec, make_cluster, preset
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import element_bytes, precision, torch_dtype
 
 DEFAULT_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 CPU_SIZES = (64, 128, 256, 512)
 LATENCY_SHARE = 0.8  # points whose time is more than this share of kernel latency are not fitted
-_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
 
 
 # ---- which preset a GPU is -----------------------------------------------------------------
@@ -108,8 +108,8 @@ class MatmulShape:
     def nbytes(self, dtype: str) -> float:
         """Bytes read and written once, as the cost model counts a matmul's traffic."""
         weights = 1 if self.kind == "linear" else self.batch
-        return float(_BYTES[canonical_dtype(dtype)] * (self.batch * (self.m * self.k + self.m * self.n)
-                                                         + weights * self.k * self.n))
+        return float(element_bytes(dtype) * (self.batch * (self.m * self.k + self.m * self.n)
+                                            + weights * self.k * self.n))
 
     @property
     def text(self) -> str:
@@ -161,8 +161,7 @@ def time_matmul(shape: MatmulShape, dtype: str, device: str = "cuda", *, budget_
     import torch
     import torch.nn.functional as F
 
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[
-        canonical_dtype(dtype)]
+    dt = torch_dtype(dtype)
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -217,7 +216,7 @@ class Measurement:
 def measure(shapes: Sequence[tuple[MatmulShape, str]], dtypes: Sequence[str], device: str, *,
             budget_s: float = 0.02) -> list[Measurement]:
     """Every (shape, source) in every dtype, timed on `device`."""
-    return [Measurement(s, canonical_dtype(d), time_matmul(s, d, device, budget_s=budget_s), src)
+    return [Measurement(s, precision(d), time_matmul(s, d, device, budget_s=budget_s), src)
             for d in dtypes for s, src in shapes]
 
 

@@ -42,6 +42,7 @@ from shardc.calibration.speed import SpeedIndex
 from shardc.calibration.timing import copy_bandwidth, kernel_latency, matmul_rate
 from shardc.hardware import format_bytes
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import torch_dtype
 
 CONCURRENT_MATMUL_N = 256  # the concurrent benchmark's matmul size
 
@@ -93,8 +94,7 @@ def _measure_alone(cfg: dict[str, Any], say: Callable[[str], None], step: Callab
         step()
         say("matmul bf16/fp16")
         ref = dict(points)[256]
-        ratios = tuple((name, matmul_rate(256, dt, budget, speed) / ref)
-                       for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)))
+        ratios = tuple((name, matmul_rate(256, torch_dtype(name), budget, speed) / ref) for name in ("bf16", "fp16"))
         step()
         say("memory bandwidth")
         bandwidth = copy_bandwidth(cfg["copy_numel"] * (1 if quick else 4), budget, speed)

@@ -39,13 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from shardc.ir.diagnostics import ShardcError
+from shardc.ops.collectives import ring_traffic
 
 PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
-# Ring steps and volume factor per collective over n ranks (bytes = the full buffer).
-_RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
-         "all_gather": lambda n: (n - 1, (n - 1) / n),
-         "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-         "send_recv": lambda n: (1, 1.0)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +67,10 @@ class CollectiveFit:
     def ring(self) -> tuple[float, float] | None:
         """(per-direction bandwidth bytes/s, per-step latency s) of the ring that reproduces this
         fit under the cost model's ring formula; None for a collective without a ring form."""
-        if self.op not in _RING or not self.points:
+        if self.op == "broadcast" or not self.points:  # gloo broadcasts along a tree: no ring reproduces it
             return None
-        steps, volume = _RING[self.op](self.nprocs)
+        traffic = ring_traffic(self.op, self.nprocs)
+        steps, volume = traffic.steps, traffic.fraction
         # A flat fit (noise hid the size dependence) gets the bandwidth the largest message
         # shows when all of its time is counted as transfer: a lower bound.
         biggest, seconds = max(self.points)

@@ -21,7 +21,7 @@ import shardc.frontend.onnx_ops  # noqa: F401  (fills the handler table)
 from shardc.frontend.onnx_import import Importer, OnnxImport, onnx_torch_dtype
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.builtin import TORCH_DTYPES
+from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import get_op
 
 MIN_OPSET = 17
@@ -166,7 +166,7 @@ def example_inputs(graph: Graph, seed: int = 0) -> tuple[torch.Tensor, ...]:
             high[id(node.inputs[0])] = node.inputs[1].type.shape[0]
     out = []
     for v in graph.inputs:
-        dtype = TORCH_DTYPES[v.type.dtype]
+        dtype = torch_dtype(v.type.dtype)
         if v.type.is_float:
             out.append(torch.randn(v.type.shape, generator=gen, dtype=dtype))
         elif v.type.dtype == "bool":

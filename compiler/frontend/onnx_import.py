@@ -15,7 +15,7 @@ import torch
 
 from shardc.ir import Graph, Location, Node, TensorType, Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.builtin import DTYPE_NAMES, TORCH_DTYPES
+from shardc.ir.dtypes import dtype_name, torch_dtype
 from shardc.ops.registry import get_op
 
 Operand: TypeAlias = Value | torch.Tensor
@@ -87,7 +87,7 @@ class Importer:
 
     def _declare_input(self, inp: Any, input_shapes: dict[str, tuple[int, ...]]) -> Value:
         tt = inp.type.tensor_type
-        dtype = DTYPE_NAMES[onnx_torch_dtype(tt.elem_type)]
+        dtype = dtype_name(onnx_torch_dtype(tt.elem_type))
         if inp.name in input_shapes:
             shape = tuple(input_shapes[inp.name])
             if len(shape) != len(tt.shape.dim):
@@ -129,7 +129,7 @@ class Importer:
         cached = self.env.get(f"\0{key}")
         if isinstance(cached, Value):
             return cached
-        dtype = DTYPE_NAMES[operand.dtype]
+        dtype = dtype_name(operand.dtype)
         trainable = bool(init_name) and operand.is_floating_point() and operand.numel() > 1
         name = self._unique(init_name or hint_name)
         v = Value(name, TensorType(tuple(operand.shape), dtype), "parameter" if trainable else "buffer",
@@ -163,7 +163,7 @@ class Importer:
                     ops = [other]
                     break
         values = [self.materialize(o, f"{self.node.output[0]}_c{i}") for i, o in enumerate(ops)]
-        metas = [torch.empty(v.type.shape, dtype=TORCH_DTYPES[v.type.dtype], device="meta") for v in values]
+        metas = [torch.empty(v.type.shape, dtype=torch_dtype(v.type.dtype), device="meta") for v in values]
         try:
             result = opdef.impl(*metas, **attrs)
         except Exception as err:
@@ -171,7 +171,7 @@ class Importer:
                               f"{op}: {err}", where=self.path) from None
         results = list(result) if isinstance(result, tuple | list) else [result]
         names = list(self.node.output)[: len(results)] + [f"{self.node.output[0]}_{i}" for i in range(len(results))]
-        outs = [Value(self._unique(names[i]), TensorType(tuple(r.shape), DTYPE_NAMES[r.dtype]))
+        outs = [Value(self._unique(names[i]), TensorType(tuple(r.shape), dtype_name(r.dtype)))
                 for i, r in enumerate(results)]
         loc = Location(_module_path(self.node), f"{Path(self.path).name}:{self.node.name or self.node.op_type}")
         self.graph.nodes.append(Node(op, values, outs, attrs, loc))

@@ -14,7 +14,7 @@ import torch
 from shardc.frontend.onnx_import import HANDLERS, Importer, Operand, onnx_torch_dtype
 from shardc.ir import Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.builtin import DTYPE_NAMES
+from shardc.ir.dtypes import dtype_name
 
 
 def _shape(o: Operand) -> tuple[int, ...]:
@@ -97,7 +97,7 @@ def _range(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 @handler("Cast")
 def _cast(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
-    return imp.apply("cast", ins[:1], {"dtype": DTYPE_NAMES[onnx_torch_dtype(a["to"])]})
+    return imp.apply("cast", ins[:1], {"dtype": dtype_name(onnx_torch_dtype(a["to"]))})
 
 
 @handler("MatMul")

@@ -27,9 +27,10 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from shardc.cost.memory import in_flight
+from shardc.ir import ZERO_STAGES
 from shardc.search.evaluate import Assignment, per_stage
 from shardc.search.linear import objective
-from shardc.search.problem import ZEROS, Problem
+from shardc.search.problem import Problem
 from shardc.search.sections import STAGE_CLASSES, Model, cand_sum, edges, section, stage_classes
 
 SECTIONS = ("pre", "block", "post")
@@ -60,7 +61,7 @@ def _state_units(model: Model, per_param: float, row: dict[str, float]) -> int:
 
 
 def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0, workers: int = 1,
-          hint: Assignment | None = None, zeros: tuple[int, ...] = ZEROS,
+          hint: Assignment | None = None, zeros: tuple[int, ...] = ZERO_STAGES,
           recomputes: tuple[int, ...] = (0, 1, 2), stage_limit: int = STAGE_CLASSES,
           wall_limit: float | None = None, cutoff: float | None = None) -> SolveResult:
     """Build and solve the model; `hint` warm-starts it (a grid plan or a saved plan).
@@ -168,14 +169,14 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
         low_after = min(M.low("block", lambda r, z=z: to_t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)))
                         for z in zeros)
     tail = M.var(max(M.t(t) for t in co.tail), "tail")
-    for z in ZEROS:
+    for z in ZERO_STAGES:
         md.add(tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
-    gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZEROS if co.gather[z][0])
+    gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZERO_STAGES if co.gather[z][0])
     serial = md.new_bool_var("fsdp")  # the ZeRO stage runs as FSDP2 (`Coefficients.fsdp`)
-    md.add(serial == sum(M.z[z] for z in ZEROS if co.fsdp[z]))
-    serial_alpha = sum(M.t(co.serial[z][0]) * M.z[z] for z in ZEROS if co.fsdp[z])
+    md.add(serial == sum(M.z[z] for z in ZERO_STAGES if co.fsdp[z]))
+    serial_alpha = sum(M.t(co.serial[z][0]) * M.z[z] for z in ZERO_STAGES if co.fsdp[z])
     bucketed = md.new_bool_var("bucketed")  # ZeRO 1-3 as textbook ZeRO (two gradient buckets)
-    md.add(bucketed == sum(M.z[z] for z in ZEROS if z >= 1 and not co.fsdp[z]))
+    md.add(bucketed == sum(M.z[z] for z in ZERO_STAGES if z >= 1 and not co.fsdp[z]))
     stage_times, exposed, after = [], [], []
     block_terms: list[Any] = []
     horizon = (L * tl_ub + pre["time_ub"] + post["time_ub"] + pre["z3_ub"] + post["z3_ub"] + 2 * send_ub
@@ -347,7 +348,7 @@ def _solve_one(problem: Problem, limit_bytes: float, time_limit: float, seed: in
                            solver.deterministic_time)
     per_class = [tuple(next(c for c, var in enumerate(row) if solver.value(var)) for row in M.xs[k]) for k in range(K)]
     stages = tuple(tuple(solver.value(k[r]) for r in range(3)) for _, k in counts)
-    zero = next(z for z in ZEROS if solver.value(M.z[z]))
+    zero = next(z for z in ZERO_STAGES if solver.value(M.z[z]))
     a = per_stage(problem, per_class[classes[0]], [per_class[classes[s]] for s in range(p)], stages, zero)
     # The plan's own linearised objective: a FEASIBLE answer may leave slack in the auxiliary
     # maxima, and the integer model rounds; `objective` is what the plan is worth.
@@ -384,7 +385,7 @@ def _hint(M: Model, classes: list[int], counts: list, hint: Assignment) -> None:
                 continue  # the prefix's and suffix's candidates are shared by the classes
             for j in range(len(M.xs[c][g])):
                 md.add_hint(M.xs[c][g][j], j == cc)
-    for z in ZEROS:
+    for z in ZERO_STAGES:
         md.add_hint(M.z[z], z == hint.zero)
     for (n, k), row in zip(counts, hint.stages):
         md.add_hint(n, sum(row))

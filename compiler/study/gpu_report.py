@@ -22,7 +22,8 @@ from shardc.calibration.gpu import (
     run_gpu_calibration,
 )
 from shardc.calibration.gpu_markdown import report_section
-from shardc.hardware import Cluster, DeviceSpec, canonical_dtype
+from shardc.hardware import Cluster, DeviceSpec
+from shardc.ir.dtypes import precision
 
 
 def plans_section(rows: Sequence[dict[str, Any]]) -> str:
@@ -53,7 +54,7 @@ def repredict_plans(data: dict[str, Any], device: DeviceSpec,
         if p.get("status") != "ok":
             continue
         sp = parse_study_plan(p["plan"])
-        fit = fits.get(canonical_dtype(sp.plan.dtype), {})
+        fit = fits.get(precision(sp.plan.dtype), {})
         if "efficiency" not in fit:
             continue
         curve = CurveFit(fit["dtype"], fit["peak_flops"], fit["efficiency"], fit["half_flops"], fit["points"])

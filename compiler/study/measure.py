@@ -18,22 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardc.ops.collectives import ring_traffic
+
 COMM_MARKERS = ("c10d", "gloo", "nccl", "record_param_comms", "wait_tensor", "barrier")
 
 
-def ring_sent_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends for a collective on a full buffer of `nbytes` over `n` ranks (ring
-    algorithms; a send sends all of it, a receive nothing)."""
-    if kind == "send":
-        return float(nbytes)
-    if n <= 1 or kind == "recv":
-        return 0.0
-    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
-
-
 def with_sent_bytes(collectives: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tracker's collective records, each with the `sent_bytes` of `ring_sent_bytes`."""
-    return [{**c, "sent_bytes": ring_sent_bytes(c["kind"], c["bytes"], c["group_size"])} for c in collectives]
+    """The tracker's collective records, each with the bytes it sent (`shardc.ops.collectives.ring_traffic`)."""
+    return [{**c, "sent_bytes": ring_traffic(c["kind"], c["group_size"]).fraction * c["bytes"]} for c in collectives]
 
 
 # ---- time breakdown from torch.profiler -------------------------------------------------------
