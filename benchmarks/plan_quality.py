@@ -16,8 +16,9 @@ import argparse
 import time
 
 from shardc.hardware import parse_cluster
+from shardc.ir import RECOMPUTE_CHOICES
 from shardc.search.cpsat import solve
-from shardc.search.evaluate import RECOMPUTES, evaluate
+from shardc.search.evaluate import evaluate
 from shardc.search.grid import grid_assignments
 from shardc.search.outer import Found, score, search
 from shardc.search.problem import MeshShape, build_problem, graph_facts
@@ -68,7 +69,7 @@ def run_case(name, spec, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
 
 def describe_stages(found) -> str:
     a = found.assignment
-    text = ["+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTES) if k) or "0" for row in a.stages]
+    text = ["+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTE_CHOICES) if k) or "0" for row in a.stages]
     out = text[0] if len(set(text)) == 1 else "|".join(text)
     if a.stage_choice:
         differ = sum(1 for g, v in enumerate(found.problem.groups) if v.section == "block"

@@ -1,7 +1,8 @@
 """Hardware descriptions: devices, links and clusters (nodes x devices per node).
 
-The preset catalog and `parse_cluster("8xA100-80GB")` live here; the calibrated `local`
-profile is measured by `shardc.calibration.local` and cached in a file.
+The preset catalog and `parse_cluster("8xA100-80GB")` live here, and `local_cluster`, which makes
+this machine's cluster from its measured profile (`shardc.calibration.profile`, cached in a file by
+`shardc calibrate`) as `make_cluster` does from a preset.
 
 Units everywhere: FLOP/s, bytes, bytes/s, seconds. Decimal prefixes (1 GB/s = 1e9 B/s) for
 bandwidths as data sheets print them; memory capacities in binary units (an "80GB" A100 has
@@ -26,18 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from shardc.calibration.profile import EagerCosts, LocalProfile, read_profile
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import precision
 
 GiB = 1 << 30
-
-# Plan and IR spell dtypes differently; peak FLOP/s tables use the plan's names.
-_DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "f16": "fp16", "float16": "fp16", "half": "fp16",
-                  "bfloat16": "bf16", "f64": "fp64", "float64": "fp64"}
-
-
-def canonical_dtype(dtype: str) -> str:
-    """`f32`/`float32` -> `fp32`, `f16`/`half` -> `fp16`, `bfloat16` -> `bf16`; others unchanged."""
-    return _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,70 +78,6 @@ class LinkSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class KernelFit:
-    """Measured eager cost of one class of ops: forward `fwd_call + units * fwd_per_unit`, backward
-    `bwd_call + units * bwd_per_unit` (s). A unit is a FLOP for matmuls and a byte of the forward's
-    reads and writes for everything else; `*_call` is the per-call cost (dispatch, Python, autograd node)."""
-
-    fwd_call: float
-    fwd_per_unit: float
-    bwd_call: float
-    bwd_per_unit: float
-
-    def __post_init__(self) -> None:
-        if min(self.fwd_call, self.fwd_per_unit, self.bwd_call, self.bwd_per_unit) < 0:
-            raise ValueError(f"kernel fit {self}: costs must be >= 0")
-
-    def scaled(self, factor: float) -> KernelFit:
-        return KernelFit(self.fwd_call * factor, self.fwd_per_unit * factor, self.bwd_call * factor,
-                         self.bwd_per_unit * factor)
-
-
-@dataclass(frozen=True, slots=True)
-class EagerCosts:
-    """Measured costs of eager-mode training on a CPU, per op class (`shardc.cost.compute.op_class`:
-    matmul, elementwise, transcendental, norm, softmax, reduction, index, loss, dropout, view) or
-    per op where one differs from its class (`linear`, `attention_matmul`, `masked_fill`, ...), and
-    of the optimizer step with `zero_grad` (`optimizer_per_tensor` s per parameter tensor plus
-    `optimizer_per_param` s per fp32 parameter element). A device with these is costed by them
-    instead of the roofline (`kernel_latency`, `memory_bandwidth`, `matmul_efficiency`)."""
-
-    kinds: tuple[tuple[str, KernelFit], ...]
-    optimizer_per_tensor: float
-    optimizer_per_param: float
-    # The same step on parameters FSDP2 keeps as sharded DTensors (0: not measured, as plain)
-    sharded_optimizer_per_tensor: float = 0.0
-    sharded_optimizer_per_param: float = 0.0
-    # FSDP2's own work per micro-batch of one unit (its hooks, the copies into and out of the
-    # flat gather buffer, unsharded gradient accumulation), beyond the same forward and backward
-    # unsharded, s per parameter tensor and per element of the unit (0: not measured)
-    fsdp_per_tensor: float = 0.0
-    fsdp_per_param: float = 0.0
-
-    def fit(self, *keys: str) -> KernelFit:
-        """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
-        found = dict(self.kinds)
-        return next((found[k] for k in keys if k in found), None) or found["elementwise"]
-
-    def scaled(self, factor: float) -> EagerCosts:
-        """Every cost times `factor` (a process sharing its core runs everything slower alike)."""
-        return EagerCosts(tuple((k, f.scaled(factor)) for k, f in self.kinds), self.optimizer_per_tensor * factor,
-                          self.optimizer_per_param * factor, self.sharded_optimizer_per_tensor * factor,
-                          self.sharded_optimizer_per_param * factor, self.fsdp_per_tensor * factor,
-                          self.fsdp_per_param * factor)
-
-    def fsdp_measured(self) -> bool:
-        """Whether FSDP2's per-micro-batch work was measured (profiles before it: no)."""
-        return self.fsdp_per_tensor > 0 or self.fsdp_per_param > 0
-
-    def optimizer(self, sharded: bool) -> tuple[float, float]:
-        """(s per tensor, s per element) of the optimizer step on plain or FSDP2-sharded parameters."""
-        if sharded and self.sharded_optimizer_per_tensor > 0:
-            return self.sharded_optimizer_per_tensor, self.sharded_optimizer_per_param
-        return self.optimizer_per_tensor, self.optimizer_per_param
-
-
-@dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """One accelerator: peak FLOP/s per dtype, memory capacity and bandwidth.
 
@@ -183,7 +113,7 @@ class DeviceSpec:
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype` (plan or IR spelling: `bf16`, `fp32`, `f32`, ...)."""
-        want = canonical_dtype(dtype)
+        want = precision(dtype)  # peak tables use the plan's names
         for d, f in self.peak_flops:
             if d == want:
                 return f
@@ -339,8 +269,6 @@ def parse_cluster(text: str) -> Cluster:
     s = text.strip()
     m = _LOCAL.match(s)
     if m:
-        from shardc.calibration.local import local_cluster  # calibrate imports this module
-
         return local_cluster(int(m.group(1)) if m.group(1) else _default_local_procs())
     m = _SHAPE.match(s)
     if not m:
@@ -351,8 +279,6 @@ def parse_cluster(text: str) -> Cluster:
         if second is not None:
             total = first * int(second)
             raise ShardcError(f"cluster {text!r}: the local machine is one node; write {total}xlocal or local{total}")
-        from shardc.calibration.local import local_cluster
-
         return local_cluster(first)
     p = preset(name)
     if second is not None:
@@ -381,6 +307,47 @@ def _default_local_procs() -> int:
     import os
 
     return max(1, os.cpu_count() or 1)
+
+
+def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
+    """This machine as one node of `nproc` CPU processes sharing its cores and memory, with gloo
+    links, from `profile` (default: the cached one, `read_profile`; measuring it is
+    `shardc calibrate`'s business). Everything a process does slows by the profile's sharing
+    model (`LocalProfile.slowdown`), never below the speed of a process alone."""
+    if nproc < 1:
+        raise ShardcError(f"local cluster needs >= 1 process, got {nproc}")
+    prof = profile or read_profile()
+    slow = max(1.0, prof.slowdown(nproc))
+    flops = prof.per_process_flops(nproc)
+    peaks = (("fp32", flops),) + tuple((d, flops * r) for d, r in prof.dtype_ratio)
+    bandwidth = next((b for n, _, b in prof.concurrent if n == nproc), prof.memory_bandwidth / slow)
+    memory = prof.memory_bytes // nproc
+    eager = prof.eager.scaled(max(1.0, prof.eager_slowdown(nproc))) if prof.eager is not None else None
+    device = DeviceSpec(f"local-cpu/{nproc}", peaks, memory, bandwidth, 1.0, prof.matmul_half_flops / slow,
+                        prof.kernel_latency * slow, bandwidth, memory, eager)
+    link = local_link(prof, nproc)
+    return Cluster(device, 1, nproc, link, link, f"local{nproc}")
+
+
+def local_link(profile: LocalProfile, nproc: int) -> LinkSpec:
+    """The gloo link among `nproc` local processes: the ring that reproduces the all_reduce fit of
+    the nearest measured count, pipeline messages priced by the send/recv fit, and every
+    collective measured at a group size no larger than these processes (a group of 2 among 4:
+    the 2-process fit; the others' load is the speed probe's business)."""
+    ring_fit = profile.nearest("all_reduce", nproc)
+    ring = ring_fit.ring() if ring_fit is not None else None
+    if ring_fit is None or ring is None:
+        raise ShardcError("the local profile has no all_reduce measurement; rerun `shardc calibrate`")
+    bandwidth, latency = ring
+    send = profile.nearest("send_recv", nproc)
+    p2p = None
+    if send is not None:  # a pipeline's send is far cheaper than an all_reduce's ring step on gloo
+        p2p = (send.fit.alpha, 1.0 / send.fit.beta if send.fit.beta > 0 else bandwidth)
+    measured = tuple((c.op, c.nprocs, c.fit.alpha, c.fit.beta) for c in profile.collectives
+                     if c.op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") and c.points
+                     and c.nprocs <= max(nproc, 2))
+    return LinkSpec(f"gloo-{ring_fit.nprocs}proc", bandwidth, latency, call_overhead=profile.call_overhead(nproc),
+                    p2p=p2p, measured=measured)
 
 
 def with_overrides(cluster: Cluster, *, memory_bytes: int | None = None, intra: LinkSpec | None = None,

@@ -2,24 +2,30 @@
 
 Rule: the plan (from `--plan`, else data parallel over all processes) must use exactly N
 devices. The cost model predicts step time and per-rank memory for the cluster (`--cluster`,
-else this machine's calibrated `local` profile when one is cached); torchrun then starts N
-workers (`shardc.backends.torch.launch`), gloo on CPU, NCCL when every worker has a GPU. Each
-worker builds the model with `--seed`, trains K AdamW steps on synthetic data fixed by the
-seed, and reports its losses, step times (median of steps after the first) and peak memory
-(the first step, which also creates the optimizer state: live tensor storage on CPU,
-`torch.cuda.max_memory_allocated` on GPU). A worker that fails makes torchrun stop the others;
-the error names the rank and its exception. The whole run is bounded by a timeout.
+else this machine's calibrated `local` profile when one is cached); the plan is compiled once
+here and torchrun starts N workers (`python -m shardc.run`, launched by
+`shardc.backends.torch.launch`), gloo on CPU, NCCL when every worker has a GPU. Each worker
+trains in the loop the study uses too (`shardc.train`): the model built with `--seed`, K AdamW
+steps on synthetic data fixed by the seed, and reports its losses, step times (median of steps
+after the first) and peak memory (one more step under the memory tracker, with the optimizer
+state in place: every live tensor storage by role on CPU, `torch.cuda.max_memory_allocated` on
+GPU). A worker that fails makes torchrun stop the others; the error names the rank and its
+exception. The whole run is bounded by a timeout.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
+from shardc.train import Hooks, TrainOptions, train
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -83,15 +89,25 @@ def _predicted_memory(est: Any, plan: ParallelPlan, rank: int) -> int | None:
 
 def launch(spec: str, plan: ParallelPlan, *, nproc: int, steps: int, seed: int, timeout_s: float,
            env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Train on `nproc` torchrun workers; each rank's report, or a ShardcError naming the failed rank."""
-    from shardc.backends.torch.launch import torchrun
+    """Train on `nproc` torchrun workers; each rank's report, or a ShardcError naming the failed rank.
 
+    The plan is compiled here, once, for the model built with `seed`; every worker loads it."""
+    import torch
+
+    from shardc.api import compile as shardc_compile
+    from shardc.backends.torch.launch import torchrun
+    from shardc.frontend.spec import load_model
+
+    torch.manual_seed(seed)
+    loaded = load_model(spec, device="cpu")
+    compiled = shardc_compile(loaded.model, tuple(loaded.example_inputs), plan=plan)
     with tempfile.TemporaryDirectory(prefix="shardc-run-") as tmp:
         out = Path(tmp)
-        config = {"model": spec, "plan": str(plan), "steps": steps, "seed": seed, "out_dir": str(out),
+        torch.save(compiled, out / "compiled.pt")
+        config = {"model": spec, "steps": steps, "seed": seed, "out_dir": str(out),
                   "pg_timeout_s": min(60.0, timeout_s)}
         (out / "config.json").write_text(json.dumps(config))
-        code, log = torchrun(nproc, "shardc.backends.torch.launch", [str(out / "config.json")],
+        code, log = torchrun(nproc, "shardc.run", [str(out / "config.json")],
                              timeout_s=timeout_s, log_dir=out, env=env)
         errors = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
         if code != 0 or errors:
@@ -108,6 +124,68 @@ def launch(spec: str, plan: ParallelPlan, *, nproc: int, steps: int, seed: int, 
             raise ShardcError(f"torchrun failed with exit code {code}:\n{log[-3000:]}")
         reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     return reports
+
+
+def worker_main(config_path: str) -> int:
+    """One rank of `shardc run` under torchrun: join the group, train the compiled plan
+    (`shardc.train.train`, `steps` AdamW steps: the first untimed), write `rank<k>.json`;
+    a failure is written to `rank<k>.error` and re-raised, so torchrun stops the others."""
+    import torch
+    import torch.distributed as dist
+
+    from shardc.backends.torch.launch import write_json
+
+    config = json.loads(Path(config_path).read_text())
+    out_dir = Path(config["out_dir"])
+    rank = int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    try:
+        device = _join_group(config)
+        compiled = torch.load(out_dir / "compiled.pt", weights_only=False)
+        steps = config["steps"]
+        options = TrainOptions(steps=max(1, steps - 1), warmup=min(1, steps - 1), lr=config.get("lr", 1e-3),
+                               seed=config["seed"])
+        report = train(compiled, config["model"], options, device=device, hooks=_InjectedFailure(rank))
+        write_json(out_dir / f"rank{rank}.json", {
+            "rank": rank, "losses": list(report.losses), "step_times_s": list(report.step_times_s),
+            "median_step_time_s": report.median_step_s, "peak_memory_bytes": report.peak_memory_bytes,
+            "backend": report.backend, "device": report.device})
+        dist.destroy_process_group()
+        return 0
+    except BaseException as err:
+        (out_dir / f"rank{rank}.error").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        raise
+
+
+def _join_group(config: dict[str, Any]) -> Any:
+    """Join torchrun's process group on the launcher's backend; this rank's device."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from shardc.backends.torch.launch import PG_TIMEOUT_S, choose_backend
+
+    backend = choose_backend(int(os.environ["WORLD_SIZE"]), config.get("device"), fallback=False)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.get("pg_timeout_s", PG_TIMEOUT_S)))
+    return device
+
+
+class _InjectedFailure(Hooks):
+    """`SHARDC_FAIL_RANK=r SHARDC_FAIL_STEP=k`: rank r raises before step k (the failure tests)."""
+
+    def __init__(self, rank: int) -> None:
+        fail_rank = os.environ.get("SHARDC_FAIL_RANK")
+        mine = fail_rank is not None and int(fail_rank) == rank
+        self.step = int(os.environ.get("SHARDC_FAIL_STEP", "0")) if mine else None
+
+    def before_step(self, index: int, timed: bool) -> None:
+        if index == self.step:
+            raise RuntimeError(f"injected failure (SHARDC_FAIL_RANK, step {index})")
 
 
 def _last_frame(traceback_text: str) -> str:
@@ -174,3 +252,7 @@ def run_model(spec: str, *, nproc: int, steps: int, plan: str | None = None, clu
             console = Console()
         print_summary(summary, console)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1]))

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardc.analysis.propagate import io_layouts
-from shardc.analysis.resharding import DATA_AXES, Edge, ReshardStep, edge_steps, node_stage
-from shardc.ir import Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
+from shardc.analysis.resharding import Edge, ReshardStep, edge_steps, node_stage
+from shardc.ir import DATA_AXES, Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from shardc.ir import Graph, Location, Node, TensorType, Value
-from shardc.ops.builtin import DTYPE_NAMES, TORCH_DTYPES
+from shardc.ir.dtypes import dtype_name, torch_dtype
 from shardc.ops.registry import get_op
 
 
@@ -39,12 +39,12 @@ class GraphBuilder:
 
     def __call__(self, op: str, *inputs: Value, module: str = "", **attrs: Any) -> Any:
         """Add `op(*inputs)[attrs]`; returns its output, or the list of outputs of a multi-output op."""
-        meta = [torch.empty(v.type.shape, dtype=TORCH_DTYPES[v.type.dtype], device="meta") for v in inputs]
+        meta = [torch.empty(v.type.shape, dtype=torch_dtype(v.type.dtype), device="meta") for v in inputs]
         result = get_op(op).impl(*meta, **attrs)
         results = list(result) if isinstance(result, tuple | list) else [result]
         outs = []
         for r in results:
-            outs.append(Value(f"x{self.count}", TensorType(tuple(r.shape), DTYPE_NAMES[r.dtype])))
+            outs.append(Value(f"x{self.count}", TensorType(tuple(r.shape), dtype_name(r.dtype))))
             self.count += 1
         self.graph.nodes.append(Node(op, list(inputs), outs, dict(attrs), Location(module)))
         return outs if len(outs) > 1 else outs[0]

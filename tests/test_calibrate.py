@@ -9,18 +9,12 @@ import pytest
 from rich.console import Console
 
 from shardc.calibration import local as calibrate
-from shardc.calibration.local import (
-    COLLECTIVES,
-    AlphaBeta,
-    CollectiveFit,
-    LocalProfile,
-    fit_affine,
-    load_profile,
-    local_cluster,
-    run_calibration,
-    write_profile,
-)
-from shardc.hardware import parse_cluster
+from shardc.calibration import profile as profile_file
+from shardc.calibration.fit import fit_affine, fit_linear, fit_two_terms
+from shardc.calibration.gloo import COLLECTIVES
+from shardc.calibration.local import load_profile, run_calibration
+from shardc.calibration.profile import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile, write_profile
+from shardc.hardware import local_cluster, parse_cluster
 from shardc.ir.diagnostics import ShardcError
 
 
@@ -54,7 +48,7 @@ def test_measured_numbers_are_positive_and_fits_sane(measured) -> None:
         biggest, seconds = max(c.points)
         assert c.fit.time(biggest) < 20 * seconds  # the fit stays within reach of the data
     eager = profile.eager
-    assert eager is not None and profile.version == calibrate.PROFILE_VERSION and profile.concurrent_matmul_n == 256
+    assert eager is not None and profile.version == PROFILE_VERSION and profile.concurrent_matmul_n == 256
     kinds = dict(eager.kinds)
     assert {"view", "matmul", "linear", "attention_matmul", "elementwise", "transcendental", "norm", "softmax",
             "loss", "index", "dropout", "accumulate_grad"} <= set(kinds)
@@ -86,6 +80,33 @@ def test_fit_affine_recovers_alpha_beta() -> None:
     assert fit_affine(xs, diffs).beta < 1e-11 < fit_affine(xs, diffs, raw).beta
 
 
+def _normal_equations(xs: list[float], ys: list[float], w: list[float]) -> tuple[float, float]:
+    """The weighted least-squares line written out (the closed form the calibration used before numpy)."""
+    sw, sx, sy = sum(w), sum(a * x for a, x in zip(w, xs)), sum(a * y for a, y in zip(w, ys))
+    sxx, sxy = sum(a * x * x for a, x in zip(w, xs)), sum(a * x * y for a, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    return (sxx * sy - sx * sxy) / det, (sw * sxy - sx * sy) / det
+
+
+def test_one_fit_agrees_with_the_normal_equations() -> None:
+    xs = [64.0, 4096.0, 65536.0, 1 << 20, 1 << 22]
+    ys = [3e-5, 4.1e-5, 9e-5, 7.9e-4, 2.2e-3]
+    w = [1 / (y * y) for y in ys]
+    assert fit_linear(xs, ys, w) == pytest.approx(_normal_equations(xs, ys, w), rel=1e-9)
+    assert fit_linear(xs, ys) == pytest.approx(_normal_equations(xs, ys, [1.0] * 5), rel=1e-9)
+    through = sum(a * x * y for a, x, y in zip(w, xs, ys)) / sum(a * x * x for a, x in zip(w, xs))
+    assert fit_linear(xs, ys, w, intercept=False) == pytest.approx((0.0, through), rel=1e-9)
+    with pytest.raises(ValueError, match="do not determine a line"):
+        fit_linear([2.0, 2.0], [1.0, 3.0])
+    # t = a * x + b * y in relative error: the optimizer's per-tensor and per-element costs
+    samples = [(64, 64 * 512, 64 * 3e-6 + 64 * 512 * 2e-9), (16, 16 * 16384, 16 * 3e-6 + 16 * 16384 * 2e-9),
+               (4, 4 * 262144, 4 * 3e-6 + 4 * 262144 * 2e-9)]
+    assert fit_two_terms(samples) == pytest.approx((3e-6, 2e-9), rel=1e-9)
+    # a negative coefficient is refitted with that coefficient at 0 (the better of the two boundaries)
+    a, b = fit_two_terms([(1, 10, 1e-3), (1, 1000, 2e-3), (1, 100000, 1e-3)])
+    assert min(a, b) == 0.0 and max(a, b) > 0
+
+
 def _profile(collectives: tuple[CollectiveFit, ...] = ()) -> LocalProfile:
     fits = collectives or (CollectiveFit("all_reduce", 2, ((64, 2e-4), (1 << 20, 2e-3)), AlphaBeta(2e-4, 1e-9)),)
     return LocalProfile(2, "now", "cpu", 2, 8 << 30, "x", True, ((256, 4e10),), 1e11, 5e5, (("bf16", 1.0),),
@@ -101,7 +122,7 @@ def test_sharing_model_and_link() -> None:
     assert c.device.kernel_latency == pytest.approx(2e-6 * p.slowdown(8))
     assert c.intra.latency == pytest.approx(2e-4 / 2) and c.intra.bandwidth == pytest.approx(1e9)
     flat = _profile((CollectiveFit("all_reduce", 2, ((64, 1e-3), (1 << 20, 1e-3)), AlphaBeta(1e-3, 0.0)),))
-    assert flat.link(2).bandwidth == pytest.approx((1 << 20) / 1e-3)  # all time counted as transfer
+    assert local_cluster(2, flat).intra.bandwidth == pytest.approx((1 << 20) / 1e-3)  # all time counted as transfer
 
 
 def test_write_is_atomic(tmp_path, monkeypatch) -> None:
@@ -113,7 +134,7 @@ def test_write_is_atomic(tmp_path, monkeypatch) -> None:
         f.write(json.dumps(obj)[:20])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(calibrate.json, "dump", broken_dump)
+    monkeypatch.setattr(profile_file.json, "dump", broken_dump)
     with pytest.raises(KeyboardInterrupt):
         write_profile(_profile(), target)
     assert target.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["local-profile.json"]
@@ -125,7 +146,7 @@ def test_write_is_atomic(tmp_path, monkeypatch) -> None:
 
 def test_missing_or_bad_profile(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SHARDC_CACHE_DIR", str(tmp_path))
-    assert calibrate.default_profile_path() == tmp_path / "local-profile.json"
+    assert profile_file.default_profile_path() == tmp_path / "local-profile.json"
     with pytest.raises(ShardcError, match="(?s)no local profile at .*local-profile.json.*shardc calibrate"):
         load_profile(calibrate_if_missing=False)
     (tmp_path / "local-profile.json").write_text('{"version": 0}')

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-from shardc.calibration.gloo import _run_workers
-from shardc.calibration.local import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile, local_cluster
+from shardc.calibration.gloo import run_workers
+from shardc.calibration.profile import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile
+from shardc.hardware import local_cluster
 
 
 def test_wrapper_overhead_is_measured_with_two_gloo_processes() -> None:
-    res = _run_workers(2, {}, timeout=120, entry="_overhead_worker")
+    res = run_workers(2, {}, timeout=120, entry="_overhead_worker")
     # The wrapper copies, builds an autograd node and runs backward on top of the raw gloo call:
     # CPU work, measured in thread time, so it shows; tens of microseconds to a millisecond.
     assert 1e-6 < res["wrapper_overhead"] < 0.01

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
+from shardc.calibration.profile import AlphaBeta, CollectiveFit, EagerCosts, KernelFit, LocalProfile, at_speed
 from shardc.cost import estimate
 from shardc.cost.compute import class_bytes, node_compute_time, op_class, optimizer_step_time
-from shardc.hardware import DeviceSpec, EagerCosts, KernelFit
+from shardc.hardware import DeviceSpec, local_cluster
 from shardc.ir import TensorType
 from shardc.ops.registry import get_op
 

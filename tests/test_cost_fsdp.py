@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 from traced import gpt_graph
 
-from shardc.calibration.gloo import _run_workers
-from shardc.calibration.ops import eager_from_json
+from shardc.calibration.gloo import run_workers
+from shardc.calibration.profile import EagerCosts, KernelFit, eager_from_json
 from shardc.cost import estimate
 from shardc.cost.sync import fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
-from shardc.hardware import Cluster, DeviceSpec, EagerCosts, KernelFit, parse_cluster
+from shardc.hardware import Cluster, DeviceSpec, parse_cluster
 from shardc.plan.parallel import ParallelPlan
 
 EAGER = EagerCosts((("elementwise", KernelFit(3e-6, 3e-11, 8e-6, 1e-11)),), 50e-6, 4e-9, 200e-6, 6e-9)
@@ -73,6 +73,6 @@ def test_step_time_charges_the_figure_per_micro_batch() -> None:
 
 
 def test_fsdp_work_is_measured_with_two_gloo_processes() -> None:
-    per_tensor, per_element = _run_workers(2, {}, timeout=120, entry="_fsdp_worker")["fsdp_overhead"]
+    per_tensor, per_element = run_workers(2, {}, timeout=120, entry="_fsdp_worker")["fsdp_overhead"]
     # hooks and bookkeeping per tensor (microseconds to a millisecond), copies per element (sub-ns to tens)
     assert 0 <= per_tensor < 1e-3 and 0 <= per_element < 1e-7 and per_tensor + per_element > 0

@@ -7,10 +7,10 @@ import pytest
 import torch
 from traced import gpt_graph
 
-from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
+from shardc.calibration.profile import AlphaBeta, CollectiveFit, LocalProfile, at_speed
 from shardc.cost import CostContext, estimate, layer_costs
 from shardc.cost.compose import EstimateOptions
-from shardc.hardware import parse_cluster
+from shardc.hardware import local_cluster, parse_cluster
 from shardc.plan.parallel import ParallelPlan
 
 B, S, H, A, V = 4, 64, 128, 4, 512

@@ -9,6 +9,7 @@ from shardc.cost import CostContext, collective_time, group_levels, in_flight, l
 from shardc.cost.pipeline import bubble_fraction, makespan_closed_form, simulate
 from shardc.hardware import LinkSpec, parse_cluster
 from shardc.ir import Mesh
+from shardc.ops.collectives import ring_traffic
 
 LINK = LinkSpec("test", 100e9, 10e-6)
 
@@ -21,6 +22,16 @@ def test_ring_all_reduce_is_alpha_beta() -> None:
     assert collective_time("all_gather", nbytes, LINK, "ring", group_size=n) == pytest.approx(ag)
 
 
+
+@pytest.mark.parametrize("kind, steps, sent", [
+    ("all_reduce", 14, 1750), ("all_gather", 7, 875), ("reduce_scatter", 7, 875), ("all_to_all", 7, 875),
+    ("broadcast", 7, 875), ("send_recv", 1, 1000), ("send", 1, 1000), ("recv", 1, 0),
+])
+def test_one_traffic_table_for_every_collective(kind: str, steps: int, sent: int) -> None:
+    """Ring steps and bytes one rank sends of a 1000-byte buffer over 8 ranks; one rank sends nothing."""
+    traffic = ring_traffic(kind, 8)
+    assert (traffic.steps, traffic.sent_bytes(1000), traffic.fraction * 1000) == (steps, sent, sent)
+    assert ring_traffic(kind, 1).sent_bytes(1000) == (1000 if kind in ("send_recv", "send") else 0)
 def test_small_messages_are_latency_bound_and_block_size_matters() -> None:
     small = collective_time("all_reduce", 1024, LINK, "ring", group_size=8)
     assert small == pytest.approx(14 * 10e-6, rel=0.01)

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 import shardc.cost.sync as sync
-from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, local_cluster
+from shardc.calibration.profile import AlphaBeta, CollectiveFit, LocalProfile
 from shardc.cost.comm import call_overhead, collective_time
 from shardc.cost.sync import DDP_DEFAULT_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, bucket_tail, ddp_buckets
-from shardc.hardware import LinkSpec, make_cluster
+from shardc.hardware import LinkSpec, local_cluster, make_cluster
 from shardc.study.plans import parse_study_plan
 from shardc.study.predict import predict
 

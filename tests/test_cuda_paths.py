@@ -14,7 +14,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from shardc.backends.torch.launch import PeakMemory, choose_backend, spawn
+from shardc.backends.torch.launch import choose_backend, spawn
 from shardc.ir.diagnostics import ShardcError
 from shardc.study.measure import profile_breakdown, profile_events
 
@@ -118,12 +118,3 @@ def test_cuda_profile_reads_kernels_not_cpu_ops() -> None:
                                _event(3, "aten::mm", 110, 120, DeviceType.CPU)]), "marker")
     assert cpu["compute"] == [(110, 120)]
 
-
-def test_peak_memory_counts_storages_unless_the_device_is_cuda() -> None:
-    with PeakMemory(100, torch.device("cpu")) as mem:
-        x = torch.ones(1000)
-        del x
-    assert mem.peak == 100 + 4000
-    with PeakMemory(0) as mem:
-        y = torch.ones(10, dtype=torch.float64)
-    assert mem.peak == 80 and y.numel() == 10

@@ -1,4 +1,5 @@
-"""The GPU compute-model calibration (`shardc.calibration.gpu`, `gpu_report`), on the CPU.
+"""The GPU compute-model calibration (`shardc.calibration.gpu`, `gpu_markdown`, the study's
+`gpu_report`), on the CPU.
 
 The fit is checked on synthetic timings made from a known efficiency curve (exact, noisy,
 latency-dominated, and from the preset itself); the timing code runs for real on the CPU on
@@ -28,9 +29,10 @@ from shardc.calibration.gpu import (
     square_shapes,
     time_matmul,
 )
+from shardc.calibration.gpu_markdown import report_section
 from shardc.hardware import preset
 from shardc.ir.diagnostics import ShardcError
-from shardc.study.gpu_report import append_to_report, calibrate_study, report_section, repredict_plans
+from shardc.study.gpu_report import append_to_report, calibrate_study, plans_section, repredict_plans
 
 H200 = preset("H200").device
 
@@ -174,4 +176,5 @@ def test_plans_are_predicted_again_on_the_fitted_curve() -> None:
     assert rows == data["gpu_calibration"]["plans"] and len(rows) == 1
     assert rows[0]["plan"] == "mb=4" and rows[0]["preset_error"] == pytest.approx(-0.25)
     assert rows[0]["fitted_s"] == pytest.approx(2e-3, rel=1e-3) and abs(rows[0]["fitted_error"]) < 1e-3
-    assert "| mb=4 | 2.00 | 1.50 | -25% | 2.00 | +0% |" in report_section(data["gpu_calibration"])
+    assert "| mb=4 | 2.00 | 1.50 | -25% | 2.00 | +0% |" in plans_section(rows)
+    assert "| mb=4 |" not in report_section(data["gpu_calibration"]) and plans_section([]) == ""

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, write_profile
+from shardc.calibration.profile import AlphaBeta, CollectiveFit, LocalProfile, write_profile
 from shardc.hardware import (
     ALIASES,
     PRESETS,
     Cluster,
     DeviceSpec,
     LinkSpec,
-    canonical_dtype,
     make_cluster,
     parse_cluster,
 )
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import precision
 
 GiB = 1 << 30
 
@@ -53,7 +53,7 @@ def test_links_are_per_direction_per_gpu_bytes_per_second() -> None:
 def test_dtype_spellings_and_missing_dtype() -> None:
     a100 = PRESETS["A100"] if "A100" in PRESETS else PRESETS[ALIASES["A100"]]
     assert a100.device.peak("f32") == a100.device.peak("fp32") == a100.device.peak("float32")
-    assert canonical_dtype("bfloat16") == "bf16" and canonical_dtype("f16") == "fp16"
+    assert precision("bfloat16") == "bf16" and precision("f16") == "fp16"
     with pytest.raises(ShardcError, match=r"V100-32GB has no peak FLOP/s for dtype 'bf16'; it knows fp16, fp32"):
         PRESETS["V100-32GB"].device.peak("bf16")
 

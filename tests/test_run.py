@@ -8,17 +8,16 @@ import time
 import pytest
 import torch
 
-from shardc.backends.torch.launch import synthetic_batch
 from shardc.cli import main
 from shardc.ir.diagnostics import ShardcError
 from shardc.run import resolve_plan, run_model
+from shardc.train import synthetic_batch, vocab_of
 
 SPEC = "examples/gpt.py:tiny"
 
 
 def reference_losses(steps: int, seed: int) -> list[float]:
     """One process, the same seed, data and optimizer as the workers."""
-    from shardc.backends.torch.launch import _vocab_of
     from shardc.frontend.spec import load_model
 
     torch.manual_seed(seed)
@@ -27,7 +26,7 @@ def reference_losses(steps: int, seed: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
-        loss = model(*synthetic_batch(example, _vocab_of(model), seed, step))
+        loss = model(*synthetic_batch(example, vocab_of(model), seed, step))
         loss.backward()
         opt.step()
         opt.zero_grad()

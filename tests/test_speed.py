@@ -9,14 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-from shardc.calibration.local import AlphaBeta, CollectiveFit, LocalProfile, at_speed, local_cluster
+from shardc.calibration.profile import AlphaBeta, CollectiveFit, EagerCosts, KernelFit, LocalProfile, at_speed
 from shardc.calibration.speed import SpeedIndex, speed_factor
 from shardc.cost.comm import collective_time
 from shardc.cost.compute import node_compute_time
 from shardc.cost.context import copying_views
 from shardc.frontend import trace
 from shardc.frontend.spec import load_model
-from shardc.hardware import DeviceSpec, EagerCosts, KernelFit, LinkSpec
+from shardc.hardware import DeviceSpec, LinkSpec, local_cluster
 from shardc.ir import TensorType
 from shardc.ops.registry import get_op
 from shardc.study.compare import plan_speed

@@ -14,8 +14,8 @@ import torch
 
 from shardc.study import run_study
 from shardc.study.compare import spearman
-from shardc.study.measure import track_memory
 from shardc.study.plans import parse_study_plan
+from shardc.train.memory import MemoryTracker, track_memory
 
 MODEL = "examples/gpt.py:tiny?batch=4"
 SIZES = (1024, 65536)
@@ -135,6 +135,21 @@ def test_memory_accounting_by_category_matches_hand_count() -> None:
     assert got["peak_bytes"] >= params * 2 + optimizer + activations
 
 
+def test_the_tracker_counts_new_storages_and_takes_the_allocator_peak_on_cuda() -> None:
+    """On the CPU a storage made during the body adds its bytes to the peak; on CUDA the
+    allocator's peak is the measurement and the accounting's shortfall is `allocator_extra`."""
+    with track_memory([], None, device=torch.device("cpu")) as tracker:
+        start = tracker.peak
+        x = torch.ones(1000)
+        del x
+    got = tracker.result()
+    assert got["peak_bytes"] == start + 4000 and "allocator" not in got
+    tracker.allocator = {"peak_allocated_bytes": start + 5000.0}  # what track_memory reads on CUDA
+    got = tracker.result()
+    assert got["peak_bytes"] == start + 5000 and got["tracked_peak_bytes"] == start + 4000
+    assert got["peak_breakdown"]["allocator_extra"] == 1000
+
+
 def test_spearman() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -144,8 +159,6 @@ def test_spearman() -> None:
 def test_a_storage_resized_in_place_is_counted_once() -> None:
     """FSDP2 frees and re-allocates unsharded parameters with `resize_`: the data pointer moves,
     the storage stays one storage."""
-    from shardc.study.measure import MemoryTracker
-
     x = torch.zeros(1024)
     tracker = MemoryTracker({}, {})
     with tracker:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import torch_dtype
 
 FORMAT = "shardc-checkpoint/1"
 MARKER = "COMMITTED"
@@ -357,9 +358,7 @@ def full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     manifest = read_manifest(path)
-    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-              "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
-    state = {f"model.{k}": torch.empty(v["shape"], dtype=dtypes[v["dtype"]]) for k, v in manifest["params"].items()}
+    state = {f"model.{k}": torch.empty(v["shape"], dtype=torch_dtype(v["dtype"])) for k, v in manifest["params"].items()}
     dcp.load(state, checkpoint_id=manifest["_path"], no_dist=True)
     out = {k.removeprefix("model."): v for k, v in state.items()}
     for group in manifest["tied"]:

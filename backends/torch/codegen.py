@@ -297,9 +297,9 @@ def _state(graph: Graph, mesh: Mesh, tensors: dict[str, torch.Tensor] | None) ->
             if isinstance(t, nn.Parameter):
                 return t
         else:
-            from shardc.ops.builtin import TORCH_DTYPES
+            from shardc.ir.dtypes import torch_dtype
 
-            t = torch.empty(local_shape(v, mesh), dtype=TORCH_DTYPES[v.type.dtype], device="meta")
+            t = torch.empty(local_shape(v, mesh), dtype=torch_dtype(v.type.dtype), device="meta")
         return nn.Parameter(t, requires_grad=v.requires_grad) if kind == "parameter" else t
 
     return kinds, {v: tensor_of(v, kind) for v, kind in kinds.items()}

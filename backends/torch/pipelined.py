@@ -329,11 +329,11 @@ def _examples(values: list[Any], mesh: Any) -> tuple[torch.Tensor, ...]:
     Given inputs and outputs, torch's `PipelineStage` skips its first-step metadata inference,
     a real forward outside `no_sync` that would arm DDP's reducer before the schedule's own
     backwards (DDP then all-reduces every micro-batch and asserts when rebuilding buckets)."""
-    from shardc.ops.builtin import TORCH_DTYPES
+    from shardc.ir.dtypes import torch_dtype
 
     out = []
     for v in values:
-        t = torch.empty(local_shape(v, mesh), dtype=TORCH_DTYPES[v.type.dtype], device="meta")
+        t = torch.empty(local_shape(v, mesh), dtype=torch_dtype(v.type.dtype), device="meta")
         out.append(t.requires_grad_(v.requires_grad and t.is_floating_point()))
     return tuple(out)
 

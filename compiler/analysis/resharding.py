@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from shardc.analysis.propagate import io_layouts, iteration_space, requires_grad
 from shardc.ir import (
+    DATA_AXES,
     DTYPE_BYTES,
     Graph,
     Layout,
@@ -51,12 +52,12 @@ from shardc.ir import (
     Value,
 )
 from shardc.ir.diagnostics import ShardcError
+from shardc.ops.collectives import ring_traffic
 
 COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send_recv", "rotate",
                            "rotate_reverse"})
 LOCAL = frozenset({"chunk", "to_partial", "pad", "identity"})
 KINDS = tuple(sorted(COMMUNICATING | LOCAL))
-DATA_AXES: tuple[str, ...] = ("dp", "cp")
 
 # Forward kind -> backward kind (Megatron's convention: the gradient of an all_gather output is
 # partial, that of an all_reduce output replicated); see `conjugate` for the general rule.
@@ -104,17 +105,14 @@ class ReshardStep:
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes one device sends with ring algorithms (0 for local steps)."""
-        n = self.group_size
+        """Bytes one device sends with ring algorithms (`ring_traffic`; 0 for local steps)."""
         if not self.communicates:
             return 0
-        if self.kind == "all_reduce":
-            return 2 * self.bytes_in_per_device * (n - 1) // n
-        if self.kind == "all_gather":
-            return self.bytes_in_per_device * (n - 1)
-        if self.kind in ("reduce_scatter", "all_to_all"):
-            return self.bytes_in_per_device * (n - 1) // n
-        return self.bytes_in_per_device  # send_recv, rotate
+        n = self.group_size
+        kind = "rotate" if self.kind == "rotate_reverse" else self.kind
+        # The ring's buffer of an all_gather is the gathered tensor: n shards as this device holds one.
+        buffer = self.bytes_in_per_device * (n if kind == "all_gather" else 1)
+        return ring_traffic(kind, n).sent_bytes(buffer)
 
     def __str__(self) -> str:
         return (f"{self.kind}[{self.axis}] {self.layout_before} -> {self.layout_after} "

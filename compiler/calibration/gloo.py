@@ -6,8 +6,7 @@ for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast 
 by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step) and FSDP2's own work per
-micro-batch (`_fsdp_overhead`). `shardc.calibration.local`
-fits and caches the results.
+micro-batch (`_fsdp_overhead`). `shardc.calibration.local` fits and caches the results.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardc.calibration.fit import fit_two_terms
+from shardc.calibration.timing import COLD_BYTES, evict, timed
 from shardc.ir.diagnostics import ShardcError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
@@ -133,7 +134,7 @@ def _sharded_optimizer(nprocs: int, budget: float, speed: Any = None) -> tuple[f
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from shardc.calibration.ops import COLD_BYTES, OPTIMIZER_CASES, _evict, _fit_two, _timed
+    from shardc.calibration.ops import OPTIMIZER_CASES
 
     mesh = init_device_mesh("cpu", (nprocs,))
     shard = lambda n: DTensor.from_local(torch.randn(n), mesh, [Shard(0)], run_check=False)  # noqa: E731
@@ -146,14 +147,14 @@ def _sharded_optimizer(nprocs: int, budget: float, speed: Any = None) -> tuple[f
         buffer = torch.zeros(COLD_BYTES // 4)
 
         def step(opt: Any = opt, buffer: Any = buffer) -> tuple[float, float]:
-            _evict(buffer)  # cold caches, as the single-process optimizer is timed
+            evict(buffer)  # cold caches, as the single-process optimizer is timed
             t0 = time.thread_time()
             opt.step()
             opt.zero_grad(set_to_none=False)
             return time.thread_time() - t0, 0.0
 
-        samples.append((count, count * numel, _timed(step, budget / len(OPTIMIZER_CASES), speed)[0]))
-    return _fit_two(samples)
+        samples.append((count, count * numel, timed(step, budget / len(OPTIMIZER_CASES), speed)[0]))
+    return fit_two_terms(samples)
 
 
 FSDP_CASES = ((48, 512), (12, 16384), (3, 131072))  # (parameter tensors, elements each)
@@ -173,7 +174,6 @@ def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardc.calibration.ops import COLD_BYTES, _evict, _fit_two
 
     class Unit(torch.nn.Module):
         def __init__(self, count: int, numel: int) -> None:
@@ -196,13 +196,13 @@ def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
                 unit.set_requires_gradient_sync(False)  # type: ignore[operator]
             spent = []
             for _ in range(FSDP_REPS + 2):
-                _evict(buffer)
+                evict(buffer)
                 t0 = time.thread_time()
                 unit(x).backward()
                 spent.append(time.thread_time() - t0)
             times.append(sorted(spent[2:])[FSDP_REPS // 2])
         samples.append((count, count * numel, max(times[1] - times[0], 1e-7)))
-    return _fit_two(samples)
+    return fit_two_terms(samples)
 
 
 def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], None]:
@@ -313,7 +313,7 @@ def _time_calls(run: Callable[[], None], cfg: dict[str, Any]) -> float:
     return float(trials.median().item())
 
 
-def _run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry: str = "_worker") -> dict[str, Any]:
+def run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry: str = "_worker") -> dict[str, Any]:
     """Start `nprocs` fresh interpreters running `entry` (`_worker`, `_overhead_worker` or
     `_fsdp_worker`) and return rank 0's results.
 

@@ -17,8 +17,9 @@ matmuls of the same size) and a sweep of square sizes; each timed as back-to-bac
 median of three trials, CUDA events on a GPU and the wall clock on the CPU: only the device
 string differs, so the tests run the very code a GPU run does on tiny sizes.
 
-`shardc.study.gpu_report` runs it after a study, predicts the plans again on the fitted curve
-and writes the report section.
+The result is data (`calibrate`, `run_gpu_calibration`); `gpu_markdown.report_section` writes it
+as markdown. `shardc.study.gpu_report` runs it after a study, predicts the plans again on the
+fitted curve and adds them to the study's report.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shardc.hardware import Cluster, DeviceSpec, canonical_dtype, make_cluster, preset
+from shardc.calibration.fit import fit_linear
+from shardc.calibration.gpu_markdown import report_section
+from shardc.hardware import Cluster, DeviceSpec, make_cluster, preset
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import element_bytes, precision, torch_dtype
 
 DEFAULT_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 CPU_SIZES = (64, 128, 256, 512)
 LATENCY_SHARE = 0.8  # points whose time is more than this share of kernel latency are not fitted
-_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
 
 
 # ---- which preset a GPU is -----------------------------------------------------------------
@@ -105,8 +108,8 @@ class MatmulShape:
     def nbytes(self, dtype: str) -> float:
         """Bytes read and written once, as the cost model counts a matmul's traffic."""
         weights = 1 if self.kind == "linear" else self.batch
-        return float(_BYTES[canonical_dtype(dtype)] * (self.batch * (self.m * self.k + self.m * self.n)
-                                                         + weights * self.k * self.n))
+        return float(element_bytes(dtype) * (self.batch * (self.m * self.k + self.m * self.n)
+                                            + weights * self.k * self.n))
 
     @property
     def text(self) -> str:
@@ -158,8 +161,7 @@ def time_matmul(shape: MatmulShape, dtype: str, device: str = "cuda", *, budget_
     import torch
     import torch.nn.functional as F
 
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[
-        canonical_dtype(dtype)]
+    dt = torch_dtype(dtype)
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -214,7 +216,7 @@ class Measurement:
 def measure(shapes: Sequence[tuple[MatmulShape, str]], dtypes: Sequence[str], device: str, *,
             budget_s: float = 0.02) -> list[Measurement]:
     """Every (shape, source) in every dtype, timed on `device`."""
-    return [Measurement(s, canonical_dtype(d), time_matmul(s, d, device, budget_s=budget_s), src)
+    return [Measurement(s, precision(d), time_matmul(s, d, device, budget_s=budget_s), src)
             for d in dtypes for s, src in shapes]
 
 
@@ -246,17 +248,11 @@ def fit_curve(points: Sequence[tuple[float, float]], peak: float, latency: float
         raise ShardcError(f"fitting the {dtype or 'matmul'} efficiency curve needs two or more matmul sizes whose "
                           f"time is not mostly kernel latency ({latency * 1e6:.1f} us); got {len(rows)}",
                           hint="add larger sizes to the sweep")
-    w = [1.0 / (t * t) for _, t in rows]
-    sw = sum(w)
-    sf = sum(wi * f for wi, (f, _) in zip(w, rows))
-    st = sum(wi * t for wi, (_, t) in zip(w, rows))
-    sff = sum(wi * f * f for wi, (f, _) in zip(w, rows))
-    sft = sum(wi * f * t for wi, (f, t) in zip(w, rows))
-    det = sw * sff - sf * sf
-    slope = (sw * sft - sf * st) / det if det > 0 else 0.0
-    intercept = (st - slope * sf) / sw
+    flops, seconds = [f for f, _ in rows], [t for _, t in rows]
+    weights = [1.0 / (t * t) for t in seconds]
+    intercept, slope = fit_linear(flops, seconds, weights)
     if slope <= 0 or intercept < 0:  # no fixed cost (or noise): a line through the origin
-        intercept, slope = 0.0, sft / sff
+        intercept, slope = fit_linear(flops, seconds, weights, intercept=False)
     return CurveFit(dtype, peak, 1.0 / (slope * peak), intercept / slope, len(rows))
 
 
@@ -331,8 +327,6 @@ def run_gpu_calibration(model_spec: str | None, device_spec: DeviceSpec, *, devi
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu-calibration.json").write_text(json.dumps(result, indent=1))
-        from shardc.study.gpu_report import report_section
-
         (out / "gpu-calibration.md").write_text(report_section(result))
     return result
 
@@ -358,8 +352,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_gpu_calibration(args.model, preset(name).device, device=args.device, dtypes=args.dtypes.split(","),
                                  sizes=[int(x) for x in args.sizes.split(",") if x], out_dir=args.out,
                                  budget_s=args.budget)
-    from shardc.study.gpu_report import report_section
-
     print(report_section(result))
     return 0
 

@@ -7,15 +7,15 @@ as the kernels, so a roofline misses half the step. Here each op class (`cost.co
 a few ops that differ from their class by several times get their own fit) is timed through a
 representative registry op at a few sizes, forward and autograd backward, in one process with
 one intra-op thread (as the study and the gloo tests run), and fitted to `time = call + units *
-per_unit` (`fit_affine`, relative error): units are FLOPs for matmuls and the forward's bytes
+per_unit` (`fit.fit_affine`, relative error): units are FLOPs for matmuls and the forward's bytes
 (`cost.compute.class_bytes`) for the rest, the units the cost model charges with.
 
 - Times are this thread's CPU time (`time.thread_time`): a busy machine does not inflate them.
   They are costs on a core of one's own; how much of a core a process gets is the sharing
-  model's business (`calibrate.local_cluster`). Each sample is followed by a call of the speed
+  model's business (`hardware.local_cluster`). Each sample is followed by a call of the speed
   probe (`shardc.calibration.speed`) and the medians are taken to its reference speed: the core's own speed
   flips between modes 1.45x apart within seconds on this machine.
-- Each timed call starts with cold caches (`_evict` overwrites 32 MiB first): in a training step
+- Each timed call starts with cold caches (`timing.evict` overwrites 32 MiB first): in a training step
   every op runs once after the others have used the caches, and a hot loop underprices it
   (by 1.3-2x on the GPT example's ops here).
 - A backward is timed with `torch.autograd.grad`, less the engine's fixed cost per backward call
@@ -26,21 +26,21 @@ per_unit` (`fit_affine`, relative error): units are FLOPs for matmuls and the fo
 - The optimizer: AdamW's per-tensor loop (`foreach=False`, what torch picks on CPU) with
   `zero_grad(set_to_none=False)`, fitted to `tensors * per_tensor + elements * per_element`
   (the same on FSDP2's DTensor parameters is measured by `calibrate_gloo`).
-
-This module also holds the profile's other single-process benchmarks (matmul rate by size, copy
-bandwidth, op latency).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from shardc.calibration.speed import EVICT_BYTES, SpeedIndex
-from shardc.hardware import EagerCosts, KernelFit
+from shardc.calibration.fit import fit_affine, fit_two_terms
+from shardc.calibration.profile import EagerCosts, KernelFit
+from shardc.calibration.speed import SpeedIndex
+from shardc.calibration.timing import COLD_BYTES, evict, timed
+from shardc.cost.compute import class_bytes
+from shardc.ops.registry import get_op
 
 # class -> (registry op, attrs); each is built at a size by `_inputs`
 REPRESENTATIVE: dict[str, tuple[str, dict[str, Any]]] = {
@@ -80,39 +80,10 @@ def _inputs(kind: str, numel: int) -> list[Any]:
     return [x]
 
 
-def _timed(run: Callable[[], tuple[float, float]], budget: float, speed: SpeedIndex | None = None
-           ) -> tuple[float, float]:
-    """Median forward and backward seconds over repeated runs (>= 5, until `budget` is spent);
-    with `speed`, one probe call follows each run and the medians are taken to its reference
-    speed (`shardc.calibration.speed`: the machine's speed flips between modes within seconds)."""
-    run()
-    fwd: list[float] = []
-    bwd: list[float] = []
-    probes: list[float] = []
-    start = time.perf_counter()
-    while len(fwd) < 5 or (time.perf_counter() - start < budget and len(fwd) < 200):
-        f, b = run()
-        fwd.append(f)
-        bwd.append(b)
-        if speed is not None:
-            probes.append(speed.seconds())
-    scale = speed.scale(probes) if speed is not None else 1.0
-    return statistics.median(fwd) * scale, statistics.median(bwd) * scale
-
-
-COLD_BYTES = EVICT_BYTES  # what an op finds in its caches after the others of a step (`shardc.calibration.speed`)
-
-
-def _evict(buffer: Any) -> None:
-    """Overwrite `buffer` (`COLD_BYTES`) so that the next call finds its data and code out of the
-    core's caches, as each op of a training step does after the others ran (a hot loop would not)."""
-    buffer.add_(1.0)
-
-
 def _fwd_bwd(fn: Callable[[], Any], wrt: Sequence[Any], budget: float, speed: SpeedIndex | None = None
              ) -> tuple[float, float]:
     """Seconds of `fn()` under autograd and of `torch.autograd.grad` of its output w.r.t. `wrt`,
-    each started with cold caches (`_evict`)."""
+    each started with cold caches (`evict`)."""
     import torch
 
     out = fn()
@@ -120,16 +91,16 @@ def _fwd_bwd(fn: Callable[[], Any], wrt: Sequence[Any], budget: float, speed: Sp
     buffer = torch.zeros(COLD_BYTES // 4)
 
     def run() -> tuple[float, float]:
-        _evict(buffer)
+        evict(buffer)
         t0 = time.thread_time()
         y = fn()
         t1 = time.thread_time()
-        _evict(buffer)
+        evict(buffer)
         t2 = time.thread_time()
         torch.autograd.grad(y, wrt, grad)
         return t1 - t0, time.thread_time() - t2
 
-    return _timed(run, budget, speed)
+    return timed(run, budget, speed)
 
 
 def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144), speed: SpeedIndex | None = None
@@ -139,8 +110,6 @@ def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144), speed:
     `linear` backward by `Tensor.backward` (which accumulates) less the same by `autograd.grad`
     (which does not). Charged as a backward cost (`bwd_call`, `bwd_per_unit`)."""
     import torch
-
-    from shardc.calibration.local import fit_affine
 
     units, diffs, raw = [], [], []
     for numel in sizes:
@@ -158,7 +127,7 @@ def accumulate_fit(budget: float, sizes: Sequence[int] = (16384, 262144), speed:
                 torch.autograd.grad(y, [w], g)
             return time.thread_time() - t0, 0.0
 
-        with_grad, without = _timed(partial(run, True), budget, speed)[0], _timed(partial(run, False), budget, speed)[0]
+        with_grad, without = timed(partial(run, True), budget, speed)[0], timed(partial(run, False), budget, speed)[0]
         units.append(float(w.nbytes))
         diffs.append(max(with_grad - without, 0.0))
         raw.append(with_grad)
@@ -170,8 +139,6 @@ def view_costs(budget: float, chain: int = 16, speed: SpeedIndex | None = None) 
     """(the view class's fit, the autograd engine's fixed cost per backward call): a chain of
     `chain` reshapes, and a single one, timed forward and backward."""
     import torch
-
-    from shardc.ops.registry import get_op
 
     reshape = get_op("reshape").impl
     x = torch.randn(64, WIDTH, requires_grad=True)
@@ -193,10 +160,6 @@ def view_costs(budget: float, chain: int = 16, speed: SpeedIndex | None = None) 
 def kernel_fit(kind: str, sizes: Sequence[int], budget: float, engine: float, speed: SpeedIndex | None = None
                ) -> KernelFit:
     """The class's representative op timed at `sizes` (elements) and fitted (module doc)."""
-    from shardc.calibration.local import fit_affine
-    from shardc.cost.compute import class_bytes
-    from shardc.ops.registry import get_op
-
     name, attrs = REPRESENTATIVE[kind]
     op = get_op(name)
     units, fwd, bwd, raw = [], [], [], []
@@ -222,8 +185,6 @@ def linear_cases(quick: bool) -> list[Case]:
     (m / 64, 64, k), a transformer's (batch, sequence, hidden) activation (3-D costs more than 2-D)."""
     import torch
 
-    from shardc.ops.registry import get_op
-
     linear = get_op("linear").impl
     cases: list[Case] = []
     for m, k, n in LINEAR_SHAPES[:3] if quick else LINEAR_SHAPES:
@@ -239,8 +200,6 @@ def attention_cases(quick: bool) -> list[Case]:
     operands first (part of what such a matmul costs in eager mode)."""
     import torch
 
-    from shardc.ops.registry import get_op
-
     matmul = get_op("matmul").impl
     cases: list[Case] = []
     for b, s, h, d in ATTENTION_SHAPES[:2] if quick else ATTENTION_SHAPES:
@@ -255,8 +214,6 @@ def attention_cases(quick: bool) -> list[Case]:
 
 def matmul_fit(cases: Sequence[Case], budget: float, engine: float, speed: SpeedIndex | None = None) -> KernelFit:
     """Forward and backward of `cases` fitted in FLOPs (backward: 2x the forward's)."""
-    from shardc.calibration.local import fit_affine
-
     flops, fwd, bwd, raw = [], [], [], []
     for fn, wrt, f in cases:
         tf, tb = _fwd_bwd(fn, wrt, budget, speed)
@@ -285,30 +242,14 @@ def optimizer_fit(budget: float, speed: SpeedIndex | None = None) -> tuple[float
         buffer = torch.zeros(COLD_BYTES // 4)
 
         def step(opt: Any = opt, buffer: Any = buffer) -> tuple[float, float]:
-            _evict(buffer)  # the states are out of cache after backward, as in a step
+            evict(buffer)  # the states are out of cache after backward, as in a step
             t0 = time.thread_time()
             opt.step()
             opt.zero_grad(set_to_none=False)
             return time.thread_time() - t0, 0.0
 
-        samples.append((count, count * numel, _timed(step, budget, speed)[0]))
-    return _fit_two(samples)
-
-
-def _fit_two(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """Least squares of `t = a * x + b * y` in relative error with a, b >= 0."""
-    u = [x / t for x, _, t in samples]
-    v = [y / t for _, y, t in samples]
-    suu, svv, suv = sum(a * a for a in u), sum(b * b for b in v), sum(a * b for a, b in zip(u, v))
-    su, sv = sum(u), sum(v)
-    det = suu * svv - suv * suv
-    if det > 0:
-        a, b = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    only_a, only_b = (su / suu, 0.0), (0.0, sv / svv)
-    err = lambda ab: sum((ab[0] * x + ab[1] * y - t) ** 2 / t ** 2 for x, y, t in samples)  # noqa: E731
-    return min(only_a, only_b, key=err)
+        samples.append((count, count * numel, timed(step, budget, speed)[0]))
+    return fit_two_terms(samples)
 
 
 def measure_eager(quick: bool = False, progress: Callable[[str], None] | None = None,
@@ -341,66 +282,3 @@ def measure_eager(quick: bool = False, progress: Callable[[str], None] | None = 
     finally:
         torch.set_num_threads(threads)
     return EagerCosts(tuple(kinds), per_tensor, per_param)
-
-
-def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
-    """`EagerCosts` from its `dataclasses.asdict` form (None stays None)."""
-    if data is None:
-        return None
-    kinds = tuple((str(k), KernelFit(**f)) for k, f in data["kinds"])
-    return EagerCosts(kinds, float(data["optimizer_per_tensor"]), float(data["optimizer_per_param"]),
-                      float(data.get("sharded_optimizer_per_tensor", 0.0)),
-                      float(data.get("sharded_optimizer_per_param", 0.0)),
-                      float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)))
-
-
-# ---- the profile's other single-process benchmarks ---------------------------------------------
-
-def _seconds(fn: Callable[[], object], budget: float, inner: int = 1, speed: SpeedIndex | None = None) -> float:
-    """Median seconds per call of `fn` over repeated batches of `inner` calls, >= 3 batches, in
-    this thread's CPU time (`time.thread_time`): what a call costs on a core of its own, however
-    busy the machine is (sharing is what the concurrent benchmarks measure)."""
-    fn()
-    samples: list[float] = []
-    # Probed before and after, not between samples: these loops run hot, and a probe would evict.
-    probes = [speed.seconds(3)] if speed is not None else []
-    start = time.perf_counter()
-    while len(samples) < 3 or (time.perf_counter() - start < budget and len(samples) < 50):
-        t0 = time.thread_time()
-        for _ in range(inner):
-            fn()
-        samples.append((time.thread_time() - t0) / inner)
-    if speed is not None:
-        probes.append(speed.seconds(3))
-    return statistics.median(samples) * (speed.scale(probes) if speed is not None else 1.0)
-
-
-def _matmul_rate(n: int, dtype: Any, budget: float, speed: SpeedIndex | None = None) -> float:
-    import torch
-
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2.0 * n ** 3 / _seconds(lambda: torch.mm(a, b), budget, speed=speed)
-
-
-def _copy_bandwidth(numel: int, budget: float, speed: SpeedIndex | None = None) -> float:
-    import torch
-
-    src, dst = torch.randn(numel), torch.empty(numel)
-    return 2.0 * src.nbytes / _seconds(lambda: dst.copy_(src), budget, speed=speed)  # read + write
-
-
-def _kernel_latency(budget: float, chain: int = 32, speed: SpeedIndex | None = None) -> float:
-    """The fixed cost of one op in eager training: a chain of tiny modules run forward with
-    autograd recording (dispatch, autograd node, module call), per module. Backward costs about
-    the same per op and input gradient, which is how the model charges it."""
-    import torch
-
-    mods = [torch.nn.GELU() for _ in range(chain)]
-    x = torch.ones(2, 4, requires_grad=True)
-
-    def forward() -> None:
-        y = x
-        for m in mods:
-            y = m(y)
-
-    return _seconds(forward, budget, inner=4, speed=speed) / chain

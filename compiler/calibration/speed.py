@@ -7,7 +7,7 @@ profile measured in one mode and a plan run in the other differ by 1.45x whateve
 So every timing that goes into the local profile is taken beside the probe workload (a small
 MLP block's forward and backward, `probe_workload`) and expressed at the profile's reference
 speed: `seconds * reference / probe_seconds_now`. The study times the probe beside each
-measured step and predicts on the profile at that speed (`LocalProfile.at_speed`).
+measured step and predicts on the profile at that speed (`shardc.calibration.profile.at_speed`).
 
 The probe is timed in this thread's CPU time, always from cold caches, (`time.thread_time`), so a process waiting for a
 core (4 processes on 2 cores) does not read as a slow core; that share is the concurrent

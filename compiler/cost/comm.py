@@ -11,6 +11,7 @@ of `nbytes` per device (the gathered size for all_gather, the input for reduce_s
     tree   all_reduce      2 ceil(log2 n) alpha + 2 nbytes / beta   (pipelined double binary tree)
     send/recv, rotate      alpha + nbytes / beta
 
+(the ring rows read `shardc.ops.collectives.ring_traffic`, the one table of collective traffic),
 so small messages are latency-bound and the block size matters. A link that measured a whole
 collective at a group size (`LinkSpec.measured`: the calibrated local gloo profile) prices that
 collective on one level by the measured fit instead. A group that spans nodes is
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from shardc.hardware import Cluster, LinkSpec
 from shardc.ir import Layout, Mesh, Partial, Placement, Replicate, Shard, TensorType
 from shardc.ir.diagnostics import ShardcError
+from shardc.ops.collectives import POINT_TO_POINT, ring_traffic
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "rotate", "broadcast")
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
@@ -43,15 +45,12 @@ def _ring(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw = link.effective_bandwidth
-    if kind == "all_reduce":
-        return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / bw
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) * link.latency + (n - 1) / n * nbytes / bw
-    if kind == "broadcast":
+    if kind == "broadcast":  # a pipelined tree, as NCCL and gloo broadcast: log2 n rounds, the whole buffer
         return math.ceil(math.log2(n)) * link.latency + nbytes / bw
-    if link.p2p is not None:  # send_recv, rotate: one neighbour transfer, measured as such
+    if kind in POINT_TO_POINT and link.p2p is not None:  # one neighbour transfer, measured as such
         return link.p2p[0] + nbytes / link.p2p[1]
-    return link.latency + nbytes / bw  # send_recv, rotate: one neighbour transfer
+    traffic = ring_traffic(kind, n)
+    return traffic.steps * link.latency + traffic.fraction * nbytes / bw
 
 
 def _tree(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:

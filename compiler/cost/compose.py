@@ -20,6 +20,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -32,11 +33,9 @@ from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
-from shardc.ir import LayerAnnotation, Mesh, Node
+from shardc.ir import DATA_AXES, Axis, LayerAnnotation, Mesh, Node
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
-
-ZERO_AXES = ("dp", "cp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +105,11 @@ class Composition:
 
 
 def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
-    """The axes ZeRO shards over (dp and cp) and the group's size."""
-    axes = tuple(a for a in ZERO_AXES if mesh is not None and a in mesh.names)
-    size = 1
-    for a in axes:
-        size *= mesh.axis_size(a) if mesh is not None else 1
-    return axes, size
+    """The axes ZeRO shards over (the data axes, `DATA_AXES`) and the group's size."""
+    if mesh is None:
+        return (), 1
+    axes = tuple(a for a in DATA_AXES if a in mesh.names)
+    return axes, math.prod(mesh.degree(a) for a in axes)
 
 
 def zero3_exposed(cost: LayerCost, param_elements: float, elem_bytes: int, levels: LinkLevels,
@@ -126,13 +124,13 @@ def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int) ->
     several pipeline devices share (a tied embedding and LM head), after backward, over the
     pipeline link between the devices holding them (Megatron's embedding all-reduce)."""
     out = [0.0] * p
-    if p <= 1 or links.mesh is None or "pp" not in links.mesh.names:
+    if p <= 1 or links.mesh is None or Axis.PP not in links.mesh.names:
         return out
     holders: dict[str, dict[int, float]] = {}
     for layer in layers:
         for name, (numel, _) in layer.params.items():
             holders.setdefault(name, {})[layer.stage % p] = numel
-    link = neighbour_link(links.mesh, "pp", links.cluster)
+    link = neighbour_link(links.mesh, Axis.PP, links.cluster)
     for devices in holders.values():
         if len(devices) > 1:
             for d, numel in devices.items():

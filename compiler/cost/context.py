@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from shardc.cost.comm import LinkLevels, group_levels
 from shardc.cost.compute import LocalNode, localize
 from shardc.hardware import Cluster, DeviceSpec
-from shardc.ir import Graph, Layout, Mesh, Node, Partition, Value
+from shardc.ir import Axis, Graph, Layout, Mesh, Node, Partition, Value
 from shardc.ops.registry import get_op
 
-AXIS_CATEGORY = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm"}
+AXIS_CATEGORY = {Axis.TP: "tp_comm", Axis.CP: "cp_comm", Axis.DP: "dp_comm", Axis.PP: "pp_comm"}
 # Ops whose output aliases the input's storage (a saved view keeps its base alive).
 ALIASING_OPS = frozenset({"reshape", "permute", "expand", "slice", "select", "split"})
 

@@ -18,13 +18,15 @@ Rules:
 
 from __future__ import annotations
 
+from shardc.ir.dtypes import precision
+
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "working",
                      "buffers")
 
 
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes per parameter for plan dtype `dtype`."""
-    if dtype in ("bf16", "fp16", "f16"):
+    if precision(dtype) in ("bf16", "fp16"):
         return 2, 2, 12
     return 4, 4, 8
 

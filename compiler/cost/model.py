@@ -29,7 +29,7 @@ from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_params,
 from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.hardware import Cluster
-from shardc.ir import Graph, LayerAnnotation, Shard
+from shardc.ir import Axis, Graph, LayerAnnotation, Shard
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan
@@ -106,7 +106,7 @@ def _batch_scale(graph: Graph, plan: ParallelPlan) -> tuple[float, int]:
     if graph.mesh is not None and first.layout is not None:
         local = first.layout.local_shape(first.type.shape, graph.mesh)[0]
         for axis, p in first.layout.placements:
-            if isinstance(p, Shard) and p.dim == 0 and axis != "dp":
+            if isinstance(p, Shard) and p.dim == 0 and axis != Axis.DP:
                 model_axes *= graph.mesh.axis_size(axis)
     return plan.mb / model_axes / max(local, 1), batch
 
@@ -191,9 +191,9 @@ def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int,
     stage_of = {l.name: l.stage for l in layers}
     out = [0.0] * stages
     nbytes = [0.0] * stages
-    if ctx.mesh is None or "pp" not in ctx.mesh.names:
+    if ctx.mesh is None or Axis.PP not in ctx.mesh.names:
         return out, nbytes
-    link = neighbour_link(ctx.mesh, "pp", cluster)
+    link = neighbour_link(ctx.mesh, Axis.PP, cluster)
     sent: set[int] = set()
     for layer in layers:
         for node in layer.nodes:

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from shardc.ir import Graph, Location, Node, TensorType, Value
-from shardc.ops.builtin import DTYPE_NAMES
+from shardc.ir import Graph, Location, Node, TensorType, Value, dtypes
 from shardc.ops.registry import get_op, has_op
 
 
@@ -24,9 +23,9 @@ class Unsupported(Exception):
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise Unsupported(f"dtype {dtype} has no IR name (known: {', '.join(map(str, DTYPE_NAMES))})") from None
+        return dtypes.dtype_name(dtype)
+    except KeyError as e:
+        raise Unsupported(str(e.args[0])) from None
 
 
 def tensor_type(t: torch.Tensor) -> TensorType:

@@ -11,49 +11,20 @@ node without a handler is an error naming the node, or an opaque replicated node
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 
-from shardc.ir import Graph, Location, Node, TensorType, Value
+import shardc.frontend.onnx_ops  # noqa: F401  (fills the handler table)
+from shardc.frontend.onnx_import import Importer, OnnxImport, onnx_torch_dtype
+from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.builtin import DTYPE_NAMES, TORCH_DTYPES
+from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import get_op
 
 MIN_OPSET = 17
-Operand: TypeAlias = Value | torch.Tensor
-
-
-@dataclass
-class OnnxImport:
-    """The imported graph, the values of its parameters and buffers by IR name, and for each
-    parameter the ONNX initializer it came from (used to write trained weights back)."""
-
-    graph: Graph
-    state: dict[str, torch.Tensor]
-    initializer_of: dict[str, str] = field(default_factory=dict)
-    path: str = ""
-
-
-def _sanitize(name: str) -> str:
-    text = re.sub(r"[^A-Za-z0-9_.]", "_", name).strip(".") or "v"
-    return text if not text[0].isdigit() else "v" + text
-
-
-def _module_path(node: Any) -> str:
-    """The torch module path recorded by torch.onnx's exporter, else the node's name scope."""
-    for prop in node.metadata_props:
-        if prop.key == "namespace":
-            scopes = [s.split(":")[0].strip() for s in prop.value.split("/")]
-            mods = [s for s in scopes[1:-1] if s]
-            return mods[-1] if mods else ""
-    if node.name.startswith("/"):
-        return ".".join(p for p in node.name.split("/")[1:-1] if p)
-    return ""
 
 
 def _read_model(path: str) -> Any:
@@ -90,197 +61,13 @@ def _read_model(path: str) -> Any:
     return model
 
 
-class _Importer:
-    def __init__(self, model: Any, path: str, input_shapes: dict[str, tuple[int, ...]], allow_opaque: bool) -> None:
-        from onnx import numpy_helper
-
-        self.path = path
-        self.allow_opaque = allow_opaque
-        name = _sanitize(Path(path).stem or "onnx")
-        self.graph = Graph(name)
-        self.state: dict[str, torch.Tensor] = {}
-        self.initializer_of: dict[str, str] = {}
-        self.env: dict[str, Operand] = {}
-        self.names: set[str] = set()
-        self.initializers: dict[str, torch.Tensor] = {}
-        for init in model.graph.initializer:
-            t = torch.from_numpy(numpy_helper.to_array(init).copy())
-            self.initializers[init.name] = t
-            self.env[init.name] = t
-        unknown = set(input_shapes) - {i.name for i in model.graph.input}
-        if unknown:
-            raise ShardcError(f"--input-shape names {sorted(unknown)}, which are not inputs of {path}; its "
-                              f"inputs are {[i.name for i in model.graph.input if i.name not in self.initializers]}")
-        self.node: Any = None
-        for inp in model.graph.input:
-            if inp.name in self.initializers:
-                continue
-            self.env[inp.name] = self._declare_input(inp, input_shapes)
-
-    # ---- values ----
-    def _unique(self, name: str) -> str:
-        base = _sanitize(name)
-        out, i = base, 1
-        while out in self.names:
-            out, i = f"{base}_{i}", i + 1
-        self.names.add(out)
-        return out
-
-    def _declare_input(self, inp: Any, input_shapes: dict[str, tuple[int, ...]]) -> Value:
-        tt = inp.type.tensor_type
-        dtype = DTYPE_NAMES[_onnx_torch_dtype(tt.elem_type)]
-        if inp.name in input_shapes:
-            shape = tuple(input_shapes[inp.name])
-            if len(shape) != len(tt.shape.dim):
-                raise ShardcError(f"--input-shape {inp.name}={'x'.join(map(str, shape))} has rank {len(shape)} "
-                                  f"but input {inp.name!r} has rank {len(tt.shape.dim)}")
-            for i, (d, given) in enumerate(zip(tt.shape.dim, shape)):
-                if d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != given:
-                    raise ShardcError(
-                        f"input {inp.name!r} of {self.path} fixes dim {i} to {d.dim_value}; it cannot be given as "
-                        f"{given}", hint="export the model with that dim dynamic (torch.onnx.export(..., "
-                        "dynamic_shapes=...)) to import it at other shapes")
-        else:
-            shape_list = []
-            for i, d in enumerate(tt.shape.dim):
-                if d.HasField("dim_value") and d.dim_value > 0:
-                    shape_list.append(d.dim_value)
-                else:
-                    label = d.dim_param or "?"
-                    raise ShardcError(
-                        f"input {inp.name!r} of {self.path} has a dynamic dimension {label!r} (dim {i}) without a value",
-                        hint=f"give static shapes, e.g. --input-shape {inp.name}="
-                        + "x".join(str(x.dim_value) if x.dim_value > 0 else "8" for x in tt.shape.dim))
-            shape = tuple(shape_list)
-        v = Value(self._unique(inp.name), TensorType(shape, dtype), "input")
-        self.graph.inputs.append(v)
-        return v
-
-    def materialize(self, operand: Operand, hint_name: str) -> Value:
-        """A constant used by computation: a float initializer becomes a trainable parameter,
-        anything else a buffer; the value is kept in `state`."""
-        if isinstance(operand, Value):
-            return operand
-        for init_name, tensor in self.initializers.items():
-            if tensor is operand:
-                key = ("init", init_name)
-                break
-        else:
-            init_name, key = "", ("const", str(id(operand)))
-        cached = self.env.get(f"\0{key}")
-        if isinstance(cached, Value):
-            return cached
-        dtype = DTYPE_NAMES[operand.dtype]
-        trainable = bool(init_name) and operand.is_floating_point() and operand.numel() > 1
-        name = self._unique(init_name or hint_name)
-        v = Value(name, TensorType(tuple(operand.shape), dtype), "parameter" if trainable else "buffer",
-                  requires_grad=trainable)
-        (self.graph.params if trainable else self.graph.buffers).append(v)
-        self.state[name] = operand
-        if trainable:
-            self.initializer_of[name] = init_name
-        self.env[f"\0{key}"] = v
-        return v
-
-    # ---- emitting ----
-    def apply(self, op: str, operands: Sequence[Operand], attrs: dict[str, Any] | None = None,
-              scalar_attr: bool = False) -> list[Operand]:
-        """Fold `op` when every operand is a constant, else emit an IR node. With `scalar_attr`,
-        a one-element constant operand of a binary op becomes the `other` attribute."""
-        attrs = dict(attrs or {})
-        opdef = get_op(op)
-        if all(isinstance(o, torch.Tensor) for o in operands):
-            result = opdef.impl(*operands, **attrs)
-            return list(result) if isinstance(result, tuple | list) else [result]
-        ops = list(operands)
-        if scalar_attr and len(ops) == 2:
-            for i, o in enumerate(ops):
-                if isinstance(o, torch.Tensor) and o.numel() == 1:
-                    other = ops[1 - i]
-                    assert isinstance(other, Value)
-                    attrs["other"] = o.item()
-                    if i == 0:
-                        attrs["reverse"] = True
-                    ops = [other]
-                    break
-        values = [self.materialize(o, f"{self.node.output[0]}_c{i}") for i, o in enumerate(ops)]
-        metas = [torch.empty(v.type.shape, dtype=TORCH_DTYPES[v.type.dtype], device="meta") for v in values]
-        try:
-            result = opdef.impl(*metas, **attrs)
-        except Exception as err:
-            raise ShardcError(f"ONNX node {self.node.name!r} ({self.node.op_type}) cannot be imported as "
-                              f"{op}: {err}", where=self.path) from None
-        results = list(result) if isinstance(result, tuple | list) else [result]
-        names = list(self.node.output)[: len(results)] + [f"{self.node.output[0]}_{i}" for i in range(len(results))]
-        outs = [Value(self._unique(names[i]), TensorType(tuple(r.shape), DTYPE_NAMES[r.dtype]))
-                for i, r in enumerate(results)]
-        loc = Location(_module_path(self.node), f"{Path(self.path).name}:{self.node.name or self.node.op_type}")
-        self.graph.nodes.append(Node(op, values, outs, attrs, loc))
-        return list(outs)
-
-    def run(self, model: Any) -> OnnxImport:
-        for node in model.graph.node:
-            self.node = node
-            handler = HANDLERS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-            ins = [self.env[n] if n else None for n in node.input]
-            if handler is None:
-                outs = self._unhandled(node, ins)
-            else:
-                outs = handler(self, ins, _attrs(node))
-            for name, v in zip(node.output, outs):
-                if name:
-                    self.env[name] = v
-        for out in model.graph.output:
-            o = self.env[out.name]
-            if isinstance(o, torch.Tensor):
-                raise ShardcError(f"output {out.name!r} of {self.path} is a constant; shardc needs outputs "
-                                  "computed from the inputs")
-            self.graph.outputs.append(o)
-        return OnnxImport(self.graph, self.state, self.initializer_of, self.path)
-
-    def _unhandled(self, node: Any, ins: list[Operand | None]) -> list[Operand]:
-        op = f"{node.domain + '::' if node.domain else ''}{node.op_type}"
-        raise ShardcError(
-            f"ONNX op {op} (node {node.name!r}, module {_module_path(node) or '?'}) has no registry entry",
-            where=self.path,
-            hint="add a handler to shardc.frontend.onnx_ops mapping it to registry ops (opaque nodes are "
-            "not supported for ONNX: shardc could not execute them)")
-
-
-def _onnx_torch_dtype(elem_type: int) -> torch.dtype:
-    from onnx import TensorProto
-
-    table: dict[int, torch.dtype] = {TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
-             TensorProto.BFLOAT16: torch.bfloat16, TensorProto.INT64: torch.int64, TensorProto.INT32: torch.int32,
-             TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8, TensorProto.BOOL: torch.bool,
-             TensorProto.INT16: torch.int16}
-    if elem_type not in table:
-        raise ShardcError(f"ONNX element type {elem_type} is not supported")
-    return table[elem_type]
-
-
-def _attrs(node: Any) -> dict[str, Any]:
-    from onnx import helper, numpy_helper
-
-    out: dict[str, Any] = {}
-    for a in node.attribute:
-        v = helper.get_attribute_value(a)
-        if hasattr(v, "dims") and hasattr(v, "data_type"):
-            v = torch.from_numpy(numpy_helper.to_array(v).copy())
-        elif isinstance(v, bytes):
-            v = v.decode()
-        out[a.name] = v
-    return out
-
-
 def import_onnx(path: str | os.PathLike[str], *, input_shapes: dict[str, tuple[int, ...]] | None = None,
                 allow_opaque: bool = False) -> OnnxImport:
     """Import an ONNX file into the IR; `input_shapes` gives static shapes for dynamic inputs."""
-    from shardc.frontend.onnx_ops import HANDLERS as _handlers  # noqa: F401  (fills HANDLERS)
 
     path = str(path)
     model = _read_model(path)
-    return _Importer(model, path, dict(input_shapes or {}), allow_opaque).run(model)
+    return Importer(model, path, dict(input_shapes or {}), allow_opaque).run(model)
 
 
 def parse_input_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -309,7 +96,7 @@ def write_onnx(result: OnnxImport, params: dict[str, torch.Tensor], out_path: st
         raise ShardcError(f"write_onnx: no trained value for parameters {sorted(missing)[:5]}")
     for init in model.graph.initializer:
         if init.name in by_init:
-            arr = by_init[init.name].detach().cpu().to(_onnx_torch_dtype(init.data_type)).numpy()
+            arr = by_init[init.name].detach().cpu().to(onnx_torch_dtype(init.data_type)).numpy()
             init.CopyFrom(numpy_helper.from_array(arr, init.name))
     out_path = str(out_path)
     tmp = out_path + ".tmp"
@@ -319,10 +106,6 @@ def write_onnx(result: OnnxImport, params: dict[str, torch.Tensor], out_path: st
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-Handler = Callable[[_Importer, list[Any], dict[str, Any]], list[Operand]]
-HANDLERS: dict[str, Handler] = {}
 
 
 class OnnxModule(torch.nn.Module):
@@ -360,8 +143,6 @@ class OnnxModule(torch.nn.Module):
         return import_onnx(self.shardc_import.path, input_shapes=shapes).graph
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        from shardc.ops.registry import get_op
-
         graph = self.shardc_graph
         state = dict(self.named_parameters()) | dict(self.named_buffers())
         env: dict[int, Any] = {id(v): t for v, t in zip(graph.inputs, inputs)}
@@ -385,7 +166,7 @@ def example_inputs(graph: Graph, seed: int = 0) -> tuple[torch.Tensor, ...]:
             high[id(node.inputs[0])] = node.inputs[1].type.shape[0]
     out = []
     for v in graph.inputs:
-        dtype = TORCH_DTYPES[v.type.dtype]
+        dtype = torch_dtype(v.type.dtype)
         if v.type.is_float:
             out.append(torch.randn(v.type.shape, generator=gen, dtype=dtype))
         elif v.type.dtype == "bool":

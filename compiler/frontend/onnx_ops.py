@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
-from shardc.frontend.onnx import HANDLERS, Operand, _Importer, _onnx_torch_dtype
+from shardc.frontend.onnx_import import HANDLERS, Importer, Operand, onnx_torch_dtype
 from shardc.ir import Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.builtin import DTYPE_NAMES
+from shardc.ir.dtypes import dtype_name
 
 
 def _shape(o: Operand) -> tuple[int, ...]:
     return tuple(o.type.shape) if isinstance(o, Value) else tuple(o.shape)
 
 
-def _const(imp: _Importer, o: Operand | None, what: str) -> torch.Tensor:
+def _const(imp: Importer, o: Operand | None, what: str) -> torch.Tensor:
     if not isinstance(o, torch.Tensor):
         raise ShardcError(f"ONNX node {imp.node.name!r} ({imp.node.op_type}): {what} must be a constant after "
                           "folding, but it depends on the model inputs", where=imp.path,
@@ -29,7 +29,7 @@ def _const(imp: _Importer, o: Operand | None, what: str) -> torch.Tensor:
     return o
 
 
-def _ints(imp: _Importer, o: Operand | None, what: str) -> list[int]:
+def _ints(imp: Importer, o: Operand | None, what: str) -> list[int]:
     return [int(x) for x in _const(imp, o, what).reshape(-1).tolist()]
 
 
@@ -50,24 +50,24 @@ _UNARY = {"Sqrt": "sqrt", "Erf": "erf", "Tanh": "tanh", "Exp": "exp", "Neg": "ne
 
 
 @handler(*_BINARY)
-def _binary(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _binary(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     if len(ins) == 2 and all(isinstance(o, torch.Tensor) for o in ins):
         return imp.apply(_BINARY[imp.node.op_type], ins)
     return imp.apply(_BINARY[imp.node.op_type], ins, scalar_attr=True)
 
 
 @handler(*_UNARY)
-def _unary(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _unary(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     return imp.apply(_UNARY[imp.node.op_type], ins[:1])
 
 
 @handler("Identity", "Dropout")
-def _identity(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _identity(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     return [ins[0]]
 
 
 @handler("Constant")
-def _constant(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _constant(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     if "value" in a:
         return [a["value"]]
     for key, dtype in (("value_float", torch.float32), ("value_floats", torch.float32), ("value_int", torch.int64),
@@ -78,35 +78,35 @@ def _constant(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand
 
 
 @handler("Shape")
-def _shape_op(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _shape_op(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     shape = list(_shape(ins[0]))
     return [torch.tensor(shape[a.get("start", 0): a.get("end", len(shape))], dtype=torch.int64)]
 
 
 @handler("ConstantOfShape")
-def _constant_of_shape(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _constant_of_shape(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     value = a.get("value", torch.zeros(1))
     return [torch.full(tuple(_ints(imp, ins[0], "the shape")), value.reshape(-1)[0].item(), dtype=value.dtype)]
 
 
 @handler("Range")
-def _range(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _range(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     start, limit, delta = (_const(imp, o, "Range's operands") for o in ins)
     return [torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype)]
 
 
 @handler("Cast")
-def _cast(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
-    return imp.apply("cast", ins[:1], {"dtype": DTYPE_NAMES[_onnx_torch_dtype(a["to"])]})
+def _cast(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+    return imp.apply("cast", ins[:1], {"dtype": dtype_name(onnx_torch_dtype(a["to"]))})
 
 
 @handler("MatMul")
-def _matmul(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _matmul(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     return imp.apply("matmul", ins)
 
 
 @handler("Gemm")
-def _gemm(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _gemm(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     x, w = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 else None
     if a.get("transA", 0):
@@ -128,7 +128,7 @@ def _gemm(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 
 @handler("Reshape")
-def _reshape(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _reshape(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     src = _shape(ins[0])
     target = _ints(imp, ins[1], "Reshape's shape")
     if not a.get("allowzero", 0):
@@ -146,7 +146,7 @@ def _reshape(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]
 
 
 @handler("Unsqueeze", "Squeeze")
-def _unsqueeze(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _unsqueeze(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     shape = list(_shape(ins[0]))
     axes = _ints(imp, ins[1], "the axes") if len(ins) > 1 and ins[1] is not None else list(a.get("axes", []))
     if imp.node.op_type == "Unsqueeze":
@@ -160,7 +160,7 @@ def _unsqueeze(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operan
 
 
 @handler("Flatten")
-def _flatten(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _flatten(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     shape = _shape(ins[0])
     axis = a.get("axis", 1) % max(len(shape), 1)
     lead = 1
@@ -173,13 +173,13 @@ def _flatten(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]
 
 
 @handler("Transpose")
-def _transpose(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _transpose(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     rank = len(_shape(ins[0]))
     return imp.apply("permute", ins[:1], {"dims": tuple(a.get("perm", range(rank - 1, -1, -1)))})
 
 
 @handler("Split")
-def _split(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _split(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     shape = _shape(ins[0])
     axis = a.get("axis", 0) % len(shape)
     if len(ins) > 1 and ins[1] is not None:
@@ -192,13 +192,13 @@ def _split(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 
 @handler("Concat")
-def _concat(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _concat(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     rank = len(_shape(ins[0]))
     return imp.apply("concat", ins, {"dim": a["axis"] % rank})
 
 
 @handler("Slice")
-def _slice(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _slice(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     x = ins[0]
     shape = _shape(x)
     starts = _ints(imp, ins[1], "Slice's starts")
@@ -218,7 +218,7 @@ def _slice(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 
 @handler("Gather")
-def _gather(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _gather(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     data, indices = ins
     axis = a.get("axis", 0) % len(_shape(data))
     if isinstance(indices, torch.Tensor) and indices.dim() == 0:
@@ -233,13 +233,13 @@ def _gather(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 
 @handler("Softmax", "LogSoftmax")
-def _softmax(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _softmax(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     op = "softmax" if imp.node.op_type == "Softmax" else "log_softmax"
     return imp.apply(op, ins[:1], {"dim": a.get("axis", -1) % len(_shape(ins[0]))})
 
 
 @handler("LayerNormalization")
-def _layer_norm(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _layer_norm(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     rank = len(_shape(ins[0]))
     if a.get("axis", -1) % rank != rank - 1:
         raise ShardcError(f"ONNX LayerNormalization {imp.node.name!r} normalises from axis {a.get('axis')}; only "
@@ -248,12 +248,12 @@ def _layer_norm(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Opera
 
 
 @handler("Gelu")
-def _gelu(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _gelu(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     return imp.apply("gelu", ins[:1], {"approximate": a.get("approximate", "none")})
 
 
 @handler("Where")
-def _where(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _where(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     cond, x, y = ins
     if all(isinstance(o, torch.Tensor) for o in ins):
         return [torch.where(cond, x, y)]
@@ -268,7 +268,7 @@ def _where(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 
 @handler("Expand")
-def _expand(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _expand(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     target = torch.broadcast_shapes(_shape(ins[0]), tuple(_ints(imp, ins[1], "Expand's shape")))
     if isinstance(ins[0], torch.Tensor):
         return [ins[0].expand(target)]
@@ -276,7 +276,7 @@ def _expand(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 
 @handler("ReduceMean", "ReduceSum", "ReduceMax")
-def _reduce(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _reduce(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     op = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax"}[imp.node.op_type]
     rank = len(_shape(ins[0]))
     if len(ins) > 1 and ins[1] is not None:
@@ -290,6 +290,6 @@ def _reduce(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
 
 
 @handler("Trilu")
-def _trilu(imp: _Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
+def _trilu(imp: Importer, ins: list[Any], a: dict[str, Any]) -> list[Operand]:
     k = _ints(imp, ins[1], "Trilu's k")[0] if len(ins) > 1 and ins[1] is not None else 0
     return imp.apply("triu" if a.get("upper", 1) else "tril", ins[:1], {"diagonal": k})

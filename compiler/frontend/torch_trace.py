@@ -23,11 +23,13 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from shardc.frontend import creation, normalize, views  # noqa: F401  (fill the rule tables)
 from shardc.frontend.capture import Captured, capture, module_path_of, source_of
 from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta, typed_key
-from shardc.frontend.rules import lookup, resolve_target, target_name
+from shardc.frontend.rules import ATEN, FUNCTIONS, METHODS, Rule, target_name
 from shardc.ir import Graph, Location, Value
 from shardc.ir.diagnostics import ShardcError
+from shardc.ops.targets import resolve_target
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,18 @@ class TraceResult:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     tracer: str = "fx"
     seconds: float = 0.0
+
+
+def lookup(kind: str, target: Any) -> Rule | None:
+    """The rule for an fx node (`call_function` or `call_method`), or None."""
+    if kind == "call_method":
+        return METHODS.get(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return ATEN.get(target.overloadpacket)
+    try:
+        return FUNCTIONS.get(target)
+    except TypeError:  # an unhashable callable
+        return None
 
 
 def trace(model: torch.nn.Module, example_inputs: Any, *, name: str | None = None, allow_opaque: bool = False,

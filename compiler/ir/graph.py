@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardc.ir.types import RECOMPUTE_CHOICES, VALUE_KINDS, Layout, Mesh, Partition, TensorType
+from shardc.ir.types import RECOMPUTE_CHOICES, VALUE_KINDS, ZERO_STAGES, Layout, Mesh, Partition, TensorType
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +38,8 @@ class LayerAnnotation:
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {self.zero}")
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
 

@@ -9,16 +9,17 @@ and per-layer annotations. Structural equality of whole graphs lives in `shardc.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-# Element sizes in bytes, keyed by the short dtype names the printer uses.
-DTYPE_BYTES: dict[str, int] = {
-    "f64": 8, "f32": 4, "f16": 2, "bf16": 2,
-    "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1,
-}
-FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
+from shardc.ir.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 
 VALUE_KINDS: tuple[str, ...] = ("input", "parameter", "buffer", "activation")
+# Activation recomputation of a layer: keep every activation, recompute the attention core
+# (selective), or keep only the layer's input and run its forward again in backward (full).
 RECOMPUTE_CHOICES: tuple[str, ...] = ("none", "selective", "full")
+# ZeRO stages over the data axes: 0 replicates, 1 shards optimizer states, 2 also gradients,
+# 3 also weights (FSDP).
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +162,32 @@ class Layout:
 
 # ---- meshes, partitions, locations ---------------------------------------------------------
 
+class Axis(StrEnum):
+    """The roles of the mesh axes plans build. A member is its own name (`Axis.TP == "tp"`, and
+    it hashes, prints and serialises as "tp"), so a mesh, layout or partition may hold either;
+    a mesh may name other axes too."""
+
+    PP = "pp"  # pipeline: stages of the model on different devices
+    DP = "dp"  # data: replicas (or ZeRO shards) of the model on different samples
+    CP = "cp"  # context: the sequence split, attention as a ring
+    TP = "tp"  # tensor: Megatron's column- and row-parallel linears, heads split
+    TQ = "tq"  # the second tensor axis of a q x q device grid (PrimePar), beside tp
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # messages and dataclass reprs read as they did with plain names
+
+
+# Axes whose ranks hold different samples or positions of one step: their gradients are
+# partial (each rank's own loss) and ZeRO shards over them.
+DATA_AXES: tuple[Axis, ...] = (Axis.DP, Axis.CP)
+
+
 @dataclass(frozen=True, slots=True)
 class Mesh:
-    """Named mesh axes with sizes, outermost first, e.g. `mesh<pp=2, dp=4, tp=8>`."""
+    """Named mesh axes with sizes, outermost first, e.g. `mesh<pp=2, dp=4, tp=8>`.
+
+    Plans name the axes by role (`Axis`); `degree(Axis.TP)` is 1 on a mesh without that axis.
+    """
 
     axes: tuple[tuple[str, int], ...]
 
@@ -193,6 +217,13 @@ class Mesh:
             if a == axis:
                 return s
         raise KeyError(f"mesh {self} has no axis {axis!r}; its axes are {', '.join(self.names) or 'none'}")
+
+    def degree(self, axis: str) -> int:
+        """The size of `axis`, 1 when the mesh has no such axis (a plan without that parallelism)."""
+        for a, s in self.axes:
+            if a == axis:
+                return s
+        return 1
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of a flat rank (the last axis varies fastest)."""

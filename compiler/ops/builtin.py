@@ -15,14 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from shardc.ir import TensorType
+from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, register, space_from_signature
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-    "i64": torch.int64, "i32": torch.int32, "i16": torch.int16, "i8": torch.int8,
-    "u8": torch.uint8, "bool": torch.bool,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+from shardc.ops.targets import resolve_target
 
 Types = Sequence[TensorType]
 
@@ -121,7 +116,7 @@ elementwise("relu", F.relu, saves="output")
 elementwise("silu", F.silu, 4, saves="inputs")
 elementwise("gelu", lambda x, approximate="none": F.gelu(x, approximate=approximate), 8, saves="inputs")
 elementwise("identity", lambda x: x.clone())
-elementwise("cast", lambda x, dtype: x.to(TORCH_DTYPES[dtype]), 0)
+elementwise("cast", lambda x, dtype: x.to(torch_dtype(dtype)), 0)
 def _where(cond: torch.Tensor, *xs: torch.Tensor, x: Any = None, y: Any = None) -> torch.Tensor:
     # Tensor branches are inputs in order; a scalar branch is the attribute x or y.
     rest = iter(xs)
@@ -422,10 +417,10 @@ def _creation_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
 
 
 register(OpDef("arange", "creation", _creation_space,
-               lambda start, end, step=1, dtype="i64": torch.arange(start, end, step, dtype=TORCH_DTYPES[dtype]),
+               lambda start, end, step=1, dtype="i64": torch.arange(start, end, step, dtype=torch_dtype(dtype)),
                flops=lambda i, o, a: 0))
 register(OpDef("full", "creation", _creation_space,
-               lambda shape, value, dtype="f32": torch.full(tuple(shape), value, dtype=TORCH_DTYPES[dtype]),
+               lambda shape, value, dtype="f32": torch.full(tuple(shape), value, dtype=torch_dtype(dtype)),
                flops=lambda i, o, a: 0))
 
 
@@ -450,8 +445,6 @@ def _opaque_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
 def _opaque_impl(*tensors: torch.Tensor, target: str, args: Any = (), kwargs: Any = (), outputs: int = 1) -> Any:
     """Run the torch call an opaque node stands for: `$k` is input k, `$dtype:NAME` a torch dtype,
     `$device` the device of the first input."""
-    from shardc.frontend.rules import resolve_target
-
     fn = resolve_target(target)
     if fn is None:
         raise ValueError(f"opaque op: cannot import torch target {target!r}")

@@ -25,11 +25,17 @@ conjugates depending on how the gradient of a replicated value is held on that a
 | rotate[axis, shift]                   | shard moves `shift` ranks    | rotate by -shift            |
 | send[axis, src, dst] / recv[...]      | pipeline stage cut           | recv / send                 |
 | grad_sync[axes, op, via, zero]        | identity on a parameter      | all_reduce over data axes   |
+
+`ring_traffic` is the one table of what a collective moves: latency steps and the fraction of
+the buffer each rank sends over a ring of n ranks. The cost model, the calibration's link fits,
+resharding's byte counts and the study's measured traffic all read it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from shardc.ir import TensorType
@@ -76,3 +82,54 @@ _collective("recv", "pipeline stage cut: the value arrives at stage `dst` from s
 _collective("grad_sync", "identity on a parameter; its gradient is averaged over the data `axes` "
                          "(by DDP, or FSDP2 for ZeRO stage `zero`, as `via` says)")
 
+
+
+# ---- traffic: the one table of what each collective sends ----------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """One collective over a group: `steps` rounds, each paying the link's latency, and each rank
+    sending `numerator/denominator` of the buffer. The buffer is what all_reduce reduces, the
+    gathered tensor of all_gather, the input of reduce_scatter, the message of a send."""
+
+    steps: int
+    numerator: int
+    denominator: int = 1
+
+    @property
+    def fraction(self) -> float:
+        """The share of the buffer one rank sends."""
+        return self.numerator / self.denominator
+
+    def sent_bytes(self, buffer: int) -> int:
+        """Whole bytes one rank sends of a `buffer`-byte buffer (rounded down, exactly)."""
+        return buffer * self.numerator // self.denominator
+
+
+# Kind -> its traffic over n >= 2 ranks with ring algorithms: all_reduce is a reduce_scatter then
+# an all_gather; the n-1 rounds of the others each pass one 1/n piece on; a broadcast is
+# forwarded along the ring (n-1 ranks send it all: (n-1)/n on average); a point-to-point
+# message is one round whatever the group.
+_RING: Mapping[str, Callable[[int], Traffic]] = MappingProxyType({
+    "all_reduce": lambda n: Traffic(2 * (n - 1), 2 * (n - 1), n),
+    "all_gather": lambda n: Traffic(n - 1, n - 1, n),
+    "reduce_scatter": lambda n: Traffic(n - 1, n - 1, n),
+    "all_to_all": lambda n: Traffic(n - 1, n - 1, n),
+    "broadcast": lambda n: Traffic(n - 1, n - 1, n),
+    "send_recv": lambda n: Traffic(1, 1),
+    "rotate": lambda n: Traffic(1, 1),
+    "send": lambda n: Traffic(1, 1),
+    "recv": lambda n: Traffic(1, 0),
+})
+POINT_TO_POINT = frozenset({"send_recv", "rotate", "send", "recv"})
+
+
+def ring_traffic(kind: str, n: int) -> Traffic:
+    """The steps and the share of the buffer one rank sends for collective `kind` over `n` ranks
+    (ring algorithms, see `_RING`); a group of one rank moves nothing, a point-to-point message
+    is the same whatever `n`."""
+    if kind not in _RING:
+        raise ValueError(f"no traffic rule for collective {kind!r}; known: {', '.join(_RING)}")
+    if n <= 1 and kind not in POINT_TO_POINT:
+        return Traffic(0, 0)
+    return _RING[kind](n)

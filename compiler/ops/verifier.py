@@ -27,6 +27,7 @@ import torch
 
 from shardc.ir import Graph, Layout, Mesh, Node, Replicate, Shard, TensorType, Value
 from shardc.ir.diagnostics import VerificationError
+from shardc.ir.dtypes import dtype_name, torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, get_op, has_op, node_layouts
 
 # Ops that stand for unknown code (collectives are the identity on one device: inferred).
@@ -35,9 +36,7 @@ UNINFERRED_KINDS = frozenset({"opaque"})
 
 def meta_tensor(type_: TensorType) -> torch.Tensor:
     """An unallocated tensor with this type (shape inference and alias analysis use these)."""
-    from shardc.ops.builtin import TORCH_DTYPES
-
-    return torch.empty(type_.shape, dtype=TORCH_DTYPES[type_.dtype], device="meta")
+    return torch.empty(type_.shape, dtype=torch_dtype(type_.dtype), device="meta")
 
 
 def run_on_meta(op: OpDef, inputs: Sequence[torch.Tensor], attrs: dict[str, Any]) -> list[torch.Tensor]:
@@ -51,9 +50,7 @@ def run_on_meta(op: OpDef, inputs: Sequence[torch.Tensor], attrs: dict[str, Any]
 
 
 def tensor_type(tensor: torch.Tensor) -> TensorType:
-    from shardc.ops.builtin import DTYPE_NAMES
-
-    return TensorType(tuple(int(d) for d in tensor.shape), DTYPE_NAMES[tensor.dtype])
+    return TensorType(tuple(int(d) for d in tensor.shape), dtype_name(tensor.dtype))
 
 
 def _freeze(value: Any) -> Any:

@@ -10,38 +10,35 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from shardc.ir import Graph, Node, Value
+from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Axis, Graph, Node, Value, dtypes
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.dtypes import PLAN_DTYPES
 from shardc.ops.registry import get_op, has_op
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CP_LAYOUTS = ("contiguous", "zigzag")
-RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("fp32", "bf16", "fp16")
-_DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "bfloat16": "bf16", "f16": "fp16", "float16": "fp16",
-                  "half": "fp16"}
-_IR_DTYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+_ZEROS = ", ".join(map(str, ZERO_STAGES))
 
 # key -> (type, default, meaning); the order here is the printed order.
 PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
-    "dp": ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
-    "tp": ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
-    "pp": ("int", "1", "pipeline-parallel degree (number of stages)"),
+    Axis.DP: ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
+    Axis.TP: ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
+    Axis.PP: ("int", "1", "pipeline-parallel degree (number of stages)"),
     "vpp": ("int", "1", "virtual stages per device; >1 means the interleaved 1F1B schedule"),
-    "cp": ("int[:zigzag]", "1", "context-parallel degree (ring attention over the sequence); cp=N:zigzag "
+    Axis.CP: ("int[:zigzag]", "1", "context-parallel degree (ring attention over the sequence); cp=N:zigzag "
            "balances causal attention (2N chunks, rank i holds i and 2N-1-i)"),
     "sp": ("0|1", "0", "sequence parallel: shard norms/dropout over the sequence across tp ranks"),
     "mb": ("int", "1", "micro-batch size (sequences per micro-batch per data-parallel rank)"),
     "gbs": ("int|auto", "auto", "global batch (sequences per optimizer step); auto: the model's batch"),
     "schedule": ("|".join(SCHEDULES), "1f1b", "pipeline schedule"),
-    "recompute": ("|".join(RECOMPUTE), "none", "activation recomputation of every layer"),
-    "zero": ("0-3", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
-    "dtype": ("|".join(DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
+    "recompute": ("|".join(RECOMPUTE_CHOICES), "none", "activation recomputation of every layer"),
+    "zero": (f"{ZERO_STAGES[0]}-{ZERO_STAGES[-1]}", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
+    "dtype": ("|".join(PLAN_DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
     "offload": ("0|1", "0", "offload optimizer states to host memory"),
 })
 
@@ -65,9 +62,10 @@ def _int(key: str, text: str, low: int = 1) -> int:
     return value
 
 
-def _choice(key: str, text: str, choices: tuple[str, ...], aliases: Mapping[str, str] | None = None) -> str:
+def _choice(key: str, text: str, choices: tuple[str, ...], spelling: Callable[[str], str] | None = None) -> str:
+    """`text` as one of `choices`, after `spelling` maps its aliases to the canonical name."""
     t = text.strip().lower()
-    t = (aliases or {}).get(t, t)
+    t = spelling(t) if spelling else t
     if t not in choices:
         raise ShardcError(f"plan key {key}={text!r}: valid values are {', '.join(choices)}")
     return t
@@ -108,19 +106,18 @@ class ParallelPlan:
     cp_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):
+        for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):  # the integer fields
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ShardcError(f"plan key {key}={v!r}: expected an integer >= 1")
         if self.gbs is not None and self.gbs < 1:
             raise ShardcError(f"plan key gbs={self.gbs}: expected an integer >= 1 or auto")
-        dtype = _choice("dtype", self.dtype, DTYPES, _DTYPE_ALIASES)
-        object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "recompute", _choice("recompute", self.recompute, RECOMPUTE))
+        object.__setattr__(self, "dtype", _choice("dtype", self.dtype, PLAN_DTYPES, dtypes.precision))
+        object.__setattr__(self, "recompute", _choice("recompute", self.recompute, RECOMPUTE_CHOICES))
         object.__setattr__(self, "sp", bool(self.sp))
         object.__setattr__(self, "offload", bool(self.offload))
-        if self.zero not in (0, 1, 2, 3):
-            raise ShardcError(f"plan key zero={self.zero!r}: valid values are 0, 1, 2, 3")
+        if self.zero not in ZERO_STAGES:
+            raise ShardcError(f"plan key zero={self.zero!r}: valid values are {_ZEROS}")
         object.__setattr__(self, "cp_layout", _choice("cp layout", self.cp_layout, CP_LAYOUTS))
         schedule = _choice("schedule", self.schedule, SCHEDULES)
         if self.vpp > 1:
@@ -158,11 +155,11 @@ class ParallelPlan:
                 values[key] = None if raw.lower() == "auto" else _int(key, raw)
             elif key == "zero":
                 values[key] = _int(key, raw, 0)
-                if values[key] > 3:
-                    raise ShardcError(f"plan key zero={raw!r}: valid values are 0, 1, 2, 3")
+                if values[key] not in ZERO_STAGES:
+                    raise ShardcError(f"plan key zero={raw!r}: valid values are {_ZEROS}")
             elif key in ("schedule", "recompute", "dtype"):
                 values[key] = raw
-            elif key == "cp" and ":" in raw:
+            elif key == Axis.CP and ":" in raw:
                 degree, _, layout = raw.partition(":")
                 values[key], values["cp_layout"] = _int(key, degree), _choice("cp", layout, CP_LAYOUTS)
             else:
@@ -179,7 +176,7 @@ class ParallelPlan:
             if f.name == "cp_layout":
                 continue
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
-            if f.name == "cp" and self.cp_layout != "contiguous":
+            if f.name == Axis.CP and self.cp_layout != "contiguous":
                 text += f":{self.cp_layout}"
             parts.append(f"{f.name}={text}")
         return ",".join(parts)
@@ -196,7 +193,7 @@ class ParallelPlan:
     @property
     def ir_dtype(self) -> str:
         """The compute dtype in the IR's spelling (`f32`, `bf16`, `f16`)."""
-        return _IR_DTYPE[self.dtype]
+        return dtypes.ir_dtype(self.dtype)
 
     def global_batch(self, batch: int | None = None) -> int:
         """`gbs`, or `batch` (the model's example batch) when gbs=auto."""
@@ -311,7 +308,7 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
 
 
 def _degree_problem(plan: ParallelPlan, devices: int) -> str:
-    degrees = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp}
+    degrees = {Axis.DP: plan.dp, Axis.TP: plan.tp, Axis.PP: plan.pp, Axis.CP: plan.cp}
     text = (f"dp*tp*pp*cp = {plan.dp}*{plan.tp}*{plan.pp}*{plan.cp} = {plan.devices} but the cluster has "
             f"{devices} devices")
     fixes = []

@@ -30,8 +30,6 @@ from shardc.hardware import Cluster
 from shardc.ir import Layout, Mesh, Value
 from shardc.search.candidates import Candidate
 
-PLAN_DTYPE_IR = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
-
 
 @dataclass(frozen=True, slots=True)
 class ExternalGrad:

@@ -27,9 +27,10 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from shardc.cost.memory import in_flight
+from shardc.ir import ZERO_STAGES
 from shardc.search.evaluate import Assignment, per_stage
 from shardc.search.linear import objective
-from shardc.search.problem import ZEROS, Problem
+from shardc.search.problem import Problem
 from shardc.search.sections import STAGE_CLASSES, Model, cand_sum, edges, section, stage_classes
 
 SECTIONS = ("pre", "block", "post")
@@ -60,7 +61,7 @@ def _state_units(model: Model, per_param: float, row: dict[str, float]) -> int:
 
 
 def solve(problem: Problem, limit_bytes: float, time_limit: float, seed: int = 0, workers: int = 1,
-          hint: Assignment | None = None, zeros: tuple[int, ...] = ZEROS,
+          hint: Assignment | None = None, zeros: tuple[int, ...] = ZERO_STAGES,
           recomputes: tuple[int, ...] = (0, 1, 2), stage_limit: int = STAGE_CLASSES,
           wall_limit: float | None = None, cutoff: float | None = None) -> SolveResult:
     """Build and solve the model; `hint` warm-starts it (a grid plan or a saved plan).
@@ -155,7 +156,7 @@ def _result(built: _Builder, solver: cp_model.CpSolver, status: Any) -> SolveRes
     per_class = [tuple(next(c for c, var in enumerate(row) if solver.value(var)) for row in M.xs[k])
                  for k in range(built.K)]
     stages = tuple(tuple(solver.value(k[r]) for r in range(3)) for _, k in built.counts)
-    zero = next(z for z in ZEROS if solver.value(M.z[z]))
+    zero = next(z for z in ZERO_STAGES if solver.value(M.z[z]))
     a = per_stage(problem, per_class[classes[0]], [per_class[classes[s]] for s in range(p)], stages, zero)
     # The plan's own linearised objective: a FEASIBLE answer may leave slack in the auxiliary
     # maxima, and the integer model rounds; `objective` is what the plan is worth.
@@ -262,14 +263,14 @@ class _Builder:
         runs as FSDP2 (`Coefficients.fsdp`) or as textbook ZeRO with two gradient buckets."""
         M, md, co = self.M, self.M.md, self.M.co
         self.tail = M.var(max(M.t(t) for t in co.tail), "tail")
-        for z in ZEROS:
+        for z in ZERO_STAGES:
             md.add(self.tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
-        self.gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZEROS if co.gather[z][0])
+        self.gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZERO_STAGES if co.gather[z][0])
         self.serial = md.new_bool_var("fsdp")
-        md.add(self.serial == sum(M.z[z] for z in ZEROS if co.fsdp[z]))
-        self.serial_alpha = sum(M.t(co.serial[z][0]) * M.z[z] for z in ZEROS if co.fsdp[z])
+        md.add(self.serial == sum(M.z[z] for z in ZERO_STAGES if co.fsdp[z]))
+        self.serial_alpha = sum(M.t(co.serial[z][0]) * M.z[z] for z in ZERO_STAGES if co.fsdp[z])
         self.bucketed = md.new_bool_var("bucketed")
-        md.add(self.bucketed == sum(M.z[z] for z in ZEROS if z >= 1 and not co.fsdp[z]))
+        md.add(self.bucketed == sum(M.z[z] for z in ZERO_STAGES if z >= 1 and not co.fsdp[z]))
 
     def _prod(self, a: Any, b: Any, ub: int, name: str) -> Any:
         v = self.M.var(ub, name)
@@ -470,7 +471,7 @@ def _hint(M: Model, classes: list[int], counts: list, hint: Assignment) -> None:
                 continue  # the prefix's and suffix's candidates are shared by the classes
             for j in range(len(M.xs[c][g])):
                 md.add_hint(M.xs[c][g][j], j == cc)
-    for z in ZEROS:
+    for z in ZERO_STAGES:
         md.add_hint(M.z[z], z == hint.zero)
     for (n, k), row in zip(counts, hint.stages):
         md.add_hint(n, sum(row))

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from shardc.cost.compose import EstimateOptions, LayerWork, Links, compose
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer
-from shardc.ir import LayerAnnotation
+from shardc.ir import RECOMPUTE_CHOICES, LayerAnnotation
 from shardc.plan.parallel import ParallelPlan
 from shardc.search.problem import Problem
-
-RECOMPUTES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,9 +323,9 @@ def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None
                     terms[key] = block_terms(problem, prev, cur, nxt)
                 name = lay.blocks[i]
                 own = {f"{name}/{k}": v for k, v in block_params[cur].items()}
-                out.append(LayerWork(name, "block", LayerAnnotation(s, RECOMPUTES[r], a.zero), stage=s,
-                                     cost=cost(key, terms[key], RECOMPUTES[r]), params=own,
-                                     memory=memory(timeline(prev, cur), kind, terms[key], RECOMPUTES[r], s, own)))
+                out.append(LayerWork(name, "block", LayerAnnotation(s, RECOMPUTE_CHOICES[r], a.zero), stage=s,
+                                     cost=cost(key, terms[key], RECOMPUTE_CHOICES[r]), params=own,
+                                     memory=memory(timeline(prev, cur), kind, terms[key], RECOMPUTE_CHOICES[r], s, own)))
                 i += 1
     if lay.post:
         last_stage = p - 1
@@ -377,5 +375,5 @@ def balanced_stages(layers: int, pp: int, recompute: str) -> tuple[tuple[int, in
     if pp < 1 or layers % pp or (pp > 1 and layers == 0):
         return None
     n = layers // pp
-    r = RECOMPUTES.index(recompute)
+    r = RECOMPUTE_CHOICES.index(recompute)
     return tuple(tuple(n if i == r else 0 for i in range(3)) for _ in range(pp))  # type: ignore[misc]

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.ir import Shard
+from shardc.ir import RECOMPUTE_CHOICES, Shard
 from shardc.ops.registry import get_op, has_op
 from shardc.search.candidates import Candidate
-from shardc.search.evaluate import RECOMPUTES, Assignment, Evaluation, balanced_stages, evaluate
+from shardc.search.evaluate import Assignment, Evaluation, balanced_stages, evaluate
 from shardc.search.linear import coefficients
 from shardc.search.problem import GroupVar, MeshShape, Problem
 
@@ -118,7 +118,7 @@ def _plain(cand: Candidate) -> bool:
         and not ("->" in cand.label and "tp:S" in cand.label.split("->", 1)[1])
 
 
-def grid_assignments(problem: Problem, recomputes: tuple[str, ...] = RECOMPUTES, zeros: tuple[int, ...] = (0, 1)
+def grid_assignments(problem: Problem, recomputes: tuple[str, ...] = RECOMPUTE_CHOICES, zeros: tuple[int, ...] = (0, 1)
                      ) -> list[tuple[GridPoint, Assignment]]:
     """The grid points of one (mesh shape, micro-batch size) problem."""
     if problem.shape.cp != 1:

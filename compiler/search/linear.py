@@ -41,9 +41,9 @@ from shardc.cost.comm import collective_time
 from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
 from shardc.cost.memory import in_flight, state_bytes_per_param
 from shardc.cost.sync import ADAM_BYTES_PER_PARAM, fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
-from shardc.ir import Layout
+from shardc.ir import ZERO_STAGES, Layout
 from shardc.ops.registry import get_op, has_op
-from shardc.search.problem import ZEROS, Problem
+from shardc.search.problem import Problem
 
 CAND_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "saved", "saved_core", "inputs", "transient", "numel",
              "gbytes", "other")
@@ -99,24 +99,24 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     send, send_bytes = _sends(problem)
     out_bytes, out_const = _output_bytes(problem)
     bucket = options.bucket_bytes
-    kinds = ["all_reduce" if z == 0 else "reduce_scatter" for z in ZEROS]
+    kinds = ["all_reduce" if z == 0 else "reduce_scatter" for z in ZERO_STAGES]
     rate = tuple(collective_time(k, bucket, levels, ctx.algorithm) / bucket if shard > 1 else 0.0 for k in kinds)
     block_grad = sum(min(r["gbytes"] for r in rows) for rows, var in zip(cand, problem.groups) if var.section == "block")
     last = min(bucket, block_grad) if block_grad > 0 else bucket
     tail = tuple(collective_time(k, last, levels, ctx.algorithm) if shard > 1 else 0.0 for k in kinds)
-    fsdp = tuple(fsdp2(options, z, shard) for z in ZEROS)
+    fsdp = tuple(fsdp2(options, z, shard) for z in ZERO_STAGES)
     state = tuple(w / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
-                  + o / (shard if z >= 1 else 1) for z in ZEROS)
-    optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZEROS)
+                  + o / (shard if z >= 1 else 1) for z in ZERO_STAGES)
+    optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZERO_STAGES)
     gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
-                   else (0.0, 0.0) for z in ZEROS)
+                   else (0.0, 0.0) for z in ZERO_STAGES)
     zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 and not fsdp[3] else (0.0, 0.0)
-    serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZEROS)
+    serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZERO_STAGES)
     copy = fsdp_copy_time(1.0, shard, ctx.device)  # FSDP2's copies per byte around each collective
-    serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZEROS, serial))
-    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w) if fsdp[z] else gather[z] for z in ZEROS)
-    rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZEROS)
-    tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZEROS)
+    serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZERO_STAGES, serial))
+    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w) if fsdp[z] else gather[z] for z in ZERO_STAGES)
+    rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZERO_STAGES)
+    tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZERO_STAGES)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
                        2 * bucket if shard > 1 else 0.0, w, fsdp, serial, send_bytes, out_bytes, out_const,
                        options.pipeline_runtime == "torch" and problem.shape.pp > 1)

@@ -48,13 +48,14 @@ from shardc.cost.estimate import Estimate
 from shardc.cost.memory import in_flight
 from shardc.cost.model import estimate
 from shardc.hardware import Cluster
+from shardc.ir import ZERO_STAGES
 from shardc.ir.diagnostics import ShardcError
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments
 from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
-from shardc.search.problem import ZEROS, GraphFacts, MeshShape, PricingCache, Problem, build_problem
+from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
 LONG_SEQUENCE = 8192
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -194,7 +195,7 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
                       for s in range(p)])
     params = L * numel["block"] + numel["pre"] + numel["post"]
     best = float("inf")
-    for z in ZEROS:
+    for z in ZERO_STAGES:
         tl = low["block"].copy()
         if z >= 3 and co.zero3[1] > 0:
             # A block's compute plus its unhidden gathers is max(compute, gather) each way,

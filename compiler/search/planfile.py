@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardc.ir import Graph, LayerAnnotation, Layout, Partial, Placement, Value
+from shardc.ir import RECOMPUTE_CHOICES, Graph, LayerAnnotation, Layout, Partial, Placement, Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.search.evaluate import RECOMPUTES, Assignment, per_stage
+from shardc.search.evaluate import Assignment, per_stage
 from shardc.search.problem import MeshShape, Problem
 
 FORMAT = "shardc-plan/1"
@@ -32,7 +32,7 @@ def plan_dict(problem: Problem, a: Assignment, ev: Any, gbs: int) -> dict[str, A
         "model": problem.facts.graph.name,
         "mesh": {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp, **({"tq": s.tq} if s.tq > 1 else {})},
         "mb": problem.mb, "gbs": gbs, "micro_batches": problem.micro_batches, "zero": a.zero,
-        "stages": [dict(zip(RECOMPUTES, row)) for row in a.stages],
+        "stages": [dict(zip(RECOMPUTE_CHOICES, row)) for row in a.stages],
         "groups": [{"layer": v.key[0], "position": v.key[1], "anchor": v.group.name, "partition": v.cands[c].label}
                    for v, c in zip(problem.groups, a.choice)],
         **({"stage_groups": [[{"layer": v.key[0], "position": v.key[1], "partition": v.cands[c].label}
@@ -65,7 +65,7 @@ def plan_shape(data: dict[str, Any]) -> tuple[MeshShape, int]:
 
 def assignment_from_plan(data: dict[str, Any], problem: Problem) -> Assignment:
     """Map a plan file back onto `problem` (same model, shape and micro-batch size)."""
-    stages = tuple(tuple(int(row[r]) for r in RECOMPUTES) for row in data["stages"])
+    stages = tuple(tuple(int(row[r]) for r in RECOMPUTE_CHOICES) for row in data["stages"])
 
     def vector(groups: list[dict[str, Any]], base: dict[tuple[str, int], str]) -> tuple[int, ...]:
         by_key = base | {(g["layer"], g["position"]): g["partition"] for g in groups}
@@ -115,7 +115,7 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
         # Within a stage, fully recomputed blocks first: they are the ones held longest.
         for r in (2, 1, 0):
             for _ in range(row[r]):
-                stage_of[order[i]] = (s, RECOMPUTES[r])
+                stage_of[order[i]] = (s, RECOMPUTE_CHOICES[r])
                 i += 1
     wanted: dict[int, tuple[Value, list[tuple[tuple[str, Placement], ...]]]] = {}
     for g in facts.groups:

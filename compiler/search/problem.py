@@ -25,10 +25,9 @@ from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
 from shardc.ir import Graph, Layout, Mesh, Value
+from shardc.ir.dtypes import ir_dtype
 from shardc.search.candidates import Candidate, Shapes, enumerate_group
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
-
-ZEROS = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +148,7 @@ def layering(graph: Graph) -> Layering:
 def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFacts:
     groups = build_groups(graph)
     roles = dim_roles(graph)
-    ctx = CostContext.build(graph, cluster, PLAN_DTYPE_IR.get(dtype, dtype))
+    ctx = CostContext.build(graph, cluster, ir_dtype(dtype))
     batch = next((v.type.shape[0] for v in graph.inputs if roles.get(id(v), (None,))[0] == "batch"), 1)
     core: set[int] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
@@ -162,9 +161,6 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
         core |= attention_core(ctx, nodes)
     return GraphFacts(graph, groups, roles, layering(graph), batch, frozenset(ctx.batched),
                       frozenset(ctx.needs_grad), frozenset(core), ctx, by_layer)
-
-
-PLAN_DTYPE_IR = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
 
 
 @dataclass

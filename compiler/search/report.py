@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from shardc.hardware import Cluster, parse_cluster
-from shardc.ir import Graph
+from shardc.ir import RECOMPUTE_CHOICES, Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import has_op
-from shardc.search.evaluate import RECOMPUTES
 from shardc.search.outer import Found, SearchResult, search
 from shardc.search.planfile import (
     annotate_graph,
@@ -53,7 +52,7 @@ def load_graph(model_spec: str, batch: int | None = None) -> Graph:
 
 def describe(found: Found) -> str:
     s, a = found.problem.shape, found.assignment
-    stages = " | ".join("+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTES) if k) or "0" for row in a.stages)
+    stages = " | ".join("+".join(f"{k}{r[0]}" for k, r in zip(row, RECOMPUTE_CHOICES) if k) or "0" for row in a.stages)
     text = f"{s}, mb={found.problem.mb}, m={found.problem.micro_batches}, zero={a.zero}, blocks per stage [{stages}]"
     if a.stage_choice:
         differ = sum(1 for g, v in enumerate(found.problem.groups) if v.section == "block"

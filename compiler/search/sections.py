@@ -25,8 +25,9 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from shardc.ir import ZERO_STAGES
 from shardc.search.linear import CAND_KEYS, EDGE_SECTION, coefficients
-from shardc.search.problem import ZEROS, Problem
+from shardc.search.problem import Problem
 
 TIME_STEPS = 5e4  # integer units in the cheapest micro-batch time
 TIME_KEYS = ("time", "fwd", "core", "cfwd", "cbwd", "other")
@@ -66,9 +67,9 @@ class Model:
             for g, row in enumerate(rows):
                 if k == 0 or g not in shared:
                     self.md.add_exactly_one(row)
-        self.z = {z: self.md.new_bool_var(f"zero{z}") for z in ZEROS}
+        self.z = {z: self.md.new_bool_var(f"zero{z}") for z in ZERO_STAGES}
         self.md.add_exactly_one(self.z.values())
-        for z in ZEROS:
+        for z in ZERO_STAGES:
             if z not in zeros:
                 self.md.add(self.z[z] == 0)
 
@@ -99,7 +100,7 @@ class Model:
     def by_zero(self, section: str, name: str, per_zero, k: int = 0) -> tuple[cp_model.IntVar, int]:
         """A variable >= the section's sum of `per_zero(row, z)` for the selected ZeRO stage."""
         exprs, ub = {}, 0
-        for z in ZEROS:
+        for z in ZERO_STAGES:
             terms, top = [], 0
             for g, v in enumerate(self.p.groups):
                 if v.section == section:
@@ -108,7 +109,7 @@ class Model:
                     top += max(vals)
             exprs[z], ub = sum(terms), max(ub, top)
         var = self.var(ub, f"{section}{k}_{name}")
-        for z in ZEROS:
+        for z in ZERO_STAGES:
             self.md.add(var >= exprs[z]).OnlyEnforceIf(self.z[z])
         return var, ub
 

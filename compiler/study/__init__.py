@@ -2,8 +2,8 @@
 
 Entry point: `run_study(model_spec, nproc, *, plans_file=None, sweep=None, device="cpu",
 out_dir, steps, warmup, console) -> int` (the `shardc study` command). Modules: `plans`
-(what runs), `worker` (what each rank does), `measure` (memory accounting, collectives,
-profiler breakdown), `predict` (the cost model's figures), `compare` (errors and statistics),
+(what runs), `worker` (what each rank adds to the training loop of `shardc.train`), `measure`
+(bytes the collectives send, profiler breakdown), `predict` (the cost model's figures), `compare` (errors and statistics),
 `report` and `findings` (markdown, plots, conclusions), `sweep` (the driver).
 """
 

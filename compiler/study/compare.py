@@ -4,7 +4,7 @@ Definitions:
 - measured step time: per step, the slowest rank's time (steps start together after a
   barrier), then the median over the measured steps;
 - measured peak memory per rank: the largest total of live tensor bytes during the tracked
-  step (`shardc.study.measure`), with its breakdown by category;
+  step (`shardc.train.memory`), with its breakdown by category;
 - relative error: (predicted - measured) / measured, so +10% means the model over-predicts;
 - Spearman's rank correlation of predicted and measured step times over the plans that ran
   (ties get their average rank).
@@ -130,13 +130,14 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
 def allreduce_entry(points: list[list[float]], cluster: Any) -> dict[str, Any]:
     """Measured all_reduce seconds by size beside the model's `collective_time` on the cluster's link."""
     from shardc.cost.comm import collective_time
+    from shardc.ops.collectives import ring_traffic
 
     n = cluster.num_devices
     rows = []
     for nbytes, seconds in points:
         pred = collective_time("all_reduce", nbytes, ((cluster.intra, n),), "ring")
         rows.append({"bytes": nbytes, "measured_s": seconds, "predicted_s": pred,
-                     "measured_bus_gbps": 2 * (n - 1) / n * nbytes / seconds / 1e9 if seconds else None,
+                     "measured_bus_gbps": ring_traffic("all_reduce", n).fraction * nbytes / seconds / 1e9 if seconds else None,
                      "error": rel_error(pred, seconds)})
     return {"nproc": n, "link": {"latency_s": cluster.intra.latency, "bandwidth": cluster.intra.bandwidth},
             "points": rows}

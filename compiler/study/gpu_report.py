@@ -3,10 +3,9 @@
 After `shardc study --device cuda` (or `--calibrate-matmuls` on the CPU) the model's matmuls and
 a size sweep are timed against the device spec the plans were predicted on
 (`shardc.calibration.gpu`); every plan that ran is then predicted again with the fitted
-efficiency curve in place of the preset's, and the report gets a section saying how far the
-preset was off: per dtype the fitted against the preset's efficiency and half-rate FLOPs and
-the median error, per matmul the measured and predicted rates, per plan the step time measured,
-predicted on the preset and on the fitted curve.
+efficiency curve in place of the preset's, and the report gets the calibration's section
+(`shardc.calibration.gpu_markdown`: how far the preset was off per dtype and per matmul) and,
+per plan, the step time measured, predicted on the preset and on the fitted curve.
 """
 
 from __future__ import annotations
@@ -22,47 +21,21 @@ from shardc.calibration.gpu import (
     fitted_device,
     run_gpu_calibration,
 )
-from shardc.hardware import Cluster, DeviceSpec, canonical_dtype
+from shardc.calibration.gpu_markdown import report_section
+from shardc.hardware import Cluster, DeviceSpec
+from shardc.ir.dtypes import precision
 
 
-def report_section(result: dict[str, Any]) -> str:
-    """The markdown section the study report gets: how far the preset was off, and the tables."""
-    env = result.get("environment", {})
-    lines = [f"## GPU compute model: measured matmuls against the {result['device']} preset", ""]
-    if env:
-        lines += [f"Measured on {env.get('gpu', env.get('device', '?'))} (torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
-                  f"device `{env.get('device', '?')}`).", ""]
-    lines += ["Model: `t = max(F / (peak * e * F / (F + h)), bytes / bandwidth) + latency`; fitted per dtype by "
-              f"least squares on relative error (latency {result['kernel_latency_s'] * 1e6:.1f} us kept).", "",
-              "| dtype | peak TFLOP/s | best measured TFLOP/s | efficiency preset / fitted | half FLOPs preset / fitted "
-              "| median abs error preset / fitted |", "|---|---|---|---|---|---|"]
-    findings = []
-    for dtype, f in result["fits"].items():
-        if "error" in f:
-            lines.append(f"| {dtype} | - | - | no fit: {f['error']} | - | - |")
-            continue
-        fitted_err = "-" if f["median_abs_fitted_error"] is None else f"{f['median_abs_fitted_error']:.0%}"
-        lines.append(f"| {dtype} | {f['peak_flops'] / 1e12:.1f} | {f['best_measured_tflops']:.1f} | "
-                     f"{f['preset_efficiency']:.2f} / {f['efficiency']:.2f} | {f['preset_half_flops']:.3g} / "
-                     f"{f['half_flops']:.3g} | {f['median_abs_preset_error']:.0%} / {fitted_err} |")
-        findings.append(f"{dtype}: the preset's matmul times were off by {f['median_abs_preset_error']:.0%} "
-                        f"(median over {sum(1 for r in result['rows'] if r['dtype'] == dtype)} shapes); large "
-                        f"matmuls reach {f['efficiency']:.0%} of the {f['peak_flops'] / 1e12:.0f} TFLOP/s peak "
-                        f"where the preset assumes {f['preset_efficiency']:.0%}")
-    lines += [""] + [f"- {x}." for x in findings]
-    lines += ["", "| source | matmul | shape (b x m x n x k) | dtype | measured us | measured TFLOP/s | preset TFLOP/s "
-              "| preset error | fitted error |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        fitted = "-" if r["fitted_error"] is None else f"{r['fitted_error']:+.0%}"
-        lines.append(f"| {r['source']} | {r['label']} | {r['shape']} | {r['dtype']} | {r['measured_s'] * 1e6:.1f} | "
-                     f"{r['measured_tflops']:.2f} | {r['preset_tflops']:.2f} | {r['preset_error']:+.0%} | {fitted} |")
-    if result.get("plans"):
-        lines += ["", "Step time of each plan that ran, predicted on the preset and on the preset with the fitted "
-                  "curve (ms):", "", "| plan | measured | preset | error | fitted curve | error |",
-                  "|---|---|---|---|---|---|"]
-        for r in result["plans"]:
-            lines.append(f"| {r['plan']} | {r['measured_s'] * 1e3:.2f} | {r['preset_s'] * 1e3:.2f} | "
-                         f"{r['preset_error']:+.0%} | {r['fitted_s'] * 1e3:.2f} | {r['fitted_error']:+.0%} |")
+def plans_section(rows: Sequence[dict[str, Any]]) -> str:
+    """The report's table of each plan that ran (`repredict_plans`' rows): its step time measured,
+    predicted on the preset and on the fitted curve; empty without rows."""
+    if not rows:
+        return ""
+    lines = ["", "Step time of each plan that ran, predicted on the preset and on the preset with the fitted "
+             "curve (ms):", "", "| plan | measured | preset | error | fitted curve | error |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['plan']} | {r['measured_s'] * 1e3:.2f} | {r['preset_s'] * 1e3:.2f} | "
+                     f"{r['preset_error']:+.0%} | {r['fitted_s'] * 1e3:.2f} | {r['fitted_error']:+.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -81,7 +54,7 @@ def repredict_plans(data: dict[str, Any], device: DeviceSpec,
         if p.get("status") != "ok":
             continue
         sp = parse_study_plan(p["plan"])
-        fit = fits.get(canonical_dtype(sp.plan.dtype), {})
+        fit = fits.get(precision(sp.plan.dtype), {})
         if "efficiency" not in fit:
             continue
         curve = CurveFit(fit["dtype"], fit["peak_flops"], fit["efficiency"], fit["half_flops"], fit["points"])
@@ -126,9 +99,11 @@ def calibrate_study(data: dict[str, Any], model_spec: str | None, cluster_for: C
 
 
 def append_to_report(data: dict[str, Any], out_dir: str | Path) -> bool:
-    """Append the calibration section to `out_dir/report.md` when the study has one."""
-    if not data.get("gpu_calibration"):
+    """Append the calibration section and the plans predicted again on its curve to
+    `out_dir/report.md` when the study has a calibration."""
+    calibration = data.get("gpu_calibration")
+    if not calibration:
         return False
     with open(Path(out_dir) / "report.md", "a") as f:
-        f.write("\n" + report_section(data["gpu_calibration"]))
+        f.write("\n" + report_section(calibration) + plans_section(calibration.get("plans", ())))
     return True

@@ -23,7 +23,7 @@ def study_cluster(nproc: int, device: str = "cpu", *, profile: Any = None, memor
     if device == "cuda":
         cluster = gpu_cluster(nproc)
     else:
-        from shardc.calibration.local import local_cluster
+        from shardc.hardware import local_cluster
 
         cluster = local_cluster(nproc, profile)
     if memory_limit_bytes is not None:

@@ -97,14 +97,14 @@ def prepare(model_spec: str, loaded: Any, sp: StudyPlan, cluster: Any, common: d
     m = plan.micro_batches(batch)
     job = {"id": sp.id, "kind": "plan", "plan": plan, "bucket_mb": sp.bucket_mb, "micro_batches": m,
            "mesh_axes": [tuple(a) for a in predicted["mesh_axes"]], **common}
-    import shardc
+    from shardc.api import compile as compile_plan
 
     split = sp.split if plan.pp > 1 else None
     if split is None and sp.bucket_mb is not None:  # DDP with its bucket size set: one micro-batch graph, accumulated here
         per = plan.dp * plan.mb
         inputs = tuple(x[:per] for x in loaded.example_inputs)
         job["runtime"] = "ddp-bucket"
-        job["compiled"] = shardc.compile(loaded.model, inputs, plan=plan, input_names=loaded.input_names)
+        job["compiled"] = compile_plan(loaded.model, inputs, plan=plan, input_names=loaded.input_names)
         job["traced_batch"] = per
     else:  # what `shardc run` does: the global batch compiled, `parallelize(model).step(*batch)`;
         # an unbalanced split= deals the blocks to stages before lowering, as the prediction did
@@ -112,8 +112,8 @@ def prepare(model_spec: str, loaded: Any, sp: StudyPlan, cluster: Any, common: d
 
         edit = None if split is None else (lambda graph: stage_split(graph, split, plan.stages))
         job["runtime"] = "shardc"
-        job["compiled"] = shardc.compile(loaded.model, tuple(loaded.example_inputs), plan=plan,
-                                         input_names=loaded.input_names, before_lower=edit)
+        job["compiled"] = compile_plan(loaded.model, tuple(loaded.example_inputs), plan=plan,
+                                       input_names=loaded.input_names, before_lower=edit)
     return job, predicted
 
 
@@ -196,7 +196,8 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         factor = plan_speed(results)
         if device != "cpu" or factor is None:
             return None
-        from shardc.calibration.local import at_speed, load_profile
+        from shardc.calibration.local import load_profile
+        from shardc.calibration.profile import at_speed
         from shardc.study.predict import predict
 
         base = profile if profile is not None else load_profile()

@@ -1,0 +1,281 @@
+"""The local profile: this machine as measured by `shardc calibrate`, its data and its file.
+
+It is data, like a hardware preset, so it sits below `shardc.hardware` (tests/test_layering.py):
+`hardware.local_cluster` turns it into the `local` cluster, and measuring it is the business of
+the modules above (`shardc.calibration.local` drives them). What it holds (CPU, fp32, one
+intra-op thread per process, as the gloo tests run):
+- matmul throughput of square matmuls by size, fitted to `rate(flops) = A * flops / (flops + h)`
+  (A the fp32 peak, h `matmul_half_flops`); bf16 and fp16 at one size as a ratio to fp32;
+- memory bandwidth of a large copy, and the fixed cost of one tiny op in eager training;
+- eager costs per op class, forward and backward, and of the AdamW step (`EagerCosts`: what the
+  cost model charges a CPU with, in place of the roofline);
+- per process count N measured: the per-process matmul rate and copy bandwidth while N run
+  together, gloo collective times by message size with their `alpha + beta * bytes` fits, and
+  the extra cost of shardc's collective wrapper per call.
+
+Every figure is at one reference speed (`shardc.calibration.speed`); `at_speed` gives the profile
+on the machine running some factor slower.
+
+The sharing model: n processes share the cores, so a process computes at `per_process_flops(n)`
+= the measured concurrent rate when n was measured, else `single * min(n, cores) * scaling / n`
+with `scaling` the mean measured ratio of aggregate to ideal. Everything a process does slows by
+the same factor; for the eager costs, measured alone, that factor is the lone rate of the
+concurrent benchmark's matmul size over the concurrent rate (`eager_slowdown`), like against like.
+
+The file: JSON (default `$SHARDC_CACHE_DIR/local-profile.json`, else
+`~/.cache/shardc/local-profile.json`), written atomically (temporary file, then rename). Versions
+1-3 still load: version 1 without eager costs (`eager=None`: the model falls back to the roofline),
+before 3 without the wrapper overhead, before 4 not at a reference speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shardc.ir.diagnostics import ShardcError
+from shardc.ops.collectives import ring_traffic
+
+PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaBeta:
+    """`time(bytes) = alpha + beta * bytes` (s, s/byte)."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveFit:
+    """One collective at one process count: measured (bytes, seconds) points and their fit."""
+
+    op: str
+    nprocs: int
+    points: tuple[tuple[int, float], ...]
+    fit: AlphaBeta
+
+    def ring(self) -> tuple[float, float] | None:
+        """(per-direction bandwidth bytes/s, per-step latency s) of the ring that reproduces this
+        fit under the cost model's ring formula; None for a collective without a ring form."""
+        if self.op == "broadcast" or not self.points:  # gloo broadcasts along a tree: no ring reproduces it
+            return None
+        traffic = ring_traffic(self.op, self.nprocs)
+        steps, volume = traffic.steps, traffic.fraction
+        # A flat fit (noise hid the size dependence) gets the bandwidth the largest message
+        # shows when all of its time is counted as transfer: a lower bound.
+        biggest, seconds = max(self.points)
+        bandwidth = volume / self.fit.beta if self.fit.beta > 0 else volume * biggest / seconds
+        return bandwidth, self.fit.alpha / steps
+
+
+@dataclass(frozen=True, slots=True)
+class KernelFit:
+    """Measured eager cost of one class of ops: forward `fwd_call + units * fwd_per_unit`, backward
+    `bwd_call + units * bwd_per_unit` (s). A unit is a FLOP for matmuls and a byte of the forward's
+    reads and writes for everything else; `*_call` is the per-call cost (dispatch, Python, autograd node)."""
+
+    fwd_call: float
+    fwd_per_unit: float
+    bwd_call: float
+    bwd_per_unit: float
+
+    def __post_init__(self) -> None:
+        if min(self.fwd_call, self.fwd_per_unit, self.bwd_call, self.bwd_per_unit) < 0:
+            raise ValueError(f"kernel fit {self}: costs must be >= 0")
+
+    def scaled(self, factor: float) -> KernelFit:
+        return KernelFit(self.fwd_call * factor, self.fwd_per_unit * factor, self.bwd_call * factor,
+                         self.bwd_per_unit * factor)
+
+
+@dataclass(frozen=True, slots=True)
+class EagerCosts:
+    """Measured costs of eager-mode training on a CPU, per op class (`shardc.cost.compute.op_class`:
+    matmul, elementwise, transcendental, norm, softmax, reduction, index, loss, dropout, view) or
+    per op where one differs from its class (`linear`, `attention_matmul`, `masked_fill`, ...), and
+    of the optimizer step with `zero_grad` (`optimizer_per_tensor` s per parameter tensor plus
+    `optimizer_per_param` s per fp32 parameter element). A device with these is costed by them
+    instead of the roofline (`kernel_latency`, `memory_bandwidth`, `matmul_efficiency`)."""
+
+    kinds: tuple[tuple[str, KernelFit], ...]
+    optimizer_per_tensor: float
+    optimizer_per_param: float
+    # The same step on parameters FSDP2 keeps as sharded DTensors (0: not measured, as plain)
+    sharded_optimizer_per_tensor: float = 0.0
+    sharded_optimizer_per_param: float = 0.0
+    # FSDP2's own work per micro-batch of one unit (its hooks, the copies into and out of the
+    # flat gather buffer, unsharded gradient accumulation), beyond the same forward and backward
+    # unsharded, s per parameter tensor and per element of the unit (0: not measured)
+    fsdp_per_tensor: float = 0.0
+    fsdp_per_param: float = 0.0
+
+    def fit(self, *keys: str) -> KernelFit:
+        """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
+        found = dict(self.kinds)
+        return next((found[k] for k in keys if k in found), None) or found["elementwise"]
+
+    def scaled(self, factor: float) -> EagerCosts:
+        """Every cost times `factor` (a process sharing its core runs everything slower alike)."""
+        return EagerCosts(tuple((k, f.scaled(factor)) for k, f in self.kinds), self.optimizer_per_tensor * factor,
+                          self.optimizer_per_param * factor, self.sharded_optimizer_per_tensor * factor,
+                          self.sharded_optimizer_per_param * factor, self.fsdp_per_tensor * factor,
+                          self.fsdp_per_param * factor)
+
+    def fsdp_measured(self) -> bool:
+        """Whether FSDP2's per-micro-batch work was measured (profiles before it: no)."""
+        return self.fsdp_per_tensor > 0 or self.fsdp_per_param > 0
+
+    def optimizer(self, sharded: bool) -> tuple[float, float]:
+        """(s per tensor, s per element) of the optimizer step on plain or FSDP2-sharded parameters."""
+        if sharded and self.sharded_optimizer_per_tensor > 0:
+            return self.sharded_optimizer_per_tensor, self.sharded_optimizer_per_param
+        return self.optimizer_per_tensor, self.optimizer_per_param
+
+
+def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
+    """`EagerCosts` from its `dataclasses.asdict` form (None stays None; fields added later default to 0)."""
+    if data is None:
+        return None
+    kinds = tuple((str(k), KernelFit(**f)) for k, f in data["kinds"])
+    return EagerCosts(kinds, float(data["optimizer_per_tensor"]), float(data["optimizer_per_param"]),
+                      float(data.get("sharded_optimizer_per_tensor", 0.0)),
+                      float(data.get("sharded_optimizer_per_param", 0.0)),
+                      float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)))
+
+
+@dataclass(frozen=True, slots=True)
+class LocalProfile:
+    """This machine, measured. Rates per process; `concurrent` is keyed by process count."""
+
+    version: int
+    created: str
+    machine: str
+    cores: int
+    memory_bytes: int
+    torch_version: str
+    quick: bool
+    matmul_points: tuple[tuple[int, float], ...]      # (square size n, FLOP/s), 1 process
+    peak_fp32: float                                  # fitted asymptote A (FLOP/s)
+    matmul_half_flops: float                          # fitted h (FLOPs)
+    dtype_ratio: tuple[tuple[str, float], ...]        # bf16/fp16 matmul rate relative to fp32
+    memory_bandwidth: float                           # bytes/s, 1 process
+    kernel_latency: float                             # s per tiny op, 1 process
+    concurrent: tuple[tuple[int, float, float], ...]  # (nprocs, FLOP/s, bytes/s) per process
+    collectives: tuple[CollectiveFit, ...]
+    eager: EagerCosts | None = None                   # eager op and optimizer costs, 1 process
+    concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
+    probe_alone_rate: float = 0.0                     # 1 / the reference speed's probe seconds (`shardc.calibration.speed`)
+    wrapper_overhead: tuple[tuple[int, float], ...] = ()  # (nprocs, s per collective wrapper call)
+
+    def call_overhead(self, nproc: int) -> float:
+        """Seconds a shardc collective wrapper adds per call over `nproc` processes, from the
+        nearest measured count (0 for profiles without the measurement)."""
+        if not self.wrapper_overhead or nproc <= 1:
+            return 0.0
+        return min(self.wrapper_overhead, key=lambda c: (abs(c[0] - nproc), -c[0]))[1]
+
+    def eager_slowdown(self, nproc: int) -> float:
+        """How much slower one of `nproc` concurrent processes runs than alone, measured like
+        against like: the lone rate of the concurrent benchmark's matmul size over its rate now."""
+        alone = dict(self.matmul_points).get(self.concurrent_matmul_n, self.peak_fp32)
+        return alone / self.per_process_flops(nproc) if nproc > 1 else 1.0
+
+    def slowdown(self, nproc: int) -> float:
+        """How much slower one of `nproc` concurrent processes runs than a process alone."""
+        return self.peak_fp32 / self.per_process_flops(nproc)
+
+    def per_process_flops(self, nproc: int) -> float:
+        """Large-matmul fp32 FLOP/s of one process when `nproc` run at once (see module doc)."""
+        if nproc <= 1:
+            return self.peak_fp32
+        for n, flops, _ in self.concurrent:
+            if n == nproc:
+                return flops
+        ratios = [n * f / (self.peak_fp32 * min(n, self.cores)) for n, f, _ in self.concurrent]
+        scaling = min(1.5, max(0.05, statistics.mean(ratios))) if ratios else 1.0
+        return self.peak_fp32 * min(nproc, self.cores) * scaling / nproc
+
+    def nearest(self, op: str, nproc: int) -> CollectiveFit | None:
+        """The measured fit of collective `op` at the process count nearest `nproc` (ties: the
+        larger count), or None when `op` was not measured."""
+        fits = [c for c in self.collectives if c.op == op and c.points]
+        return min(fits, key=lambda c: (abs(c.nprocs - nproc), -c.nprocs)) if fits else None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LocalProfile:
+        """The profile from its JSON form, of any version from 1 to `PROFILE_VERSION`."""
+        if data.get("version") not in (1, 2, 3, PROFILE_VERSION):
+            raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
+        fits = tuple(CollectiveFit(c["op"], int(c["nprocs"]), tuple((int(b), float(t)) for b, t in c["points"]),
+                                   AlphaBeta(**c["fit"])) for c in data["collectives"])
+        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k not in ("collectives", "eager")}
+        for k in ("matmul_points", "dtype_ratio", "concurrent"):
+            kwargs[k] = tuple(tuple(x) for x in data[k])
+        kwargs["wrapper_overhead"] = tuple((int(n), float(t)) for n, t in data.get("wrapper_overhead", ()))
+        return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
+
+
+def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
+    """`profile` on this machine running `factor` times slower than the profile's reference speed
+    (`shardc.calibration.speed`: the probe workload's time now over its reference time): everything a process
+    does, computing, copying, launching, collective calls, takes `factor` times as long."""
+    if factor <= 0:
+        raise ValueError(f"speed factor must be positive, got {factor}")
+    f = float(factor)
+    fits = tuple(CollectiveFit(c.op, c.nprocs, tuple((b, t * f) for b, t in c.points),
+                               AlphaBeta(c.fit.alpha * f, c.fit.beta * f)) for c in profile.collectives)
+    return replace(
+        profile, matmul_points=tuple((n, r / f) for n, r in profile.matmul_points), peak_fp32=profile.peak_fp32 / f,
+        memory_bandwidth=profile.memory_bandwidth / f, kernel_latency=profile.kernel_latency * f,
+        concurrent=tuple((n, fl / f, bw / f) for n, fl, bw in profile.concurrent), collectives=fits,
+        eager=profile.eager.scaled(f) if profile.eager is not None else None,
+        wrapper_overhead=tuple((n, t * f) for n, t in profile.wrapper_overhead))
+
+
+# ---- the file ----------------------------------------------------------------------------------
+
+def default_profile_path() -> Path:
+    """`$SHARDC_CACHE_DIR/local-profile.json`, else `~/.cache/shardc/local-profile.json`."""
+    base = os.environ.get("SHARDC_CACHE_DIR")
+    return Path(base) / "local-profile.json" if base else Path.home() / ".cache" / "shardc" / "local-profile.json"
+
+
+def read_profile(path: str | Path | None = None) -> LocalProfile:
+    """The profile cached at `path` (default `default_profile_path()`); a ShardcError saying to run
+    `shardc calibrate` when it is missing, unreadable or of an unknown version."""
+    target = Path(path) if path is not None else default_profile_path()
+    try:
+        return LocalProfile.from_json(json.loads(target.read_text()))
+    except FileNotFoundError:
+        problem = f"no local profile at {target}"
+    except (ValueError, KeyError, TypeError) as err:
+        problem = f"local profile {target} is unreadable or out of date: {err}"
+    raise ShardcError(problem, hint="run `shardc calibrate` to measure this machine")
+
+
+def write_profile(profile: LocalProfile, path: Path) -> None:
+    """Write atomically: a temporary file in the same folder, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(profile.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,312 @@
+"""One rank's memory during one training step, by role, and the collectives it ran.
+
+CPU has no allocator statistics, so every tensor is accounted for by hand; on CUDA the same
+accounting gives the roles and the caching allocator's peak (`allocator_memory`) is the
+measured peak, the difference filed as `allocator_extra`.
+- At the start of the measured step, every tensor Python can reach (`gc.get_objects()`, a
+  DTensor counted as its local shard) is filed by its role: `parameters` (the module's
+  parameters), `gradients` (their `.grad`), `optimizer` (the optimizer's state), `buffers`
+  (communication buffers; DDP's gradient buckets live in C++ and are added from DDP's own
+  `bucket_sizes` log), `model_buffers` (registered module buffers) and `other` (inputs,
+  leftovers). Each storage is counted once.
+- During the step a `TorchDispatchMode` sees every op the rank runs (backward included: the
+  autograd engine carries the mode) and files each new output storage: saved for backward
+  (a `saved_tensors_hooks` pack hook marks it) -> `activations`; produced by or handed to a
+  collective -> `buffers`; anything else (gradients of activations, temporaries of forward,
+  backward and the optimizer step, recomputed forwards) -> `other`; the optimizer's state
+  exists before the measured step (it follows the first step) and is counted as `optimizer`.
+  A `weakref.finalize` on the storage takes it off the books when it is freed. Storages are
+  re-measured after every op, so in-place `resize_` (FSDP2's gather buffers) is seen too.
+  Storages are told apart by their StorageImpl, not their data pointer.
+- The peak is the largest total of live bytes after any op; its breakdown by role is kept,
+  and the largest bytes each role reached on its own.
+
+Collectives: the same dispatch mode records every c10d op this rank runs: its kind, the bytes
+of its full buffer, its group size and whether forward, backward or the optimizer ran it.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "model_buffers", "other")
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def _storage(t: torch.Tensor) -> Any | None:
+    t = _local(t)
+    if t.device.type == "meta":
+        return None
+    try:  # fake and functional tensors (left over from tracing) own no memory
+        s = t.untyped_storage()
+        return s if s.data_ptr() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _key(storage: Any) -> int:
+    """A storage's identity: its StorageImpl, which keeps its identity when `resize_` moves its data
+    (FSDP2 frees and re-allocates unsharded parameters so), unlike the data pointer."""
+    return int(getattr(storage, "_cdata", 0) or storage.data_ptr())
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def roles(modules: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, str]:
+    """Data pointer -> category for parameters, gradients, optimizer state and module buffers."""
+    out: dict[int, str] = {}
+
+    def put(t: torch.Tensor | None, cat: str) -> None:
+        s = _storage(t) if t is not None else None
+        if s is not None:
+            out.setdefault(_key(s), cat)
+
+    for m in modules:
+        for p in m.parameters():
+            put(p, "parameters")
+            put(p.grad, "gradients")
+        for b in m.buffers():
+            put(b, "model_buffers")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for t in _tensors(state):
+                put(t, "optimizer")
+    return out
+
+
+def ddp_bucket_bytes(module: Any) -> int:
+    """Bytes of DDP's flat gradient buckets (C++-side tensors Python cannot reach), from DDP's log."""
+    get = getattr(module, "_get_ddp_logging_data", None)
+    if get is None:
+        return 0
+    data = get()
+    if data.get("gradient_as_bucket_view"):
+        return 0
+    text = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+    return sum(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live tensor bytes by category during one step (see the module docstring)."""
+
+    def __init__(self, known: dict[int, str], extra: dict[str, float] | None = None,
+                 modules: Iterable[torch.nn.Module] = ()) -> None:
+        super().__init__()
+        self.modules = list(modules)
+        self.live: dict[int, tuple[Any, str]] = {}
+        self.phase = "forward"
+        self.extra = dict(extra or {})
+        self.collectives: list[dict[str, Any]] = []
+        self.peak = 0.0
+        self.peak_breakdown: dict[str, float] = {}
+        self.category_peaks: dict[str, float] = {}
+        self.allocator: dict[str, float] | None = None  # CUDA: the allocator's view, set by `track_memory`
+        with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    s = _storage(obj)
+                    if s is not None:
+                        self._add(obj, known.get(_key(s), "other"))
+        self._sample()
+
+    def _add(self, t: torch.Tensor, category: str) -> None:
+        s = _storage(t)
+        if s is None:
+            return
+        key = _key(s)
+        if key in self.live:
+            return
+        self.live[key] = (weakref.ref(s), category)
+        weakref.finalize(s, self.live.pop, key, None)
+
+    def mark_saved(self, t: torch.Tensor) -> None:
+        """A tensor saved for backward: its storage counts as activations. Parameters are not
+        activations, and neither are FSDP's gathered (unsharded) weights: the storage of a
+        parameter of the tracked modules at the time it is saved is a communication buffer."""
+        if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
+            return
+        s = _storage(t)
+        if s is not None and _key(s) in self._parameter_storages():
+            self._reclassify(t, ("other",), "buffers")
+        else:
+            self._reclassify(t, ("other", "buffers"), "activations")
+
+    def _parameter_storages(self) -> set[int]:
+        out = set()
+        for m in self.modules:
+            for p in m.parameters():
+                s = _storage(p)
+                if s is not None:
+                    out.add(_key(s))
+        return out
+
+    def _reclassify(self, t: torch.Tensor, old: tuple[str, ...], new: str) -> None:
+        s = _storage(t)
+        if s is None:
+            return
+        entry = self.live.get(_key(s))
+        if entry is not None and entry[1] in old:
+            self.live[_key(s)] = (entry[0], new)
+
+    def _sample(self) -> None:
+        totals = dict.fromkeys(CATEGORIES, 0.0)
+        for ref, cat in list(self.live.values()):
+            s = ref()
+            if s is not None:
+                totals[cat] += s.nbytes()
+        for k, v in self.extra.items():
+            totals[k] = totals.get(k, 0.0) + v
+        total = sum(totals.values())
+        for k, v in totals.items():
+            self.category_peaks[k] = max(self.category_peaks.get(k, 0.0), v)
+        if total > self.peak:
+            self.peak, self.peak_breakdown = total, totals
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        comm = "c10d" in name
+        if comm:
+            self._record_collective(name, args)
+            for t in _tensors(args):  # a buffer allocated before and filled by the collective
+                self._reclassify(t, ("other",), "buffers")
+        cat = "buffers" if comm and self.phase != "optimizer" else "other"
+        inputs = [_key(x) for x in _input_storages(args, kwargs)] if self.extra.get("buffers") else []
+        for t in _tensors(out):
+            s = _storage(t)
+            if s is not None and _key(s) not in self.live and _key(s) in inputs:
+                # Written into, not allocated: a buffer that existed before the step but Python
+                # could not reach (DDP's buckets), already counted in `extra` from DDP's log.
+                self.extra["buffers"] = max(0.0, self.extra["buffers"] - s.nbytes())
+                self._add(t, "buffers")
+                continue
+            self._add(t, cat)
+        self._sample()
+        return out
+
+    def _record_collective(self, name: str, args: tuple) -> None:
+        kind = collective_kind(name)
+        if kind is None:
+            return
+        # The full buffer: what all_reduce reduces, all_gather assembles, reduce_scatter splits.
+        which = args[1] if kind == "reduce_scatter" and len(args) > 1 else args[0] if args else ()
+        nbytes = sum(_local(t).numel() * _local(t).element_size() for t in _tensors(which))
+        size = _group_size(args)
+        self.collectives.append({"kind": kind, "bytes": nbytes, "group_size": size, "phase": self._phase()})
+
+    def _phase(self) -> str:
+        if self.phase == "optimizer":
+            return "optimizer"
+        return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+    def result(self) -> dict[str, Any]:
+        """`peak_bytes`, its `peak_breakdown` by role and each role's own peak (`category_peaks`).
+        On CUDA the allocator's peak is the measurement: `peak_bytes` is its
+        `peak_allocated_bytes`, `tracked_peak_bytes` the accounting's, and the breakdown files the
+        difference as `allocator_extra`."""
+        out: dict[str, Any] = {"peak_bytes": self.peak, "peak_breakdown": self.peak_breakdown,
+                               "category_peaks": self.category_peaks}
+        if self.allocator is None:
+            return out
+        measured = self.allocator["peak_allocated_bytes"]
+        return {**out, "peak_bytes": measured, "tracked_peak_bytes": self.peak, "allocator": self.allocator,
+                "peak_breakdown": {**self.peak_breakdown, "allocator_extra": max(0.0, measured - self.peak)}}
+
+
+
+def _input_storages(args: tuple, kwargs: dict | None) -> list[Any]:
+    return [s for s in (_storage(t) for t in _tensors((args, kwargs or {}))) if s is not None]
+
+
+def _group_size(args: tuple) -> int:
+    import torch.distributed as dist
+
+    for a in args:
+        size = getattr(a, "size", None)
+        if callable(size) and not isinstance(a, torch.Tensor):
+            try:
+                return int(size())
+            except Exception:  # a ScriptObject without size()
+                continue
+        if isinstance(a, str):
+            try:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                return dist.get_world_size(_resolve_process_group(a))  # type: ignore[arg-type]
+            except Exception:
+                continue
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+_KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
+          "_allgather_base": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+          "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+          "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast": "broadcast", "alltoall": "all_to_all",
+          "alltoall_base": "all_to_all", "send": "send", "recv": "recv", "all_reduce": "all_reduce",
+          "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def collective_kind(op_name: str) -> str | None:
+    """`c10d.allreduce_.default` -> `all_reduce`; None for waits, barriers and unknown ops."""
+    parts = op_name.split(".")
+    base = parts[1] if len(parts) > 1 else parts[0]
+    return _KINDS.get(base.rstrip("_"))
+
+
+@contextmanager
+def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict[str, float] | None = None,
+                 device: torch.device | None = None) -> Iterator[MemoryTracker]:
+    """Account every tensor during the `with` body; set `tracker.phase = "optimizer"` around the
+    optimizer step. On a CUDA `device` the allocator's peak is reset first and read after."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    mods = list(modules)
+    gc.collect()
+    tracker = MemoryTracker(roles(mods, optimizer), extra, mods)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.mark_saved(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+        yield tracker
+    if cuda:
+        torch.cuda.synchronize(device)
+        tracker.allocator = allocator_memory(device)
+
+
+def allocator_memory(device: Any) -> dict[str, float]:
+    """The CUDA caching allocator's view of the last `reset_peak_memory_stats` window: peak bytes
+    allocated to tensors (what `max_memory_allocated` reports), peak reserved from the driver,
+    and the allocator's retries and OOMs (a peak that forced cache flushes)."""
+    stats = torch.cuda.memory_stats(device)
+    return {"peak_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_bytes": float(torch.cuda.max_memory_reserved(device)),
+            "allocated_bytes_now": float(torch.cuda.memory_allocated(device)),
+            "num_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "num_ooms": float(stats.get("num_ooms", 0))}
+
+
