@@ -1,4 +1,5 @@
-"""The CP-SAT model's variables and section sums (`shardc.search.cpsat` builds the stages on them).
+"""The CP-SAT model's variables and section sums (`shardc.search.constraints` builds the stages
+on them, `shardc.search.cpsat` solves).
 
 Rules:
 - Candidates: a boolean per (group, candidate). The prefix's and suffix's groups have one set;
