@@ -4,17 +4,15 @@ Rule. Nodes are grouped by layer into regions: each layer becomes a sub-GraphMod
 layer's module path (`blocks.0`), called from the root module (through
 `torch.utils.checkpoint` when the layer asks for recomputation); nodes outside layers live in
 the root. Every parameter and buffer is an `nn.Parameter` / buffer at its own module path holding
-this rank's shard only (so `state_dict()` keys are the model's). Each IR node becomes one call:
-the registry impl on local tensors, an autograd-aware collective (`collectives.py`), a
-sharding-aware local op (`local_ops.py`) or a temporal loop (`temporal.py`). fx node names are
+this rank's shard only (so `state_dict()` keys are the model's). Each IR node becomes one call
+(`emit.py`): the registry impl on local tensors, an autograd-aware collective (`collectives.py`),
+a sharding-aware local op (`local_ops.py`) or a temporal loop (`temporal.py`). fx node names are
 the IR value names, so `module.code` reads like the IR.
 """
 
 from __future__ import annotations
 
 import operator
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,42 +22,15 @@ from torch import nn
 
 from shardc.backends.torch import collectives as C
 from shardc.backends.torch import grid2d as G
-from shardc.backends.torch import local_ops as L
 from shardc.backends.torch import ring as R
-from shardc.backends.torch import temporal as T
+from shardc.backends.torch.emit import Emitter, local_shape, py_name
 from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.registry import get_op
-
-MEAN_OPS = frozenset({"mean"})
-
-
-def py_name(name: str) -> str:
-    """A Python identifier for an IR name (`blocks.0.ln.weight` -> `blocks_0_ln_weight`)."""
-    text = re.sub(r"\W", "_", name)
-    return text if text and not text[0].isdigit() else f"v_{text}"
 
 
 def module_path(layer: str) -> str:
     """A layer name as a module path: dotted parts that are identifiers or digits."""
     return ".".join(p if p.isidentifier() or p.isdigit() else py_name(p) for p in layer.split(".") if p) or "layer"
-
-
-def local_shape(v: Value, mesh: Mesh) -> tuple[int, ...]:
-    return (v.layout or Layout()).local_shape(v.type.shape, mesh)
-
-
-def shard_offset(v: Value, dim: int, mesh: Mesh, coords: dict[str, int]) -> int:
-    """Global index of the first element of this rank's piece of `v` along `dim`."""
-    layout = v.layout or Layout()
-    axes = layout.sharded_dims().get(dim, [])
-    if any(getattr(layout.on(a), "interleave", 1) > 1 or getattr(layout.on(a), "zigzag", False) for a in axes):
-        raise ShardcError(f"%{v.name} is a strided or zig-zag shard along dim {dim}; this op needs a contiguous one",
-                          hint="zig-zag sequences (cp=N:zigzag) reach attention as ring attention only")
-    index = 0
-    for a in axes:
-        index = index * mesh.axis_size(a) + coords[a]
-    return index * local_shape(v, mesh)[dim]
 
 
 def local_piece(tensor: torch.Tensor, layout: Layout, mesh: Mesh, coords: dict[str, int]) -> torch.Tensor:
@@ -109,138 +80,6 @@ def regions_of(graph: Graph) -> list[Region]:
             used.add(path)
         out.append(Region(node.layer, path, [node]))
     return out
-
-
-class _Emitter:
-    """Turns IR nodes into fx calls inside one region graph."""
-
-    def __init__(self, fxg: fx.Graph, mesh: Mesh, coords: dict[str, int], mesh_node: fx.Node) -> None:
-        self.g, self.mesh, self.coords, self.mesh_node = fxg, mesh, coords, mesh_node
-        self.skews: dict[Node, fx.Node] = {}  # grid node -> its weight's prefetched skew
-
-    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> fx.Node:
-        node = self.g.create_node("call_function", fn, args, kwargs, name=py_name(name))
-        return node
-
-    def call_positional(self, fn: Callable[..., Any], args: tuple, name: str) -> fx.Node:
-        return self.call(fn, args, {}, name)
-
-    def node(self, node: Node, args: list[fx.Node]) -> list[fx.Node]:
-        op = get_op(node.op)
-        name = node.outputs[0].name
-        if op.kind == "collective":
-            if node.op in ("grad_sync", "send", "recv"):
-                return [args[0]]  # the data-parallel wrapper / pipeline runtime does these
-            attrs = dict(node.attrs)
-            axis = attrs.pop("axis")
-            fn = getattr(C, node.op)
-            zigzag = [isinstance(p, Shard) and p.zigzag for p in
-                      ((node.inputs[0].layout or Layout()).on(axis), (node.outputs[0].layout or Layout()).on(axis))]
-            if any(zigzag):  # a zig-zag shard: the contiguous collective with the positions permuted
-                if node.op not in R.ZIGZAG_COLLECTIVES:
-                    raise ShardcError(f"{node.op} of a zig-zag shard is not supported", node=node)
-                fn = R.ZIGZAG_COLLECTIVES[node.op]
-                if node.op == "all_to_all":
-                    attrs.update(src_zigzag=zigzag[0], dst_zigzag=zigzag[1])
-            return [self.call(fn, (args[0], self.mesh_node, axis), attrs, name)]
-        part = node.partition
-        if part is not None and part.temporal:
-            out = self.temporal(node, args)
-        else:
-            out = self.plain(node, args)
-        if len(node.outputs) == 1:
-            return [out]
-        return [self.g.call_function(operator.getitem, (out, k)) for k in range(len(node.outputs))]
-
-    def plain(self, node: Node, args: list[fx.Node]) -> fx.Node:
-        name, attrs, mesh = node.outputs[0].name, dict(node.attrs), self.mesh
-        ins, outs = node.inputs, node.outputs
-        if node.op in ("reshape", "expand"):
-            attrs["shape"] = local_shape(outs[0], mesh)
-        if node.op == "split":
-            dim = attrs["dim"] + (ins[0].type.rank if attrs["dim"] < 0 else 0)
-            attrs["sizes"] = tuple(local_shape(o, mesh)[dim] for o in outs)
-        if node.op == "embedding" and 0 in (ins[1].layout or Layout()).sharded_dims():
-            start = shard_offset(ins[1], 0, mesh, self.coords)
-            return self.call(L.vocab_parallel_embedding, tuple(args), {"vocab_start": start}, name)
-        if node.op == "cross_entropy":
-            last = ins[0].type.rank - 1
-            axes = (ins[0].layout or Layout()).sharded_dims().get(last, [])
-            if len(axes) > 1:
-                raise ShardcError("cross entropy with classes split over more than one mesh axis", node=node)
-            if axes:
-                kw = {"axis": axes[0], "vocab_start": shard_offset(ins[0], last, mesh, self.coords), **attrs}
-                return self.call(L.vocab_parallel_cross_entropy, (*args, self.mesh_node), kw, name)
-        if node.op == "scaled_dot_product_attention":
-            attrs["q_offset"] = shard_offset(ins[0], ins[0].type.rank - 2, mesh, self.coords)
-            return self.call(L.attention, tuple(args), attrs, name)
-        return self.call(L.compute_op(node.op), tuple(args), attrs, name)
-
-    def temporal(self, node: Node, args: list[fx.Node]) -> fx.Node:
-        part = node.partition
-        assert part is not None
-        if len(part.temporal) != 1:
-            raise ShardcError("codegen runs one temporal split per node", node=node)
-        split = part.temporal[0]
-        op = get_op(node.op)
-        space = op.iteration_space([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
-        name, attrs = node.outputs[0].name, dict(node.attrs)
-        dims = [next((j for j, f in enumerate(operand) if f and f[0] == split.dim), None) for operand in space.inputs]
-        dims += [None] * (len(node.inputs) - len(dims))
-        if node.op in ("reshape", "expand", "full", "arange"):
-            raise ShardcError(f"a temporal split of {node.op} is not supported; split its consumers instead", node=node)
-        if split.grid is not None:
-            return self.grid(node, args, split)
-        if split.rotate is not None:
-            axis = split.rotate
-            if split.steps != self.mesh.axis_size(axis):
-                raise ShardcError(f"rotating split {split} needs steps == size of mesh axis {axis} "
-                                  f"({self.mesh.axis_size(axis)})", node=node)
-            if op.kind == "attention":
-                q = node.inputs[0]
-                placement = (q.layout or Layout()).on(axis)
-                if isinstance(placement, Shard) and placement.zigzag:
-                    attrs["zigzag"] = True
-                else:
-                    attrs["q_offset"] = shard_offset(q, q.type.rank - 2, self.mesh, self.coords)
-                if len(node.inputs) > 3:
-                    mask = node.inputs[3]
-                    held = (mask.layout or Layout()).on(axis)
-                    attrs["rotate_mask"] = isinstance(held, Shard) and held.dim == mask.type.rank - 1
-                return self.call(R.ring_attention, tuple(args), {"mesh": self.mesh_node, "axis": axis, **attrs}, name)
-            if split.dim not in space.reductions:
-                raise ShardcError(f"a rotating split must cut a reduction dim; {split.dim} is parallel", node=node)
-            rotating = tuple(i for i, d in enumerate(dims) if d is not None
-                             and (node.inputs[i].layout or Layout()).on(axis) == Shard(d))
-            indexed = tuple((i, d) for i, d in enumerate(dims) if d is not None and i not in rotating)
-            once = tuple(i for i, d in enumerate(dims) if d is None and node.op == "linear")
-            loop = {"mesh": self.mesh_node, "axis": axis, "rotating": rotating, "indexed": indexed, "once": once}
-            return self.call(T.rotating_loop, (node.op, *args), {**loop, **attrs}, name)
-        out_dims = [next((j for j, f in enumerate(o) if f and f[0] == split.dim), None) for o in space.outputs]
-        reduce = "mean" if node.op in MEAN_OPS or (node.op == "cross_entropy" and attrs.get("reduction", "mean")
-                                                   == "mean") else "sum"
-        kw: dict[str, Any] = {"dims": tuple(dims), "out_dim": out_dims[0], "steps": split.steps, "reduce": reduce}
-        target = node.op
-        if node.op == "scaled_dot_product_attention":
-            q = node.inputs[0]
-            s_dim = q.type.rank - 2
-            base = shard_offset(q, s_dim, self.mesh, self.coords)
-            kw["offsets"] = (("q_offset", base, local_shape(q, self.mesh)[s_dim] // split.steps),) \
-                if dims[0] == s_dim else ()
-            target = "attention"
-        return self.call(T.temporal_loop, (target, *args), {**kw, **attrs}, name)
-
-    def grid(self, node: Node, args: list[fx.Node], split: Any) -> fx.Node:
-        """PrimePar's P(q x q) (`grid2d.py`): each of the first two inputs moves along the grid
-        axis on which it is sharded on the reduced dim."""
-        axes = G.grid_axes(node)
-        if axes is None:
-            raise ShardcError(f"a grid split {split} runs a linear or matmul whose two operands are sharded on "
-                              f"{split.dim} along different grid axes", node=node)
-        kw: dict[str, Any] = {"mesh": self.mesh_node, "x_axis": axes[0], "w_axis": axes[1]}
-        if node in self.skews:
-            kw["skew"] = self.skews[node]
-        return self.call(G.grid_contraction, (node.op, *args), kw, node.outputs[0].name)
 
 
 def _place(root: nn.Module, path: str, obj: Any, kind: str = "module") -> None:
@@ -343,7 +182,7 @@ def _layer_module(rank: _Rank, region: Region, k: int) -> tuple[fx.GraphModule, 
             sub_env[v] = sub.placeholder(py_name(v.name))
             region_inputs.append(v)
     sub_mesh = sub.get_attr("mesh")
-    emit = _Emitter(sub, rank.mesh, rank.coords, sub_mesh)
+    emit = Emitter(sub, rank.mesh, rank.coords, sub_mesh)
     sub_attrs: dict[str, Any] = {"mesh": rank.groups}
 
     def arg(v: Value) -> fx.Node:
@@ -372,7 +211,7 @@ class _Root:
         self.rank = rank
         self.graph = fx.Graph()
         self.mesh_node = self.graph.get_attr("mesh")
-        self.emit = _Emitter(self.graph, rank.mesh, rank.coords, self.mesh_node)
+        self.emit = Emitter(self.graph, rank.mesh, rank.coords, self.mesh_node)
         self.env: dict[Value, fx.Node] = {}
 
     def inputs(self, values: list[Value], local_inputs: bool, device: str) -> None:
