@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
+from shardc.analysis.dims import model_dims
 from shardc.analysis.propagate import (
     derives_from_input,
     dim_roles,
@@ -78,7 +79,7 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import IterationSpace, get_op
 from shardc.passes.group_layers import group_layers, layer_of_path
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.plan.parallel import ParallelPlan, model_dims, validate_plan
+from shardc.plan.parallel import ParallelPlan, validate_plan
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
