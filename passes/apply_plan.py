@@ -52,14 +52,8 @@ from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 from shardc.analysis.dims import model_dims
-from shardc.analysis.propagate import (
-    derives_from_input,
-    dim_roles,
-    follow,
-    io_layouts,
-    iteration_space,
-    node_roles,
-)
+from shardc.analysis.propagate import derives_from_input, follow, io_layouts, iteration_space
+from shardc.analysis.roles import Roles, dim_roles, iteration_roles
 from shardc.ir import (
     Graph,
     Layer,
@@ -94,7 +88,7 @@ class _Planner:
     graph: Graph
     plan: ParallelPlan
     mesh: Mesh
-    roles: dict[int, tuple[str | None, ...]]
+    roles: Roles
     vocab: int | None
 
     @property
@@ -105,7 +99,7 @@ class _Planner:
         return [a for a in ("dp", "cp", "tp") if self.mesh.axis_size(a) > 1]
 
     def partition(self, node: Node, space: IterationSpace) -> Partition:
-        it_roles = node_roles(space, node, self.roles)
+        it_roles = iteration_roles(node, space, self.roles)
         spatial: list[tuple[str, str]] = []
         strides: list[tuple[str, int]] = []
         temporal = []
@@ -143,8 +137,8 @@ class _Planner:
         partial_in = any(isinstance((v.layout or Layout()).on(axis), Partial) for v in node.inputs)
         if axis == "tp" and self.sequence_parallel and partial_in:
             role = "seq"
-        for dim in space.dims:
-            if role is not None and it_roles.get(dim) == role and self.splittable(space, dim, axis):
+        for dim, has in it_roles.items():  # the first input's dims first
+            if role is not None and has == role and self.splittable(space, dim, axis):
                 return dim, 1
         return None
 
@@ -261,7 +255,7 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
                           "divide", hint=f"trace with a batch of dp*mb = {plan.dp * plan.mb} example sequences")
     planner = _Planner(graph, plan, mesh, roles, dims.vocab)
     for v in graph.inputs:
-        v.layout = _input_layout(v, roles.get(id(v), ()), mesh, planner.sequence_parallel,
+        v.layout = _input_layout(v, roles.get(v, ()), mesh, planner.sequence_parallel,
                                  plan.cp_layout == "zigzag")
     for v in graph.params + graph.buffers:
         v.layout = None

@@ -33,7 +33,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from shardc.analysis.groups import NodeGroup, iteration_roles
+from shardc.analysis.groups import NodeGroup
+from shardc.analysis.roles import Roles, iteration_roles
 from shardc.ir import Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
 from shardc.ops.registry import IterationSpace, get_op, has_op, node_layouts
 from shardc.search.primepar import GRID_AXES, grid_partitions, without_axes
@@ -75,14 +76,14 @@ class Candidate:
 class Shapes:
     """How tensor sizes are priced: batch dims scaled to the micro-batch, floats at 2 bytes."""
 
-    roles: dict[int, tuple[str | None, ...]]
+    roles: Roles
     batch_scale: float = 1.0
     batched: frozenset[int] | None = None  # ids of values that scale with the batch (default: by role)
 
     def scales(self, value: Value) -> bool:
         if self.batched is not None:
             return id(value) in self.batched
-        return "batch" in self.roles.get(id(value), ())
+        return "batch" in self.roles.get(value, ())
 
     def nbytes(self, value: Value, layout: Layout | None, mesh: Mesh) -> float:
         n = float(value.type.numel)
@@ -262,7 +263,7 @@ def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shape
         if not partial_axes or value.type.rank == 0:
             per_output.append([(layout, layout)])
             continue
-        value_roles = shapes.roles.get(id(value), ())
+        value_roles = shapes.roles.get(value, ())
         sharded = {p.dim for _, p in layout.placements if isinstance(p, Shard)}
         targets = [i for i, r in enumerate(value_roles) if r in ("batch", "seq") and i not in sharded]
         options = []
@@ -286,7 +287,7 @@ def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shape
 
 def _shardable(value: Value, layout: Layout, mesh: Mesh, shapes: Shapes) -> bool:
     shape = list(value.type.shape)
-    for i, r in enumerate(shapes.roles.get(id(value), ())):
+    for i, r in enumerate(shapes.roles.get(value, ())):
         if r == "batch":
             shape[i] = max(1, round(shape[i] * shapes.batch_scale))
     for dim, axes in layout.sharded_dims().items():

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardc.analysis.groups import NodeGroup, build_groups, dim_roles
+from shardc.analysis.groups import NodeGroup, build_groups
+from shardc.analysis.roles import Roles, dim_roles
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
@@ -118,7 +119,7 @@ class GraphFacts:
 
     graph: Graph
     groups: list[NodeGroup]
-    roles: dict[int, tuple[str | None, ...]]
+    roles: Roles
     layering: Layering
     batch: int
     batched: frozenset[int]
@@ -150,7 +151,7 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
     groups = build_groups(graph)
     roles = dim_roles(graph)
     ctx = CostContext.build(graph, cluster, PLAN_DTYPE_IR.get(dtype, dtype))
-    batch = next((v.type.shape[0] for v in graph.inputs if roles.get(id(v), (None,))[0] == "batch"), 1)
+    batch = next((v.type.shape[0] for v in graph.inputs if roles.get(v, (None,))[0] == "batch"), 1)
     core: set[int] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
     for g in groups:
