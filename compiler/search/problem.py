@@ -1,8 +1,8 @@
 """One planning problem: a mesh shape and micro-batch size, its node groups, priced candidates
 and edges, in the form the CP-SAT model and the plan evaluator both read.
 
-Layer structure: the graph's layers in order are a prefix of singleton layers (embedding), a
-run of copies of one block, and a suffix (final norm, head, loss). The block is represented by
+Layer structure (`shardc.analysis.stages.layering`, uniform): a prefix of singleton layers
+(embedding), a run of copies of one block class, and a suffix (final norm, head, loss). The block is represented by
 one copy, enumerated and priced once per distinct block; the CP-SAT model chooses its
 candidates once per stage class (`shardc.search.sections.stage_classes`), so copies on one
 stage share a partition and stages may differ. Models without such a run are planned with pp=1.
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from shardc.analysis.groups import NodeGroup, build_groups
 from shardc.analysis.roles import Roles, dim_roles
+from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
@@ -101,19 +102,6 @@ class EdgeVar:
 
 
 @dataclass
-class Layering:
-    """The graph's layers: prefix singletons, a run of one block class, suffix singletons."""
-
-    pre: list[str]
-    blocks: list[str]
-    post: list[str]
-
-    @property
-    def count(self) -> int:
-        return len(self.blocks)
-
-
-@dataclass
 class GraphFacts:
     """What is computed once per graph: groups, roles, dataflow facts, the layering."""
 
@@ -127,24 +115,6 @@ class GraphFacts:
     core: frozenset[int]
     ctx: CostContext
     by_layer: dict[str | None, list[NodeGroup]] = field(default_factory=dict)
-
-
-def layering(graph: Graph) -> Layering:
-    order: list[str] = []
-    for n in graph.nodes:
-        name = n.layer if n.layer is not None else "<graph>"
-        if not order or order[-1] != name:
-            if name not in order:
-                order.append(name)
-    block_of = {name: (graph.layers[name].block if name in graph.layers else name) for name in order}
-    counts: dict[str, int] = {}
-    for name in order:
-        counts[block_of[name]] = counts.get(block_of[name], 0) + 1
-    best = max(counts, key=lambda b: counts[b]) if counts else None
-    idx = [i for i, name in enumerate(order) if block_of[name] == best]
-    if best is None or counts[best] < 2 or idx != list(range(idx[0], idx[-1] + 1)):
-        return Layering(order, [], [])
-    return Layering(order[: idx[0]], order[idx[0]: idx[-1] + 1], order[idx[-1] + 1:])
 
 
 def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFacts:
@@ -161,7 +131,7 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
         nodes_of.setdefault(n.layer, []).append(n)
     for nodes in nodes_of.values():
         core |= attention_core(ctx, nodes)
-    return GraphFacts(graph, groups, roles, layering(graph), batch, frozenset(ctx.batched),
+    return GraphFacts(graph, groups, roles, layering(graph, "<graph>").uniform(), batch, frozenset(ctx.batched),
                       frozenset(ctx.needs_grad), frozenset(core), ctx, by_layer)
 
 
