@@ -35,7 +35,6 @@ from shardc.cost.compute import (
     NodeCost,
     node_compute_time,
     repeated,
-    rotating_operands,
     rotation_steps,
     saved_bytes_of,
     working_bytes,
@@ -54,6 +53,7 @@ from shardc.cost.edges import (
 from shardc.cost.grid2d import GridCharge, grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.ring import causal_ring_cost
 from shardc.ir import Node, Partial, Value
+from shardc.ops.registry import rotating_operands
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,22 +195,6 @@ def _major(operand: tuple[tuple[str, ...], ...], dim: str) -> bool:
     return any(f and f[0] == dim for f in operand)
 
 
-def _with_rotation(space: IterationSpace, partition: Partition, layouts: list[Layout], mesh: Mesh) -> list[Layout]:
-    """Rotating operands are sharded on the rotated dim along the rotation axis."""
-    out = list(layouts)
-    for t in partition.temporal:
-        if t.rotate is None or t.grid is not None:  # a grid's layouts are the registry's already
-            continue
-        d1 = [d for a, d in partition.spatial if a == t.rotate][0]
-        for i, operand in enumerate(space.inputs):
-            if _has(operand, t.dim) and not _has(operand, d1):
-                tensor_dim = [k for k, f in enumerate(operand) if f and f[0] == t.dim][0]
-                placements = dict(out[i].placements)
-                placements[t.rotate] = Shard(tensor_dim)
-                out[i] = Layout(tuple((a, placements[a]) for a in mesh.names if a in placements))
-    return out
-
-
 def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool = True,
                     chunk: bool = True) -> list[Candidate]:
     """All candidates of one group on `mesh` (intra-stage axes only), each fully priced in bytes/FLOPs."""
@@ -248,7 +232,6 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
                 ins, outs = node_layouts(space, partition, mesh)
             except ValueError:
                 continue
-            ins = _with_rotation(space, partition, ins, mesh)
             for resolved in _resolutions(group, outs, mesh, shapes, roles):
                 out.append(_complete(group, partition, ins, resolved, mesh))
     return out or [_replicated(group, mesh)]
