@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from shardc.analysis.aliasing import aliases
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     NodeCost,
@@ -39,7 +40,7 @@ from shardc.cost.compute import (
     saved_bytes_of,
     working_bytes,
 )
-from shardc.cost.context import CostContext, aliases, axis_category
+from shardc.cost.context import CostContext, axis_category
 from shardc.cost.edges import (
     comm_time,
     feeds_only_parameters,

@@ -5,9 +5,10 @@ activations and the weight gradients of the op in progress are live too, and the
 largest sum over time. This walks the layer's partitioned IR as autograd executes it.
 
 Rules (all sizes are local, batch-scaled, at the compute dtype):
-- Storages: a view (reshape, permute, expand, slice, select, split; dropout with p=0, which
-  returns its input) aliases the storage of its input (`CostContext.root`); every other op's
-  output is a new storage.
+- Storages: as eager PyTorch allocates them (`shardc.analysis.aliasing`, `CostContext.root`):
+  a view (reshape, permute, expand, slice, select, split; dropout with p=0, which returns its
+  input) aliases the storage of its input, unless PyTorch must copy (a reshape it cannot
+  view); every other op's output is a new storage.
 - Forward: an output lives until its last reader in the layer has run, or to the end of the
   layer when a later layer reads it; what an op saves for backward stays (`layer_terms`'s saved
   entries: the kept ones under the layer's recomputation). A loss also holds its log-probabilities
@@ -18,7 +19,8 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   freed at once, unless the parameter is read again by an earlier op, a tied weight, whose
   contributions autograd sums before accumulating; `hold_param_grads`: kept to the end of
   backward, as FSDP2's unsharded gradients are). Views, dropout(p=0) and an `add` of equal
-  shapes pass the output gradient through without allocating; split's backward concatenates.
+  shapes pass the output gradient through without allocating (`aliasing.passes_gradient`);
+  split's backward concatenates.
   A loss's backward also holds the gradient of its log-probabilities. After the op its output
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
   the layer's forward again first (its saved tensors come back as recomputed); selective
@@ -32,13 +34,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
 from shardc.cost.layer import LayerTerms, attention_core
 from shardc.ir import Node
 from shardc.ops.registry import get_op
-
-PASS_THROUGH = frozenset({"add"})  # d(a + b)/da = d(a + b)/db = the output gradient itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,18 +65,6 @@ class LayerMemory:
 
 def _storage(ctx: CostContext, v) -> int:
     return id(ctx.root(v))
-
-
-def _alias_gradient(node: Node, i: int) -> bool:
-    """The input's gradient is the output's (no allocation): views, dropout(p=0), equal-shape add."""
-    op = get_op(node.op)
-    if node.op == "dropout":
-        return not node.attrs.get("p") or node.attrs.get("training") is False
-    if op.kind == "view":
-        return node.op not in ("split", "concat")
-    if node.op in PASS_THROUGH and node.outputs:
-        return node.inputs[i].type.shape == node.outputs[0].type.shape
-    return False
 
 
 def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
@@ -232,7 +221,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 continue
             if v.kind == "parameter":
                 new_params[v.name] = ctx.local_bytes(v)
-            elif _alias_gradient(node, i):
+            elif passes_gradient(node, i):
                 passed.append(id(v))
             else:
                 allocs[id(v)] = allocs.get(id(v), 0.0) + ctx.local_bytes(v)
