@@ -32,13 +32,13 @@ def io_layouts(node: Node, mesh: Mesh) -> tuple[list[Layout], list[Layout]]:
     return node_layouts(iteration_space(node), node.partition, mesh)
 
 
-def requires_grad(graph: Graph) -> dict[int, bool]:
-    """id(value) -> whether it carries a gradient (trainable parameters and float values read off one)."""
-    out = {id(p): p.requires_grad for p in graph.params}
+def requires_grad(graph: Graph) -> dict[Value, bool]:
+    """Value -> whether it carries a gradient (trainable parameters and float values read off one)."""
+    out = {p: p.requires_grad for p in graph.params}
     for node in graph.nodes:
-        flag = any(out.get(id(v), False) for v in node.inputs)
+        flag = any(out.get(v, False) for v in node.inputs)
         for v in node.outputs:
-            out[id(v)] = flag and v.type.is_float
+            out[v] = flag and v.type.is_float
     return out
 
 
@@ -74,9 +74,9 @@ def follow(space: IterationSpace, operand: int, placement: Placement, axis: str,
 
 def derives_from_input(graph: Graph, value: Value) -> bool:
     """Whether `value` is a graph input or computed from one only through views and casts."""
-    inputs = {id(v) for v in graph.inputs}
+    inputs = set(graph.inputs)
     seen = value
-    while id(seen) not in inputs:
+    while seen not in inputs:
         node = seen.producer
         if node is None or get_op(node.op).kind not in ("view", "elementwise") or not node.inputs:
             return False

@@ -72,7 +72,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     """Walk `nodes` (one layer, graph order) forward and backward (module rules). `terms` is the
     layer's `layer_terms` (its saved entries); `earlier_params`: parameters earlier layers on the
     same device also read (their gradients are held here until that layer's backward)."""
-    inside = {id(n) for n in nodes}
+    inside = set(nodes)
     gathered = _gathered_saves(ctx, nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else set()
     saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
@@ -94,7 +94,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
             last_read[_storage(ctx, v)] = idx
         for v in node.outputs:
             users = ctx.users.get(id(v), [])
-            if any(id(u) not in inside for u in users) or v in ctx.graph.outputs:
+            if any(u not in inside for u in users) or v in ctx.graph.outputs:
                 exported.add(_storage(ctx, v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
     fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload)
@@ -176,25 +176,25 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
     return peak, at_saved
 
 
-def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[int]) -> float:
+def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> float:
     """Bytes of the gradients of the layer's outputs that later layers send back."""
     total = 0.0
     for node in nodes:
         for v in node.outputs:
             users = ctx.users.get(id(v), [])
-            if id(v) in ctx.needs_grad and any(id(u) not in inside for u in users):
+            if id(v) in ctx.needs_grad and any(u not in inside for u in users):
                 total += ctx.local_bytes(v)
     return total
 
 
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
-              inside: set[int], core: set[int], saved_all: dict, in_core: set, earlier: set[str],
+              inside: set[Node], core: set[int], saved_all: dict, in_core: set, earlier: set[str],
               hold: bool) -> tuple[float, float, float, float, float]:
     grads: dict[int, float] = {}
     for node in nodes:
         for v in node.outputs:
             users = ctx.users.get(id(v), [])
-            if id(v) in ctx.needs_grad and any(id(u) not in inside for u in users):
+            if id(v) in ctx.needs_grad and any(u not in inside for u in users):
                 grads[id(v)] = ctx.local_bytes(v)
     first_use: dict[str, int] = {}
     for idx, node in enumerate(nodes):

@@ -168,16 +168,16 @@ def _split_pieces(group: NodeGroup) -> int:
     out = group.anchor.outputs[0] if group.anchor.outputs else None
     if out is None or not out.type.rank:
         return 1
-    carried = {id(out)}
+    carried = {out}
     for node in group.members[1:]:
-        if not any(id(v) in carried for v in node.inputs):
+        if not any(v in carried for v in node.inputs):
             continue
         sizes = node.attrs.get("sizes", ())
         if node.op == "split" and node.attrs.get("dim", -1) % out.type.rank == out.type.rank - 1 \
                 and len(sizes) > 1 and len(set(sizes)) == 1:
             return len(sizes)
         if node.op != "split" and len(node.outputs) == 1 and node.outputs[0].type.shape[-1:] == out.type.shape[-1:]:
-            carried.add(id(node.outputs[0]))
+            carried.add(node.outputs[0])
     return 1
 
 
@@ -304,13 +304,13 @@ class _Acc:
     """Accumulates one candidate's layouts while walking the group's members."""
 
     def __init__(self) -> None:
-        self.known: dict[int, Layout] = {}
+        self.known: dict[Value, Layout] = {}
         self.inputs: list[ExternalInput] = []
         self.outputs: list[tuple[Value, Layout]] = []
         self.layouts: list[tuple[tuple[Layout, ...], tuple[Layout, ...]]] = []
 
     def read(self, member: int, index: int, value: Value, required: Layout, grad: Layout) -> None:
-        if id(value) not in self.known:
+        if value not in self.known:
             self.inputs.append(ExternalInput(member, index, value, required, grad))
 
 
@@ -324,7 +324,7 @@ def _complete(group: NodeGroup, partition: Partition, ins: list[Layout], resolve
         acc.read(0, i, v, req, grad_layout(req, partition, mesh, _rotating_axes(space, partition, i)))
     acc.layouts.append((tuple(e.required for e in acc.inputs), tuple(p for p, _ in resolved)))
     for (_, final), v in zip(resolved, anchor.outputs):
-        acc.known[id(v)] = final
+        acc.known[v] = final
         acc.outputs.append((v, final))
     partitions: list[Partition | None] = [partition]
     for j, node in enumerate(group.members[1:], start=1):
@@ -336,10 +336,10 @@ def _complete(group: NodeGroup, partition: Partition, ins: list[Layout], resolve
 def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partition | None:
     """A follower's partition, inherited from its first in-group input's layout."""
     member = len(acc.layouts)
-    src_index = next((k for k, v in enumerate(node.inputs) if id(v) in acc.known), None)
+    src_index = next((k for k, v in enumerate(node.inputs) if v in acc.known), None)
     spatial: list[tuple[str, str]] = []
     if space is not None and src_index is not None:
-        layout = acc.known[id(node.inputs[src_index])]
+        layout = acc.known[node.inputs[src_index]]
         operand = space.inputs[src_index]
         for axis, p in layout.placements:
             if not isinstance(p, Shard) or p.dim >= len(operand):
@@ -363,7 +363,7 @@ def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partit
         acc.read(member, k, v, req, grad_layout(req, partition, mesh, rot))
     acc.layouts.append((tuple(ins[k] if k < len(ins) else Layout() for k in range(len(node.inputs))), tuple(outs)))
     for v, lay in zip(node.outputs, outs):
-        acc.known[id(v)] = lay
+        acc.known[v] = lay
         acc.outputs.append((v, lay))
     return partition
 
@@ -376,7 +376,7 @@ def _replicated(group: NodeGroup, mesh: Mesh) -> Candidate:
             acc.read(j, k, v, Layout(), Layout())
         acc.layouts.append((tuple(Layout() for _ in node.inputs), tuple(Layout() for _ in node.outputs)))
         for v in node.outputs:
-            acc.known[id(v)] = Layout()
+            acc.known[v] = Layout()
             acc.outputs.append((v, Layout()))
     return Candidate("replicated", (None,) * len(group.members), tuple(acc.inputs), tuple(acc.outputs),
                      tuple(acc.layouts))

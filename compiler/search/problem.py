@@ -257,12 +257,12 @@ def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int]
     lay = facts.layering
     blocks = lay.blocks
     section_of = {name: "pre" for name in lay.pre} | {name: "post" for name in lay.post}
-    owner: dict[int, tuple[NodeGroup, int]] = {}
+    owner: dict[Value, tuple[NodeGroup, int]] = {}
     for g in facts.groups:
         k = 0
         for node in g.members:
             for v in node.outputs:
-                owner[id(v)] = (g, k)
+                owner[v] = (g, k)
                 k += 1
 
     def where(g: NodeGroup) -> tuple[str, int | None]:
@@ -281,9 +281,9 @@ def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int]
     for g, ci, section in consumers:
         for j, node in enumerate(g.members):
             for k, v in enumerate(node.inputs):
-                if v.kind != "activation" or id(v) not in owner or owner[id(v)][0] is g:
+                if v.kind != "activation" or v not in owner or owner[v][0] is g:
                     continue
-                pg, out_idx = owner[id(v)]
+                pg, out_idx = owner[v]
                 place, pi = where(pg)
                 if pi is None:
                     continue
