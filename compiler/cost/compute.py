@@ -158,7 +158,7 @@ def eager_time(op: OpDef, attrs: dict, flops: float, in_bytes: Sequence[float], 
                grads: Sequence[bool], device: DeviceSpec, dtype: str, copies: bool = False
                ) -> tuple[float, float, float]:
     """(forward s, backward s, backward FLOPs) of one op from the device's measured eager costs;
-    `copies`: a view node that copies at run time (`context.copying_views`)."""
+    `copies`: a view node that copies at run time (`shardc.analysis.aliasing`)."""
     assert device.eager is not None
     kind = op_class(op, attrs)
     needs = any(grads)
