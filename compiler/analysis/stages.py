@@ -47,11 +47,21 @@ class Layering:
         return len(self.block_names)
 
     def uniform(self) -> Layering:
-        """This layering when its blocks are two or more copies of one class and nothing else (the
-        solver represents them by one copy); else every layer in `pre` (no blocks)."""
-        if self.count >= 2 and len(set(self.classes)) == 1 and self.count == len(self.blocks):
-            return self
-        return Layering(self.names, (), (), ())
+        """The run of copies of the most repeated block class as `blocks`, the layers before and
+        after it as `pre` and `post` (the solver represents the run by one copy); every layer in
+        `pre` when that class has fewer than two copies or they are not contiguous."""
+        names, flat = self.names, Layering(self.names, (), (), ())
+        counts: dict[str, int] = {}
+        for n, c in zip(self.blocks, self.classes):
+            if c != n:
+                counts[c] = counts.get(c, 0) + 1
+        if not counts:
+            return flat
+        best = max(counts, key=lambda c: counts[c])
+        at = [len(self.pre) + i for i, c in enumerate(self.classes) if c == best]
+        if len(at) < 2 or at != list(range(at[0], at[-1] + 1)):
+            return flat
+        return Layering(names[:at[0]], names[at[0]:at[-1] + 1], names[at[-1] + 1:], (best,) * len(at))
 
 
 def layering(graph: Graph, ungrouped: str = "(ungrouped)") -> Layering:
