@@ -6,8 +6,8 @@ Rules:
   from the layouts the node's partition implies (or the values' own layouts when it has none).
 - `flops` is the registry's forward count; `bytes` what a plain kernel reads and writes.
 - `saved_bytes` follows `OpDef.saved_for_backward`. A tensor saved by several nodes counts
-  once, at the first. Views alias their source exactly where torch makes a view (the graph is
-  run on meta tensors and `Tensor._base` says who owns the storage): a saved view costs its own
+  once, at the first. Views alias their source exactly where torch makes a view
+  (`shardc.analysis.aliasing`: the graph is run on meta tensors): a saved view costs its own
   size, and all the saved aliases of one storage together never cost more than that storage.
   Parameters and buffers, and views of them, are not activations and cost nothing here.
 - `param_bytes` (and `params`, the element count) go to the first node that reads a
@@ -21,89 +21,16 @@ Rules:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
+from shardc.analysis.aliasing import aliasing
 from shardc.ir import DTYPE_BYTES, Graph, Layout, Mesh, Node, TensorType, Value
 from shardc.ops.registry import CostRow, OpDef, get_op, has_op, node_layouts
-from shardc.ops.verifier import layouts_agree, meta_tensor, run_on_meta
+from shardc.ops.verifier import layouts_agree
 from shardc.passmanager import Pass, PassContext, register_pass
 
 COST_KEYS = ("flops", "bytes", "saved_bytes", "param_bytes", "params")
-# Ops whose output is a new buffer even when their one-device implementation returns the input.
-_FRESH_KINDS = frozenset({"collective", "opaque"})
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-@functools.lru_cache(maxsize=16384)
-def _view_behaviour(op_name: str, inputs: tuple[tuple[TensorType, tuple[int, ...]], ...],
-                    attrs: tuple[tuple[str, Any], ...]) -> tuple[tuple[int | None, tuple[int, ...]], ...] | None:
-    """Per output: the index of the input whose storage it shares (None: its own) and its strides.
-
-    Found by running the op on meta tensors with the given strides; None when it cannot run.
-    """
-    op = get_op(op_name)
-    try:
-        tensors = [torch.empty_strided(t.shape, strides, dtype=meta_tensor(t).dtype, device="meta")
-                   for t, strides in inputs]
-        outs = run_on_meta(op, tensors, dict(attrs))
-    except Exception:  # the verifier reports broken nodes; here they just get fresh storage
-        return None
-    result = []
-    for out in outs:
-        base = out._base if out._base is not None else out
-        source = next((j for j, t in enumerate(tensors) if t is base), None)
-        result.append((source, tuple(out.stride())))
-    return tuple(result)
-
-
-def alias_roots(graph: Graph) -> dict[int, Value]:
-    """id(value) -> the value owning its storage (itself unless torch makes it a view).
-
-    Each op runs on meta tensors with its operands' strides (cached per signature); an output
-    whose `_base` is an operand, or which is the operand itself, shares that operand's storage.
-    Collective and opaque ops, and ops that cannot run on meta tensors, give fresh storage.
-    """
-    roots: dict[int, Value] = {}
-    strides: dict[int, tuple[int, ...]] = {}
-    for v in (*graph.inputs, *graph.params, *graph.buffers):
-        roots[id(v)], strides[id(v)] = v, _contiguous_strides(v.type.shape)
-    for node in graph.nodes:
-        behaviour = None
-        op = get_op(node.op) if has_op(node.op) else None
-        if op is not None and op.kind not in _FRESH_KINDS:
-            key = tuple((v.type, strides[id(v)]) for v in node.inputs)
-            try:
-                attrs = tuple((k, _freeze(a)) for k, a in node.attrs.items())
-                behaviour = _view_behaviour(node.op, key, attrs)
-            except TypeError:  # unhashable attributes: no aliasing known
-                behaviour = None
-            if behaviour is not None and len(behaviour) != len(node.outputs):
-                behaviour = None
-        for k, v in enumerate(node.outputs):
-            source, out_strides = behaviour[k] if behaviour is not None else (None, None)
-            if out_strides is None or len(out_strides) != v.type.rank:
-                out_strides = _contiguous_strides(v.type.shape)
-            roots[id(v)] = roots[id(node.inputs[source])] if source is not None else v
-            strides[id(v)] = out_strides
-    return roots
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    hash(value)
-    return value
 
 
 def _bytes(t: TensorType, dtype: str | None) -> int:
@@ -138,9 +65,9 @@ def node_costs(graph: Graph, dtype: str | None = None) -> list[CostRow]:
     if dtype is not None and dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
     mesh = graph.mesh
-    roots = alias_roots(graph)
-    seen_params: set[int] = set()
-    saved_values: set[tuple[int, str]] = set()
+    storage = aliasing(graph)
+    seen_params: set[Value] = set()
+    saved_values: set[tuple[Value, str]] = set()
     charged: dict[Any, int] = {}  # storage key -> bytes charged so far
     rows = []
     for node in graph.nodes:
@@ -161,27 +88,27 @@ def node_costs(graph: Graph, dtype: str | None = None) -> list[CostRow]:
                 continue
             value, local, layout = ((node.inputs[index], in_local[index], in_layouts[index]) if where == "in"
                                     else (node.outputs[index], out_local[index], out_layouts[index]))
-            root = roots[id(value)]
+            root = storage.root(value)
             if root.kind in ("parameter", "buffer"):
                 continue
             resharded = not layouts_agree(layout, value.layout)
-            key = (id(value), str(layout) if resharded else "")
+            key = (value, str(layout) if resharded else "")
             if key in saved_values:
                 continue
             saved_values.add(key)
             size = _bytes(local, dtype)
-            storage: Any
+            owner: Any
             if resharded:  # the node works on a resharded copy: storage of its own
-                storage, cap = key, size
+                owner, cap = key, size
             else:
-                storage, cap = id(root), _bytes(_local(root.type, root.layout, mesh), dtype)
-            before = charged.get(storage, 0)
-            charged[storage] = min(cap, before + min(size, cap))
-            saved += charged[storage] - before
+                owner, cap = root, _bytes(_local(root.type, root.layout, mesh), dtype)
+            before = charged.get(owner, 0)
+            charged[owner] = min(cap, before + min(size, cap))
+            saved += charged[owner] - before
         param_bytes = params = 0
         for v in node.inputs:
-            if v.kind == "parameter" and id(v) not in seen_params:
-                seen_params.add(id(v))
+            if v.kind == "parameter" and v not in seen_params:
+                seen_params.add(v)
                 local = _local(v.type, v.layout, mesh)
                 param_bytes += local.nbytes
                 params += local.numel

@@ -32,10 +32,11 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   a row-parallel bias is then zeroed on all but one rank, `to_partial`).
 - a split dim must divide evenly by the axes splitting it, except the vocabulary on tp (shards
   padded; torch's Shard does the same).
-- pp: layers (group-layers runs first if the graph has none) get stages: the repeated blocks
-  are cut into pp*vpp contiguous chunks as even as possible (extra blocks go to the middle
-  stages first), layers before the first block join stage 0, after the last the last stage,
-  between blocks the previous block's; virtual stage k runs on pp rank k % pp. Every layer
+- pp: layers (group-layers runs first if the graph has none) get stages by
+  `shardc.analysis.stages`: the repeated blocks are cut into pp*vpp contiguous chunks as even
+  as possible (extra blocks go to the middle stages first), layers before the first block join
+  stage 0, after the last the last stage, between blocks the previous block's; virtual stage
+  k runs on pp rank k % pp. Every layer
   records the plan's recompute, zero and offload.
 - graph.attrs: plan (its text), microbatch_size, microbatches (gbs / (dp*mb)), global_batch,
   traced_batch (the batch the graph was traced with; per device per micro-batch, activation
@@ -51,14 +52,10 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
-from shardc.analysis.propagate import (
-    derives_from_input,
-    dim_roles,
-    follow,
-    io_layouts,
-    iteration_space,
-    node_roles,
-)
+from shardc.analysis.dims import model_dims
+from shardc.analysis.propagate import derives_from_input, follow, io_layouts, iteration_space
+from shardc.analysis.roles import Roles, dim_roles, iteration_roles
+from shardc.analysis.stages import layer_stages, layering
 from shardc.ir import (
     Graph,
     Layer,
@@ -76,9 +73,9 @@ from shardc.ir import (
 )
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import IterationSpace, get_op
-from shardc.passes.group_layers import group_layers, layer_of_path
+from shardc.passes.group_layers import group_layers
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.plan.parallel import ParallelPlan, model_dims, validate_plan
+from shardc.plan.parallel import ParallelPlan, validate_plan
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -93,7 +90,7 @@ class _Planner:
     graph: Graph
     plan: ParallelPlan
     mesh: Mesh
-    roles: dict[int, tuple[str | None, ...]]
+    roles: Roles
     vocab: int | None
 
     @property
@@ -104,7 +101,7 @@ class _Planner:
         return [a for a in ("dp", "cp", "tp") if self.mesh.axis_size(a) > 1]
 
     def partition(self, node: Node, space: IterationSpace) -> Partition:
-        it_roles = node_roles(space, node, self.roles)
+        it_roles = iteration_roles(node, space, self.roles)
         spatial: list[tuple[str, str]] = []
         strides: list[tuple[str, int]] = []
         temporal = []
@@ -142,8 +139,8 @@ class _Planner:
         partial_in = any(isinstance((v.layout or Layout()).on(axis), Partial) for v in node.inputs)
         if axis == "tp" and self.sequence_parallel and partial_in:
             role = "seq"
-        for dim in space.dims:
-            if role is not None and it_roles.get(dim) == role and self.splittable(space, dim, axis):
+        for dim, has in it_roles.items():  # the first input's dims first
+            if role is not None and has == role and self.splittable(space, dim, axis):
                 return dim, 1
         return None
 
@@ -248,8 +245,7 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
         dims = type(dims)(dims.layers, dims.heads, dims.kv_heads, dims.hidden, dims.vocab, dims.seq,
                           graph.inputs[0].type.shape[0] if graph.inputs[0].type.rank else None)
     kwargs = dims.as_kwargs()
-    blocks = [name for name in graph.layers if layer_of_path(name) == name]
-    kwargs["layers"] = max(dims.layers, len(blocks), 1 if plan.stages == 1 else 0)
+    kwargs["layers"] = max(dims.layers, layering(graph).count, 1 if plan.stages == 1 else 0)
     validate_plan(plan, devices=plan.devices, **kwargs)
     mesh = plan_mesh(plan)
     graph.mesh = mesh
@@ -260,7 +256,7 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
                           "divide", hint=f"trace with a batch of dp*mb = {plan.dp * plan.mb} example sequences")
     planner = _Planner(graph, plan, mesh, roles, dims.vocab)
     for v in graph.inputs:
-        v.layout = _input_layout(v, roles.get(id(v), ()), mesh, planner.sequence_parallel,
+        v.layout = _input_layout(v, roles.get(v, ()), mesh, planner.sequence_parallel,
                                  plan.cp_layout == "zigzag")
     for v in graph.params + graph.buffers:
         v.layout = None
@@ -291,40 +287,14 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
 
 
 def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
-    """Give every layer its pipeline stage and the plan's recompute/zero/offload (module docstring)."""
+    """Give every layer its pipeline stage (`shardc.analysis.stages`) and the plan's
+    recompute/zero/offload."""
     if not graph.layers:
         group_layers(graph)
-    names = list(graph.layers)
-    blocks = [n for n in names if layer_of_path(n) == n]
-    stages = plan.stages
-    if stages > 1 and len(blocks) < stages:
-        raise ShardcError(f"pp*vpp = {plan.pp}*{plan.vpp} = {stages} stages but graph @{graph.name} has "
-                          f"{len(blocks)} repeated blocks ({', '.join(blocks) or 'none'}); every stage needs one",
-                          hint=f"use pp*vpp <= {max(len(blocks), 1)}")
-    sizes = [len(blocks) // stages] * stages
-    order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
-    for k in range(len(blocks) % stages):
-        sizes[order[k]] += 1
-    stage_of: dict[str, int] = {}
-    k = 0
-    for stage, count in enumerate(sizes):
-        for name in blocks[k:k + count]:
-            stage_of[name] = stage
-        k += count
-    current = 0
-    seen_block = False
-    last_block = blocks[-1] if blocks else None
-    for name in names:
-        if name in stage_of:
-            current, seen_block = stage_of[name], True
-        elif seen_block and _after(names, name, last_block):
-            current = stages - 1
-        graph.layers[name] = Layer(name, graph.layers[name].block, LayerAnnotation(
-            stage=current, recompute=plan.recompute, zero=plan.zero, offload=plan.offload))
-
-
-def _after(names: list[str], name: str, last: str | None) -> bool:
-    return last is not None and names.index(name) > names.index(last)
+    stage_of = layer_stages(graph, plan.stages)
+    for name, layer in graph.layers.items():
+        graph.layers[name] = Layer(name, layer.block, LayerAnnotation(
+            stage=stage_of.get(name, 0), recompute=plan.recompute, zero=plan.zero, offload=plan.offload))
 
 
 @register_pass

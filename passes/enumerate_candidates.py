@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shardc.analysis.groups import build_groups, dim_roles
+from shardc.analysis.groups import build_groups
+from shardc.analysis.roles import dim_roles
 from shardc.ir import Graph
 from shardc.ops.registry import has_op
 from shardc.passmanager import Pass, PassContext, register_pass

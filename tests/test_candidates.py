@@ -6,7 +6,8 @@ import dataclasses
 
 from traced import PRESETS, transformer_graph
 
-from shardc.analysis.groups import build_groups, dim_roles
+from shardc.analysis.groups import build_groups
+from shardc.analysis.roles import dim_roles
 from shardc.hardware import parse_cluster
 from shardc.ir import Graph, Layer, Location, Mesh, Node, TensorType, Value
 from shardc.search.candidates import Shapes, enumerate_group

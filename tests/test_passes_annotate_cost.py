@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from shardc.analysis.aliasing import aliasing
 from shardc.ir.parser import parse
-from shardc.passes.annotate_cost import LayerCost, alias_roots, annotate_cost, cost_table, node_costs
+from shardc.passes.annotate_cost import LayerCost, annotate_cost, cost_table, node_costs
 from shardc.passmanager import run_pipeline
 
 MLP = """\
@@ -86,13 +87,13 @@ graph @attn {
 
 def test_views_alias_their_source_where_torch_makes_views() -> None:
     graph = parse(ATTENTION)
-    roots = alias_roots(graph)
-    name = {id(v): v.name for v in graph.values()}
-    root_of = {v.name: name[id(roots[id(v)])] for v in graph.values()}
+    storage = aliasing(graph)
+    root_of = {v.name: storage.root(v).name for v in graph.values()}
     # split, the reshapes that split the last dim and the permutes are views of qkv ...
     assert {root_of[n] for n in ("q", "k", "v", "q4", "k4", "v4", "qt", "kt", "vt")} == {"qkv"}
     # ... but reshaping the permuted attention output must copy, as torch's reshape does.
     assert root_of["ot"] == "o" and root_of["y"] == "y"
+    assert [n.outputs[0].name for n in storage.copies] == ["y"]
 
 
 def test_saved_bytes_count_each_storage_once() -> None:

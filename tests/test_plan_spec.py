@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
+from shardc.analysis.dims import ModelDims, model_dims
 from shardc.ir import Graph, Layer, Location, Node, TensorType, Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.plan.parallel import PLAN_KEYS, ModelDims, ParallelPlan, model_dims, plan_keys_help, validate_plan
+from shardc.plan.parallel import PLAN_KEYS, ParallelPlan, plan_keys_help, validate_plan
 
 EXAMPLE = "dp=8,tp=8,pp=16,vpp=3,mb=1,gbs=1536,schedule=1f1b,recompute=full,sp=1,cp=1,zero=1,dtype=bf16,offload=0"
 

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from shardc.analysis.aliasing import aliasing
 from shardc.calibration.profile import AlphaBeta, CollectiveFit, EagerCosts, KernelFit, LocalProfile, at_speed
 from shardc.calibration.speed import SpeedIndex, speed_factor
 from shardc.cost.comm import collective_time
 from shardc.cost.compute import node_compute_time
-from shardc.cost.context import copying_views
 from shardc.frontend import trace
 from shardc.frontend.spec import load_model
 from shardc.hardware import DeviceSpec, LinkSpec, local_cluster
@@ -45,7 +45,7 @@ def test_a_plans_speed_is_the_slowest_rank_around_each_step() -> None:
 def test_the_attention_outputs_reshape_copies_and_nothing_else() -> None:
     loaded = load_model("examples/gpt.py:gpt?n_layer=2&n_embd=64&n_head=4&vocab_size=128&seq=16&batch=2")
     graph = trace(loaded.model, loaded.example_inputs)
-    copies = [n for n in graph.nodes if id(n) in copying_views(graph)]
+    copies = [n for n in graph.nodes if n in aliasing(graph).copies]
     # (att @ v).transpose(1, 2).reshape(b, s, h): PyTorch cannot view those strides, once per block
     assert [(n.op, n.location.module_path) for n in copies] == [("reshape", "blocks.0.attn"), ("reshape", "blocks.1.attn")]
 

@@ -1,4 +1,6 @@
-"""Analyses of a graph that every consumer shares: layouts and dim roles under a partition
-(`propagate`, `groups`), resharding between layouts (`resharding`). Each returns data; passes,
-the cost model, the solver and the study call the same function.
+"""Analyses of a graph that every consumer shares, one function per fact: dim roles (`roles`),
+layers and pipeline stages (`stages`), storage aliasing (`aliasing`), model dimensions
+(`dims`), node groups (`groups`), the layouts a partition implies and following them
+(`propagate`), resharding between layouts (`resharding`). Each returns data; apply-plan, the
+cost model, the solver and the study call the same function.
 """

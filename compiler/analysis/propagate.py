@@ -1,13 +1,8 @@
-"""Layout propagation helpers: the layouts a node needs and makes, dim roles, and following a layout.
+"""Layout propagation helpers: the layouts a node needs and makes, and following a layout.
 
 - `io_layouts(node, mesh)`: the input layouts a node needs and the output layouts it produces
   under its partition (the registry's rule, `registry.node_layouts`); a node without a
   partition is replicated; a collective keeps the layouts its values carry.
-- `dim_roles(graph)`: which tensor dims of every value are the batch and the sequence, traced
-  from the graph inputs (dim 0 is the batch, dim 1 the sequence) through every node's
-  iteration space: an iteration dim takes the role of the input tensor dim whose major factor
-  it is, and an output tensor dim the role of its major factor. `batch_dims(graph)` is the
-  batch part, by value name.
 - `follow(...)`: the iteration dim (and stride) that makes a node take an input in the layout
   it already has on one mesh axis, so propagation moves no data.
 - `requires_grad(graph)`: trainable parameters and every float value computed from one.
@@ -20,8 +15,6 @@ from collections.abc import Callable
 
 from shardc.ir import Graph, Layout, Mesh, Node, Partition, Placement, Shard, Value
 from shardc.ops.registry import IterationSpace, get_op, node_layouts, operand_layout
-
-ROLES = ("batch", "seq")
 
 
 def iteration_space(node: Node) -> IterationSpace:
@@ -39,62 +32,13 @@ def io_layouts(node: Node, mesh: Mesh) -> tuple[list[Layout], list[Layout]]:
     return node_layouts(iteration_space(node), node.partition, mesh)
 
 
-def requires_grad(graph: Graph) -> dict[int, bool]:
-    """id(value) -> whether it carries a gradient (trainable parameters and float values read off one)."""
-    out = {id(p): p.requires_grad for p in graph.params}
+def requires_grad(graph: Graph) -> dict[Value, bool]:
+    """Value -> whether it carries a gradient (trainable parameters and float values read off one)."""
+    out = {p: p.requires_grad for p in graph.params}
     for node in graph.nodes:
-        flag = any(out.get(id(v), False) for v in node.inputs)
+        flag = any(out.get(v, False) for v in node.inputs)
         for v in node.outputs:
-            out[id(v)] = flag and v.type.is_float
-    return out
-
-
-def input_roles(graph: Graph) -> dict[int, tuple[str | None, ...]]:
-    """Roles of the graph inputs: dim 0 is the batch when its extent is the first input's, dim 1
-    the sequence when its extent is the first input's dim 1."""
-    out: dict[int, tuple[str | None, ...]] = {}
-    first: tuple[int, ...] = graph.inputs[0].type.shape if graph.inputs else ()
-    for v in graph.inputs:
-        roles: list[str | None] = [None] * v.type.rank
-        if v.type.rank >= 1 and first and v.type.shape[0] == first[0]:
-            roles[0] = "batch"
-        if v.type.rank >= 2 and len(first) >= 2 and v.type.shape[1] == first[1]:
-            roles[1] = "seq"
-        out[id(v)] = tuple(roles)
-    return out
-
-
-def node_roles(space: IterationSpace, node: Node, roles: dict[int, tuple[str | None, ...]]) -> dict[str, str]:
-    """Iteration dim -> role, from the roles of the node's inputs (first input wins)."""
-    out: dict[str, str] = {}
-    for operand, v in zip(space.inputs, node.inputs):
-        for factors, role in zip(operand, roles.get(id(v), ())):
-            if factors and role is not None and factors[0] not in out and role not in out.values():
-                out[factors[0]] = role
-    return out
-
-
-def dim_roles(graph: Graph) -> dict[int, tuple[str | None, ...]]:
-    """id(value) -> per tensor dim its role ("batch", "seq" or None); see the module docstring."""
-    roles = input_roles(graph)
-    for node in graph.nodes:
-        try:
-            space = iteration_space(node)
-        except (KeyError, ValueError):
-            continue
-        it = node_roles(space, node, roles)
-        for operand, v in zip(space.outputs, node.outputs):
-            roles[id(v)] = tuple(it.get(f[0]) if f else None for f in operand)
-    return roles
-
-
-def batch_dims(graph: Graph) -> dict[str, int | None]:
-    """Value name -> its batch tensor dim (None: the value has no batch, e.g. a parameter)."""
-    roles = dim_roles(graph)
-    out: dict[str, int | None] = {}
-    for v in graph.values():
-        r = roles.get(id(v), ())
-        out[v.name] = r.index("batch") if "batch" in r else None
+            out[v] = flag and v.type.is_float
     return out
 
 
@@ -130,9 +74,9 @@ def follow(space: IterationSpace, operand: int, placement: Placement, axis: str,
 
 def derives_from_input(graph: Graph, value: Value) -> bool:
     """Whether `value` is a graph input or computed from one only through views and casts."""
-    inputs = {id(v) for v in graph.inputs}
+    inputs = set(graph.inputs)
     seen = value
-    while id(seen) not in inputs:
+    while seen not in inputs:
         node = seen.producer
         if node is None or get_op(node.op).kind not in ("view", "elementwise") or not node.inputs:
             return False

@@ -301,9 +301,8 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     if mesh is None:
         raise ShardcError(f"graph @{graph.name} has no mesh; run apply-plan (or the solver) first")
     grads = requires_grad(graph)
-    stage_of: dict[int, int | None] = {}
-    groups: dict[tuple[int, Layout, int | None], list[tuple[int, int]]] = {}
-    values: dict[int, Value] = {}
+    stage_of: dict[Value, int | None] = {}
+    groups: dict[tuple[Value, Layout, int | None], list[tuple[int, int]]] = {}
     splits: dict[int, set[str]] = {}
     for index, node in enumerate(graph.nodes):
         stage = node_stage(graph, node)
@@ -311,21 +310,19 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
         part = node.partition
         splits[index] = ({a for a, _ in part.spatial} | {a for t in part.temporal for a in t.axes}) if part else set()
         for pos, (v, need) in enumerate(zip(node.inputs, ins)):
-            values[id(v)] = v
-            groups.setdefault((id(v), normalize(need, mesh), stage), []).append((index, pos))
+            groups.setdefault((v, normalize(need, mesh), stage), []).append((index, pos))
         for v in node.outputs:
-            stage_of[id(v)] = stage
+            stage_of[v] = stage
     out: dict[Edge, list[ReshardStep]] = {}
-    for (vid, need, stage), consumers in groups.items():
-        v = values[vid]
+    for (v, need, stage), consumers in groups.items():
         src = normalize(v.layout or Layout(), mesh)
-        src_stage = stage_of.get(vid)
+        src_stage = stage_of.get(v)
         steps: list[ReshardStep] = []
         if src_stage is not None and stage is not None and src_stage != stage:
             nbytes = local_bytes(v.type, src, mesh)
             steps.append(ReshardStep("send_recv", "pp", src, src, nbytes, nbytes, 2, "send_recv"))
         steps += _with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes,
-                                 grads.get(vid, False), set().union(*(splits[i] for i, _ in consumers)))
+                                 grads.get(v, False), set().union(*(splits[i] for i, _ in consumers)))
         if steps:
             out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
     for v in graph.outputs:
@@ -333,7 +330,7 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
         need = Layout(tuple((a, p) for a, p in src.placements if a in data_axes))
         steps = _with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, False, set())
         if steps:
-            out[Edge(v.name, src, need, (), stage_of.get(id(v)), stage_of.get(id(v)))] = steps
+            out[Edge(v.name, src, need, (), stage_of.get(v), stage_of.get(v))] = steps
     return out
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.hardware import DeviceSpec
-from shardc.ir import DTYPE_BYTES, Layout, Mesh, Node, Shard, TensorType
+from shardc.ir import DTYPE_BYTES, Layout, Mesh, Node, TensorType
 from shardc.ops.registry import IterationSpace, OpDef, get_op, node_layouts
 
 MATMUL_KINDS = frozenset({"contraction", "attention"})
@@ -67,11 +67,8 @@ _OWN = object()
 
 
 def localize(node: Node, mesh: Mesh | None, dtype: str, partition=_OWN) -> LocalNode:
-    """Required layouts and local types of `node` under its partition (or `partition`) on `mesh`.
-
-    Temporal splits that rotate around a mesh axis (ring attention, PrimePar) keep the rotating
-    operands sharded along that axis (`rotating_operands`).
-    """
+    """Required layouts and local types of `node` under its partition (or `partition`) on `mesh`:
+    the registry's layouts (`node_layouts`; rotating operands are sharded along their axis there)."""
     op = get_op(node.op)
     in_t = [v.type for v in node.inputs]
     out_t = [v.type for v in node.outputs]
@@ -83,29 +80,10 @@ def localize(node: Node, mesh: Mesh | None, dtype: str, partition=_OWN) -> Local
     else:
         space = op.iteration_space(in_t, out_t, node.attrs)
         in_l, out_l = node_layouts(space, part, mesh)
-        for split in part.temporal:
-            if split.rotate is None or split.grid is not None:  # a grid's layouts are the registry's
-                continue
-            for i in rotating_operands(space, part, split):
-                for d, factors in enumerate(space.inputs[i]):
-                    if factors and factors[0] == split.dim:
-                        in_l[i] = Layout(tuple(p for p in in_l[i].placements if p[0] != split.rotate)
-                                         + ((split.rotate, Shard(d)),))
         ins, outs = tuple(in_l), tuple(out_l)
     return LocalNode(op, ins, outs,
                      tuple(local_type(t, l, mesh, dtype) for t, l in zip(in_t, ins)),
                      tuple(local_type(t, l, mesh, dtype) for t, l in zip(out_t, outs)), space)
-
-
-def rotating_operands(space: IterationSpace, partition, split) -> list[int]:
-    """Inputs that move around `split.rotate` between steps: those indexed by the rotated dim
-    (as a major factor) and not by the dim that axis splits in space (that operand stays put)."""
-    fixed = {d for a, d in partition.spatial if a == split.rotate}
-    out = []
-    for i, operand in enumerate(space.inputs):
-        if any(f and f[0] == split.dim for f in operand) and not any(d in f for f in operand for d in fixed):
-            out.append(i)
-    return out
 
 
 def rotation_steps(partition) -> int:
@@ -180,7 +158,7 @@ def eager_time(op: OpDef, attrs: dict, flops: float, in_bytes: Sequence[float], 
                grads: Sequence[bool], device: DeviceSpec, dtype: str, copies: bool = False
                ) -> tuple[float, float, float]:
     """(forward s, backward s, backward FLOPs) of one op from the device's measured eager costs;
-    `copies`: a view node that copies at run time (`context.copying_views`)."""
+    `copies`: a view node that copies at run time (`shardc.analysis.aliasing`)."""
     assert device.eager is not None
     kind = op_class(op, attrs)
     needs = any(grads)

@@ -1,14 +1,15 @@
 """What every cost rule needs to know about one graph on one cluster, computed once per estimate.
 
 Dataflow facts (which values depend on the batch, which need gradients, who reads what, the
-storage a view aliases) and a cache of localized nodes. Built by `CostContext.build`; it holds
-no state across estimates.
+storage a value lives in: `shardc.analysis.aliasing`) and a cache of localized nodes. Built by
+`CostContext.build`; it holds no state across estimates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardc.analysis.aliasing import Aliasing, aliasing
 from shardc.cost.comm import LinkLevels, group_levels
 from shardc.cost.compute import LocalNode, localize
 from shardc.hardware import Cluster, DeviceSpec
@@ -16,43 +17,6 @@ from shardc.ir import Axis, Graph, Layout, Mesh, Node, Partition, Value
 from shardc.ops.registry import get_op
 
 AXIS_CATEGORY = {Axis.TP: "tp_comm", Axis.CP: "cp_comm", Axis.DP: "dp_comm", Axis.PP: "pp_comm"}
-# Ops whose output aliases the input's storage (a saved view keeps its base alive).
-ALIASING_OPS = frozenset({"reshape", "permute", "expand", "slice", "select", "split"})
-
-
-def aliases(node: Node) -> bool:
-    """Whether the node's output is its first input's storage (a view, or an identity dropout)."""
-    if node.op == "dropout":
-        return not node.attrs.get("p") or node.attrs.get("training") is False
-    return node.op in ALIASING_OPS
-
-
-def copying_views(graph: Graph) -> set[int]:
-    """ids of the view nodes that copy at run time: strides are followed through the graph on
-    the meta device (every non-view op makes a contiguous tensor; a view op runs its registry impl
-    on inputs of the strides it gets), and a reshape whose result is not a view of its input
-    (PyTorch could not view those strides: the attention output's transpose then reshape) copies."""
-    import torch
-
-    strides: dict[int, tuple[int, ...]] = {}
-    found: set[int] = set()
-    for node in graph.nodes:
-        op = get_op(node.op)
-        if op.kind != "view" or node.op == "concat":
-            continue
-        try:
-            ins = [torch.empty_strided(v.type.shape, strides[id(v)], device="meta") if id(v) in strides
-                   else torch.empty(v.type.shape, device="meta") for v in node.inputs]
-            out = op.impl(*ins, **node.attrs)
-        except Exception:  # an op the meta device cannot run: taken as a view
-            continue
-        outs = out if isinstance(out, tuple | list) else (out,)
-        for v, t in zip(node.outputs, outs):
-            if isinstance(t, torch.Tensor):
-                strides[id(v)] = tuple(t.stride())
-        if node.op == "reshape" and isinstance(out, torch.Tensor) and not out._is_view():
-            found.add(id(node))  # the copy's own strides (contiguous) were recorded above
-    return found
 
 
 def axis_category(axis: str) -> str:
@@ -78,7 +42,8 @@ class CostContext:
     # the solver prices a candidate by costing its nodes as if they were so partitioned.
     partitions: dict[int, Partition | None] = field(default_factory=dict)
     layouts: dict[int, Layout] = field(default_factory=dict)
-    # View nodes that copy when they run (a reshape of a tensor whose strides cannot be viewed).
+    # Storage owners, and the view nodes that copy when they run (ids in `copies`).
+    storage: Aliasing = field(default_factory=lambda: Aliasing({}, frozenset()))
     copies: set[int] = field(default_factory=set)
     _local: dict[int, LocalNode] = field(default_factory=dict)
     _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
@@ -109,19 +74,20 @@ class CostContext:
                 for out in node.outputs:
                     ctx.layer_of[id(out)] = node.layer
         ctx.users = graph.users()
-        ctx.copies = copying_views(graph)
+        ctx.storage = aliasing(graph)
+        ctx.copies = {id(n) for n in ctx.storage.copies}
         return ctx
 
     def rescoped(self, mesh: Mesh | None, batch_scale: float) -> CostContext:
         """The same dataflow facts on another mesh and batch scale (no overlays, fresh caches)."""
         return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.batched,
-                           self.needs_grad, self.users, self.layer_of, copies=self.copies)
+                           self.needs_grad, self.users, self.layer_of, storage=self.storage, copies=self.copies)
 
     def with_overlay(self, partitions: dict[int, Partition | None], layouts: dict[int, Layout]) -> CostContext:
         """This context with nodes partitioned and values laid out as given (ids as keys)."""
         return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
                            self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
-                           self.copies, _levels=self._levels)
+                           self.storage, self.copies, _levels=self._levels)
 
     def partition(self, node: Node) -> Partition | None:
         return self.partitions[id(node)] if id(node) in self.partitions else node.partition
@@ -152,11 +118,8 @@ class CostContext:
         return found if found is not None else value.layout or Layout()
 
     def root(self, value: Value) -> Value:
-        """The value whose storage `value` aliases (through views, and dropout with p=0, which
-        returns its input: PyTorch saves no mask and makes no copy), or itself."""
-        while value.producer is not None and value.producer.inputs and aliases(value.producer):
-            value = value.producer.inputs[0]
-        return value
+        """The value whose storage `value` aliases (`shardc.analysis.aliasing`), or itself."""
+        return self.storage.root(value)
 
     def elem_bytes(self, value: Value) -> int:
         from shardc.ir import DTYPE_BYTES

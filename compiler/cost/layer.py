@@ -30,17 +30,17 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from shardc.analysis.aliasing import aliases
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     NodeCost,
     node_compute_time,
     repeated,
-    rotating_operands,
     rotation_steps,
     saved_bytes_of,
     working_bytes,
 )
-from shardc.cost.context import CostContext, aliases, axis_category
+from shardc.cost.context import CostContext, axis_category
 from shardc.cost.edges import (
     comm_time,
     feeds_only_parameters,
@@ -54,6 +54,7 @@ from shardc.cost.edges import (
 from shardc.cost.grid2d import GridCharge, grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.ring import causal_ring_cost
 from shardc.ir import Node, Partial, Value
+from shardc.ops.registry import rotating_operands
 
 
 @dataclass(frozen=True, slots=True)

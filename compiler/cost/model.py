@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardc.analysis.stages import layer_stages
 from shardc.cost.comm import collective_time, neighbour_link
 from shardc.cost.compose import EstimateOptions, LayerWork, compose, fsdp2, zero_group
 from shardc.cost.context import CostContext
@@ -40,7 +41,8 @@ __all__ = ["EstimateOptions", "estimate", "plan_of"]
 
 
 def _layers(graph: Graph, plan: ParallelPlan) -> list[LayerWork]:
-    """The graph's layers in node order; nodes outside any layer form one layer `(ungrouped)`."""
+    """The graph's layers in node order; nodes outside any layer form one layer `(ungrouped)`.
+    Stages come from the layer annotations, else from `shardc.analysis.stages`."""
     out: dict[str, LayerWork] = {}
     for node in graph.nodes:
         name = node.layer or "(ungrouped)"
@@ -57,16 +59,10 @@ def _layers(graph: Graph, plan: ParallelPlan) -> list[LayerWork]:
         for l in layers:
             last = l.annotation.stage if l.annotation.stage is not None else last
             l.stage = last
-    elif stages > 1:
-        blocks = [l for l in layers if sum(1 for k in layers if k.block == l.block) > 1] or layers
-        per, extra = divmod(len(blocks), stages)
-        index = {id(l): i for i, l in enumerate(blocks)}
-        bounds = [s * per + min(s, extra) for s in range(stages + 1)]
-        current = 0
+    elif stages > 1:  # a graph without stage annotations: the stages apply-plan would give it
+        stage_of = layer_stages(graph, stages)
         for l in layers:
-            if id(l) in index:
-                current = max(s for s in range(stages) if bounds[s] <= index[id(l)])
-            l.stage = current
+            l.stage = stage_of[l.name]
     if max((l.stage for l in layers), default=0) >= stages:
         raise ShardcError(f"graph @{graph.name} puts a layer on stage {max(l.stage for l in layers)} but the "
                           f"plan has pp*vpp = {stages} stages; re-run apply-plan with this plan")

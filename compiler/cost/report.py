@@ -107,9 +107,10 @@ def prepare_graph(model_spec: str, cluster: Any, plan: Any, *, device: str = "me
     example batch the plan cannot split (dp*mb must divide it, or dp when gbs is given) is
     traced at batch dp*mb instead (the global batch then defaults to one micro-batch per
     replica); a pinned batch that does not work is reported by `validate_plan`."""
+    from shardc.analysis.dims import model_dims
     from shardc.frontend.spec import load_model
     from shardc.passes.group_layers import group_layers
-    from shardc.plan.parallel import model_dims, validate_plan
+    from shardc.plan.parallel import validate_plan
 
     loaded = load_model(model_spec, device=device)
     spec = spec_for_plan(model_spec, plan, loaded)

@@ -5,9 +5,10 @@ activations and the weight gradients of the op in progress are live too, and the
 largest sum over time. This walks the layer's partitioned IR as autograd executes it.
 
 Rules (all sizes are local, batch-scaled, at the compute dtype):
-- Storages: a view (reshape, permute, expand, slice, select, split; dropout with p=0, which
-  returns its input) aliases the storage of its input (`CostContext.root`); every other op's
-  output is a new storage.
+- Storages: as eager PyTorch allocates them (`shardc.analysis.aliasing`, `CostContext.root`):
+  a view (reshape, permute, expand, slice, select, split; dropout with p=0, which returns its
+  input) aliases the storage of its input, unless PyTorch must copy (a reshape it cannot
+  view); every other op's output is a new storage.
 - Forward: an output lives until its last reader in the layer has run, or to the end of the
   layer when a later layer reads it; what an op saves for backward stays (`layer_terms`'s saved
   entries: the kept ones under the layer's recomputation). A loss also holds its log-probabilities
@@ -18,7 +19,8 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   freed at once, unless the parameter is read again by an earlier op, a tied weight, whose
   contributions autograd sums before accumulating; `hold_param_grads`: kept to the end of
   backward, as FSDP2's unsharded gradients are). Views, dropout(p=0) and an `add` of equal
-  shapes pass the output gradient through without allocating; split's backward concatenates.
+  shapes pass the output gradient through without allocating (`aliasing.passes_gradient`);
+  split's backward concatenates.
   A loss's backward also holds the gradient of its log-probabilities. After the op its output
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
   the layer's forward again first (its saved tensors come back as recomputed); selective
@@ -32,13 +34,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
 from shardc.cost.layer import LayerTerms, attention_core
 from shardc.ir import Node
 from shardc.ops.registry import get_op
-
-PASS_THROUGH = frozenset({"add"})  # d(a + b)/da = d(a + b)/db = the output gradient itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,24 +67,12 @@ def _storage(ctx: CostContext, v) -> int:
     return id(ctx.root(v))
 
 
-def _alias_gradient(node: Node, i: int) -> bool:
-    """The input's gradient is the output's (no allocation): views, dropout(p=0), equal-shape add."""
-    op = get_op(node.op)
-    if node.op == "dropout":
-        return not node.attrs.get("p") or node.attrs.get("training") is False
-    if op.kind == "view":
-        return node.op not in ("split", "concat")
-    if node.op in PASS_THROUGH and node.outputs:
-        return node.inputs[i].type.shape == node.outputs[0].type.shape
-    return False
-
-
 def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
                  earlier_params: Collection[str] = (), hold_param_grads: bool = False) -> LayerMemory:
     """Walk `nodes` (one layer, graph order) forward and backward (module rules). `terms` is the
     layer's `layer_terms` (its saved entries); `earlier_params`: parameters earlier layers on the
     same device also read (their gradients are held here until that layer's backward)."""
-    inside = {id(n) for n in nodes}
+    inside = set(nodes)
     gathered = _gathered_saves(ctx, nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else set()
     saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
@@ -105,7 +94,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
             last_read[_storage(ctx, v)] = idx
         for v in node.outputs:
             users = ctx.users.get(id(v), [])
-            if any(id(u) not in inside for u in users) or v in ctx.graph.outputs:
+            if any(u not in inside for u in users) or v in ctx.graph.outputs:
                 exported.add(_storage(ctx, v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
     fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload)
@@ -187,25 +176,25 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
     return peak, at_saved
 
 
-def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[int]) -> float:
+def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> float:
     """Bytes of the gradients of the layer's outputs that later layers send back."""
     total = 0.0
     for node in nodes:
         for v in node.outputs:
             users = ctx.users.get(id(v), [])
-            if id(v) in ctx.needs_grad and any(id(u) not in inside for u in users):
+            if id(v) in ctx.needs_grad and any(u not in inside for u in users):
                 total += ctx.local_bytes(v)
     return total
 
 
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
-              inside: set[int], core: set[int], saved_all: dict, in_core: set, earlier: set[str],
+              inside: set[Node], core: set[int], saved_all: dict, in_core: set, earlier: set[str],
               hold: bool) -> tuple[float, float, float, float, float]:
     grads: dict[int, float] = {}
     for node in nodes:
         for v in node.outputs:
             users = ctx.users.get(id(v), [])
-            if id(v) in ctx.needs_grad and any(id(u) not in inside for u in users):
+            if id(v) in ctx.needs_grad and any(u not in inside for u in users):
                 grads[id(v)] = ctx.local_bytes(v)
     first_use: dict[str, int] = {}
     for idx, node in enumerate(nodes):
@@ -232,7 +221,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 continue
             if v.kind == "parameter":
                 new_params[v.name] = ctx.local_bytes(v)
-            elif _alias_gradient(node, i):
+            elif passes_gradient(node, i):
                 passed.append(id(v))
             else:
                 allocs[id(v)] = allocs.get(id(v), 0.0) + ctx.local_bytes(v)

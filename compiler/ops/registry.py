@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardc.ir import Layout, Mesh, Partial, Partition, Placement, Replicate, Shard, TensorType
+from shardc.ir import Layout, Mesh, Partial, Partition, Placement, Replicate, Shard, TemporalSplit, TensorType
 
 # One tensor dim as the iteration factors it is made of, major first; () means broadcast.
 DimFactors = tuple[str, ...]
@@ -266,8 +266,10 @@ def operand_layout(
       "vocab" dim, whose op reduces across the axis itself); additive inputs (a bias) likewise
       (zero on all but one rank); other inputs `Replicate()`.
     - A temporal split rotating along the axis (`time t/4 rotate cp`, or either axis of a grid
-      `time k/2 rotate (tp, tq)`): inputs indexing `t` as a major factor, not split on that
-      axis in space, are `Shard` on `t`'s tensor dim.
+      `time k/2 rotate (tp, tq)`): inputs indexing `t` as a major factor, neither split on that
+      axis in space nor partial on it, are `Shard` on `t`'s tensor dim (`rotating_operands`):
+      they move one neighbour along the axis per step. This is the one rotation rule: apply-plan,
+      the cost model and the solver's candidates all take their layouts from here.
     """
     placements: list[tuple[str, Placement]] = []
     reductions = set(space.reductions)
@@ -297,12 +299,33 @@ def operand_layout(
                 placement = Shard(i, interleave, axis in partition.zigzag)
             elif dim in reductions and special.get(dim) != "vocab" and (is_output or additive):
                 placement = Partial(space.partial_op)
-        if isinstance(placement, Replicate) and rotating and not is_output:
-            found = _factor_position(operand, rotating[0])
-            if found is not None and found[1] == 0:
-                placement = Shard(found[0], zigzag=axis in partition.zigzag)
+        if rotating and not is_output:
+            moving = _rotation(operand, additive, space, partition, axis, rotating[0])
+            if moving is not None:
+                placement = Shard(moving, zigzag=axis in partition.zigzag)
         placements.append((axis, placement))
     return Layout(tuple(placements)).without_replicate()
+
+
+def _rotation(operand: OperandDims, additive: bool, space: IterationSpace, partition: Partition, axis: str,
+              dim: str) -> int | None:
+    """The tensor dim along which an input rotates on `axis` through iteration dim `dim`, or None:
+    the tensor dim whose major factor is `dim`, when the axis neither splits the operand in space
+    (that operand stays put) nor leaves it partial (a bias of a split reduction)."""
+    held = [d for a, d in partition.spatial if a == axis]
+    if held and (_factor_position(operand, held[0]) is not None or (
+            additive and held[0] in space.reductions and dict(space.special).get(held[0]) != "vocab")):
+        return None
+    return next((i for i, factors in enumerate(operand) if factors and factors[0] == dim), None)
+
+
+def rotating_operands(space: IterationSpace, partition: Partition, split: TemporalSplit) -> list[int]:
+    """The inputs that move one neighbour along `split.rotate` per step (the rotation rule of
+    `operand_layout`: they are sharded on `split.dim`'s tensor dim along that axis)."""
+    if split.rotate is None:
+        return []
+    return [k for k, operand in enumerate(space.inputs)
+            if _rotation(operand, k in space.additive, space, partition, split.rotate, split.dim) is not None]
 
 
 def node_layouts(

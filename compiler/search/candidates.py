@@ -33,7 +33,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from shardc.analysis.groups import NodeGroup, iteration_roles
+from shardc.analysis.groups import NodeGroup
+from shardc.analysis.roles import Roles, iteration_roles
 from shardc.ir import Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
 from shardc.ops.registry import IterationSpace, get_op, has_op, node_layouts
 from shardc.search.primepar import GRID_AXES, grid_partitions, without_axes
@@ -75,14 +76,14 @@ class Candidate:
 class Shapes:
     """How tensor sizes are priced: batch dims scaled to the micro-batch, floats at 2 bytes."""
 
-    roles: dict[int, tuple[str | None, ...]]
+    roles: Roles
     batch_scale: float = 1.0
     batched: frozenset[int] | None = None  # ids of values that scale with the batch (default: by role)
 
     def scales(self, value: Value) -> bool:
         if self.batched is not None:
             return id(value) in self.batched
-        return "batch" in self.roles.get(id(value), ())
+        return "batch" in self.roles.get(value, ())
 
     def nbytes(self, value: Value, layout: Layout | None, mesh: Mesh) -> float:
         n = float(value.type.numel)
@@ -167,16 +168,16 @@ def _split_pieces(group: NodeGroup) -> int:
     out = group.anchor.outputs[0] if group.anchor.outputs else None
     if out is None or not out.type.rank:
         return 1
-    carried = {id(out)}
+    carried = {out}
     for node in group.members[1:]:
-        if not any(id(v) in carried for v in node.inputs):
+        if not any(v in carried for v in node.inputs):
             continue
         sizes = node.attrs.get("sizes", ())
         if node.op == "split" and node.attrs.get("dim", -1) % out.type.rank == out.type.rank - 1 \
                 and len(sizes) > 1 and len(set(sizes)) == 1:
             return len(sizes)
         if node.op != "split" and len(node.outputs) == 1 and node.outputs[0].type.shape[-1:] == out.type.shape[-1:]:
-            carried.add(id(node.outputs[0]))
+            carried.add(node.outputs[0])
     return 1
 
 
@@ -192,22 +193,6 @@ def _has(operand: tuple[tuple[str, ...], ...], dim: str) -> bool:
 
 def _major(operand: tuple[tuple[str, ...], ...], dim: str) -> bool:
     return any(f and f[0] == dim for f in operand)
-
-
-def _with_rotation(space: IterationSpace, partition: Partition, layouts: list[Layout], mesh: Mesh) -> list[Layout]:
-    """Rotating operands are sharded on the rotated dim along the rotation axis."""
-    out = list(layouts)
-    for t in partition.temporal:
-        if t.rotate is None or t.grid is not None:  # a grid's layouts are the registry's already
-            continue
-        d1 = [d for a, d in partition.spatial if a == t.rotate][0]
-        for i, operand in enumerate(space.inputs):
-            if _has(operand, t.dim) and not _has(operand, d1):
-                tensor_dim = [k for k, f in enumerate(operand) if f and f[0] == t.dim][0]
-                placements = dict(out[i].placements)
-                placements[t.rotate] = Shard(tensor_dim)
-                out[i] = Layout(tuple((a, placements[a]) for a in mesh.names if a in placements))
-    return out
 
 
 def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool = True,
@@ -247,7 +232,6 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
                 ins, outs = node_layouts(space, partition, mesh)
             except ValueError:
                 continue
-            ins = _with_rotation(space, partition, ins, mesh)
             for resolved in _resolutions(group, outs, mesh, shapes, roles):
                 out.append(_complete(group, partition, ins, resolved, mesh))
     return out or [_replicated(group, mesh)]
@@ -262,7 +246,7 @@ def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shape
         if not partial_axes or value.type.rank == 0:
             per_output.append([(layout, layout)])
             continue
-        value_roles = shapes.roles.get(id(value), ())
+        value_roles = shapes.roles.get(value, ())
         sharded = {p.dim for _, p in layout.placements if isinstance(p, Shard)}
         targets = [i for i, r in enumerate(value_roles) if r in ("batch", "seq") and i not in sharded]
         options = []
@@ -286,7 +270,7 @@ def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shape
 
 def _shardable(value: Value, layout: Layout, mesh: Mesh, shapes: Shapes) -> bool:
     shape = list(value.type.shape)
-    for i, r in enumerate(shapes.roles.get(id(value), ())):
+    for i, r in enumerate(shapes.roles.get(value, ())):
         if r == "batch":
             shape[i] = max(1, round(shape[i] * shapes.batch_scale))
     for dim, axes in layout.sharded_dims().items():
@@ -320,13 +304,13 @@ class _Acc:
     """Accumulates one candidate's layouts while walking the group's members."""
 
     def __init__(self) -> None:
-        self.known: dict[int, Layout] = {}
+        self.known: dict[Value, Layout] = {}
         self.inputs: list[ExternalInput] = []
         self.outputs: list[tuple[Value, Layout]] = []
         self.layouts: list[tuple[tuple[Layout, ...], tuple[Layout, ...]]] = []
 
     def read(self, member: int, index: int, value: Value, required: Layout, grad: Layout) -> None:
-        if id(value) not in self.known:
+        if value not in self.known:
             self.inputs.append(ExternalInput(member, index, value, required, grad))
 
 
@@ -340,7 +324,7 @@ def _complete(group: NodeGroup, partition: Partition, ins: list[Layout], resolve
         acc.read(0, i, v, req, grad_layout(req, partition, mesh, _rotating_axes(space, partition, i)))
     acc.layouts.append((tuple(e.required for e in acc.inputs), tuple(p for p, _ in resolved)))
     for (_, final), v in zip(resolved, anchor.outputs):
-        acc.known[id(v)] = final
+        acc.known[v] = final
         acc.outputs.append((v, final))
     partitions: list[Partition | None] = [partition]
     for j, node in enumerate(group.members[1:], start=1):
@@ -352,10 +336,10 @@ def _complete(group: NodeGroup, partition: Partition, ins: list[Layout], resolve
 def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partition | None:
     """A follower's partition, inherited from its first in-group input's layout."""
     member = len(acc.layouts)
-    src_index = next((k for k, v in enumerate(node.inputs) if id(v) in acc.known), None)
+    src_index = next((k for k, v in enumerate(node.inputs) if v in acc.known), None)
     spatial: list[tuple[str, str]] = []
     if space is not None and src_index is not None:
-        layout = acc.known[id(node.inputs[src_index])]
+        layout = acc.known[node.inputs[src_index]]
         operand = space.inputs[src_index]
         for axis, p in layout.placements:
             if not isinstance(p, Shard) or p.dim >= len(operand):
@@ -379,7 +363,7 @@ def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partit
         acc.read(member, k, v, req, grad_layout(req, partition, mesh, rot))
     acc.layouts.append((tuple(ins[k] if k < len(ins) else Layout() for k in range(len(node.inputs))), tuple(outs)))
     for v, lay in zip(node.outputs, outs):
-        acc.known[id(v)] = lay
+        acc.known[v] = lay
         acc.outputs.append((v, lay))
     return partition
 
@@ -392,7 +376,7 @@ def _replicated(group: NodeGroup, mesh: Mesh) -> Candidate:
             acc.read(j, k, v, Layout(), Layout())
         acc.layouts.append((tuple(Layout() for _ in node.inputs), tuple(Layout() for _ in node.outputs)))
         for v in node.outputs:
-            acc.known[id(v)] = Layout()
+            acc.known[v] = Layout()
             acc.outputs.append((v, Layout()))
     return Candidate("replicated", (None,) * len(group.members), tuple(acc.inputs), tuple(acc.outputs),
                      tuple(acc.layouts))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.analysis.stages import stage_sizes
 from shardc.cost.compose import EstimateOptions, LayerWork, Links, compose
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer
@@ -202,16 +203,6 @@ def block_terms(problem: Problem, prev: tuple[int, ...] | None, cur: tuple[int, 
     return out
 
 
-def layer_parts(problem: Problem, a: Assignment) -> dict[str, LayerTerms]:
-    """Terms of the prefix (`pre`), the first, a middle and the last block, and the suffix (`post`)
-    of a uniform assignment (per-stage ones: `block_terms` per copy)."""
-    c = a.choice
-    single = problem.layers <= 1
-    return {"pre": section_terms(problem, "pre", c), "first": block_terms(problem, None, c, None if single else c),
-            "block": block_terms(problem, c, c, c), "last": block_terms(problem, c, c, None),
-            "post": section_terms(problem, "post", c)}
-
-
 def _refresh(t: LayerTerms) -> None:
     t.saved = sum(b for b, _ in t.saved_entries.values())
     t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
@@ -371,9 +362,9 @@ def evaluate(problem: Problem, a: Assignment, limit: float, options: EstimateOpt
 
 
 def balanced_stages(layers: int, pp: int, recompute: str) -> tuple[tuple[int, int, int], ...] | None:
-    """Megatron's split: layers / pp blocks per stage (None when it does not divide)."""
-    if pp < 1 or layers % pp or (pp > 1 and layers == 0):
+    """Blocks per stage as apply-plan deals them (`shardc.analysis.stages.stage_sizes`), all with
+    `recompute` (None when some stage would get no block)."""
+    if pp < 1 or (pp > 1 and layers < pp):
         return None
-    n = layers // pp
     r = RECOMPUTE_CHOICES.index(recompute)
-    return tuple(tuple(n if i == r else 0 for i in range(3)) for _ in range(pp))  # type: ignore[misc]
+    return tuple(tuple(n if i == r else 0 for i in range(3)) for n in stage_sizes(layers, pp))  # type: ignore[misc]

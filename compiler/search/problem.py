@@ -1,8 +1,8 @@
 """One planning problem: a mesh shape and micro-batch size, its node groups, priced candidates
 and edges, in the form the CP-SAT model and the plan evaluator both read.
 
-Layer structure: the graph's layers in order are a prefix of singleton layers (embedding), a
-run of copies of one block, and a suffix (final norm, head, loss). The block is represented by
+Layer structure (`shardc.analysis.stages.layering`, uniform): a prefix of singleton layers
+(embedding), a run of copies of one block class, and a suffix (final norm, head, loss). The block is represented by
 one copy, enumerated and priced once per distinct block; the CP-SAT model chooses its
 candidates once per stage class (`shardc.search.sections.stage_classes`), so copies on one
 stage share a partition and stages may differ. Models without such a run are planned with pp=1.
@@ -20,7 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardc.analysis.groups import NodeGroup, build_groups, dim_roles
+from shardc.analysis.groups import NodeGroup, build_groups
+from shardc.analysis.roles import Roles, dim_roles
+from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
@@ -99,25 +101,12 @@ class EdgeVar:
 
 
 @dataclass
-class Layering:
-    """The graph's layers: prefix singletons, a run of one block class, suffix singletons."""
-
-    pre: list[str]
-    blocks: list[str]
-    post: list[str]
-
-    @property
-    def count(self) -> int:
-        return len(self.blocks)
-
-
-@dataclass
 class GraphFacts:
     """What is computed once per graph: groups, roles, dataflow facts, the layering."""
 
     graph: Graph
     groups: list[NodeGroup]
-    roles: dict[int, tuple[str | None, ...]]
+    roles: Roles
     layering: Layering
     batch: int
     batched: frozenset[int]
@@ -127,29 +116,11 @@ class GraphFacts:
     by_layer: dict[str | None, list[NodeGroup]] = field(default_factory=dict)
 
 
-def layering(graph: Graph) -> Layering:
-    order: list[str] = []
-    for n in graph.nodes:
-        name = n.layer if n.layer is not None else "<graph>"
-        if not order or order[-1] != name:
-            if name not in order:
-                order.append(name)
-    block_of = {name: (graph.layers[name].block if name in graph.layers else name) for name in order}
-    counts: dict[str, int] = {}
-    for name in order:
-        counts[block_of[name]] = counts.get(block_of[name], 0) + 1
-    best = max(counts, key=lambda b: counts[b]) if counts else None
-    idx = [i for i, name in enumerate(order) if block_of[name] == best]
-    if best is None or counts[best] < 2 or idx != list(range(idx[0], idx[-1] + 1)):
-        return Layering(order, [], [])
-    return Layering(order[: idx[0]], order[idx[0]: idx[-1] + 1], order[idx[-1] + 1:])
-
-
 def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFacts:
     groups = build_groups(graph)
     roles = dim_roles(graph)
     ctx = CostContext.build(graph, cluster, ir_dtype(dtype))
-    batch = next((v.type.shape[0] for v in graph.inputs if roles.get(id(v), (None,))[0] == "batch"), 1)
+    batch = next((v.type.shape[0] for v in graph.inputs if roles.get(v, (None,))[0] == "batch"), 1)
     core: set[int] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
     for g in groups:
@@ -159,7 +130,7 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
         nodes_of.setdefault(n.layer, []).append(n)
     for nodes in nodes_of.values():
         core |= attention_core(ctx, nodes)
-    return GraphFacts(graph, groups, roles, layering(graph), batch, frozenset(ctx.batched),
+    return GraphFacts(graph, groups, roles, layering(graph, "<graph>").uniform(), batch, frozenset(ctx.batched),
                       frozenset(ctx.needs_grad), frozenset(core), ctx, by_layer)
 
 
@@ -282,12 +253,12 @@ def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int]
     lay = facts.layering
     blocks = lay.blocks
     section_of = {name: "pre" for name in lay.pre} | {name: "post" for name in lay.post}
-    owner: dict[int, tuple[NodeGroup, int]] = {}
+    owner: dict[Value, tuple[NodeGroup, int]] = {}
     for g in facts.groups:
         k = 0
         for node in g.members:
             for v in node.outputs:
-                owner[id(v)] = (g, k)
+                owner[v] = (g, k)
                 k += 1
 
     def where(g: NodeGroup) -> tuple[str, int | None]:
@@ -306,9 +277,9 @@ def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int]
     for g, ci, section in consumers:
         for j, node in enumerate(g.members):
             for k, v in enumerate(node.inputs):
-                if v.kind != "activation" or id(v) not in owner or owner[id(v)][0] is g:
+                if v.kind != "activation" or v not in owner or owner[v][0] is g:
                     continue
-                pg, out_idx = owner[id(v)]
+                pg, out_idx = owner[v]
                 place, pi = where(pg)
                 if pi is None:
                     continue

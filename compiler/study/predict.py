@@ -47,31 +47,18 @@ def gpu_cluster(nproc: int):
 
 
 def stage_split(graph: Any, split: tuple[int, ...] | None, stages: int) -> dict[str, int]:
-    """Module path of each repeated block -> stage. With `split`, blocks are dealt out by it and
-    the graph's layer annotations rewritten to match (layers before the first block go to stage
-    0, after the last to the last stage); without, the stages apply-plan chose."""
+    """Module path of each repeated block -> stage. With `split`, blocks are dealt out by it
+    (`shardc.analysis.stages.layer_stages`) and the graph's layer annotations rewritten to match;
+    without, the stages apply-plan chose."""
     from dataclasses import replace
 
-    counts: dict[str, int] = {}
-    for layer in graph.layers.values():
-        counts[layer.block] = counts.get(layer.block, 0) + 1
-    names = list(graph.layers)
-    repeated = [n for n in names if counts[graph.layers[n].block] > 1]
+    from shardc.analysis.stages import layer_stages, layering
+
     if split is not None:
-        if sum(split) != len(repeated):
-            raise ShardcError(f"split={'+'.join(map(str, split))} deals {sum(split)} blocks but the model has "
-                              f"{len(repeated)} repeated blocks ({', '.join(repeated[:4])}...)")
-        stage_of = {}
-        k = 0
-        for s, count in enumerate(split):
-            for name in repeated[k:k + count]:
-                stage_of[name] = s
-            k += count
-        first = names.index(repeated[0]) if repeated else 0
-        for i, name in enumerate(names):
-            stage = stage_of.get(name, 0 if i < first else stages - 1)
-            graph.layers[name].annotation = replace(graph.layers[name].annotation, stage=stage)
-    return {n: graph.layers[n].annotation.stage or 0 for n in repeated}
+        for name, stage in layer_stages(graph, stages, split).items():
+            if name in graph.layers:
+                graph.layers[name].annotation = replace(graph.layers[name].annotation, stage=stage)
+    return {n: graph.layers[n].annotation.stage or 0 for n in layering(graph).block_names}
 
 
 def predict(model_spec: str, sp: StudyPlan, cluster: Any) -> tuple[Any, dict[str, Any]]:
