@@ -211,10 +211,10 @@ def _ddp_with_bucket(compiled: Any, model: torch.nn.Module, bucket_mb: float,
     dm = device_mesh(graph.mesh)
     rank = dist.get_rank()
     check_model(graph, model)
-    from shardc.api import _with_constants
+    from shardc.backends.torch.parallelize import with_constants
 
     device = device or torch.device("cpu")
-    tensors = local_tensors(graph, _with_constants(model, compiled.constants), rank, device=device)
+    tensors = local_tensors(graph, with_constants(model, compiled.constants), rank, device=device)
     module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
     return DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
                                    process_group=dm[axes[0]].get_group(), bucket_cap_mb=bucket_mb)
