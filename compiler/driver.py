@@ -231,6 +231,12 @@ def run(graph: Graph, pipeline: str | list[Pass], ctx: PassContext, flags: Flags
                         time_passes=flags.time_passes, out=flags.out)
 
 
+def load(spec: str, *, batch: int | None = None, pipeline: str = "group-layers", device: str = "meta",
+         flags: Flags = Flags()) -> Graph:
+    """The model `spec` names traced at `batch` (None: its example batch) after `pipeline`."""
+    return run(open_model(spec, device=device).trace(batch).graph, pipeline, PassContext(), flags)
+
+
 def as_cluster(cluster: str | Cluster | None) -> Cluster | None:
     """A cluster from its text (`8xA100-80GB`, `local2`); None stays None."""
     return parse_cluster(cluster) if isinstance(cluster, str) else cluster
