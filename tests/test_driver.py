@@ -133,8 +133,7 @@ def test_a_plan_that_does_not_fit_the_cluster_fails_in_validate_plan(capsys: pyt
 
 def test_shardc_run_predicts_what_estimate_predicts(capsys: pytest.CaptureFixture[str]) -> None:
     """The one full run: two gloo processes, one step; its prediction is `shardc estimate`'s."""
-    ran = _json(capsys, ["run", SPEC, "--nproc", "2", "--steps", "1", "--plan", "dp=2", "--cluster", CLUSTER,
-                         "--json"])
+    ran = _json(capsys, ["run", SPEC, "--nproc", "2", "--steps", "1", "--cluster", CLUSTER, "--json"])  # dp=2
     est = _json(capsys, ["estimate", SPEC, "--cluster", CLUSTER, "--plan", "dp=2,dtype=fp32", "--json"])
     assert ran["predicted_step_time_s"] == est["step_time_s"]
     assert [r["predicted_peak_memory_bytes"] for r in ran["ranks"]] == [est["stages"][0]["memory_bytes"]] * 2
