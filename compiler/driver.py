@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
@@ -124,7 +123,7 @@ def open_model(spec: str, *, device: str = "meta", allow_opaque: bool = False) -
 
         graph = parse_file(spec)
         batch = graph.inputs[0].type.shape[0] if graph.inputs and graph.inputs[0].type.rank else 1
-        return Source(graph.name, build=lambda _batch: graph, fixed_batch=batch)
+        return Source(graph.name, build=lambda _batch: parse_file(spec), fixed_batch=batch)  # a fresh graph each time
     if spec.startswith("synthetic:"):
         return _synthetic(spec)
     from shardc.frontend.spec import load_model
@@ -315,8 +314,3 @@ def split_at_lower(pipeline: str) -> tuple[list[Pass], list[Pass]]:
         raise ShardcError(f"a compile pipeline ends with the lower pass; {pipeline!r} has none",
                           hint=PIPELINES["compile"])
     return passes[:at], passes[at:]
-
-
-def say(text: str, flags: Flags) -> None:
-    """A line on the flags' output (stdout by default)."""
-    (flags.out or sys.stdout).write(text + "\n")

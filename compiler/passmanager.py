@@ -1,4 +1,4 @@
-"""Passes, pipelines and the driver that runs them.
+"""Passes, pipelines and `run_pipeline`, which runs them (`shardc.driver` runs every command through it).
 
 A pass is a frozen dataclass with a kebab-case `name` and `apply(graph, ctx) -> Graph`; its
 options are its dataclass fields. `@register_pass` files it by name; every module of the
