@@ -8,8 +8,9 @@
     loss = module(*batch); loss.backward(); optimizer.step()   # pp=1
     loss = module.step(*batch); optimizer.step()              # any plan, pipelines included
 
-Compilation traces the model (`shardc.frontend`), files nodes under layers (group-layers),
-partitions it by the plan (apply-plan) and lowers it (lower). The returned plan is plain data;
+Compilation is the driver's `compile` pipeline (`shardc.driver`): it traces the model at the
+batch the plan needs, files nodes under layers (group-layers), checks the plan (validate-plan),
+partitions it (apply-plan) and lowers it (lower). The returned plan is plain data;
 `parallelize` is what touches torch.distributed.
 """
 
@@ -40,6 +41,8 @@ class CompiledPlan:
     same plan lowered for one micro-batch (the model traced with dp*mb sequences, every node
     partitioned as in `graph`): what runs when the plan has more than one micro-batch; None when
     `graph` already is one micro-batch (or the model cannot be traced again, an ONNX import).
+    `partitioned` is `graph` before lowering: what `estimate` scores, as `shardc estimate` does
+    (collectives are the cost model's to price, not nodes to count again).
     """
 
     graph: Graph
