@@ -41,8 +41,8 @@ class CompiledPlan:
     same plan lowered for one micro-batch (the model traced with dp*mb sequences, every node
     partitioned as in `graph`): what runs when the plan has more than one micro-batch; None when
     `graph` already is one micro-batch (or the model cannot be traced again, an ONNX import).
-    `partitioned` is `graph` before lowering: what `estimate` scores, as `shardc estimate` does
-    (collectives are the cost model's to price, not nodes to count again).
+    `partitioned_ir` is `graph` printed before lowering: what `estimate` parses and scores, as
+    `shardc estimate` does (collectives are the cost model's to price, not nodes to count again).
     """
 
     graph: Graph
@@ -52,7 +52,7 @@ class CompiledPlan:
     input_names: tuple[str, ...] = ()
     micro_graph: Graph | None = None
     micro_constants: dict[str, torch.Tensor] = field(default_factory=dict)
-    partitioned: Graph | None = None
+    partitioned_ir: str = ""
 
     @property
     def runtime_graph(self) -> Graph:
@@ -111,7 +111,9 @@ class CompiledPlan:
             raise ShardcError("plan.estimate() needs a cluster", hint="pass cluster='8xA100-80GB' to shardc.compile "
                               "or to estimate()")
         ctx = PassContext(cluster=driver.as_cluster(cluster), plan=self.plan)
-        driver.run(self.partitioned if self.partitioned is not None else self.graph, "estimate", ctx)
+        from shardc.ir.parser import parse
+
+        driver.run(parse(self.partitioned_ir) if self.partitioned_ir else self.graph, "estimate", ctx)
         return ctx.options["estimate"]
 
     def parallelize(self, model: torch.nn.Module, *, init: Any = None, seed: int = 0,
@@ -154,13 +156,6 @@ class CompiledPlan:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ShardcError(f"rank {rank} is outside the plan's {self.mesh} (ranks 0..{self.world_size - 1})")
-
-
-def _copy(graph: Graph) -> Graph:
-    """An independent copy of `graph` (printed IR parses back to an equal graph)."""
-    from shardc.ir.parser import parse
-
-    return parse(str(graph))
 
 
 def _as_plan(plan: Any) -> ParallelPlan:
@@ -217,7 +212,7 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
         graph = driver.run(traced.graph, before, ctx, flags)
     if before_lower is not None:
         before_lower(graph)
-    partitioned = _copy(graph)
+    partitioned_ir = str(graph)
     micro = driver.micro_batch_trace(source, graph)
     graph = driver.run(graph, lowering, ctx, flags)
     micro_graph, micro_constants = None, {}
@@ -233,7 +228,7 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
         micro_graph = driver.run(micro_graph, lowering, ctx)
         micro_constants = dict(micro.constants)
     return CompiledPlan(graph, parallel, cluster, dict(traced.constants),
-                        tuple(v.name for v in graph.inputs), micro_graph, micro_constants, partitioned)
+                        tuple(v.name for v in graph.inputs), micro_graph, micro_constants, partitioned_ir)
 
 
 def compile_to_dir(spec: str, plan: Any, out_dir: str | os.PathLike[str], cluster: Any = None,

@@ -118,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _source(args: argparse.Namespace, device: str | None = None) -> Any:
+    """The model the command names, with `--device`, `--allow-opaque` and `--input-shape`."""
+    shapes = None
+    if args.input_shape:
+        from shardc.frontend.onnx import parse_input_shapes
+
+        shapes = parse_input_shapes(args.input_shape)
+    return open_model(args.model, device=device or args.device, allow_opaque=args.allow_opaque,
+                      input_shapes=shapes)
+
+
 def _flags(args: argparse.Namespace) -> Flags:
     """The pipeline flags; with --json the IR and timings go to stderr, keeping stdout JSON."""
     return Flags(args.pipeline, args.print_after_all, args.time_passes,
@@ -129,7 +140,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from shardc.passmanager import PassContext
 
     console = _console()
-    graph = open_model(args.model, device=args.device, allow_opaque=args.allow_opaque).trace().graph
+    graph = _source(args).trace().graph
     pipeline = PIPELINES["inspect"] if args.pipeline is None else args.pipeline
     if pipeline:
         graph = run(graph, pipeline, PassContext(), _flags(args))
@@ -168,8 +179,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     """Prints the estimate; a plan that does not fit is still printed (marked) and returns 0."""
     from shardc.cost.report import plot, tables
 
-    source = open_model(args.model, device=args.device, allow_opaque=args.allow_opaque)
-    result, _ = estimate(source, args.cluster, args.plan, flags=_flags(args))
+    result, _ = estimate(_source(args), args.cluster, args.plan, flags=_flags(args))
     if args.plot:
         plot(result, args.plot)
     if args.json:
@@ -189,8 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardc.search.report import plan_summary, print_plan, write_plan
 
     started = time.perf_counter()
-    source = open_model(args.model, device="meta", allow_opaque=args.allow_opaque)
-    graph, ctx = solve(source, args.cluster, args.gbs, flags=_flags(args), time_limit=args.time_limit,
+    graph, ctx = solve(_source(args, device="meta"), args.cluster, args.gbs, flags=_flags(args), time_limit=args.time_limit,
                        seed=args.seed, workers=args.workers, memory_limit_gb=args.memory_limit,
                        warm_start=args.warm_start, grid2d=args.grid2d)
     result = ctx.options["search"]

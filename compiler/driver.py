@@ -116,8 +116,10 @@ def _resize(x: Any, rows: int) -> Any:
     return x.repeat(math.ceil(rows / x.shape[0]), *([1] * (x.dim() - 1)))[:rows]
 
 
-def open_model(spec: str, *, device: str = "meta", allow_opaque: bool = False) -> Source:
-    """The `Source` a model spec names (see the module docstring); `device="cpu"` builds real weights."""
+def open_model(spec: str, *, device: str = "meta", allow_opaque: bool = False,
+               input_shapes: dict[str, tuple[int, ...]] | None = None) -> Source:
+    """The `Source` a model spec names (see the module docstring); `device="cpu"` builds real
+    weights; `input_shapes` fix an ONNX file's dynamic input dims (`--input-shape`)."""
     if spec.endswith(".ir"):
         from shardc.ir.parser import parse_file
 
@@ -128,7 +130,7 @@ def open_model(spec: str, *, device: str = "meta", allow_opaque: bool = False) -
         return _synthetic(spec)
     from shardc.frontend.spec import load_model
 
-    loaded = load_model(spec, device=device)
+    loaded = load_model(spec, device=device, input_shapes=input_shapes)
     return Source(loaded.name, loaded.model, tuple(loaded.example_inputs), loaded.input_names, allow_opaque)
 
 
