@@ -79,6 +79,8 @@ def _option_text(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, tuple | list):
         return "+".join(_option_text(v) for v in value)
+    if isinstance(value, str) and (not value or any(c in value for c in ',{}"= \t')):
+        return f'"{value}"'  # a path or text with separators reads back whole
     return str(value)
 
 

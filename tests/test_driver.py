@@ -137,3 +137,13 @@ def test_shardc_run_predicts_what_estimate_predicts(capsys: pytest.CaptureFixtur
     est = _json(capsys, ["estimate", SPEC, "--cluster", CLUSTER, "--plan", "dp=2,dtype=fp32", "--json"])
     assert ran["predicted_step_time_s"] == est["step_time_s"]
     assert [r["predicted_peak_memory_bytes"] for r in ran["ranks"]] == [est["stages"][0]["memory_bytes"]] * 2
+
+
+def test_solve_options_read_back_from_the_pipeline_text() -> None:
+    from shardc.driver import solve_pipeline
+    from shardc.passmanager import parse_pipeline
+
+    text = solve_pipeline(16, time_limit=2, warm_start="/tmp/a plan, v2.json", grid2d=True)
+    solve = parse_pipeline(text)[-1]
+    assert text.startswith("group-layers,solve{")
+    assert (solve.gbs, solve.time_limit, solve.warm_start, solve.grid2d) == (16, 2.0, "/tmp/a plan, v2.json", True)
