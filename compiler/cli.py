@@ -182,10 +182,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     result, _ = estimate(_source(args), args.cluster, args.plan, flags=_flags(args))
     if args.plot:
         plot(result, args.plot)
-    if args.json:
-        print(result.to_json())
-        return 0
     console = _console()
+    if args.json:
+        console.print_json(result.to_json())
+        return 0
     for table in tables(result):
         console.print(table)
     for note in result.notes:
