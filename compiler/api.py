@@ -174,7 +174,7 @@ def _as_plan(plan: Any) -> ParallelPlan:
 def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: Any = None, *,
             name: str | None = None, input_names: tuple[str, ...] | None = None, seed: int = 0,
             before_lower: Callable[[Graph], Any] | None = None, print_after_all: bool = False,
-            time_passes: bool = False, pipeline: str | None = None) -> CompiledPlan:
+            time_passes: bool = False, pipeline: str | None = None, device: str = "cpu") -> CompiledPlan:
     """Trace, partition by `plan` and lower, through `shardc.driver`; see the module docstring.
 
     `model` is an nn.Module (with `example_inputs`) or a model spec (`examples/gpt.py:tiny`,
@@ -184,7 +184,8 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     batch when the plan splits it, else dp*mb sequences (the inputs' rows repeated).
     `before_lower(graph)` may edit the partitioned graph in place before lowering (hand-written
     partitions: temporal splits, rotations). `pipeline` replaces the default
-    `group-layers,validate-plan,apply-plan,lower` (it must contain `lower`).
+    `group-layers,validate-plan,apply-plan,lower` (it must contain `lower`). A spec is built on
+    `device` (`meta` when nothing will run: no weights are allocated).
     """
     import dataclasses
 
@@ -192,7 +193,7 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     from shardc.passmanager import PassContext
 
     if isinstance(model, str):
-        source = driver.open_model(model, device="cpu")
+        source = driver.open_model(model, device=device)
         source = dataclasses.replace(source, name=name or source.name,
                                      input_names=input_names or source.input_names)
         model = source.model
@@ -209,23 +210,23 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
         traced = source.trace()  # for the values of the folded constants
     else:
         traced = driver.trace_for(source, parallel)
-        graph = driver.run(traced.graph, before, ctx, flags)
+        graph = driver.run(traced.graph, before, ctx, flags, allow_uneven=False)
     if before_lower is not None:
         before_lower(graph)
     partitioned_ir = str(graph)
     micro = driver.micro_batch_trace(source, graph)
-    graph = driver.run(graph, lowering, ctx, flags)
+    graph = driver.run(graph, lowering, ctx, flags, allow_uneven=False)
     micro_graph, micro_constants = None, {}
     if micro is not None:
         micro_graph = micro.graph
         if isinstance(plan, Graph):  # the solver's partitions, node by node
             driver.transfer_partitions(graph, micro_graph)
         else:  # the plan's rules again, on the micro-batch's shapes
-            micro_graph = driver.run(micro_graph, before, ctx)
+            micro_graph = driver.run(micro_graph, before, ctx, allow_uneven=False)
             micro_graph.attrs = dict(graph.attrs)
             if before_lower is not None:
                 before_lower(micro_graph)
-        micro_graph = driver.run(micro_graph, lowering, ctx)
+        micro_graph = driver.run(micro_graph, lowering, ctx, allow_uneven=False)
         micro_constants = dict(micro.constants)
     return CompiledPlan(graph, parallel, cluster, dict(traced.constants),
                         tuple(v.name for v in graph.inputs), micro_graph, micro_constants, partitioned_ir)
@@ -236,12 +237,12 @@ def compile_to_dir(spec: str, plan: Any, out_dir: str | os.PathLike[str], cluste
     """`shardc compile SPEC --plan P -o DIR`: write `graph.ir` (the lowered IR), `plan.txt` and
     `rank<k>.py` (each rank's generated code) into `out_dir`, atomically (a temporary sibling
     directory renamed into place, replacing an older one). `flags` (`shardc.driver.Flags`) set
-    the pipeline and what it prints."""
+    the pipeline and what it prints. The model is built on the meta device: only code is written."""
     from shardc.driver import Flags
 
     flags = flags if flags is not None else Flags()
     compiled = compile(spec, cluster=cluster, plan=plan, pipeline=flags.pipeline,
-                       print_after_all=flags.print_after_all, time_passes=flags.time_passes)
+                       print_after_all=flags.print_after_all, time_passes=flags.time_passes, device="meta")
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

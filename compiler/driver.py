@@ -226,10 +226,13 @@ def transfer_partitions(src: Graph, dst: Graph) -> None:
 
 # ---- 3. pipelines -----------------------------------------------------------------------------
 
-def run(graph: Graph, pipeline: str | list[Pass], ctx: PassContext, flags: Flags = Flags()) -> Graph:
-    """Run `pipeline` over `graph` (verifying after every pass), as `flags` ask."""
+def run(graph: Graph, pipeline: str | list[Pass], ctx: PassContext, flags: Flags = Flags(), *,
+        allow_uneven: bool = True) -> Graph:
+    """Run `pipeline` over `graph` (verifying after every pass), as `flags` ask. Shards split
+    unevenly are allowed (apply-plan pads the vocabulary on tp, and the cost model prices the
+    padded shard) unless `allow_uneven` is False, as compiling for the backend asks."""
     return run_pipeline(graph, pipeline, ctx, print_after_all=flags.print_after_all,
-                        time_passes=flags.time_passes, out=flags.out)
+                        time_passes=flags.time_passes, out=flags.out, allow_uneven=allow_uneven)
 
 
 def load(spec: str, *, batch: int | None = None, pipeline: str = "group-layers", device: str = "meta",

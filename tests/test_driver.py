@@ -147,3 +147,12 @@ def test_solve_options_read_back_from_the_pipeline_text() -> None:
     solve = parse_pipeline(text)[-1]
     assert text.startswith("group-layers,solve{")
     assert (solve.gbs, solve.time_limit, solve.warm_start, solve.grid2d) == (16, 2.0, "/tmp/a plan, v2.json", True)
+
+
+def test_a_padded_vocabulary_estimates_and_plans(capsys: pytest.CaptureFixture[str]) -> None:
+    """apply-plan pads a vocabulary tp does not divide; the driver's verification lets it pass."""
+    spec = "examples/gpt.py:tiny?vocab_size=127"
+    est = _json(capsys, ["estimate", spec, "--cluster", CLUSTER, "--plan", "tp=2", "--json"])
+    assert est["step_time_s"] > 0
+    with pytest.raises(shardc.ShardcError, match="unevenly"):
+        shardc.compile(spec, plan="tp=2")  # the backend's graph stays strict
