@@ -196,7 +196,6 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
         source = driver.open_model(model, device=device)
         source = dataclasses.replace(source, name=name or source.name,
                                      input_names=input_names or source.input_names)
-        model = source.model
     else:
         source = driver.model_source(model, example_inputs, name=name, input_names=input_names)
     parallel = _as_plan(plan)
