@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from shardc.driver import load, solver_batch
 from shardc.hardware import parse_cluster
 from shardc.ir import RECOMPUTE_CHOICES
 from shardc.search.cpsat import solve
@@ -22,12 +23,12 @@ from shardc.search.evaluate import evaluate
 from shardc.search.grid import grid_assignments
 from shardc.search.outer import Found, score, search
 from shardc.search.problem import MeshShape, build_problem, graph_facts
-from shardc.search.report import load_graph
 
 GPT3 = "examples/gpt.py:gpt3_175b?vocab_size=51200"
 LLAMA_7B = "examples/llama.py:llama_7b?seq=2048"
 CASES = [
-    # name, model spec (traced at batch 2), cluster, gbs, memory limit GiB (None: the device's)
+    # name, model spec (traced at the global batch, as `shardc plan`), cluster, gbs, memory limit GiB
+    # (None: the device's)
     ("GPT-2 1.5B, 8xA100-40GB", "examples/gpt.py:gpt2_xl", "8xA100-40GB", 64, None),
     ("Llama-7B, 8xH100", LLAMA_7B, "8xH100", 64, None),
     ("Llama-70B, 64xH100", "examples/llama.py:llama_70b", "64xH100", 128, None),
@@ -39,7 +40,7 @@ CASES = [
 
 def run_case(name, spec, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
     t0 = time.perf_counter()
-    graph = load_graph(spec)
+    graph = load(spec, batch=solver_batch(gbs))
     cluster = parse_cluster(cluster_name)
     limit = limit_gb * 2**30 if limit_gb else float(cluster.device.memory_bytes)
     facts = graph_facts(graph, cluster)
@@ -80,7 +81,7 @@ def describe_stages(found) -> str:
 
 def one_shape(time_limit: float = 10.0) -> list[str]:
     """Solve time of one mesh shape of a 32-layer model (Llama-7B on 8xH100), problem build included."""
-    graph = load_graph(LLAMA_7B)
+    graph = load(LLAMA_7B, batch=solver_batch(64))
     cluster = parse_cluster("8xH100")
     facts = graph_facts(graph, cluster)
     rows = []

@@ -8,8 +8,9 @@
     loss = module(*batch); loss.backward(); optimizer.step()   # pp=1
     loss = module.step(*batch); optimizer.step()              # any plan, pipelines included
 
-Compilation traces the model (`shardc.frontend`), files nodes under layers (group-layers),
-partitions it by the plan (apply-plan) and lowers it (lower). The returned plan is plain data;
+Compilation is the driver's `compile` pipeline (`shardc.driver`): it traces the model at the
+batch the plan needs, files nodes under layers (group-layers), checks the plan (validate-plan),
+partitions it (apply-plan) and lowers it (lower). The returned plan is plain data;
 `parallelize` is what touches torch.distributed.
 """
 
@@ -40,6 +41,8 @@ class CompiledPlan:
     same plan lowered for one micro-batch (the model traced with dp*mb sequences, every node
     partitioned as in `graph`): what runs when the plan has more than one micro-batch; None when
     `graph` already is one micro-batch (or the model cannot be traced again, an ONNX import).
+    `partitioned_ir` is `graph` printed before lowering: what `estimate` parses and scores, as
+    `shardc estimate` does (collectives are the cost model's to price, not nodes to count again).
     """
 
     graph: Graph
@@ -49,6 +52,7 @@ class CompiledPlan:
     input_names: tuple[str, ...] = ()
     micro_graph: Graph | None = None
     micro_constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    partitioned_ir: str = ""
 
     @property
     def runtime_graph(self) -> Graph:
@@ -97,17 +101,20 @@ class CompiledPlan:
         return head + "\n".join(parts)
 
     def estimate(self, cluster: Any = None) -> Any:
-        """The cost model's prediction (`shardc.cost.estimate`) for `cluster` (default: the one compiled for)."""
-        from shardc.cost import estimate
-        from shardc.hardware import parse_cluster
+        """The cost model's prediction for `cluster` (default: the one compiled for): the driver's
+        `estimate` pass on the partitioned graph, as `shardc estimate` runs it."""
+        from shardc import driver
+        from shardc.passmanager import PassContext
 
         cluster = cluster if cluster is not None else self.cluster
         if cluster is None:
             raise ShardcError("plan.estimate() needs a cluster", hint="pass cluster='8xA100-80GB' to shardc.compile "
                               "or to estimate()")
-        if isinstance(cluster, str):
-            cluster = parse_cluster(cluster)
-        return estimate(self.graph, cluster, self.plan)
+        ctx = PassContext(cluster=driver.as_cluster(cluster), plan=self.plan)
+        from shardc.ir.parser import parse
+
+        driver.run(parse(self.partitioned_ir) if self.partitioned_ir else self.graph, "estimate", ctx)
+        return ctx.options["estimate"]
 
     def parallelize(self, model: torch.nn.Module, *, init: Any = None, seed: int = 0,
                     device: torch.device | str | None = None, loss_fn: Any = None) -> torch.nn.Module:
@@ -134,9 +141,9 @@ class CompiledPlan:
             from shardc.backends.torch.pipelined import parallelize_pipeline
 
             return parallelize_pipeline(self, model, init=init, seed=seed, device=device, loss_fn=loss_fn)
-        from shardc.backends.torch.parallelize import parallelize_graph
+        from shardc.backends.torch.parallelize import parallelize_graph, with_constants
 
-        return parallelize_graph(self.graph, _with_constants(model, {**self.constants, **self.micro_constants}),
+        return parallelize_graph(self.graph, with_constants(model, {**self.constants, **self.micro_constants}),
                                  init=init, seed=seed, device=device, micro_graph=self.micro_graph,
                                  loss_fn=loss_fn)
 
@@ -149,26 +156,6 @@ class CompiledPlan:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ShardcError(f"rank {rank} is outside the plan's {self.mesh} (ranks 0..{self.world_size - 1})")
-
-
-class _ConstantsView(torch.nn.Module):
-    """The model plus the folded constants as extra buffers (only for looking tensors up by name)."""
-
-    def __init__(self, model: torch.nn.Module, constants: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.inner = model
-        self.constants = constants
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return self.inner.named_parameters(remove_duplicate=False)
-
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        yield from self.inner.named_buffers(remove_duplicate=False)
-        yield from self.constants.items()
-
-
-def _with_constants(model: torch.nn.Module, constants: dict[str, torch.Tensor]) -> torch.nn.Module:
-    return _ConstantsView(model, constants) if constants else model
 
 
 def _as_plan(plan: Any) -> ParallelPlan:
@@ -186,116 +173,75 @@ def _as_plan(plan: Any) -> ParallelPlan:
 
 def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: Any = None, *,
             name: str | None = None, input_names: tuple[str, ...] | None = None, seed: int = 0,
-            before_lower: Callable[[Graph], Any] | None = None, print_after_all: bool = False) -> CompiledPlan:
-    """Trace, partition by `plan` and lower; see the module docstring.
+            before_lower: Callable[[Graph], Any] | None = None, print_after_all: bool = False,
+            time_passes: bool = False, pipeline: str | None = None, device: str = "cpu") -> CompiledPlan:
+    """Trace, partition by `plan` and lower, through `shardc.driver`; see the module docstring.
 
     `model` is an nn.Module (with `example_inputs`) or a model spec (`examples/gpt.py:tiny`,
     `hf:gpt2?n_layer=2`). `plan` is a ParallelPlan, its text, None (one device), or an already
     partitioned Graph of this model (what the solver writes, `shardc plan -o`), which is lowered
-    as it is.
+    as it is. The model is traced at the batch the plan needs (`driver.batch_for`): the example
+    batch when the plan splits it, else dp*mb sequences (the inputs' rows repeated).
     `before_lower(graph)` may edit the partitioned graph in place before lowering (hand-written
-    partitions: temporal splits, rotations).
+    partitions: temporal splits, rotations). `pipeline` replaces the default
+    `group-layers,validate-plan,apply-plan,lower` (it must contain `lower`). A spec is built on
+    `device` (`meta` when nothing will run: no weights are allocated).
     """
-    from shardc.frontend import trace_with_state
-    from shardc.passes.apply_plan import ApplyPlan
-    from shardc.passes.group_layers import GroupLayers
-    from shardc.passes.lower import Lower
-    from shardc.passmanager import PassContext, run_pipeline
+    import dataclasses
+
+    from shardc import driver
+    from shardc.passmanager import PassContext
 
     if isinstance(model, str):
-        from shardc.frontend.spec import load_model
-
-        loaded = load_model(model, device="cpu")
-        model, example_inputs = loaded.model, loaded.example_inputs
-        input_names = input_names or loaded.input_names
-        name = name or loaded.name
-    if example_inputs is None:
-        raise ShardcError("shardc.compile needs example_inputs (a tuple of tensors in forward's order)")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
-    traced = trace_with_state(model, inputs, name=name, input_names=input_names)
+        source = driver.open_model(model, device=device)
+        source = dataclasses.replace(source, name=name or source.name,
+                                     input_names=input_names or source.input_names)
+    else:
+        source = driver.model_source(model, example_inputs, name=name, input_names=input_names)
     parallel = _as_plan(plan)
-    ctx = PassContext(cluster=cluster, plan=parallel, seed=seed)
+    flags = driver.Flags(pipeline, print_after_all, time_passes)
+    before, lowering = driver.split_at_lower(pipeline or driver.PIPELINES["compile"])
+    ctx = PassContext(plan=parallel, seed=seed)
     if isinstance(plan, Graph):
         graph = plan
         if graph.mesh is None:
             raise ShardcError(f"graph @{graph.name} given as the plan is not partitioned (it has no mesh)")
+        traced = source.trace()  # for the values of the folded constants
     else:
-        graph = run_pipeline(traced.graph, [GroupLayers(), ApplyPlan()], ctx, print_after_all=print_after_all)
+        traced = driver.trace_for(source, parallel)
+        graph = driver.run(traced.graph, before, ctx, flags, allow_uneven=False)
     if before_lower is not None:
         before_lower(graph)
-    micro = micro_trace(model, inputs, graph, name=name, input_names=input_names)
-    graph = run_pipeline(graph, [Lower()], ctx, print_after_all=print_after_all)
+    partitioned_ir = str(graph)
+    micro = driver.micro_batch_trace(source, graph)
+    graph = driver.run(graph, lowering, ctx, flags, allow_uneven=False)
     micro_graph, micro_constants = None, {}
     if micro is not None:
         micro_graph = micro.graph
         if isinstance(plan, Graph):  # the solver's partitions, node by node
-            transfer_partitions(graph, micro_graph)
+            driver.transfer_partitions(graph, micro_graph)
         else:  # the plan's rules again, on the micro-batch's shapes
-            micro_graph = run_pipeline(micro_graph, [GroupLayers(), ApplyPlan()], ctx)
+            micro_graph = driver.run(micro_graph, before, ctx, allow_uneven=False)
             micro_graph.attrs = dict(graph.attrs)
             if before_lower is not None:
                 before_lower(micro_graph)
-        micro_graph = run_pipeline(micro_graph, [Lower()], ctx)
+        micro_graph = driver.run(micro_graph, lowering, ctx, allow_uneven=False)
         micro_constants = dict(micro.constants)
     return CompiledPlan(graph, parallel, cluster, dict(traced.constants),
-                        tuple(v.name for v in graph.inputs), micro_graph, micro_constants)
+                        tuple(v.name for v in graph.inputs), micro_graph, micro_constants, partitioned_ir)
 
 
-def micro_trace(model: Any, inputs: tuple, partitioned: Graph, *, name: str | None = None,
-                input_names: tuple[str, ...] | None = None) -> Any:
-    """The model traced for one micro-batch (dp*mb sequences; not yet partitioned); None when the
-    plan has a single micro-batch or the model is an import that cannot import itself again
-    at other shapes (an ONNX import can, when its batch dim is dynamic in the file)."""
-    from shardc.frontend import trace_with_state
-
-    attrs = partitioned.attrs
-    micro = int(attrs.get("microbatches", 1))
-    fixed_import = getattr(model, "shardc_graph", None) is not None and not hasattr(model, "shardc_graph_for")
-    if micro <= 1 or fixed_import or partitioned.mesh is None:
-        return None
-    rows = partitioned.mesh.axis_size("dp") * int(attrs.get("microbatch_size", 1))
-    batch = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
-    if batch is None or any(not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch for x in inputs):
-        raise ShardcError(f"plan {attrs.get('plan')} has {micro} micro-batches, but the inputs of graph "
-                          f"@{partitioned.name} do not all have the batch as their first dim",
-                          hint="use mb so that gbs = dp*mb (one micro-batch), or give batch-first inputs")
-    if rows > batch:
-        raise ShardcError(f"a micro-batch holds dp*mb = {rows} sequences but the model was traced with {batch}",
-                          hint="trace with a larger batch or lower mb")
-    traced = trace_with_state(model, tuple(x[:rows] for x in inputs), name=name or partitioned.name,
-                              input_names=input_names or tuple(v.name for v in partitioned.inputs))
-    return traced
-
-
-def transfer_partitions(src: Graph, dst: Graph) -> None:
-    """Give `dst` (the same model traced with another batch) `src`'s mesh, layers, attributes,
-    node partitions and the layouts of its inputs, parameters and buffers, node by node.
-    `src` may be lowered already: its collectives are skipped."""
-    from shardc.ops.collectives import COLLECTIVE_OPS
-
-    src_nodes = [n for n in src.nodes if n.op not in COLLECTIVE_OPS]
-    ops_src, ops_dst = [n.op for n in src_nodes], [n.op for n in dst.nodes]
-    if ops_src != ops_dst:
-        first = next((i for i, (a, b) in enumerate(zip(ops_src, ops_dst)) if a != b), min(len(ops_src), len(ops_dst)))
-        raise ShardcError(f"graph @{src.name} traced for one micro-batch differs from the full batch at node {first} "
-                          f"({len(ops_src)} vs {len(ops_dst)} nodes)", hint="use one micro-batch (gbs = dp*mb)")
-    dst.mesh, dst.layers, dst.attrs = src.mesh, dict(src.layers), dict(src.attrs)
-    for a, b in zip(src_nodes, dst.nodes):
-        b.partition, b.layer = a.partition, a.layer
-        for va, vb in zip(a.outputs, b.outputs):
-            vb.layout = va.layout
-    for group_src, group_dst in ((src.inputs, dst.inputs), (src.params, dst.params), (src.buffers, dst.buffers)):
-        by_name = {v.name: v for v in group_src}
-        for v in group_dst:
-            if v.name in by_name:
-                v.layout = by_name[v.name].layout
-
-
-def compile_to_dir(spec: str, plan: Any, out_dir: str | os.PathLike[str], cluster: Any = None) -> Path:
+def compile_to_dir(spec: str, plan: Any, out_dir: str | os.PathLike[str], cluster: Any = None,
+                   flags: Any = None) -> Path:
     """`shardc compile SPEC --plan P -o DIR`: write `graph.ir` (the lowered IR), `plan.txt` and
     `rank<k>.py` (each rank's generated code) into `out_dir`, atomically (a temporary sibling
-    directory renamed into place, replacing an older one)."""
-    compiled = compile(spec, cluster=cluster, plan=plan)
+    directory renamed into place, replacing an older one). `flags` (`shardc.driver.Flags`) set
+    the pipeline and what it prints. The model is built on the meta device: only code is written."""
+    from shardc.driver import Flags
+
+    flags = flags if flags is not None else Flags()
+    compiled = compile(spec, cluster=cluster, plan=plan, pipeline=flags.pipeline,
+                       print_after_all=flags.print_after_all, time_passes=flags.time_passes, device="meta")
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

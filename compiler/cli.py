@@ -1,8 +1,10 @@
 """The `shardc` command line: inspect, estimate, plan, compile, run, study, calibrate.
 
 Every command that takes a model accepts the one model syntax of `shardc.frontend.spec`
-(`path/file.py:factory?k=v`, `hf:gpt2?n_layer=2`, `model.onnx`, or a printed `.ir` file for
-`inspect`), and every command that takes a plan accepts the syntax of `ParallelPlan.parse`.
+(`path/file.py:factory?k=v`, `hf:gpt2?n_layer=2`, `model.onnx`, a printed `.ir` file), and
+every command that takes a plan accepts the syntax of `ParallelPlan.parse`.
+Each command is a pipeline over the same passes, run by `shardc.driver` (`--pipeline` replaces
+it, `--print-after-all` and `--time-passes` show it at work).
 A `ShardcError` is printed as its message alone (exit code 2), never as a stack trace.
 """
 
@@ -11,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from shardc.driver import PIPELINES, Flags, estimate, open_model, run, solve
 from shardc.ir.diagnostics import ShardcError
 
 
@@ -33,6 +37,13 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="static shape for a dynamic input (ONNX models)")
 
 
+def _add_pipeline(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--pipeline", default=None, metavar="PASSES",
+                   help=f"the passes to run, a pipeline string (default: {default})")
+    p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
+    p.add_argument("--time-passes", action="store_true", help="print a table of the time each pass took")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,17 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-ir", action="store_true", help="only the per-layer table")
-    p.add_argument("--pipeline", default="group-layers,annotate-cost",
-                   help="passes to run before printing (a pipeline string)")
-    p.add_argument("--print-after-all", action="store_true")
-    p.add_argument("--time-passes", action="store_true")
+    _add_pipeline(p, PIPELINES["inspect"])
 
     p = sub.add_parser("estimate", help="predict step time and memory of a plan on a cluster")
     _add_model(p)
     p.add_argument("--cluster", required=True, help="e.g. 8xA100-80GB, 64xH100, 2x8xH100, local")
-    p.add_argument("--plan", required=True, help="e.g. dp=8,tp=8,pp=16,mb=1,gbs=1536,recompute=full")
+    p.add_argument("--plan", help="e.g. dp=8,tp=8,pp=16,mb=1,gbs=1536,recompute=full (none: the model is a "
+                                  "partitioned .ir file, as `shardc plan -o` writes)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-device memory and time breakdown")
+    _add_pipeline(p, PIPELINES["estimate"])
 
     p = sub.add_parser("plan", help="search the best plan for a model on a cluster")
     _add_model(p)
@@ -66,11 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also search tp x tq meshes with PrimePar's 2-D grids P(q x q) (more shapes to solve)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the chosen plan (and its IR) here")
     p.add_argument("--json", action="store_true")
+    _add_pipeline(p, "group-layers,solve{gbs=...} with the options above")
 
     p = sub.add_parser("compile", help="partition, lower and generate per-rank code")
     _add_model(p)
     p.add_argument("--plan", required=True)
     p.add_argument("-o", "--output", required=True, metavar="DIR")
+    _add_pipeline(p, PIPELINES["compile"])
 
     p = sub.add_parser("run", help="compile and train on local processes")
     _add_model(p)
@@ -81,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--cluster", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    _add_pipeline(p, PIPELINES["estimate"] + " (for the prediction)")
 
     p = sub.add_parser("study", help="run many plans for real and compare them with the model's predictions")
     p.add_argument("model")
@@ -105,29 +118,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_graph(args: argparse.Namespace) -> Any:
-    """Model spec or printed IR file -> Graph (the IR file is parsed, not traced)."""
-    if args.model.endswith(".ir"):
-        from shardc.ir.parser import parse_file
+def _source(args: argparse.Namespace, device: str | None = None) -> Any:
+    """The model the command names, with `--device`, `--allow-opaque` and `--input-shape`."""
+    shapes = None
+    if args.input_shape:
+        from shardc.frontend.onnx import parse_input_shapes
 
-        return parse_file(args.model)
-    from shardc.frontend import trace
-    from shardc.frontend.spec import load_model
+        shapes = parse_input_shapes(args.input_shape)
+    return open_model(args.model, device=device or args.device, allow_opaque=args.allow_opaque,
+                      input_shapes=shapes)
 
-    loaded = load_model(args.model, device=args.device)
-    return trace(loaded.model, loaded.example_inputs, name=loaded.name,
-                 allow_opaque=args.allow_opaque, input_names=loaded.input_names)
+
+def _flags(args: argparse.Namespace) -> Flags:
+    """The pipeline flags; with --json the IR and timings go to stderr, keeping stdout JSON."""
+    return Flags(args.pipeline, args.print_after_all, args.time_passes,
+                 out=sys.stderr if getattr(args, "json", False) else None)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from shardc.passes.annotate_cost import cost_table
-    from shardc.passmanager import PassContext, run_pipeline
+    from shardc.passmanager import PassContext
 
     console = _console()
-    graph = _load_graph(args)
-    if args.pipeline:
-        graph = run_pipeline(graph, args.pipeline, PassContext(), print_after_all=args.print_after_all,
-                             time_passes=args.time_passes)
+    graph = _source(args).trace().graph
+    pipeline = PIPELINES["inspect"] if args.pipeline is None else args.pipeline
+    if pipeline:
+        graph = run(graph, pipeline, PassContext(), _flags(args))
     rows = cost_table(graph)
     opaque = [n for n in graph.nodes if n.op == "opaque"]
     if args.json:
@@ -160,25 +176,47 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from shardc.cost.report import run_estimate
+    """Prints the estimate; a plan that does not fit is still printed (marked) and returns 0."""
+    from shardc.cost.report import plot, tables
 
-    return run_estimate(args.model, args.cluster, args.plan, json_out=args.json, plot=args.plot,
-                        console=_console(), device=args.device, allow_opaque=args.allow_opaque)
+    result, _ = estimate(_source(args), args.cluster, args.plan, flags=_flags(args))
+    if args.plot:
+        plot(result, args.plot)
+    console = _console()
+    if args.json:
+        console.print_json(result.to_json())
+        return 0
+    for table in tables(result):
+        console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    if args.plot:
+        console.print(f"plot written to {args.plot}")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardc.search.report import run_plan
+    from shardc.search.report import plan_summary, print_plan, write_plan
 
-    return run_plan(args.model, args.cluster, args.gbs, memory_limit_gb=args.memory_limit,
-                    time_limit=args.time_limit, seed=args.seed, workers=args.workers,
-                    warm_start=args.warm_start, out=args.output, json_out=args.json, console=_console(),
-                    grid2d=args.grid2d)
+    started = time.perf_counter()
+    graph, ctx = solve(_source(args, device="meta"), args.cluster, args.gbs, flags=_flags(args), time_limit=args.time_limit,
+                       seed=args.seed, workers=args.workers, memory_limit_gb=args.memory_limit,
+                       warm_start=args.warm_start, grid2d=args.grid2d)
+    result = ctx.options["search"]
+    if args.output:
+        write_plan(args.output, graph, result.best, args.gbs)
+    summary = plan_summary(graph, result, args.gbs, time.perf_counter() - started)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print_plan(_console(), result.best, result.grid, summary, graph, args.gbs)
+    return 0
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from shardc.api import compile_to_dir
 
-    compile_to_dir(args.model, args.plan, args.output)
+    compile_to_dir(args.model, args.plan, args.output, flags=_flags(args))
     print(f"wrote {args.output}")
     return 0
 
@@ -187,7 +225,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shardc.run import run_model
 
     return run_model(args.model, nproc=args.nproc, steps=args.steps, plan=args.plan, cluster=args.cluster,
-                     seed=args.seed, json_out=args.json, console=_console())
+                     seed=args.seed, json_out=args.json, console=_console(), flags=_flags(args))
 
 
 def cmd_study(args: argparse.Namespace) -> int:

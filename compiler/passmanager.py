@@ -1,4 +1,4 @@
-"""Passes, pipelines and the driver that runs them.
+"""Passes, pipelines and `run_pipeline`, which runs them (`shardc.driver` runs every command through it).
 
 A pass is a frozen dataclass with a kebab-case `name` and `apply(graph, ctx) -> Graph`; its
 options are its dataclass fields. `@register_pass` files it by name; every module of the
@@ -79,6 +79,8 @@ def _option_text(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, tuple | list):
         return "+".join(_option_text(v) for v in value)
+    if isinstance(value, str) and (not value or any(c in value for c in ',{}"= \t')):
+        return f'"{value}"'  # a path or text with separators reads back whole
     return str(value)
 
 
@@ -288,6 +290,7 @@ def print_timings(timings: Sequence[PassTiming], out: TextIO) -> None:
 def run_pipeline(
     graph: Graph, pipeline: str | Sequence[Pass], ctx: PassContext | None = None, *, verify: bool = True,
     print_after_all: bool = False, time_passes: bool = False, out: TextIO | None = None,
+    allow_uneven: bool = False,
 ) -> Graph:
     """Run the passes in order and return the final graph; `ctx.timings` gets one row per pass.
 
@@ -295,6 +298,7 @@ def run_pipeline(
     inside a pass, is raised as `PassError` naming the pass, the passes run before it and the
     node. `print_after_all` prints `// ----- IR after <pass> -----` and the IR after each
     pass; `time_passes` prints a timing table at the end. Output goes to `out` (stdout).
+    `allow_uneven` lets verification accept a dim split unevenly (padded shards).
     """
     from shardc.ir.printer import print_graph
     from shardc.ops.verifier import verify as verify_graph
@@ -317,7 +321,7 @@ def run_pipeline(
         start = time.perf_counter()
         if verify:
             try:
-                verify_graph(graph)
+                verify_graph(graph, allow_uneven=allow_uneven)
             except VerificationError as err:
                 raise _wrap(err, p, done, "left IR that fails verification") from err
         timings.append(PassTiming(p.name, seconds, time.perf_counter() - start))

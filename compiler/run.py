@@ -15,6 +15,7 @@ exception. The whole run is bounded by a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from shardc.driver import Flags, estimate
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
 from shardc.train import Hooks, TrainOptions, train
@@ -34,10 +36,9 @@ def resolve_plan(plan: str | None, nproc: int) -> ParallelPlan:
     """The plan to run: `plan` (fp32 unless it names a dtype) or data parallel over `nproc`; checks the size."""
     if nproc < 1:
         raise ShardcError(f"--nproc must be >= 1, got {nproc}")
-    text = plan if plan else f"dp={nproc}"
-    if "dtype" not in text:
-        text += ",dtype=fp32"  # CPU training runs in fp32; the prediction must assume the same
-    parsed = ParallelPlan.parse(text)
+    parsed = ParallelPlan.parse(plan if plan else f"dp={nproc}")
+    if "dtype=" not in (plan or ""):
+        parsed = dataclasses.replace(parsed, dtype="fp32")  # CPU training runs in fp32; so must the prediction
     if parsed.devices != nproc:
         raise ShardcError(f"plan {plan!r} uses dp*tp*pp*cp = {parsed.devices} devices but --nproc is {nproc}",
                           hint=f"run with --nproc {parsed.devices}, or change the plan's degrees to multiply to {nproc}")
@@ -51,28 +52,30 @@ def _on_gpus() -> bool:
     return choose_backend(1) == "nccl"
 
 
-def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int) -> tuple[Any, str]:
-    """(Estimate or None, a note on where the prediction came from or why there is none)."""
+def prediction_cluster(cluster: str | None, nproc: int) -> str:
+    """The cluster `shardc run` predicts for: `--cluster` (`local` meaning this machine with
+    `nproc` processes), else the visible GPUs, else this machine's calibrated profile (a
+    ShardcError when it was never calibrated)."""
+    if cluster is None and _on_gpus():
+        from shardc.calibration.gpu import detected_preset
+
+        return f"{nproc}x{detected_preset()}"  # the processes run on these GPUs
+    if cluster is None:
+        from shardc.calibration.local import load_profile
+
+        load_profile(calibrate_if_missing=False)  # raises when this machine was never calibrated
+        return f"local{nproc}"
+    return f"local{nproc}" if cluster == "local" else cluster
+
+
+def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int,
+            flags: Flags | None = None) -> tuple[Any, str]:
+    """(Estimate or None, a note on where the prediction came from or why there is none): the
+    driver's `estimate` pipeline, as `shardc estimate` runs it."""
     try:
-        from shardc.cost import estimate
-        from shardc.frontend import trace
-        from shardc.frontend.spec import load_model
-        from shardc.hardware import parse_cluster
-
-        if cluster is None and _on_gpus():
-            from shardc.calibration.gpu import detected_preset
-
-            cluster = f"{nproc}x{detected_preset()}"  # the processes run on these GPUs
-        elif cluster is None:
-            from shardc.calibration.local import load_profile
-
-            load_profile(calibrate_if_missing=False)  # raises when this machine was never calibrated
-            cluster = f"local{nproc}"
-        elif cluster == "local":
-            cluster = f"local{nproc}"
-        loaded = load_model(spec, device="meta")
-        graph = trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names)
-        return estimate(graph, parse_cluster(cluster), plan), f"cost model on cluster {cluster}"
+        cluster = prediction_cluster(cluster, nproc)
+        est, _ = estimate(spec, cluster, plan, flags=flags or Flags())
+        return est, f"cost model on cluster {cluster}"
     except ShardcError as err:
         return None, f"no prediction: {err.message}"
     except Exception as err:  # the prediction is a report, never a reason not to train
@@ -235,12 +238,13 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
 
 def run_model(spec: str, *, nproc: int, steps: int, plan: str | None = None, cluster: str | None = None,
               seed: int = 0, json_out: bool = False, console: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-              env: dict[str, str] | None = None) -> int:
-    """`shardc run`: see the module docstring. Returns the exit code; failures raise ShardcError."""
+              env: dict[str, str] | None = None, flags: Flags | None = None) -> int:
+    """`shardc run`: see the module docstring. Returns the exit code; failures raise ShardcError.
+    `flags` set the prediction's pipeline and what it prints."""
     if steps < 1:
         raise ShardcError(f"--steps must be >= 1, got {steps}")
     parsed = resolve_plan(plan, nproc)
-    est, note = predict(spec, parsed, cluster, nproc)
+    est, note = predict(spec, parsed, cluster, nproc, flags)
     reports = launch(spec, parsed, nproc=nproc, steps=steps, seed=seed, timeout_s=timeout_s, env=env)
     summary = summarize(spec, parsed, reports, est, note)
     if json_out:

@@ -55,7 +55,7 @@ from typing import ClassVar
 from shardc.analysis.dims import model_dims
 from shardc.analysis.propagate import derives_from_input, follow, io_layouts, iteration_space
 from shardc.analysis.roles import Roles, dim_roles, iteration_roles
-from shardc.analysis.stages import layer_stages, layering
+from shardc.analysis.stages import layer_stages
 from shardc.ir import (
     Graph,
     Layer,
@@ -74,8 +74,9 @@ from shardc.ir import (
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import IterationSpace, get_op
 from shardc.passes.group_layers import group_layers
+from shardc.passes.validate_plan import check_plan
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.plan.parallel import ParallelPlan, validate_plan
+from shardc.plan.parallel import ParallelPlan
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -240,13 +241,8 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
     """Partition `graph` by `plan` in place (rules in the module docstring) and return it."""
     if not graph.layers:  # first: block classes must not depend on layouts, and validation counts them
         group_layers(graph)
+    check_plan(graph, plan)
     dims = model_dims(graph)
-    if graph.inputs and dims.batch is None:
-        dims = type(dims)(dims.layers, dims.heads, dims.kv_heads, dims.hidden, dims.vocab, dims.seq,
-                          graph.inputs[0].type.shape[0] if graph.inputs[0].type.rank else None)
-    kwargs = dims.as_kwargs()
-    kwargs["layers"] = max(dims.layers, layering(graph).count, 1 if plan.stages == 1 else 0)
-    validate_plan(plan, devices=plan.devices, **kwargs)
     mesh = plan_mesh(plan)
     graph.mesh = mesh
     roles = dim_roles(graph)

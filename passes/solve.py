@@ -1,8 +1,12 @@
-"""`solve{gbs=8,time-limit=30,seed=0,workers=1}`: choose and write a plan into the IR.
+"""`solve{gbs=8,time-limit=30,seed=0,workers=1,memory-limit-gb=0,warm-start="",grid2d=false}`:
+choose and write a plan into the IR.
 
 Rule: runs the outer search (`shardc.search.outer.search`: grid baseline, then one CP-SAT
-model per mesh shape and micro-batch size) on `ctx.cluster`, then writes the best plan into
-the graph (`annotate_graph`: mesh, partitions, layouts, stage/recompute/ZeRO per layer). The
+model per mesh shape and micro-batch size) on `ctx.cluster` for a global batch of `gbs`
+sequences within a per-device memory limit (`memory-limit-gb`, 0: the device's memory), then
+writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts,
+stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
+plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes. The
 search result is left in `ctx.options["search"]`. Fails with a ShardcError when no plan fits.
 """
 
@@ -11,14 +15,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shardc.hardware import parse_cluster
+from shardc.hardware import Cluster, parse_cluster
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
+from shardc.search.evaluate import Assignment
 from shardc.search.outer import search
-from shardc.search.planfile import annotate_graph
-from shardc.search.problem import graph_facts
+from shardc.search.planfile import annotate_graph, assignment_from_plan, load_plan, plan_shape
+from shardc.search.problem import GraphFacts, MeshShape, build_problem, graph_facts
 from shardc.search.report import no_fit_error
+
+
+def warm_hint(path: str, facts: GraphFacts, cluster: Cluster, gbs: int) -> tuple[MeshShape, int, Assignment]:
+    """The plan file at `path` mapped onto this graph: (mesh shape, micro-batch size, assignment)."""
+    data = load_plan(path)
+    shape, mb = plan_shape(data)
+    return shape, mb, assignment_from_plan(data, build_problem(facts, cluster, shape, mb, gbs))
 
 
 @register_pass
@@ -32,14 +44,26 @@ class Solve(Pass):
     seed: int = 0
     workers: int = 1
     memory_limit_gb: float = 0.0
+    warm_start: str = ""
+    grid2d: bool = False
+
+    def __post_init__(self) -> None:
+        if self.time_limit <= 0:
+            raise ShardcError(f"--time-limit must be positive, got {self.time_limit}", hint="e.g. --time-limit 30")
+        if self.gbs < 1:
+            raise ShardcError(f"--gbs must be a positive number of sequences, got {self.gbs}")
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
         if ctx.cluster is None:
             raise ShardcError("the solve pass needs a cluster", hint="set PassContext(cluster=parse_cluster('8xH100'))")
         cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
         limit = self.memory_limit_gb * 2**30 if self.memory_limit_gb else float(cluster.device.memory_bytes)
-        result = search(graph_facts(graph, cluster), cluster, self.gbs, limit, self.time_limit, self.seed, self.workers)
+        facts = graph_facts(graph, cluster)
+        warm = warm_hint(self.warm_start, facts, cluster, self.gbs) if self.warm_start else None
+        result = search(facts, cluster, self.gbs, limit, self.time_limit, self.seed, self.workers, warm,
+                        grid2d=self.grid2d)
         ctx.options["search"] = result
+        ctx.options["memory_limit"] = limit
         if result.best is None:
             raise no_fit_error(result, limit)
         return annotate_graph(graph, result.best.problem, result.best.assignment)

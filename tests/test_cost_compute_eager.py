@@ -142,13 +142,13 @@ def test_eager_costs_scale_with_sharing_and_round_trip_through_json() -> None:
 
 
 def test_search_evaluates_plans_on_a_calibrated_cpu_as_estimate_does() -> None:
+    from shardc.driver import load
     from shardc.search.evaluate import evaluate
     from shardc.search.grid import grid_assignments
     from shardc.search.planfile import annotate_graph
     from shardc.search.problem import MeshShape, build_problem, graph_facts
-    from shardc.search.report import load_graph
 
-    graph = load_graph("examples/gpt.py:tiny?n_layer=2&n_embd=64&n_head=4&seq=32")
+    graph = load("examples/gpt.py:tiny?n_layer=2&n_embd=64&n_head=4&seq=32", batch=2)
     cluster = local_cluster(4, _profile(EAGER))
     facts = graph_facts(graph, cluster)
     for shape in (MeshShape(2, 2, 1, 1),):

@@ -80,15 +80,18 @@ def test_torch_pipeline_keeps_receive_buffers_and_last_stage_outputs() -> None:
 
 
 def test_estimate_traces_a_factory_at_the_plans_batch(tmp_path) -> None:
-    from shardc.cost.report import prepare_graph
-    from shardc.ir.diagnostics import ShardcError
+    from shardc.driver import estimate as estimate_spec
+    from shardc.driver import partition
 
     cluster = parse_cluster("8xH100")
     plan = ParallelPlan.parse("dp=8,mb=1")
-    graph = prepare_graph("examples/gpt.py:tiny", cluster, plan)
+    graph, _ = partition("examples/gpt.py:tiny", cluster, plan)
     assert graph.inputs[0].type.shape[0] == 8
-    with pytest.raises(ShardcError, match="divisible"):
-        prepare_graph("examples/gpt.py:tiny?batch=1", cluster, plan)
+    # A batch pinned in the spec does not limit the plan either: the driver traces at dp*mb.
+    pinned, _ = partition("examples/gpt.py:tiny?batch=1", cluster, plan)
+    assert pinned.inputs[0].type.shape[0] == 8
+    assert estimate_spec("examples/gpt.py:tiny?batch=1", cluster, plan)[0].to_json() == \
+        estimate_spec("examples/gpt.py:tiny?batch=8", cluster, plan)[0].to_json()
 
 
 def _profile() -> LocalProfile:

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 from traced import gpt_graph
 
+from shardc.cli import main
 from shardc.cost import estimate
-from shardc.cost.report import plot, run_estimate
+from shardc.cost.report import plot
+from shardc.driver import estimate as estimate_spec
+from shardc.driver import partition
 from shardc.hardware import parse_cluster
 from shardc.ir import LayerAnnotation
 from shardc.ir.diagnostics import ShardcError
@@ -70,26 +73,24 @@ def test_zero_shards_model_states_and_recompute_trades_memory_for_time() -> None
 
 def test_unknown_preset_lists_known_ones() -> None:
     with pytest.raises(ShardcError, match="A100-80GB"):
-        run_estimate("examples/gpt.py:tiny", "8xB300", "dp=8")
+        estimate_spec("examples/gpt.py:tiny", "8xB300", "dp=8")
 
 
 def test_invalid_plan_names_the_constraint() -> None:
     with pytest.raises(ShardcError, match="tp=3 does not divide"):
-        run_estimate("examples/gpt.py:tiny", "6xA100-80GB", "dp=2,tp=3,gbs=4")
+        estimate_spec("examples/gpt.py:tiny", "6xA100-80GB", "dp=2,tp=3,gbs=4")
 
 
 def test_traced_gpt_matches_korthikanti_with_sequence_parallelism(tmp_path: Path) -> None:
-    from shardc.cost.report import prepare_graph
-
     s, b, h, a, t = 128, 2, 256, 8, 2
     cluster = parse_cluster("4xA100-80GB")
     plan = ParallelPlan.parse(f"dp=2,tp={t},sp=1,mb={b},gbs={2 * b}")
-    graph = prepare_graph(f"examples/gpt.py:gpt?n_layer=2&n_embd={h}&n_head={a}&seq={s}&batch={2 * b}"
-                          "&dropout=0.1&vocab_size=512", cluster, plan)
+    graph, _ = partition(f"examples/gpt.py:gpt?n_layer=2&n_embd={h}&n_head={a}&seq={s}&batch={2 * b}"
+                         "&dropout=0.1&vocab_size=512", cluster, plan)
     e = estimate(graph, cluster, plan)
     block = next(r for r in e.layer_table if r["layer"].startswith("blocks"))
     assert block["saved_bytes"] == pytest.approx(s * b * h / t * (34 + 5 * a * s / h), rel=0.02)
     out = tmp_path / "e.png"
-    assert run_estimate("examples/gpt.py:tiny", "4xA100-80GB", "dp=2,tp=2,gbs=4", json_out=False,
-                        plot=str(out)) == 0
+    assert main(["estimate", "examples/gpt.py:tiny", "--cluster", "4xA100-80GB", "--plan", "dp=2,tp=2,gbs=4",
+                 "--plot", str(out)]) == 0
     assert out.exists()

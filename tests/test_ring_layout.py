@@ -125,7 +125,7 @@ def test_estimate_balanced_against_contiguous_causal_ring(monkeypatch: pytest.Mo
     (2n+1)/4 = 9/16 of the n shards, and that is the whole difference in compute time."""
     import shardc.cost.layer as layer
     from shardc.cost.model import estimate
-    from shardc.cost.report import prepare_graph
+    from shardc.driver import partition
     from shardc.hardware import parse_cluster
 
     cluster = parse_cluster("4xH100")
@@ -142,7 +142,7 @@ def test_estimate_balanced_against_contiguous_causal_ring(monkeypatch: pytest.Mo
 
     def compute(plan: str, causal: bool = True) -> float:
         parsed = ParallelPlan.parse(plan)
-        graph = prepare_graph(spec, cluster, parsed)
+        graph, _ = partition(spec, cluster, parsed)
         for node in graph.nodes:
             if node.op == "scaled_dot_product_attention":
                 node.attrs["is_causal"] = causal

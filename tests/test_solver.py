@@ -11,7 +11,9 @@ import pytest
 from test_candidates import mlp_graph
 from traced import PRESETS, transformer_graph
 
+from shardc.cli import main
 from shardc.cost import estimate
+from shardc.driver import solve as solve_spec
 from shardc.hardware import parse_cluster
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.parser import parse
@@ -21,7 +23,6 @@ from shardc.search.linear import objective
 from shardc.search.outer import mesh_shapes, search
 from shardc.search.planfile import annotate_graph, assignment_from_plan, load_plan, plan_dict
 from shardc.search.problem import MeshShape, build_problem, graph_facts
-from shardc.search.report import run_plan
 
 
 def _splits(layers: int, stages: int):
@@ -123,12 +124,12 @@ def test_memory_tight_case_beats_the_grid():
 
 def test_no_plan_fits_names_the_smallest_memory_and_category():
     with pytest.raises(ShardcError, match=r"smallest per-device memory any plan reached is .* category that overflows"):
-        run_plan(PRESETS["tiny"].spec, "8xH100", 16, memory_limit_gb=1e-6, time_limit=2)
+        solve_spec(PRESETS["tiny"].spec, "8xH100", 16, memory_limit_gb=1e-6, time_limit=2)
 
 
 def test_bad_time_limit_and_mesh():
     with pytest.raises(ShardcError, match="time-limit must be positive"):
-        run_plan(PRESETS["tiny"].spec, "8xH100", 16, time_limit=0)
+        solve_spec(PRESETS["tiny"].spec, "8xH100", 16, time_limit=0)
     with pytest.raises(ShardcError, match="cannot factor"):
         mesh_shapes(0, 8, 2, 16, 32)
     with pytest.raises(ShardcError, match="no mesh shape"):
@@ -137,17 +138,18 @@ def test_bad_time_limit_and_mesh():
 
 def test_plan_file_round_trip_and_warm_start(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert run_plan(PRESETS["tiny"].spec, "8xH100", 16, time_limit=2, out=str(out), json_out=True) == 0
+    plan = ["plan", PRESETS["tiny"].spec, "--cluster", "8xH100", "--gbs", "16", "--time-limit", "2", "--json"]
+    assert main([*plan, "-o", str(out)]) == 0
     first = capsys.readouterr().out
     data = load_plan(out)
     ir = (tmp_path / "plan.json.ir").read_text()
     assert ir.count("partition<") > 10
-    verify(parse(ir))  # traced again at mb x dp sequences when dp does not divide the traced batch
-    g = transformer_graph(PRESETS["tiny"])
+    verify(parse(ir))  # traced at the global batch, so that every dp divides it
+    g = transformer_graph(dataclasses.replace(PRESETS["tiny"], batch=16))  # traced at the global batch, as plan
     c = parse_cluster("8xH100")
     shape = MeshShape(**data["mesh"])
     problem = build_problem(graph_facts(g, c), c, shape, data["mb"], 16)
     a = assignment_from_plan(data, problem)
     assert estimate(annotate_graph(g, problem, a), c).step_time_s == pytest.approx(data["step_time_s"])
-    assert run_plan(PRESETS["tiny"].spec, "8xH100", 16, time_limit=2, json_out=True, warm_start=str(out)) == 0
+    assert main([*plan, "--warm-start", str(out)]) == 0
     assert '"step_time_s"' in first and '"optimality_gap"' in first and '"grid_best_step_time_s"' in first

@@ -11,13 +11,13 @@ import pytest
 from traced import PRESETS, transformer_graph
 
 from shardc.cost import estimate, plan_of
+from shardc.driver import load
 from shardc.hardware import parse_cluster
 from shardc.search.evaluate import Assignment, evaluate
 from shardc.search.grid import grid_assignments
 from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import MeshShape, PricingCache, build_problem, graph_facts, pricing_shape
-from shardc.search.report import load_graph
 
 
 def _agree(graph, problem, a, cluster, linear_tol: float | None = 0.03) -> None:
@@ -51,7 +51,7 @@ def test_grid_plans_of_a_synthetic_llama_7b_evaluate_as_estimated():
     "examples/llama.py:tiny?n_layer=4&dim=256&n_head=8&n_kv_head=4&ffn_hidden=512&seq=128",
 ], ids=["gpt", "llama"])
 def test_grid_plans_of_traced_models_evaluate_as_estimated(spec):
-    graph = load_graph(spec)
+    graph = load(spec, batch=2)
     cluster = parse_cluster("8xA100-80GB")
     facts = graph_facts(graph, cluster)
     for shape in (MeshShape(1, 2, 1, 4), MeshShape(2, 2, 1, 2), MeshShape(4, 2, 1, 1), MeshShape(1, 8, 1, 1)):

@@ -35,6 +35,28 @@ from shardc.ir.diagnostics import ShardcError
 InitFn = Callable[[str, torch.Tensor], Any]
 
 
+class ConstantsView(nn.Module):
+    """The model plus the frontend's folded constants as extra buffers (only for looking tensors
+    up by name: `local_tensors` and `check_model` read parameters and buffers through it)."""
+
+    def __init__(self, model: nn.Module, constants: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.inner = model
+        self.constants = constants
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self.inner.named_parameters(remove_duplicate=False)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        yield from self.inner.named_buffers(remove_duplicate=False)
+        yield from self.constants.items()
+
+
+def with_constants(model: nn.Module, constants: dict[str, torch.Tensor]) -> nn.Module:
+    """`model` seen with `constants` (a compiled plan's `const.N` buffers) beside its own tensors."""
+    return ConstantsView(model, constants) if constants else model
+
+
 def device_mesh(mesh: Mesh, device_type: str | None = None) -> Any:
     """A torch `DeviceMesh` with the IR mesh's axes (needs an initialised default process group)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -159,7 +181,7 @@ def describe_state(module: nn.Module, graph: Graph, dm: Any, model: nn.Module) -
     own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     own |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
     facts: dict[str, Any] = {"shardc_graph": graph, "shardc_mesh": dm}
-    folded = getattr(model, "constants", None)  # api._ConstantsView: the frontend's folded constants
+    folded = getattr(model, "constants", None)  # ConstantsView: the frontend's folded constants
     folded = set(folded) if isinstance(folded, dict) else set()
     inner = getattr(model, "inner", model) if folded else model
     persistent = set(inner.state_dict().keys())  # non-persistent buffers are rebuilt, not saved

@@ -42,6 +42,7 @@ from shardc.backends.torch.parallelize import (
     device_mesh,
     local_tensors,
     mesh_groups,
+    with_constants,
 )
 from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
@@ -222,14 +223,12 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
                          device: torch.device | str | None = None,
                          loss_fn: Callable[..., torch.Tensor] | None = None) -> PipelinedModule:
     """This rank's `PipelinedModule` for a pipelined compiled plan (see the module docstring)."""
-    from shardc.api import _with_constants
-
     graph: Graph = compiled.runtime_graph
     if graph.mesh is None:
         raise ShardcError(f"graph @{graph.name} has no mesh; compile the plan first")
     dm = device_mesh(graph.mesh)
     rank = dist.get_rank()
-    model = _with_constants(model, {**compiled.constants, **compiled.micro_constants})
+    model = with_constants(model, {**compiled.constants, **compiled.micro_constants})
     check_model(graph, model)
     if device is None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if dm.device_type == "cuda" else "cpu"

@@ -1,8 +1,8 @@
 """`estimate(graph, cluster, plan)`: step time, throughput, MFU and memory of every pipeline stage.
 
 Rules:
-- The graph is costed as partitioned (`apply_plan` runs first when it has no mesh): any
-  partitioned IR, whether apply-plan wrote it from a plan string or the solver chose it node
+- The graph is costed as partitioned (the driver partitions it first; a graph without a mesh
+  is one device): any partitioned IR, whether apply-plan wrote it from a plan string or the solver chose it node
   by node. Its batch is rescaled to the plan's micro-batch: every batch-dependent tensor and
   FLOP is multiplied by `mb / local batch`. Layers come from `graph.layers` (stage, recompute
   and ZeRO per layer); copies of one block with equal partitions are costed once
@@ -36,8 +36,6 @@ from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan
 
 __all__ = ["EstimateOptions", "estimate", "plan_of"]
-
-
 
 
 def _layers(graph: Graph, plan: ParallelPlan) -> list[LayerWork]:
@@ -135,12 +133,9 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     options = options or EstimateOptions()
     plan = plan if plan is not None else plan_of(graph)
     if graph.mesh is None and plan.devices > 1:
-        try:
-            from shardc.passes.apply_plan import apply_plan
-        except ImportError as err:
-            raise ShardcError(f"graph @{graph.name} is not partitioned and the apply-plan pass is not "
-                              "available; partition it first") from err
-        graph = apply_plan(graph, plan)
+        raise ShardcError(f"graph @{graph.name} is not partitioned but plan {plan} spans {plan.devices} devices",
+                          hint="partition it first: the pipeline group-layers,validate-plan,apply-plan,estimate "
+                               "(shardc.driver) does")
     scale, graph_batch = _batch_scale(graph, plan)
     gbs = plan.global_batch(graph_batch)
     m = plan.micro_batches(gbs)

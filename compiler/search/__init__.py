@@ -6,6 +6,6 @@ its linearisation (`linear`, `cpsat`), and the plans compared and reported are s
 `shardc.cost.estimate` on the graph annotated with them (`outer`, `planfile.annotate_graph`).
 
 Public entry points: `search` (outer search), `solve` (one mesh shape), `enumerate_group`
-(candidates), `best_grid`/`grid_assignments` (the baseline), `run_plan` (`shardc plan`),
+(candidates), `best_grid`/`grid_assignments` (the baseline), `plan_summary`/`print_plan` (`shardc plan`),
 `save_plan`/`load_plan`/`annotate_graph` (plan files and partitioned IR).
 """

@@ -1,8 +1,9 @@
 """The study's side of the analytical model: the cluster, and one plan's predicted figures.
 
-Predictions are the cost model's own (`shardc.cost.estimate` on the graph `prepare_graph`
-builds, the plan's stage split written into the layer annotations when the study plan gives
-one, DDP's bucket size passed as `EstimateOptions.bucket_bytes`); nothing is fitted per plan.
+Predictions are the cost model's own, through the driver as `shardc estimate` makes them: the
+`partition` pipeline (group-layers, validate-plan, apply-plan), the study plan's stage split
+written into the layer annotations when it gives one, then the `estimate` pass (DDP's bucket
+size as its `bucket-mb` option); nothing is fitted per plan.
 
 The cluster: `local_cluster(n)`, the calibrated `local` profile for n processes on this
 machine (`shardc calibrate`), or on GPUs `NxPRESET` for the detected device.
@@ -63,14 +64,13 @@ def stage_split(graph: Any, split: tuple[int, ...] | None, stages: int) -> dict[
 
 def predict(model_spec: str, sp: StudyPlan, cluster: Any) -> tuple[Any, dict[str, Any]]:
     """(the Estimate, a JSON-ready dict of the predicted figures per rank) for one study plan."""
-    from shardc.cost.model import EstimateOptions, estimate
-    from shardc.cost.report import prepare_graph
+    from shardc import driver
 
     plan = sp.plan
-    graph = prepare_graph(model_spec, cluster, plan, device="meta")
+    graph, ctx = driver.partition(model_spec, cluster, plan)
     stage_of = stage_split(graph, sp.split, plan.stages)
-    options = EstimateOptions() if sp.bucket_mb is None else EstimateOptions(bucket_bytes=sp.bucket_mb * 2**20)
-    est = estimate(graph, cluster, plan, options=options)
+    driver.run(graph, "estimate" if sp.bucket_mb is None else f"estimate{{bucket-mb={sp.bucket_mb}}}", ctx)
+    est = ctx.options["estimate"]
     mesh = graph.mesh
     ranks = []
     for r in range(plan.devices):

@@ -206,9 +206,9 @@ def _ddp_module(compiled: Any, model: torch.nn.Module, bucket_mb: float, device:
     dm = device_mesh(graph.mesh)
     rank = dist.get_rank()
     check_model(graph, model)
-    from shardc.api import _with_constants
+    from shardc.backends.torch.parallelize import with_constants
 
-    tensors = local_tensors(graph, _with_constants(model, compiled.constants), rank, device=device)
+    tensors = local_tensors(graph, with_constants(model, compiled.constants), rank, device=device)
     module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
     return DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
                                    process_group=dm[axes[0]].get_group(), bucket_cap_mb=bucket_mb)

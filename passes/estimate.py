@@ -1,0 +1,45 @@
+"""`estimate{bucket-mb=25,algorithm=auto}`: predict step time and memory of the partitioned graph.
+
+Rule: `shardc.cost.model.estimate` on the graph as it stands (partitioned by apply-plan or the
+solver; a graph without a mesh is one device) on the context's cluster, under the context's
+`ParallelPlan`, or, without one, the plan the graph records (`graph.attrs["plan"]`). The
+`Estimate` goes to `ctx.options["estimate"]`; the graph is not changed. Options are the
+model's knobs that are not part of the plan: DDP's bucket size (MiB; 0 keeps DDP's default)
+and the collective algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shardc.cost.compose import EstimateOptions
+from shardc.cost.model import estimate
+from shardc.hardware import parse_cluster
+from shardc.ir import Graph
+from shardc.ir.diagnostics import ShardcError
+from shardc.passmanager import Pass, PassContext, register_pass
+from shardc.plan.parallel import ParallelPlan
+
+
+@register_pass
+@dataclass(frozen=True)
+class Estimate(Pass):
+    """`estimate`: see the module docstring."""
+
+    name: ClassVar[str] = "estimate"
+    bucket_mb: float = 0.0
+    algorithm: str = "auto"
+
+    def apply(self, graph: Graph, ctx: PassContext) -> Graph:
+        if ctx.cluster is None:
+            raise ShardcError("the estimate pass needs a cluster", hint="give the command a --cluster")
+        cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
+        plan = ParallelPlan.parse(ctx.plan) if isinstance(ctx.plan, str) else ctx.plan
+        if plan is not None and not isinstance(plan, ParallelPlan):
+            plan = None  # a solver's plan: the graph records what it chose
+        options = EstimateOptions(algorithm=self.algorithm)
+        if self.bucket_mb:
+            options = EstimateOptions(bucket_bytes=self.bucket_mb * 2**20, algorithm=self.algorithm)
+        ctx.options["estimate"] = estimate(graph, cluster, plan, options=options)
+        return graph

@@ -1,0 +1,56 @@
+"""`validate-plan`: check the context's `ParallelPlan` against the model and the cluster.
+
+Rule: the plan's degrees multiply to the cluster's device count (the plan's own count when the
+context has no cluster); tp divides heads, kv heads and hidden; pp*vpp is at most the number
+of layers (the larger of the attention layers and the blocks group-layers found); the global
+batch (gbs, else the traced batch) divides by dp*mb; cp, and tp*cp with sp, divide the
+sequence (`shardc.plan.parallel.validate_plan` states each with the nearest valid values).
+Every broken constraint is reported at once, in one ShardcError. The graph is not changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from shardc.analysis.dims import model_dims
+from shardc.analysis.stages import layering
+from shardc.ir import Graph
+from shardc.ir.diagnostics import ShardcError
+from shardc.passmanager import Pass, PassContext, register_pass
+from shardc.plan.parallel import ParallelPlan, validate_plan
+
+
+def check_plan(graph: Graph, plan: ParallelPlan, devices: int | None = None) -> None:
+    """Raise a ShardcError naming every constraint `plan` breaks on `graph` and `devices`
+    (default: the plan's own device count); see the module docstring."""
+    dims = model_dims(graph)
+    kwargs = dims.as_kwargs()
+    if graph.inputs and dims.batch is None and graph.inputs[0].type.rank:
+        kwargs["batch"] = graph.inputs[0].type.shape[0]
+    kwargs["layers"] = max(dims.layers, layering(graph).count, 1 if plan.stages == 1 else 0)
+    validate_plan(plan, devices=plan.devices if devices is None else devices, **kwargs)
+
+
+def context_plan(ctx: PassContext, who: str) -> ParallelPlan:
+    """The context's plan as a ParallelPlan (its text is parsed); a ShardcError naming `who` when none."""
+    plan: Any = ctx.plan
+    if isinstance(plan, str):
+        return ParallelPlan.parse(plan)
+    if not isinstance(plan, ParallelPlan):
+        raise ShardcError(f"the {who} pass needs a ParallelPlan in the pass context, got {type(plan).__name__}",
+                          hint="give the command a --plan (or PassContext(plan=ParallelPlan.parse('dp=2')))")
+    return plan
+
+
+@register_pass
+@dataclass(frozen=True)
+class ValidatePlan(Pass):
+    """`validate-plan`: see the module docstring."""
+
+    name: ClassVar[str] = "validate-plan"
+
+    def apply(self, graph: Graph, ctx: PassContext) -> Graph:
+        devices = getattr(ctx.cluster, "num_devices", None)
+        check_plan(graph, context_plan(ctx, self.name), devices)
+        return graph
