@@ -34,18 +34,18 @@ class CostContext:
     dtype: str
     batch_scale: float
     algorithm: str = "auto"
-    batched: set[int] = field(default_factory=set)
-    needs_grad: set[int] = field(default_factory=set)
-    users: dict[int, list[Node]] = field(default_factory=dict)
-    layer_of: dict[int, str] = field(default_factory=dict)
-    # Overlays (id -> partition / layout) that take precedence over the IR's own annotations:
-    # the solver prices a candidate by costing its nodes as if they were so partitioned.
-    partitions: dict[int, Partition | None] = field(default_factory=dict)
-    layouts: dict[int, Layout] = field(default_factory=dict)
-    # Storage owners, and the view nodes that copy when they run (ids in `copies`).
+    batched: set[Value] = field(default_factory=set)
+    needs_grad: set[Value] = field(default_factory=set)
+    users: dict[Value, list[Node]] = field(default_factory=dict)  # the nodes reading a value, in graph order
+    layer_of: dict[Value, str] = field(default_factory=dict)
+    # Overlays (node -> partition, value -> layout) that take precedence over the IR's own
+    # annotations: the solver prices a candidate by costing its nodes as if they were so partitioned.
+    partitions: dict[Node, Partition | None] = field(default_factory=dict)
+    layouts: dict[Value, Layout] = field(default_factory=dict)
+    # Storage owners, and the view nodes that copy when they run.
     storage: Aliasing = field(default_factory=lambda: Aliasing({}, frozenset()))
-    copies: set[int] = field(default_factory=set)
-    _local: dict[int, LocalNode] = field(default_factory=dict)
+    copies: frozenset[Node] = frozenset()
+    _local: dict[Node, LocalNode] = field(default_factory=dict)
     _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
 
     @property
@@ -58,24 +58,25 @@ class CostContext:
         """Dataflow facts: batched values descend from graph inputs; gradients flow from
         trainable parameters through float values."""
         ctx = cls(graph, cluster, graph.mesh, dtype, batch_scale, algorithm)
-        ctx.batched = {id(v) for v in graph.inputs}
+        ctx.batched = set(graph.inputs)
         any_marked = any(p.requires_grad for p in graph.params)
-        ctx.needs_grad = {id(p) for p in graph.params if p.type.is_float and (p.requires_grad or not any_marked)}
+        ctx.needs_grad = {p for p in graph.params if p.type.is_float and (p.requires_grad or not any_marked)}
         for node in graph.nodes:
-            ins = [id(v) for v in node.inputs]
-            batched = any(i in ctx.batched for i in ins)
-            grad = any(i in ctx.needs_grad for i in ins)
+            batched = any(v in ctx.batched for v in node.inputs)
+            grad = any(v in ctx.needs_grad for v in node.inputs)
             for out in node.outputs:
                 if batched:
-                    ctx.batched.add(id(out))
+                    ctx.batched.add(out)
                 if grad and out.type.is_float:
-                    ctx.needs_grad.add(id(out))
-            if node.layer is not None:
-                for out in node.outputs:
-                    ctx.layer_of[id(out)] = node.layer
-        ctx.users = graph.users()
+                    ctx.needs_grad.add(out)
+                if node.layer is not None:
+                    ctx.layer_of[out] = node.layer
+            for v in node.inputs:
+                readers = ctx.users.setdefault(v, [])
+                if not readers or readers[-1] is not node:
+                    readers.append(node)
         ctx.storage = aliasing(graph)
-        ctx.copies = {id(n) for n in ctx.storage.copies}
+        ctx.copies = ctx.storage.copies
         return ctx
 
     def rescoped(self, mesh: Mesh | None, batch_scale: float) -> CostContext:
@@ -83,21 +84,21 @@ class CostContext:
         return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.batched,
                            self.needs_grad, self.users, self.layer_of, storage=self.storage, copies=self.copies)
 
-    def with_overlay(self, partitions: dict[int, Partition | None], layouts: dict[int, Layout]) -> CostContext:
-        """This context with nodes partitioned and values laid out as given (ids as keys)."""
+    def with_overlay(self, partitions: dict[Node, Partition | None], layouts: dict[Value, Layout]) -> CostContext:
+        """This context with nodes partitioned and values laid out as given."""
         return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
                            self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
                            self.storage, self.copies, _levels=self._levels)
 
     def partition(self, node: Node) -> Partition | None:
-        return self.partitions[id(node)] if id(node) in self.partitions else node.partition
+        return self.partitions[node] if node in self.partitions else node.partition
 
     def local(self, node: Node) -> LocalNode:
         """The node's layouts and local types (cached)."""
-        found = self._local.get(id(node))
+        found = self._local.get(node)
         if found is None:
             found = localize(node, self.mesh, self.dtype, self.partition(node))
-            self._local[id(node)] = found
+            self._local[node] = found
         return found
 
     def levels(self, axes: tuple[str, ...]) -> LinkLevels:
@@ -111,10 +112,10 @@ class CostContext:
         return found
 
     def scale_of(self, value: Value) -> float:
-        return self.batch_scale if id(value) in self.batched else 1.0
+        return self.batch_scale if value in self.batched else 1.0
 
     def layout(self, value: Value) -> Layout:
-        found = self.layouts.get(id(value))
+        found = self.layouts.get(value)
         return found if found is not None else value.layout or Layout()
 
     def root(self, value: Value) -> Value:
@@ -138,4 +139,4 @@ class CostContext:
     def is_matmul_of_activations(self, node: Node) -> bool:
         """A contraction of two batched operands: the QK^T and PV products of attention."""
         return (get_op(node.op).kind == "contraction" and len(node.inputs) >= 2
-                and id(node.inputs[0]) in self.batched and id(node.inputs[1]) in self.batched)
+                and node.inputs[0] in self.batched and node.inputs[1] in self.batched)

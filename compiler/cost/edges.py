@@ -53,14 +53,14 @@ def needed_gradient(layout: Layout, passthrough: Collection[str] = ()) -> Layout
 
 
 def _output_gradient(ctx: CostContext, v: Value) -> Layout | None:
-    contributions = [gradient_contribution(ctx, u, i) for u in ctx.users.get(id(v), [])
+    contributions = [gradient_contribution(ctx, u, i) for u in ctx.users.get(v, [])
                      for i, w in enumerate(u.inputs) if w is v]
     return combine_gradients(contributions, ctx.mesh) if contributions and ctx.mesh is not None else None
 
 
-def feeds_only_parameters(node: Node, needs_grad: Collection[int]) -> bool:
+def feeds_only_parameters(node: Node, needs_grad: Collection[Value]) -> bool:
     """A single-output node whose only inputs needing a gradient are parameters."""
-    return len(node.outputs) == 1 and not any(id(v) in needs_grad and v.kind != "parameter" for v in node.inputs)
+    return len(node.outputs) == 1 and not any(v in needs_grad and v.kind != "parameter" for v in node.inputs)
 
 
 def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:

@@ -112,10 +112,11 @@ class LayerTerms:
     inputs: float = 0.0
     transient: float = 0.0
     collectives: list[tuple[str, CommStep]] = field(default_factory=list)
-    saved_entries: dict[object, tuple[float, bool]] = field(default_factory=dict)  # storage -> (bytes, in core)
-    input_entries: dict[int, float] = field(default_factory=dict)  # input storage -> bytes
+    # Keys: a storage (its root value), or (node, k) for an op's k-th saved entry of raw bytes.
+    saved_entries: dict[Value | tuple[Node, int], tuple[float, bool]] = field(default_factory=dict)  # -> (bytes, in core)
+    input_entries: dict[Value, float] = field(default_factory=dict)  # input storage -> bytes
     # Fragments only: saved storages made elsewhere, counted at the view read (see `layer_terms`).
-    roots: dict[int, Value] = field(default_factory=dict)
+    roots: set[Value] = field(default_factory=set)
 
 
 def finish_layer(t: LayerTerms, recompute: str = "none") -> LayerCost:
@@ -166,16 +167,16 @@ def _add(acc: dict[str, float], key: str, value: float) -> None:
         acc[key] = acc.get(key, 0.0) + value
 
 
-def attention_core(ctx: CostContext, nodes: Sequence[Node]) -> set[int]:
-    """ids of the nodes from each QK^T product through the next PV product (inclusive)."""
-    core: set[int] = set()
+def attention_core(ctx: CostContext, nodes: Sequence[Node]) -> set[Node]:
+    """The nodes from each QK^T product through the next PV product (inclusive)."""
+    core: set[Node] = set()
     inside = False
     for node in nodes:
         if ctx.is_matmul_of_activations(node):
-            core.add(id(node))
+            core.add(node)
             inside = not inside
         elif inside:
-            core.add(id(node))
+            core.add(node)
     return core if not inside else set()
 
 
@@ -185,7 +186,7 @@ def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none"
 
 
 def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = False,
-                core: Collection[int] | None = None) -> LayerTerms:
+                core: Collection[Node] | None = None) -> LayerTerms:
     """The `LayerTerms` of `nodes`, node by node over their partitioned IR (module rules).
 
     `internal_only` prices a fragment (the solver's node group): activations produced outside
@@ -193,36 +194,36 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
     gradients of values also read outside are left to the edges (`gradient_steps`); `core`
     then gives the attention cores of the whole layer (`attention_core`)."""
     device, dtype = ctx.device, ctx.dtype
-    inside = {id(n) for n in nodes}
-    produced = {id(v) for n in nodes for v in n.outputs}
+    inside = set(nodes)
+    produced = {v for n in nodes for v in n.outputs}
     core = attention_core(ctx, nodes) if core is None else core
     t = LayerTerms()
     for node in nodes:
         local = ctx.local(node)
         op = local.op
         part = ctx.partition(node)
-        grads = [id(v) in ctx.needs_grad for v in node.inputs]
+        grads = [v in ctx.needs_grad for v in node.inputs]
         cost = node_compute_time(op, step_types(local.space, part, local.in_layouts, local.in_types),
                                  local.out_types, node.attrs, device, dtype,
                                  needs_grad=grads, scale=ctx.batch_scale,
-                                 scaled_in=[id(v) in ctx.batched for v in node.inputs],
-                                 scaled_out=[id(v) in ctx.batched for v in node.outputs],
-                                 copies=id(node) in ctx.copies)
+                                 scaled_in=[v in ctx.batched for v in node.inputs],
+                                 scaled_out=[v in ctx.batched for v in node.outputs],
+                                 copies=node in ctx.copies)
         cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)  # the slowest rank's
         if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
             cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
-        in_core = id(node) in core
+        in_core = node in core
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
         _add(t.bwd, "compute_bwd", cost.bwd_s)
         t.fwd_flops += cost.fwd_flops
         t.bwd_flops += cost.bwd_flops
         if op.kind in ("contraction", "attention"):
             g = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
-            g *= ctx.batch_scale if any(id(v) in ctx.batched for v in node.inputs) else 1.0
+            g *= ctx.batch_scale if any(v in ctx.batched for v in node.inputs) else 1.0
             t.matmul_flops += g
             t.core_matmul_flops += g if in_core else 0.0
         t.core_flops += cost.fwd_flops if in_core else 0.0
-        batched_out = any(id(o) in ctx.batched for o in node.outputs)
+        batched_out = any(o in ctx.batched for o in node.outputs)
         chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
         t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
                                                      ctx.batch_scale if batched_out else 1.0))
@@ -232,12 +233,11 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
         for i, v in enumerate(node.inputs):
             if ctx.mesh is None:
                 break
-            if id(v) not in produced and v.kind == "activation" and id(v) in ctx.batched and (
+            if v not in produced and v.kind == "activation" and v in ctx.batched and (
                     not internal_only or v.producer is None or v.producer.layer != node.layer):
-                t.input_entries[id(ctx.root(v))] = ctx.local_bytes(ctx.root(v))
+                t.input_entries[ctx.root(v)] = ctx.local_bytes(ctx.root(v))
                 if internal_only:
-                    t.roots[id(ctx.root(v))] = ctx.root(v)
-                if internal_only:
+                    t.roots.add(ctx.root(v))
                     continue
             for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
                 _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
@@ -266,10 +266,10 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                 _add(t.core_fwd, key, val)
         # Backward: gradients of this node's outputs, from all their consumers.
         for v in node.outputs:
-            if id(v) not in ctx.needs_grad or ctx.mesh is None:
+            if v not in ctx.needs_grad or ctx.mesh is None:
                 continue
-            users = ctx.users.get(id(v), [])
-            if internal_only and any(id(u) not in inside for u in users):
+            users = ctx.users.get(v, [])
+            if internal_only and any(u not in inside for u in users):
                 continue
             contributions = [gradient_contribution(ctx, u, i) for u in users for i, w in enumerate(u.inputs) if w is v]
             split = {a for a, _ in part.spatial} if part else set()
@@ -282,7 +282,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
         # Saved for backward, each storage once.
         for k, (kind, idx, nbytes) in enumerate(saves):
             if kind == "bytes":
-                t.saved_entries[(id(node), k)] = (nbytes * (ctx.batch_scale if batched_out else 1.0), in_core)
+                t.saved_entries[(node, k)] = (nbytes * (ctx.batch_scale if batched_out else 1.0), in_core)
                 continue
             v = node.inputs[idx] if kind == "in" else node.outputs[idx]
             root = ctx.root(v)
@@ -290,12 +290,12 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
                 continue
             # Dropped under selective recomputation: what the core saves of its own tensors
             # (the core's output, saved by the projection after it, is kept).
-            root_in_core = in_core and root.producer is not None and id(root.producer) in core
+            root_in_core = in_core and root.producer is not None and root.producer in core
             # A fragment does not know how a storage made elsewhere is laid out: the view it reads.
-            known = not internal_only or id(root) in produced or id(root) in ctx.layouts
-            if internal_only and id(root) not in produced:
-                t.roots[id(root)] = root
-            t.saved_entries[id(root)] = (ctx.local_bytes(root if known else v), root_in_core)
+            known = not internal_only or root in produced or root in ctx.layouts
+            if internal_only and root not in produced:
+                t.roots.add(root)
+            t.saved_entries[root] = (ctx.local_bytes(root if known else v), root_in_core)
     t.saved = sum(b for b, _ in t.saved_entries.values())
     t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
     t.inputs = sum(t.input_entries.values())
@@ -356,7 +356,7 @@ def layer_params(ctx: CostContext, nodes: Sequence[Node]) -> dict[str, tuple[Val
                 contribution = gradient_contribution(ctx, node, i)
                 axes = {a for a, p in contribution.placements if isinstance(p, Partial)}
                 axes |= passthrough_axes(ctx, node)
-            layout = ctx.layouts.get(id(v), v.layout)
+            layout = ctx.layouts.get(v, v.layout)
             layout = layout if layout is not None else ctx.local(node).in_layouts[i]
             numel = ctx.local_bytes(v, layout) / ctx.elem_bytes(v)
             prev = out.get(v.name)

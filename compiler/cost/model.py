@@ -30,7 +30,7 @@ from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_params,
 from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.hardware import Cluster
-from shardc.ir import Axis, Graph, LayerAnnotation, Shard
+from shardc.ir import Axis, Graph, LayerAnnotation, Shard, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan
@@ -185,13 +185,13 @@ def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int,
     if ctx.mesh is None or Axis.PP not in ctx.mesh.names:
         return out, nbytes
     link = neighbour_link(ctx.mesh, Axis.PP, cluster)
-    sent: set[int] = set()
+    sent: set[Value] = set()
     for layer in layers:
         for node in layer.nodes:
             for v in node.inputs:
-                src = stage_of.get(ctx.layer_of.get(id(v), ""), layer.stage)
-                if src < layer.stage and id(v) not in sent and id(v) in ctx.batched:
-                    sent.add(id(v))
+                src = stage_of.get(ctx.layer_of.get(v, ""), layer.stage)
+                if src < layer.stage and v not in sent and v in ctx.batched:
+                    sent.add(v)
                     out[src] += collective_time("send_recv", ctx.local_bytes(v), ((link, 2),))
                     nbytes[src] += ctx.local_bytes(v)
     return out, nbytes

@@ -136,7 +136,6 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
     out: list[DeviceSync] = []
     levels = ctx.levels(zero_axes)
     device = ctx.device
-    position = {id(l): i for i, l in enumerate(layers)}
     by_device: list[list] = [[] for _ in range(p)]
     for layer in layers:
         by_device[layer.stage % p].append(layer)
@@ -150,7 +149,8 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         window = pipe.last_backward[d]
         total_b = max(stage_bwd[last_stage], 1e-30)
         t = 0.0
-        for layer in sorted(mine, key=lambda l: (l.stage != last_stage, -position[id(l)])):
+        # The last stage's layers first, each chunk's in reverse (backward) order: a stable sort of the reversed list.
+        for layer in sorted(reversed(mine), key=lambda l: l.stage != last_stage):
             if layer.stage == last_stage:
                 t += layer.cost.bwd_s * window / total_b
             at = t if layer.stage == last_stage else 0.0

@@ -38,7 +38,7 @@ from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
 from shardc.cost.layer import LayerTerms, attention_core
-from shardc.ir import Node
+from shardc.ir import Node, Value
 from shardc.ops.registry import get_op
 
 
@@ -63,8 +63,8 @@ class LayerMemory:
     held: float = 0.0
 
 
-def _storage(ctx: CostContext, v) -> int:
-    return id(ctx.root(v))
+def _storage(ctx: CostContext, v: Value) -> Value:
+    return ctx.root(v)
 
 
 def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
@@ -76,7 +76,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     gathered = _gathered_saves(ctx, nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else set()
     saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
-    in_core = {k for k, (_, c) in terms.saved_entries.items() if c}
+    in_core = [k for k, (_, c) in terms.saved_entries.items() if c]
     if recompute == "full":
         kept = dict(terms.input_entries)
     elif recompute == "selective":
@@ -87,13 +87,13 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     for idx, node in enumerate(nodes):
         for key in _saved_keys(ctx, node, idx, terms):
             savers.setdefault(key, []).append(idx)
-    last_read: dict[int, int] = {}
-    exported: set[int] = set()
+    last_read: dict[Value, int] = {}
+    exported: set[Value] = set()
     for idx, node in enumerate(nodes):
         for v in node.inputs:
             last_read[_storage(ctx, v)] = idx
         for v in node.outputs:
-            users = ctx.users.get(id(v), [])
+            users = ctx.users.get(v, [])
             if any(u not in inside for u in users) or v in ctx.graph.outputs:
                 exported.add(_storage(ctx, v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
@@ -114,10 +114,10 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held)
 
 
-def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[int, float]:
+def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[Value, float]:
     """Saved inputs that arrive sharded and are all-gathered for the op (sequence parallelism):
     eager autograd saves the gathered tensor the op read, not the shard (Megatron re-gathers)."""
-    out: dict[int, float] = {}
+    out: dict[Value, float] = {}
     if ctx.mesh is None:
         return out
     for node in nodes:
@@ -133,19 +133,19 @@ def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[int, float]
 
 
 def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> list[object]:
-    """The saved-entry keys `node` contributes (storage ids, or (id(node), k) for raw bytes)."""
+    """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes)."""
     local = ctx.local(node)
     keys: list[object] = []
     for k, (kind, i) in enumerate(local.op.saved_for_backward(local.in_types, local.out_types, node.attrs)):
-        key: object = (id(node), k) if kind == "bytes" else _storage(
+        key: object = (node, k) if kind == "bytes" else _storage(
             ctx, node.inputs[i] if kind == "in" else node.outputs[i])
         if key in terms.saved_entries or key in terms.input_entries:
             keys.append(key)
     return keys
 
 
-def _new_outputs(ctx: CostContext, node: Node) -> dict[int, float]:
-    return {id(v): ctx.local_bytes(v) for v in node.outputs if ctx.root(v) is v}
+def _new_outputs(ctx: CostContext, node: Node) -> dict[Value, float]:
+    return {v: ctx.local_bytes(v) for v in node.outputs if ctx.root(v) is v}
 
 
 def _loss_extra(ctx: CostContext, node: Node) -> float:
@@ -155,10 +155,10 @@ def _loss_extra(ctx: CostContext, node: Node) -> float:
     return ctx.local_bytes(node.inputs[0])
 
 
-def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, last_read: dict[int, int],
-             exported: set[int], preload: dict) -> tuple[float, float]:
+def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, last_read: dict[Value, int],
+             exported: set[Value], preload: dict) -> tuple[float, float]:
     saved: dict[object, float] = dict(preload)
-    temp: dict[int, float] = {}
+    temp: dict[Value, float] = {}
     peak, at_saved = 0.0, 0.0
     for idx, node in enumerate(nodes):
         new = _new_outputs(ctx, node)
@@ -169,7 +169,7 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
         for key, readers in savers.items():
             if readers[0] == idx and key in kept:
                 saved[key] = kept[key]
-                if isinstance(key, int):
+                if isinstance(key, Value):  # a storage, not an op's raw bytes
                     temp.pop(key, None)
         for key in [k for k in temp if last_read.get(k, -1) <= idx and k not in exported]:
             del temp[key]
@@ -181,21 +181,21 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
     total = 0.0
     for node in nodes:
         for v in node.outputs:
-            users = ctx.users.get(id(v), [])
-            if id(v) in ctx.needs_grad and any(u not in inside for u in users):
+            users = ctx.users.get(v, [])
+            if v in ctx.needs_grad and any(u not in inside for u in users):
                 total += ctx.local_bytes(v)
     return total
 
 
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
-              inside: set[Node], core: set[int], saved_all: dict, in_core: set, earlier: set[str],
+              inside: set[Node], core: set[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool) -> tuple[float, float, float, float, float]:
-    grads: dict[int, float] = {}
+    grads: dict[Value, float] = {}
     for node in nodes:
         for v in node.outputs:
-            users = ctx.users.get(id(v), [])
-            if id(v) in ctx.needs_grad and any(u not in inside for u in users):
-                grads[id(v)] = ctx.local_bytes(v)
+            users = ctx.users.get(v, [])
+            if v in ctx.needs_grad and any(u not in inside for u in users):
+                grads[v] = ctx.local_bytes(v)
     first_use: dict[str, int] = {}
     for idx, node in enumerate(nodes):
         for v in node.inputs:
@@ -208,28 +208,28 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     core_pending = bool(core)
     for idx in range(len(nodes) - 1, -1, -1):
         node = nodes[idx]
-        if not any(id(o) in ctx.needs_grad for o in node.outputs):
+        if not any(o in ctx.needs_grad for o in node.outputs):
             continue
-        if core_pending and id(node) in core:
+        if core_pending and node in core:
             core_pending = False
             recomputed.update({k: saved_all[k] for k in in_core})
-        allocs: dict[int, float] = {}
+        allocs: dict[Value, float] = {}
         new_params: dict[str, float] = {}
-        passed: list[int] = []
+        passed: list[Value] = []
         for i, v in enumerate(node.inputs):
-            if id(v) not in ctx.needs_grad:
+            if v not in ctx.needs_grad:
                 continue
             if v.kind == "parameter":
                 new_params[v.name] = ctx.local_bytes(v)
             elif passes_gradient(node, i):
-                passed.append(id(v))
+                passed.append(v)
             else:
-                allocs[id(v)] = allocs.get(id(v), 0.0) + ctx.local_bytes(v)
+                allocs[v] = allocs.get(v, 0.0) + ctx.local_bytes(v)
         live = (sum(saved.values()) + sum(recomputed.values()) + sum(grads.values()) + sum(held.values()))
         total = live + sum(allocs.values()) + sum(new_params.values()) + _loss_extra(ctx, node)
         if total > peak:
             peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
-        out_grad = max((grads.pop(id(o), 0.0) for o in node.outputs), default=0.0)
+        out_grad = max((grads.pop(o, 0.0) for o in node.outputs), default=0.0)
         for key in passed:
             grads[key] = max(grads.get(key, 0.0), out_grad)
         for key, nbytes in allocs.items():

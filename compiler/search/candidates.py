@@ -78,11 +78,11 @@ class Shapes:
 
     roles: Roles
     batch_scale: float = 1.0
-    batched: frozenset[int] | None = None  # ids of values that scale with the batch (default: by role)
+    batched: frozenset[Value] | None = None  # the values that scale with the batch (default: by role)
 
     def scales(self, value: Value) -> bool:
         if self.batched is not None:
-            return id(value) in self.batched
+            return value in self.batched
         return "batch" in self.roles.get(value, ())
 
     def nbytes(self, value: Value, layout: Layout | None, mesh: Mesh) -> float:

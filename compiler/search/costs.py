@@ -27,7 +27,7 @@ from shardc.cost.edges import (
 )
 from shardc.cost.layer import LayerTerms, layer_params, layer_terms, regather_exposed
 from shardc.hardware import Cluster
-from shardc.ir import Layout, Mesh, Value
+from shardc.ir import Layout, Mesh, Node, Value
 from shardc.search.candidates import Candidate
 
 
@@ -68,13 +68,13 @@ class Pricer:
     mesh: Mesh
     dtype: str
     ctx: CostContext  # the graph's dataflow facts on `mesh`, batch-scaled to the micro-batch
-    core: frozenset[int] = frozenset()  # ids of the nodes in attention cores (selective recomputation)
+    core: frozenset[Node] = frozenset()  # the nodes in attention cores (selective recomputation)
 
     def candidate(self, group: NodeGroup, cand: Candidate) -> CandCost:
-        partitions = {id(n): cand.partitions[j] if j < len(cand.partitions) else None
+        partitions = {n: cand.partitions[j] if j < len(cand.partitions) else None
                       for j, n in enumerate(group.members)}
-        layouts = {id(e.value): e.required for e in cand.inputs}
-        layouts.update({id(v): lay for v, lay in cand.outputs})
+        layouts = {e.value: e.required for e in cand.inputs}
+        layouts.update({v: lay for v, lay in cand.outputs})
         ctx = self.ctx.with_overlay(partitions, layouts)
         terms = layer_terms(ctx, group.members, internal_only=True, core=self.core)
         params = tuple((name, numel, axes) for name, (_, numel, axes) in layer_params(ctx, group.members).items())
@@ -89,21 +89,21 @@ class Pricer:
             regather = None
             if saves:
                 cost = node_compute_time(local.op, local.in_types, local.out_types, node.attrs, ctx.device, ctx.dtype,
-                                         needs_grad=[id(v) in ctx.needs_grad for v in node.inputs],
-                                         scale=ctx.batch_scale, scaled_in=[id(v) in ctx.batched for v in node.inputs],
-                                         scaled_out=[id(v) in ctx.batched for v in node.outputs])
-                cost = repeated(cost, rotation_steps(partitions[id(node)]))
+                                         needs_grad=[v in ctx.needs_grad for v in node.inputs],
+                                         scale=ctx.batch_scale, scaled_in=[v in ctx.batched for v in node.inputs],
+                                         scaled_out=[v in ctx.batched for v in node.outputs])
+                cost = repeated(cost, rotation_steps(partitions[node]))
                 regather = (local.op.kind, cost.bwd_s)
             ext.append(ExternalGrad(e.member, e.index, e.value, e.required,
                                     gradient_contribution(ctx, node, e.index), regather))
         produced = []
         for node in group.members:
-            part = partitions[id(node)]
+            part = partitions[node]
             split = frozenset(a for a, _ in part.spatial) if part else frozenset()
             through = feeds_only_parameters(node, ctx.needs_grad)
             made = ctx.local(node).out_layouts
             for k, v in enumerate(node.outputs):
-                held = layouts.get(id(v), Layout())
+                held = layouts.get(v, Layout())
                 grad = gradient_layout(made[k], held) if part is not None and k < len(made) else held
                 produced.append((held, through, split, grad))
         return CandCost(terms, params, tuple(ext), tuple(produced))

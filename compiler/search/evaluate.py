@@ -129,16 +129,16 @@ def _merge(parts: list[LayerTerms], problem: Problem | None = None, choice: tupl
             out.saved_entries.setdefault(key, val)
         for key, b in t.input_entries.items():
             out.input_entries.setdefault(key, b)
-        out.roots.update(t.roots)
-    for key, root in out.roots.items() if problem is not None else ():
+        out.roots |= t.roots
+    for root in out.roots if problem is not None else ():
         assert problem is not None
-        if key in problem.owner:
-            var, k = problem.owner[key]
+        if root in problem.owner:
+            var, k = problem.owner[root]
             nbytes = problem.pricer.local_bytes(root, problem.groups[var].costs[choice[var]].produced[k][0])
-            if key in out.saved_entries:
-                out.saved_entries[key] = (nbytes, out.saved_entries[key][1])
-            if key in out.input_entries:
-                out.input_entries[key] = nbytes
+            if root in out.saved_entries:
+                out.saved_entries[root] = (nbytes, out.saved_entries[root][1])
+            if root in out.input_entries:
+                out.input_entries[root] = nbytes
     out.saved = sum(b for b, _ in out.saved_entries.values())
     out.core_saved = sum(b for b, c in out.saved_entries.values() if c)
     out.inputs = sum(out.input_entries.values())
@@ -219,12 +219,12 @@ def _rebase_first(problem: Problem, choice: tuple[int, ...], first: LayerTerms) 
             continue
         layout = e.prod_info[e.prod_class[choice[e.producer]]][0]
         nbytes = problem.pricer.local_bytes(e.value, layout)
-        if id(old.value) in first.input_entries:
-            del first.input_entries[id(old.value)]
-            first.input_entries[id(e.value)] = nbytes
-        if id(old.value) in first.saved_entries:
-            flag = first.saved_entries.pop(id(old.value))[1]
-            first.saved_entries[id(e.value)] = (nbytes, flag)
+        if old.value in first.input_entries:
+            del first.input_entries[old.value]
+            first.input_entries[e.value] = nbytes
+        if old.value in first.saved_entries:
+            flag = first.saved_entries.pop(old.value)[1]
+            first.saved_entries[e.value] = (nbytes, flag)
     _refresh(first)
 
 
@@ -235,10 +235,10 @@ def _rebase_chain(problem: Problem, prev: tuple[int, ...], t: LayerTerms) -> Non
         if e.kind != "chain":
             continue
         nbytes = problem.pricer.local_bytes(e.value, e.prod_info[e.prod_class[prev[e.producer]]][0])
-        if id(e.value) in t.input_entries:
-            t.input_entries[id(e.value)] = nbytes
-        if id(e.value) in t.saved_entries:
-            t.saved_entries[id(e.value)] = (nbytes, t.saved_entries[id(e.value)][1])
+        if e.value in t.input_entries:
+            t.input_entries[e.value] = nbytes
+        if e.value in t.saved_entries:
+            t.saved_entries[e.value] = (nbytes, t.saved_entries[e.value][1])
     _refresh(t)
 
 

@@ -190,7 +190,7 @@ def _output_bytes(problem: Problem) -> tuple[list[list[float]], float]:
     out = [[0.0] * len(var.cands) for var in problem.groups]
     const = 0.0
     for value in values:
-        var, k = problem.owner.get(id(value), (-1, 0))
+        var, k = problem.owner.get(value, (-1, 0))
         if var < 0:
             const += problem.pricer.local_bytes(value, Layout())
             continue

@@ -26,7 +26,7 @@ from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
-from shardc.ir import Graph, Layout, Mesh, Value
+from shardc.ir import Graph, Layout, Mesh, Node, Value
 from shardc.ir.dtypes import ir_dtype
 from shardc.search.candidates import Candidate, Shapes, enumerate_group
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
@@ -109,9 +109,8 @@ class GraphFacts:
     roles: Roles
     layering: Layering
     batch: int
-    batched: frozenset[int]
-    needs_grad: frozenset[int]
-    core: frozenset[int]
+    batched: frozenset[Value]
+    core: frozenset[Node]
     ctx: CostContext
     by_layer: dict[str | None, list[NodeGroup]] = field(default_factory=dict)
 
@@ -121,7 +120,7 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
     roles = dim_roles(graph)
     ctx = CostContext.build(graph, cluster, ir_dtype(dtype))
     batch = next((v.type.shape[0] for v in graph.inputs if roles.get(v, (None,))[0] == "batch"), 1)
-    core: set[int] = set()
+    core: set[Node] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
     for g in groups:
         by_layer.setdefault(g.layer, []).append(g)
@@ -131,7 +130,7 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
     for nodes in nodes_of.values():
         core |= attention_core(ctx, nodes)
     return GraphFacts(graph, groups, roles, layering(graph, "<graph>").uniform(), batch, frozenset(ctx.batched),
-                      frozenset(ctx.needs_grad), frozenset(core), ctx, by_layer)
+                      frozenset(core), ctx, by_layer)
 
 
 @dataclass
@@ -146,7 +145,7 @@ class Problem:
     groups: list[GroupVar]
     edges: list[EdgeVar]
     shares: list[list[int]]  # edges summed into one gradient
-    owner: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(value) -> (group var, output index)
+    owner: dict[Value, tuple[int, int]] = field(default_factory=dict)  # value -> (group var, output index)
     reference: Pricer | None = None  # the pricer on the `pricing_shape` (default: `pricer`)
 
     @property
@@ -167,7 +166,7 @@ class Priced:
     groups: list[GroupVar]
     edges: list[EdgeVar]
     shares: list[list[int]]
-    owner: dict[int, tuple[int, int]]
+    owner: dict[Value, tuple[int, int]]
     pricer: Pricer  # on the `pricing_shape`
 
 
@@ -235,7 +234,7 @@ def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate:
     for k, ids in enumerate(groups):
         for i in ids:
             edges[i].share = k
-    owner: dict[int, tuple[int, int]] = {}
+    owner: dict[Value, tuple[int, int]] = {}
     for g in facts.groups:  # every copy's values, mapped to the represented groups
         layer = "<graph>" if g.layer is None else g.layer
         at = index.get((rep, g.position) if layer in lay.blocks and rep is not None else (layer, g.position))
@@ -243,7 +242,7 @@ def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate:
         for node in g.members:
             for v in node.outputs:
                 if at is not None:
-                    owner[id(v)] = (at, k)
+                    owner[v] = (at, k)
                 k += 1
     return Priced(vars_, edges, groups, owner, pricer)
 
@@ -286,7 +285,7 @@ def _edges(facts: GraphFacts, vars_: list[GroupVar], index: dict[tuple[str, int]
                 kind = _kind(section, place, rep_at)
                 if kind is None:
                     continue
-                out.append(_edge(pricer, vars_, pi, ci, j, k, out_idx, v, kind, id(node) in facts.core))
+                out.append(_edge(pricer, vars_, pi, ci, j, k, out_idx, v, kind, node in facts.core))
     return out
 
 

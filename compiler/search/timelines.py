@@ -36,18 +36,18 @@ class Timelines:
             layouts = dict(self.ctx.layouts)
             for e in problem.edges:
                 if e.kind == "chain":
-                    layouts[id(e.value)] = e.prod_info[e.prod_class[prev[e.producer]]][0]
+                    layouts[e.value] = e.prod_info[e.prod_class[prev[e.producer]]][0]
             self.ctx = self.ctx.with_overlay(self.ctx.partitions, layouts)
         # The first block reads the prefix's output where the represented one reads the
         # previous copy's: its inputs are laid out as the prefix produces them.
         chain = {(e.consumer, e.member, e.index): e for e in problem.edges if e.kind == "chain"}
         first = dict(self.ctx.layouts)
-        self.rekey: dict[int, int] = {}  # the first block's terms name the prefix's value, its nodes the copy's
+        self.rekey: dict[Value, Value] = {}  # the first block's terms name the prefix's value, its nodes the copy's
         for e in problem.edges:
             old = chain.get((e.consumer, e.member, e.index)) if e.kind == "first" else None
             if old is not None:
-                first[id(old.value)] = e.prod_info[e.prod_class[choice[e.producer]]][0]
-                self.rekey[id(e.value)] = id(old.value)
+                first[old.value] = e.prod_info[e.prod_class[choice[e.producer]]][0]
+                self.rekey[e.value] = old.value
         self.first_ctx = self.ctx.with_overlay(self.ctx.partitions, first)
         lay = problem.facts.layering
         rep = next((v.key[0] for v in problem.groups if v.section == "block"), None)
@@ -82,7 +82,7 @@ def output_bytes(problem: Problem, choice: tuple[int, ...]) -> float:
     graph = problem.facts.graph
 
     def local(value: Value) -> float:
-        var, k = problem.owner.get(id(value), (-1, 0))
+        var, k = problem.owner.get(value, (-1, 0))
         produced = problem.groups[var].costs[choice[var]].produced if var >= 0 else ()
         return problem.pricer.local_bytes(value, produced[k][0] if k < len(produced) else Layout())
 
@@ -94,18 +94,18 @@ def output_bytes(problem: Problem, choice: tuple[int, ...]) -> float:
 
 def _overlay(problem: Problem, choice: tuple[int, ...]) -> CostContext:
     """The pricing context with the plan's partitions and layouts (as `annotate_graph` writes them)."""
-    partitions: dict[int, Partition | None] = {}
-    layouts: dict[int, Layout] = {}
+    partitions: dict[Node, Partition | None] = {}
+    layouts: dict[Value, Layout] = {}
     for var, c in zip(problem.groups, choice):
         cand = var.cands[c]
         for j, node in enumerate(var.group.members):
-            partitions[id(node)] = cand.partitions[j] if j < len(cand.partitions) else None
+            partitions[node] = cand.partitions[j] if j < len(cand.partitions) else None
         for e in cand.inputs:
-            if e.value.kind in ("input", "parameter", "buffer") and id(e.value) not in layouts:
-                layouts[id(e.value)] = Layout(tuple((a, p) for a, p in e.required.placements
+            if e.value.kind in ("input", "parameter", "buffer") and e.value not in layouts:
+                layouts[e.value] = Layout(tuple((a, p) for a, p in e.required.placements
                                                     if not isinstance(p, Partial)))
-    for key, (var_index, k) in problem.owner.items():
+    for value, (var_index, k) in problem.owner.items():
         produced = problem.groups[var_index].costs[choice[var_index]].produced
         if k < len(produced):
-            layouts[key] = produced[k][0]
+            layouts[value] = produced[k][0]
     return problem.pricer.ctx.with_overlay(partitions, layouts)
