@@ -23,11 +23,11 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardc.cost.comm import CommStep
-from shardc.ir import Layout, Partition, Shard, TemporalSplit, TensorType
-from shardc.ops.registry import IterationSpace
+from shardc.ir import Partition, TemporalSplit, TensorType
+from shardc.ops.registry import IterationSpace, rotating_operands
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,18 +48,18 @@ def grid_split(partition: Partition | None) -> TemporalSplit | None:
     return None
 
 
-def moving_operands(space: IterationSpace, layouts: Sequence[Layout], split: TemporalSplit) -> dict[str, list[int]]:
-    """Per rotation axis, the inputs sharded on the rotated dim along it (they move along it)."""
+def moving_operands(space: IterationSpace, partition: Partition, split: TemporalSplit) -> dict[str, list[int]]:
+    """Per rotation axis (one, or the two of a grid), the inputs that move along it: the registry's
+    one rotation rule (`rotating_operands`) applied to each axis in turn. Axes nothing moves on are left out."""
     out: dict[str, list[int]] = {}
     for axis in split.axes:
-        for i, (operand, layout) in enumerate(zip(space.inputs, layouts)):
-            p = layout.on(axis)
-            if isinstance(p, Shard) and p.dim < len(operand) and operand[p.dim][:1] == (split.dim,):
-                out.setdefault(axis, []).append(i)
+        moving = rotating_operands(space, partition, replace(split, rotate=axis, grid=None))
+        if moving:
+            out[axis] = moving
     return out
 
 
-def step_types(space: IterationSpace | None, partition: Partition | None, layouts: Sequence[Layout],
+def step_types(space: IterationSpace | None, partition: Partition | None,
                types: Sequence[TensorType]) -> tuple[TensorType, ...]:
     """The input types one step of the rotating splits works on (see the module rule)."""
     out = list(types)
@@ -68,7 +68,7 @@ def step_types(space: IterationSpace | None, partition: Partition | None, layout
     for split in partition.temporal:
         if not split.axes or split.steps <= 1:
             continue
-        moving = {i for ins in moving_operands(space, layouts, split).values() for i in ins}
+        moving = {i for ins in moving_operands(space, partition, split).values() for i in ins}
         for i, operand in enumerate(space.inputs[: len(out)]):
             if i in moving:
                 continue

@@ -203,7 +203,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
         op = local.op
         part = ctx.partition(node)
         grads = [v in ctx.needs_grad for v in node.inputs]
-        cost = node_compute_time(op, step_types(local.space, part, local.in_layouts, local.in_types),
+        cost = node_compute_time(op, step_types(local.space, part, local.in_types),
                                  local.out_types, node.attrs, device, dtype,
                                  needs_grad=grads, scale=ctx.batch_scale,
                                  scaled_in=[v in ctx.batched for v in node.inputs],
@@ -334,7 +334,7 @@ def _grid(ctx: CostContext, node: Node, local, cost: NodeCost) -> GridCharge | N
     split = grid_split(ctx.partition(node))
     if ctx.mesh is None or split is None or local.space is None or split.steps <= 1:
         return None
-    along = moving_operands(local.space, local.in_layouts, split)
+    along = moving_operands(local.space, ctx.partition(node), split)
     moving = {axis: sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in ins)
               for axis, ins in along.items()}
     transfer = {axis: comm_time(ctx, CommStep("rotate", axis, b)) for axis, b in moving.items()}
