@@ -7,8 +7,10 @@ consumers' contributions are summed (`combine_gradients`) and redistributed into
 producer's output layout with Partial read as Replicate (`needed_gradient`), so all_reduce
 forward <-> nothing backward, nothing forward <-> all_reduce backward, all_gather <->
 reduce_scatter. A node that resolves its own partial sum (a row-parallel linear whose value
-is held reduced) needs its gradient as it made it (`gradient_layout`). Used by `layer_terms`
-on a graph and by the solver on its candidates' edges alike.
+is held reduced) needs its gradient as it made it (`gradient_layout`). A parameter's gradient
+is Partial on the axes its readers' contributions leave it summed over (`layer_params`): the
+gradient sync reduces it there. Used by `layer_terms` on a graph and by the solver on its
+candidates' edges alike.
 """
 
 from __future__ import annotations
@@ -108,6 +110,27 @@ def gradient_steps(ctx: CostContext, value: Value, contributions: Sequence[Layou
     have = combine_gradients(contributions, ctx.mesh)
     through = {a for a, p in have.placements if isinstance(p, Partial) and a not in split} if passthrough else ()
     return input_steps(ctx, value, have, needed_gradient(layout, through))
+
+
+def layer_params(ctx: CostContext, nodes: Sequence[Node]) -> dict[str, tuple[Value, float, frozenset[str]]]:
+    """Parameters the layer reads: name -> (value, local elements, mesh axes its gradient is
+    Partial over, i.e. must be summed across)."""
+    out: dict[str, tuple[Value, float, frozenset[str]]] = {}
+    for node in nodes:
+        for i, v in enumerate(node.inputs):
+            if v.kind != "parameter":
+                continue
+            axes: set[str] = set()
+            if ctx.mesh is not None:
+                contribution = gradient_contribution(ctx, node, i)
+                axes = {a for a, p in contribution.placements if isinstance(p, Partial)}
+                axes |= passthrough_axes(ctx, node)
+            layout = ctx.layouts.get(v, v.layout)
+            layout = layout if layout is not None else ctx.local(node).in_layouts[i]
+            numel = ctx.local_bytes(v, layout) / ctx.elem_bytes(v)
+            prev = out.get(v.name)
+            out[v.name] = (v, numel, frozenset(axes) | (prev[2] if prev else frozenset()))
+    return out
 
 
 def steps_time(ctx: CostContext, steps: Sequence[CommStep]) -> dict[str, float]:

@@ -48,12 +48,11 @@ from shardc.cost.edges import (
     gradient_layout,
     gradient_steps,
     input_steps,
-    passthrough_axes,
     resolves,
 )
-from shardc.cost.grid2d import GridCharge, grid_charge, grid_split, moving_operands, step_types
+from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.ring import causal_ring_cost
-from shardc.ir import Node, Partial, Value
+from shardc.ir import Node, Value
 from shardc.ops.registry import rotating_operands
 
 
@@ -193,172 +192,190 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
     `nodes` are taken as they arrive (their resharding is the edge's, `input_steps`), and the
     gradients of values also read outside are left to the edges (`gradient_steps`); `core`
     then gives the attention cores of the whole layer (`attention_core`)."""
-    device, dtype = ctx.device, ctx.dtype
     inside = set(nodes)
     produced = {v for n in nodes for v in n.outputs}
     core = attention_core(ctx, nodes) if core is None else core
     t = LayerTerms()
     for node in nodes:
-        local = ctx.local(node)
-        op = local.op
-        part = ctx.partition(node)
-        grads = [v in ctx.needs_grad for v in node.inputs]
-        cost = node_compute_time(op, step_types(local.space, part, local.in_types),
-                                 local.out_types, node.attrs, device, dtype,
-                                 needs_grad=grads, scale=ctx.batch_scale,
-                                 scaled_in=[v in ctx.batched for v in node.inputs],
-                                 scaled_out=[v in ctx.batched for v in node.outputs],
-                                 copies=node in ctx.copies)
-        cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)  # the slowest rank's
-        if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
-            cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
-        in_core = node in core
+        in_core, local = node in core, ctx.local(node)
+        cost = _compute(ctx, node, in_core, t)
+        saves = saved_bytes_of(local.op, local.in_types, local.out_types, node.attrs)
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
-        _add(t.bwd, "compute_bwd", cost.bwd_s)
-        t.fwd_flops += cost.fwd_flops
-        t.bwd_flops += cost.bwd_flops
-        if op.kind in ("contraction", "attention"):
-            g = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
-            g *= ctx.batch_scale if any(v in ctx.batched for v in node.inputs) else 1.0
-            t.matmul_flops += g
-            t.core_matmul_flops += g if in_core else 0.0
-        t.core_flops += cost.fwd_flops if in_core else 0.0
-        batched_out = any(o in ctx.batched for o in node.outputs)
-        chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
-        t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
-                                                     ctx.batch_scale if batched_out else 1.0))
-        saves = saved_bytes_of(op, local.in_types, local.out_types, node.attrs)
-        saved_inputs = {idx for kind, idx, _ in saves if kind == "in"}
-        # Forward edges: the value's layout into the layout this node requires.
-        for i, v in enumerate(node.inputs):
-            if ctx.mesh is None:
-                break
-            if v not in produced and v.kind == "activation" and v in ctx.batched and (
-                    not internal_only or v.producer is None or v.producer.layer != node.layer):
-                t.input_entries[ctx.root(v)] = ctx.local_bytes(ctx.root(v))
-                if internal_only:
-                    t.roots.add(ctx.root(v))
-                    continue
-            for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
-                _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
-                t.collectives.append(("fwd", step))
-                if step.kind == "all_gather" and i in saved_inputs:
-                    _add(t.bwd, axis_category(step.axis), regather_exposed(comm_time(ctx, step), op.kind, cost.bwd_s))
-                    t.collectives.append(("bwd", step))
-        _charge_special(ctx, node, local, cost, node_fwd, t.bwd, t.collectives)
-        grid = _grid(ctx, node, local, cost)
-        if grid is not None:  # PrimePar's P(q x q): overlapped shifts, skew, receive buffers
-            _add(node_fwd, axis_category(grid.steps[0][1].axis) if grid.steps else "tp_comm", grid.fwd_s)
-            _add(t.bwd, axis_category(grid.steps[0][1].axis) if grid.steps else "tp_comm", grid.bwd_s)
-            t.collectives.extend(grid.steps)
-            t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, 1,
-                                                         ctx.batch_scale if batched_out else 1.0) + grid.buffers)
-        # A partial sum the node's own output resolves (all_reduce, or reduce_scatter onto the
-        # sequence) is reduced where it is made.
-        for k, v in enumerate(node.outputs):
-            if part is not None and k < len(local.out_layouts) and resolves(local.out_layouts[k], ctx.layout(v)):
-                for step in input_steps(ctx, v, local.out_layouts[k], ctx.layout(v)):
-                    _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
-                    t.collectives.append(("fwd", step))
+        _forward_edges(ctx, node, cost, {idx for kind, idx, _ in saves if kind == "in"}, produced, internal_only,
+                       node_fwd, t)
+        _charge_special(ctx, node, cost, node_fwd, t)
+        _charge_grid(ctx, node, cost, node_fwd, t)
+        _resolved_partials(ctx, node, node_fwd, t)
         for key, val in node_fwd.items():
             _add(t.fwd, key, val)
             if in_core:
                 _add(t.core_fwd, key, val)
-        # Backward: gradients of this node's outputs, from all their consumers.
-        for v in node.outputs:
-            if v not in ctx.needs_grad or ctx.mesh is None:
-                continue
-            users = ctx.users.get(v, [])
-            if internal_only and any(u not in inside for u in users):
-                continue
-            contributions = [gradient_contribution(ctx, u, i) for u in users for i, w in enumerate(u.inputs) if w is v]
-            split = {a for a, _ in part.spatial} if part else set()
-            k = node.outputs.index(v)
-            made = local.out_layouts[k] if part is not None and k < len(local.out_layouts) else ctx.layout(v)
-            for step in gradient_steps(ctx, v, contributions, gradient_layout(made, ctx.layout(v)),
-                                       feeds_only_parameters(node, ctx.needs_grad), split):
-                _add(t.bwd, axis_category(step.axis), comm_time(ctx, step))
-                t.collectives.append(("bwd", step))
-        # Saved for backward, each storage once.
-        for k, (kind, idx, nbytes) in enumerate(saves):
-            if kind == "bytes":
-                t.saved_entries[(node, k)] = (nbytes * (ctx.batch_scale if batched_out else 1.0), in_core)
-                continue
-            v = node.inputs[idx] if kind == "in" else node.outputs[idx]
-            root = ctx.root(v)
-            if root.kind in ("parameter", "buffer"):
-                continue
-            # Dropped under selective recomputation: what the core saves of its own tensors
-            # (the core's output, saved by the projection after it, is kept).
-            root_in_core = in_core and root.producer is not None and root.producer in core
-            # A fragment does not know how a storage made elsewhere is laid out: the view it reads.
-            known = not internal_only or root in produced or root in ctx.layouts
-            if internal_only and root not in produced:
-                t.roots.add(root)
-            t.saved_entries[root] = (ctx.local_bytes(root if known else v), root_in_core)
+        _output_gradients(ctx, node, inside, internal_only, t)
+        _saved_for_backward(ctx, node, saves, in_core, core, produced, internal_only, t)
     t.saved = sum(b for b, _ in t.saved_entries.values())
     t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
     t.inputs = sum(t.input_entries.values())
     return t
 
 
-def _charge_special(ctx: CostContext, node: Node, local, cost, node_fwd: dict[str, float],
-                    bwd: dict[str, float], steps: list[tuple[str, CommStep]]) -> None:
+def _batched_scale(ctx: CostContext, values: Sequence[Value]) -> float:
+    """The batch scale when any of `values` depends on the batch, else 1."""
+    return ctx.batch_scale if any(v in ctx.batched for v in values) else 1.0
+
+
+def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> NodeCost:
+    """The node's compute (the slowest rank's, one kernel per rotation step), added to `t` with
+    its FLOPs and its transient; returns its `NodeCost`."""
+    local = ctx.local(node)
+    op, part = local.op, ctx.partition(node)
+    cost = node_compute_time(op, step_types(local.space, part, local.in_types), local.out_types, node.attrs,
+                             ctx.device, ctx.dtype, needs_grad=[v in ctx.needs_grad for v in node.inputs],
+                             scale=ctx.batch_scale, scaled_in=[v in ctx.batched for v in node.inputs],
+                             scaled_out=[v in ctx.batched for v in node.outputs], copies=node in ctx.copies)
+    cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)
+    if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
+        cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    _add(t.bwd, "compute_bwd", cost.bwd_s)
+    t.fwd_flops += cost.fwd_flops
+    t.bwd_flops += cost.bwd_flops
+    if op.kind in ("contraction", "attention"):
+        g = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
+        g *= _batched_scale(ctx, node.inputs)
+        t.matmul_flops += g
+        t.core_matmul_flops += g if in_core else 0.0
+    t.core_flops += cost.fwd_flops if in_core else 0.0
+    chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
+    t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
+                                                 _batched_scale(ctx, node.outputs)))
+    return cost
+
+
+def _forward_edges(ctx: CostContext, node: Node, cost: NodeCost, saved_inputs: Collection[int],
+                   produced: Collection[Value], internal_only: bool, node_fwd: dict[str, float],
+                   t: LayerTerms) -> None:
+    """Forward edges: each input's layout into the layout this node requires; the layer's input
+    activations are recorded (a fragment leaves their resharding to its edges)."""
+    if ctx.mesh is None:
+        return
+    local = ctx.local(node)
+    for i, v in enumerate(node.inputs):
+        if v not in produced and v.kind == "activation" and v in ctx.batched and (
+                not internal_only or v.producer is None or v.producer.layer != node.layer):
+            t.input_entries[ctx.root(v)] = ctx.local_bytes(ctx.root(v))
+            if internal_only:
+                t.roots.add(ctx.root(v))
+                continue
+        for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
+            _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
+            t.collectives.append(("fwd", step))
+            if step.kind == "all_gather" and i in saved_inputs:
+                _add(t.bwd, axis_category(step.axis), regather_exposed(comm_time(ctx, step), local.op.kind,
+                                                                       cost.bwd_s))
+                t.collectives.append(("bwd", step))
+
+
+def _resolved_partials(ctx: CostContext, node: Node, node_fwd: dict[str, float], t: LayerTerms) -> None:
+    """A partial sum the node's own output resolves (all_reduce, or reduce_scatter onto the
+    sequence) is reduced where it is made."""
+    local = ctx.local(node)
+    if ctx.partition(node) is None:
+        return
+    for k, v in enumerate(node.outputs):
+        if k < len(local.out_layouts) and resolves(local.out_layouts[k], ctx.layout(v)):
+            for step in input_steps(ctx, v, local.out_layouts[k], ctx.layout(v)):
+                _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
+                t.collectives.append(("fwd", step))
+
+
+def _output_gradients(ctx: CostContext, node: Node, inside: Collection[Node], internal_only: bool,
+                      t: LayerTerms) -> None:
+    """Backward: the gradient of each output, summed from all its consumers and brought into the
+    layout this node's backward needs (a fragment leaves values also read outside to the edges)."""
+    if ctx.mesh is None:
+        return
+    part = ctx.partition(node)
+    local = ctx.local(node)
+    for k, v in enumerate(node.outputs):
+        if v not in ctx.needs_grad:
+            continue
+        users = ctx.users.get(v, [])
+        if internal_only and any(u not in inside for u in users):
+            continue
+        contributions = [gradient_contribution(ctx, u, i) for u in users for i, w in enumerate(u.inputs) if w is v]
+        split = {a for a, _ in part.spatial} if part else set()
+        made = local.out_layouts[k] if part is not None and k < len(local.out_layouts) else ctx.layout(v)
+        for step in gradient_steps(ctx, v, contributions, gradient_layout(made, ctx.layout(v)),
+                                   feeds_only_parameters(node, ctx.needs_grad), split):
+            _add(t.bwd, axis_category(step.axis), comm_time(ctx, step))
+            t.collectives.append(("bwd", step))
+
+
+def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]], in_core: bool,
+                        core: Collection[Node], produced: Collection[Value], internal_only: bool,
+                        t: LayerTerms) -> None:
+    """Saved for backward, each storage once (raw bytes keyed by (node, k)), parameters and
+    buffers excluded, with whether selective recomputation drops it."""
+    for k, (kind, idx, nbytes) in enumerate(saves):
+        if kind == "bytes":
+            t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)
+            continue
+        v = node.inputs[idx] if kind == "in" else node.outputs[idx]
+        root = ctx.root(v)
+        if root.kind in ("parameter", "buffer"):
+            continue
+        # Dropped under selective recomputation: what the core saves of its own tensors
+        # (the core's output, saved by the projection after it, is kept).
+        root_in_core = in_core and root.producer is not None and root.producer in core
+        # A fragment does not know how a storage made elsewhere is laid out: the view it reads.
+        known = not internal_only or root in produced or root in ctx.layouts
+        if internal_only and root not in produced:
+            t.roots.add(root)
+        t.saved_entries[root] = (ctx.local_bytes(root if known else v), root_in_core)
+
+
+def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[str, float], t: LayerTerms) -> None:
     """Vocab-parallel loss reductions and temporal splits (chunks; rotations as in ring attention)."""
-    if ctx.mesh is None or ctx.partition(node) is None or local.space is None:
+    local, part = ctx.local(node), ctx.partition(node)
+    if ctx.mesh is None or part is None or local.space is None:
         return
     special = dict(local.space.special)
-    for axis, dim in ctx.partition(node).spatial:
+    for axis, dim in part.spatial:
         if special.get(dim) == "vocab" and len(local.in_types) > 1:
             for step in vocab_steps(axis, local.in_types[1].numel * ctx.batch_scale):
                 _add(node_fwd, axis_category(axis), comm_time(ctx, step))
-                steps.append(("fwd", step))
-    for split in ctx.partition(node).temporal:
-        if split.steps <= 1 or split.grid is not None:  # a grid is charged by `_grid`
+                t.collectives.append(("fwd", step))
+    for split in part.temporal:
+        if split.steps <= 1 or split.grid is not None:  # a grid is charged by `_charge_grid`
             continue
         if split.rotate is None:  # chunks: one more launch per step (a rotation's are in its compute)
             node_fwd["compute_fwd"] += (split.steps - 1) * ctx.device.kernel_latency
             continue
         moving = sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i])
-                     for i in rotating_operands(local.space, ctx.partition(node), split))
+                     for i in rotating_operands(local.space, part, split))
         step = CommStep("rotate", split.rotate, moving)
         exposed_fwd, exposed_bwd = rotation_exposure(comm_time(ctx, step), split.steps, cost.fwd_s, cost.bwd_s)
         _add(node_fwd, axis_category(split.rotate), exposed_fwd)
-        _add(bwd, axis_category(split.rotate), exposed_bwd)
+        _add(t.bwd, axis_category(split.rotate), exposed_bwd)
         sends = split.steps - 1
-        steps += [("fwd", step)] * sends + [("bwd", CommStep("rotate", split.rotate, 2 * moving))] * sends
+        t.collectives += [("fwd", step)] * sends + [("bwd", CommStep("rotate", split.rotate, 2 * moving))] * sends
 
 
-def _grid(ctx: CostContext, node: Node, local, cost: NodeCost) -> GridCharge | None:
-    """The P(q x q) charge of `node` (`shardc.cost.grid2d`), or None when it has no grid split."""
-    split = grid_split(ctx.partition(node))
+def _charge_grid(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[str, float], t: LayerTerms) -> None:
+    """PrimePar's P(q x q) (`shardc.cost.grid2d`): overlapped shifts, the skew, and receive
+    buffers on top of the node's working memory. Nothing when the node has no grid split."""
+    local, split = ctx.local(node), grid_split(ctx.partition(node))
     if ctx.mesh is None or split is None or local.space is None or split.steps <= 1:
-        return None
+        return
     along = moving_operands(local.space, ctx.partition(node), split)
     moving = {axis: sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in ins)
               for axis, ins in along.items()}
     transfer = {axis: comm_time(ctx, CommStep("rotate", axis, b)) for axis, b in moving.items()}
     skews = [comm_time(ctx, CommStep("rotate", axis, local.in_types[i].nbytes * ctx.scale_of(node.inputs[i])))
              for axis, ins in along.items() for i in ins if node.inputs[i].kind != "parameter"]
-    return grid_charge(split, moving, transfer, max(skews, default=0.0), cost.fwd_s, cost.bwd_s)
-
-
-def layer_params(ctx: CostContext, nodes: Sequence[Node]) -> dict[str, tuple[Value, float, frozenset[str]]]:
-    """Parameters the layer reads: name -> (value, local elements, mesh axes its gradient is
-    Partial over, i.e. must be summed across)."""
-    out: dict[str, tuple[Value, float, frozenset[str]]] = {}
-    for node in nodes:
-        for i, v in enumerate(node.inputs):
-            if v.kind != "parameter":
-                continue
-            axes: set[str] = set()
-            if ctx.mesh is not None:
-                contribution = gradient_contribution(ctx, node, i)
-                axes = {a for a, p in contribution.placements if isinstance(p, Partial)}
-                axes |= passthrough_axes(ctx, node)
-            layout = ctx.layouts.get(v, v.layout)
-            layout = layout if layout is not None else ctx.local(node).in_layouts[i]
-            numel = ctx.local_bytes(v, layout) / ctx.elem_bytes(v)
-            prev = out.get(v.name)
-            out[v.name] = (v, numel, frozenset(axes) | (prev[2] if prev else frozenset()))
-    return out
+    grid = grid_charge(split, moving, transfer, max(skews, default=0.0), cost.fwd_s, cost.bwd_s)
+    category = axis_category(grid.steps[0][1].axis) if grid.steps else "tp_comm"
+    _add(node_fwd, category, grid.fwd_s)
+    _add(t.bwd, category, grid.bwd_s)
+    t.collectives.extend(grid.steps)
+    t.transient = max(t.transient, working_bytes(local.op, local.in_types, local.out_types, 1,
+                                                 _batched_scale(ctx, node.outputs)) + grid.buffers)

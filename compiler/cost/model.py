@@ -25,8 +25,9 @@ from shardc.analysis.stages import layer_stages
 from shardc.cost.comm import collective_time, neighbour_link
 from shardc.cost.compose import EstimateOptions, LayerWork, compose, fsdp2, zero_group
 from shardc.cost.context import CostContext
+from shardc.cost.edges import layer_params
 from shardc.cost.estimate import Estimate
-from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_params, layer_terms
+from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_terms
 from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.hardware import Cluster

@@ -2,7 +2,7 @@
 
 Rules:
 - A parameter's gradient must be summed over every mesh axis on which it is `Partial`
-  (see `layer_params`). Over the data-parallel axes (dp, cp) that is the DP sync: all_reduce,
+  (see `edges.layer_params`). Over the data-parallel axes (dp, cp) that is the DP sync: all_reduce,
   or reduce_scatter when ZeRO shards the optimizer. It runs in buckets as torch DDP forms them
   (`ddp_buckets`): whole parameters in the order backward produces their gradients (last layer
   first, a layer's parameters in reverse registration order), a bucket closing once it holds

@@ -23,9 +23,10 @@ from shardc.cost.edges import (
     gradient_layout,
     gradient_steps,
     input_steps,
+    layer_params,
     steps_time,
 )
-from shardc.cost.layer import LayerTerms, layer_params, layer_terms, regather_exposed
+from shardc.cost.layer import LayerTerms, layer_terms, regather_exposed
 from shardc.hardware import Cluster
 from shardc.ir import Layout, Mesh, Node, Value
 from shardc.search.candidates import Candidate
