@@ -31,6 +31,7 @@ from shardc.cost.layer import LayerCost
 from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
+from shardc.cost.sync import DeviceSync, gradient_sync
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import DATA_AXES, Axis, LayerAnnotation, Mesh, Node
@@ -150,13 +151,51 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     the activations leaving virtual stage s for one micro-batch (`send_bytes[s]` their bytes);
     `output_bytes`: the last stage's output per micro-batch (the loss's input); `links`: a
     `Links` or a `CostContext`; `plan` gives pp, vpp, schedule, dtype and offload."""
-    from shardc.cost.sync import gradient_sync
-
-    p, v = plan.pp, plan.vpp
-    S = p * v
+    p = plan.pp
     zero_axes, shard = zero_group(links.mesh)
-    shard_levels = links.levels(zero_axes)
     w_elem, g_elem, _ = state_bytes_per_param(plan.dtype)
+    times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
+    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
+    syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
+    if links.device.eager is not None and not plan.offload:  # a CPU's measured eager optimizer step
+        dtensors = options.zero_runtime == "fsdp2"
+        syncs = [replace(s, optimizer=optimizer_step_time(links.device, s.params, shard, dtensors)) for s in syncs]
+    shared = shared_gradients(layers, links, p, g_elem)
+    end = max(pipe.last_end[d] + syncs[d].tail + shared[d] for d in range(p))
+    step = end + max(s.after for s in syncs)
+    by_device: list[list[LayerWork]] = [[] for _ in range(p)]
+    for layer in layers:
+        by_device[layer.stage % p].append(layer)
+    stages: list[StageEstimate] = []
+    for d, mine in enumerate(by_device):
+        # Time by category: the device's virtual stages, its exposed sync and gather, the
+        # optimizer step, and what is left of the step waiting (the bubble).
+        cat: dict[str, float] = {}
+        for part in times[d::p]:
+            for key, val in part.items():
+                cat[key] = cat.get(key, 0.0) + val
+        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
+        if shared[d]:
+            cat["pp_comm"] = cat.get("pp_comm", 0.0) + shared[d]
+        cat["optimizer"] = syncs[d].optimizer
+        cat["bubble"] = max(0.0, step - sum(cat.values()))
+        flight = in_flight(plan.schedule, p, d, m, plan.vpp)
+        memory = _device_memory(mine, d, syncs[d], plan, options, m, flight, shard, w_elem, send_bytes,
+                                output_bytes)
+        saved = sum(l.cost.saved_bytes for l in mine if l.cost is not None)
+        stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
+                                    syncs[d].grad_bytes, syncs[d].comm_bytes))
+    return Composition(step, tuple(stages), pipe)
+
+
+def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: ParallelPlan, m: int,
+                options: EstimateOptions, shard_levels: LinkLevels,
+                shard: int) -> tuple[list[dict[str, float]], list[float], list[float]]:
+    """Per virtual stage: seconds by category over the step (`m` micro-batches), and one
+    micro-batch's forward and backward seconds (the layers' costs, textbook ZeRO-3's exposed
+    weight gathers, the sends to the next stage and the gradients back)."""
+    S = plan.pp * plan.vpp
+    w_elem = state_bytes_per_param(plan.dtype)[0]
     times = [dict[str, float]() for _ in range(S)]
     fwd, bwd = [0.0] * S, [0.0] * S
     for layer in layers:
@@ -180,51 +219,28 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         bwd[s] += back
         if sends[s] or back:
             times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + (sends[s] + back) * m
-    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
-    syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
-    if links.device.eager is not None and not plan.offload:  # a CPU's measured eager optimizer step
-        dtensors = options.zero_runtime == "fsdp2"
-        syncs = [replace(s, optimizer=optimizer_step_time(links.device, s.params, shard, dtensors)) for s in syncs]
-    shared = shared_gradients(layers, links, p, g_elem)
-    end = max(pipe.last_end[d] + syncs[d].tail + shared[d] for d in range(p))
-    step = end + max(s.after for s in syncs)
-    by_device: list[list[LayerWork]] = [[] for _ in range(p)]
-    for layer in layers:
-        by_device[layer.stage % p].append(layer)
-    stages: list[StageEstimate] = []
-    for d in range(p):
-        mine = by_device[d]
-        cat: dict[str, float] = {}
-        for s in range(d, S, p):
-            for key, val in times[s].items():
-                cat[key] = cat.get(key, 0.0) + val
-        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
-        if shared[d]:
-            cat["pp_comm"] = cat.get("pp_comm", 0.0) + shared[d]
-        cat["optimizer"] = syncs[d].optimizer
-        cat["bubble"] = max(0.0, step - sum(cat.values()))
-        params = syncs[d].params
-        zero = max((l.annotation.zero for l in mine), default=0)
-        sharded = fsdp2(options, zero, shard)
-        states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
-        for numel, z in params:
-            for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
-                                              plan.offload).items():
-                states[key] += val
-        costs = [l.cost for l in mine if l.cost is not None]
-        saved = sum(c.saved_bytes for c in costs)
-        flight = in_flight(plan.schedule, p, d, m, v)
-        local = sum(n for n, _ in params)
-        largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
-        torch_pipeline = p > 1 and options.pipeline_runtime == "torch"
-        buffers = 0.0 if sharded else buffer_bytes(syncs[d].grad_bytes, options.bucket_bytes, shard, zero,
-                                                   largest * w_elem)
-        if torch_pipeline and send_bytes is not None:
-            buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
-        by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
-        memory = device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
-                               fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers,
-                               regather=zero >= 3)
-        stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
-                                    syncs[d].grad_bytes, syncs[d].comm_bytes))
-    return Composition(step, tuple(stages), pipe)
+    return times, fwd, bwd
+
+
+def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: ParallelPlan, options: EstimateOptions, m: int,
+                   flight: int, shard: int, w_elem: int, send_bytes: Sequence[float] | None,
+                   output_bytes: float) -> dict[str, float]:
+    """Pipeline device `d`'s memory at its peak (`peak.device_memory`): its model states by ZeRO
+    stage, the activations in flight under the live timeline, and the runtime's buffers."""
+    p, v = plan.pp, plan.vpp
+    S = p * v
+    zero = max((l.annotation.zero for l in mine), default=0)
+    sharded = fsdp2(options, zero, shard)
+    states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    for numel, z in sync.params:
+        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
+                                          plan.offload).items():
+            states[key] += val
+    local = sum(n for n, _ in sync.params)
+    largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
+    buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)
+    if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
+        buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
+    by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
+    return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
+                         fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, regather=zero >= 3)
