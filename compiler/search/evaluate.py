@@ -24,9 +24,11 @@ from shardc.analysis.stages import stage_sizes
 from shardc.cost.compose import EstimateOptions, LayerWork, Links, compose
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer
+from shardc.cost.timeline import LayerMemory
 from shardc.ir import RECOMPUTE_CHOICES, LayerAnnotation
 from shardc.plan.parallel import ParallelPlan
 from shardc.search.problem import Problem
+from shardc.search.timelines import Timelines, output_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,88 +246,93 @@ def _rebase_chain(problem: Problem, prev: tuple[int, ...], t: LayerTerms) -> Non
 
 def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None = None) -> list[LayerWork]:
     """The plan's layers in order, with stages, recomputation, costs, parameters and memory timelines."""
-    from shardc.search.timelines import Timelines
-
-    options = options or EstimateOptions()
-    p = len(a.stages)
+    build = _Layers(problem, a, options or EstimateOptions())
     where = block_stages(a)
-    L = problem.layers
-    vec_first = a.at(where[0]) if where else a.choice
-    vec_last = a.at(where[-1]) if where else a.at(p - 1)
-    terms: dict[tuple[object, ...], LayerTerms] = {}
-    timelines: dict[tuple[object, ...], Timelines] = {}
-
-    def timeline(prev: tuple[int, ...] | None, cur: tuple[int, ...]) -> Timelines:
-        across = prev if prev is not None and prev != cur else None  # only a stage boundary changes the layouts
-        key = (across, cur)
-        if key not in timelines:
-            timelines[key] = Timelines(problem, cur, {}, options, across)
-        return timelines[key]
-
-    costs: dict[tuple[object, ...], LayerCost] = {}
-
-    def cost(key: tuple[object, ...], t: LayerTerms, recompute: str) -> LayerCost:
-        if (key, recompute) not in costs:
-            costs[(key, recompute)] = finish_layer(t, recompute)
-        return costs[(key, recompute)]
-
-    params: dict[str, dict[str, tuple[float, frozenset[str]]]] = {"pre": {}, "block": {}, "post": {}}
-    for var, c in zip(problem.groups, a.choice):
-        if var.section == "block":
-            continue
-        for name, numel, axes in var.costs[c].params:
-            prev_p = params[var.section].get(name)
-            params[var.section][name] = (numel, axes | (prev_p[1] if prev_p else frozenset()))
-    block_params: dict[tuple[int, ...], dict[str, tuple[float, frozenset[str]]]] = {}
     lay = problem.facts.layering
     out = []
-    earlier: dict[int, set[str]] = {}  # parameter names per device, as `estimate` ties them
-
-    def memory(tl: Timelines, kind: str, t: LayerTerms, recompute: str, stage: int,
-               names: dict[str, tuple[float, frozenset[str]]]):
-        mine = earlier.setdefault(stage, set())
-        tied = frozenset(n for n in names if n in mine)
-        mine.update(names)
-        return tl.get(kind, recompute, a.zero, tied, t)
-
-    if lay.pre:
-        t = terms.setdefault(("pre", vec_first), section_terms(problem, "pre", vec_first))
-        out.append(LayerWork(lay.pre[0], "pre", LayerAnnotation(0, "none", a.zero), stage=0,
-                             cost=cost(("pre", vec_first), t, "none"), params=params["pre"],
-                             memory=memory(timeline(None, vec_first), "pre", t, "none", 0, params["pre"])))
+    if lay.pre:  # the prefix runs on the stage of the first block
+        out.append(build.section("pre", lay.pre[0], 0, a.at(where[0]) if where else a.choice))
     i = 0
     for s, row in enumerate(a.stages):
-        cur = a.at(s)
-        if cur not in block_params:
-            bp: dict[str, tuple[float, frozenset[str]]] = {}
-            for var, c in zip(problem.groups, cur):
-                if var.section == "block":
-                    for name, numel, axes in var.costs[c].params:
-                        prev_p = bp.get(name)
-                        bp[name] = (numel, axes | (prev_p[1] if prev_p else frozenset()))
-            block_params[cur] = bp
         for r in (2, 1, 0):  # as `annotate_graph` writes them: fully recomputed blocks first
             for _ in range(row[r]):
-                prev = a.at(where[i - 1]) if i > 0 else None
-                nxt = a.at(where[i + 1]) if i < L - 1 else None
-                kind = "first" if i == 0 else "last" if i == L - 1 else "block"
-                key = ("block", prev, cur, nxt)
-                if key not in terms:
-                    terms[key] = block_terms(problem, prev, cur, nxt)
-                name = lay.blocks[i]
-                own = {f"{name}/{k}": v for k, v in block_params[cur].items()}
-                out.append(LayerWork(name, "block", LayerAnnotation(s, RECOMPUTE_CHOICES[r], a.zero), stage=s,
-                                     cost=cost(key, terms[key], RECOMPUTE_CHOICES[r]), params=own,
-                                     memory=memory(timeline(prev, cur), kind, terms[key], RECOMPUTE_CHOICES[r], s, own)))
+                out.append(build.block(i, s, RECOMPUTE_CHOICES[r], where))
                 i += 1
-    if lay.post:
-        last_stage = p - 1
-        t = terms.setdefault(("post", vec_last), section_terms(problem, "post", vec_last))
-        out.append(LayerWork(lay.post[0], "post", LayerAnnotation(last_stage, "none", a.zero), stage=last_stage,
-                             cost=cost(("post", vec_last), t, "none"), params=params["post"],
-                             memory=memory(timeline(vec_last, vec_last), "post", t, "none", last_stage,
-                                           params["post"])))
+    if lay.post:  # the suffix, on the last stage, runs that of the last block
+        last = len(a.stages) - 1
+        out.append(build.section("post", lay.post[0], last, a.at(where[-1]) if where else a.at(last)))
     return out
+
+
+def _params(problem: Problem, vec: tuple[int, ...], section: str) -> dict[str, tuple[float, frozenset[str]]]:
+    """The parameters `section`'s groups read at `vec`: name -> (local elements, gradient-sum axes)."""
+    out: dict[str, tuple[float, frozenset[str]]] = {}
+    for var, c in zip(problem.groups, vec):
+        if var.section == section:
+            for name, numel, axes in var.costs[c].params:
+                prev = out.get(name)
+                out[name] = (numel, axes | (prev[1] if prev else frozenset()))
+    return out
+
+
+class _Layers:
+    """Builds one assignment's `LayerWork`s in order. Layers at equal stage vectors share their
+    terms, costs and timelines; parameters are tied per pipeline device as `estimate` ties them
+    (a layer reading a parameter an earlier layer on its device read holds its gradient)."""
+
+    def __init__(self, problem: Problem, a: Assignment, options: EstimateOptions) -> None:
+        self.problem, self.a, self.options = problem, a, options
+        self.terms: dict[tuple[object, ...], LayerTerms] = {}
+        self.costs: dict[tuple[object, ...], LayerCost] = {}
+        self.timelines: dict[tuple[object, ...], Timelines] = {}
+        self.block_params: dict[tuple[int, ...], dict[str, tuple[float, frozenset[str]]]] = {}
+        self.earlier: dict[int, set[str]] = {}  # parameter names per device
+
+    def section(self, section: str, name: str, stage: int, vec: tuple[int, ...]) -> LayerWork:
+        """The prefix (`pre`) or the suffix (`post`), its groups and edges at `vec`."""
+        key = (section, vec)
+        t = self.terms.setdefault(key, section_terms(self.problem, section, vec))
+        params = _params(self.problem, self.a.choice, section)
+        return LayerWork(name, section, LayerAnnotation(stage, "none", self.a.zero), stage=stage,
+                         cost=self._cost(key, t, "none"), params=params,
+                         memory=self._memory(self._timeline(None, vec), section, t, "none", stage, params))
+
+    def block(self, i: int, s: int, recompute: str, where: list[int]) -> LayerWork:
+        """Block copy `i` on stage `s` under `recompute` (`where`: every copy's stage)."""
+        a, last = self.a, self.problem.layers - 1
+        cur = a.at(s)
+        prev = a.at(where[i - 1]) if i > 0 else None
+        nxt = a.at(where[i + 1]) if i < last else None
+        kind = "first" if i == 0 else "last" if i == last else "block"
+        key = ("block", prev, cur, nxt)
+        if key not in self.terms:
+            self.terms[key] = block_terms(self.problem, prev, cur, nxt)
+        if cur not in self.block_params:
+            self.block_params[cur] = _params(self.problem, cur, "block")
+        name = self.problem.facts.layering.blocks[i]
+        own = {f"{name}/{k}": v for k, v in self.block_params[cur].items()}
+        return LayerWork(name, "block", LayerAnnotation(s, recompute, a.zero), stage=s,
+                         cost=self._cost(key, self.terms[key], recompute), params=own,
+                         memory=self._memory(self._timeline(prev, cur), kind, self.terms[key], recompute, s, own))
+
+    def _timeline(self, prev: tuple[int, ...] | None, cur: tuple[int, ...]) -> Timelines:
+        across = prev if prev is not None and prev != cur else None  # only a stage boundary changes the layouts
+        key = (across, cur)
+        if key not in self.timelines:
+            self.timelines[key] = Timelines(self.problem, cur, {}, self.options, across)
+        return self.timelines[key]
+
+    def _cost(self, key: tuple[object, ...], t: LayerTerms, recompute: str) -> LayerCost:
+        if (key, recompute) not in self.costs:
+            self.costs[(key, recompute)] = finish_layer(t, recompute)
+        return self.costs[(key, recompute)]
+
+    def _memory(self, tl: Timelines, kind: str, t: LayerTerms, recompute: str, stage: int,
+                names: dict[str, tuple[float, frozenset[str]]]) -> LayerMemory:
+        mine = self.earlier.setdefault(stage, set())
+        tied = frozenset(n for n in names if n in mine)
+        mine.update(names)
+        return tl.get(kind, recompute, self.a.zero, tied, t)
 
 
 def pipeline_send(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
@@ -345,8 +352,6 @@ def pipeline_send(problem: Problem, choice: tuple[int, ...]) -> tuple[float, flo
 
 def evaluate(problem: Problem, a: Assignment, limit: float, options: EstimateOptions | None = None) -> Evaluation:
     """Predicted step time and per-device memory of `a` (see the module rules)."""
-    from shardc.search.timelines import output_bytes
-
     options = options or EstimateOptions()
     p = len(a.stages)
     per = [pipeline_send(problem, a.at(s)) if p > 1 else (0.0, 0.0) for s in range(p - 1)]
