@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from shardc.hardware import Cluster, parse_cluster
-from shardc.ir import Graph
+from shardc.ir import Axis, Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, parse_pipeline, run_pipeline
 
@@ -171,7 +171,7 @@ def micro_batch_trace(source: Source, partitioned: Graph) -> TraceResult | None:
     micro = int(partitioned.attrs.get("microbatches", 1))
     if micro <= 1 or partitioned.mesh is None or source.fixed_import:
         return None
-    rows = partitioned.mesh.axis_size("dp") * int(partitioned.attrs.get("microbatch_size", 1))
+    rows = partitioned.mesh.axis_size(Axis.DP) * int(partitioned.attrs.get("microbatch_size", 1))
     if source.batch is None:
         raise ShardcError(f"plan {partitioned.attrs.get('plan')} has {micro} micro-batches, but the inputs of graph "
                           f"@{partitioned.name} do not all have the batch as their first dim",
