@@ -78,7 +78,7 @@ def score(graph: Graph, sp: StudyPlan, cluster: Any, flags: Flags | None = None)
     it is), with `sp.bucket_mb` as the pass's bucket size."""
     _, passes = study_pipeline(flags)
     if sp.bucket_mb is not None:
-        passes = [replace(p, bucket_mb=sp.bucket_mb) if p.name == "estimate" else p for p in passes]  # type: ignore[type-var]
+        passes = [replace(p, bucket_mb=sp.bucket_mb) if p.name == "estimate" else p for p in passes]
     ctx = PassContext(cluster=driver.as_cluster(cluster), plan=sp.plan)
     driver.run(graph, passes, ctx, flags or Flags())
     return ctx.options["estimate"], figures(ctx.options["estimate"], graph, sp)
