@@ -39,6 +39,8 @@ PIPELINES: dict[str, str] = {
     "partition": "group-layers,validate-plan,apply-plan",
     "estimate": "group-layers,validate-plan,apply-plan,estimate",
     "compile": "group-layers,validate-plan,apply-plan,lower",
+    # what comes before `estimate` partitions the graph that is both predicted and run
+    "study": "group-layers,validate-plan,apply-plan,estimate",
 }
 
 
@@ -292,9 +294,15 @@ def solve(source: Source | str, cluster: str | Cluster, gbs: int, *, flags: Flag
 
 def split_at_lower(pipeline: str) -> tuple[list[Pass], list[Pass]]:
     """The compile pipeline cut before its last `lower` pass (hand-written partitions go between)."""
+    return split_before(pipeline, "lower", "compile")
+
+
+def split_before(pipeline: str, name: str, command: str) -> tuple[list[Pass], list[Pass]]:
+    """`pipeline` cut before its last `name` pass; a ShardcError naming `command`'s default
+    pipeline when it has none."""
     passes = parse_pipeline(pipeline)
-    at = max((i for i, p in enumerate(passes) if p.name == "lower"), default=None)
+    at = max((i for i, p in enumerate(passes) if p.name == name), default=None)
     if at is None:
-        raise ShardcError(f"a compile pipeline ends with the lower pass; {pipeline!r} has none",
-                          hint=PIPELINES["compile"])
+        raise ShardcError(f"a {command} pipeline ends with the {name} pass; {pipeline!r} has none",
+                          hint=PIPELINES[command])
     return passes[:at], passes[at:]
