@@ -35,9 +35,7 @@ class Estimate(Pass):
         if ctx.cluster is None:
             raise ShardcError("the estimate pass needs a cluster", hint="give the command a --cluster")
         cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
-        plan = ParallelPlan.parse(ctx.plan) if isinstance(ctx.plan, str) else ctx.plan
-        if plan is not None and not isinstance(plan, ParallelPlan):
-            plan = None  # a solver's plan: the graph records what it chose
+        plan = None if ctx.plan is None else ParallelPlan.of(ctx.plan)
         options = EstimateOptions(algorithm=self.algorithm)
         if self.bucket_mb:
             options = EstimateOptions(bucket_bytes=self.bucket_mb * 2**20, algorithm=self.algorithm)

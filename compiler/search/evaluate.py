@@ -101,9 +101,8 @@ class Evaluation:
 
 
 def plan_for(problem: Problem, zero: int = 0) -> ParallelPlan:
-    s = problem.shape
-    return ParallelPlan(dp=s.dp, tp=s.tp * s.tq, pp=s.pp, cp=s.cp, mb=problem.mb, gbs=problem.gbs, zero=zero,
-                        dtype=problem.dtype)
+    """The uniform plan `problem` prices: its mesh shape's degrees, micro-batch, batch, `zero`."""
+    return problem.shape.plan(problem.mb, problem.gbs, zero, problem.dtype)
 
 
 def _add(into: dict[str, float], part: dict[str, float]) -> None:
