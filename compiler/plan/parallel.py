@@ -188,7 +188,8 @@ class ParallelPlan:
         """The device mesh of the plan: pp, dp, cp, tp in that order (`MESH_AXES`)."""
         return Mesh(tuple((axis, getattr(self, axis)) for axis in MESH_AXES))
 
-    def __str__(self) -> str:
+    def items(self) -> list[tuple[str, str]]:
+        """Every key with its value as `parse` reads it, in `PLAN_KEYS` order: the text form."""
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
@@ -197,8 +198,11 @@ class ParallelPlan:
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
             if f.name == Axis.CP and self.cp_layout != "contiguous":
                 text += f":{self.cp_layout}"
-            parts.append(f"{f.name}={text}")
-        return ",".join(parts)
+            parts.append((f.name, text))
+        return parts
+
+    def __str__(self) -> str:
+        return ",".join(f"{key}={text}" for key, text in self.items())
 
     @property
     def devices(self) -> int:
