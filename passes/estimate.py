@@ -2,10 +2,10 @@
 
 Rule: `shardc.cost.model.estimate` on the graph as it stands (partitioned by apply-plan or the
 solver; a graph without a mesh is one device) on the context's cluster, under the context's
-`ParallelPlan`, or, without one, the plan the graph records (`graph.attrs["plan"]`). The
-`Estimate` goes to `ctx.options["estimate"]`; the graph is not changed. Options are the
-model's knobs that are not part of the plan: DDP's bucket size (MiB; 0 keeps DDP's default)
-and the collective algorithm.
+plan (`ParallelPlan.of`: its text, a plan, a partitioned graph), or, without one, the plan the
+graph records (`plan_of`). The `Estimate` goes to `ctx.options["estimate"]`; the graph is not
+changed. Options are the model's knobs that are not part of the plan: DDP's bucket size (MiB;
+0 keeps DDP's default) and the collective algorithm.
 """
 
 from __future__ import annotations
