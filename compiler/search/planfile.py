@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardc.hardware import Cluster
-from shardc.ir import RECOMPUTE_CHOICES, Graph, LayerAnnotation, Layout, Partial, Placement, Value
+from shardc.ir import Graph, LayerAnnotation, Layout, Partial, Placement, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.file import GroupChoice, PlanFile
 from shardc.search.evaluate import Assignment, per_stage, plan_for
@@ -85,15 +85,7 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
     rep_block = problem.groups[[v.section for v in problem.groups].index("block")].key[0] \
         if any(v.section == "block" for v in problem.groups) else None
     blocks = set(facts.layering.blocks)
-    stage_of: dict[str, tuple[int, str]] = {}
-    order = list(facts.layering.blocks)
-    i = 0
-    for s, row in enumerate(a.stages):
-        # Within a stage, fully recomputed blocks first: they are the ones held longest.
-        for r in (2, 1, 0):
-            for _ in range(row[r]):
-                stage_of[order[i]] = (s, RECOMPUTE_CHOICES[r])
-                i += 1
+    stage_of: dict[str, tuple[int, str]] = dict(zip(facts.layering.blocks, a.blocks()))
     wanted: dict[int, tuple[Value, list[tuple[tuple[str, Placement], ...]]]] = {}
     for g in facts.groups:
         layer = "<graph>" if g.layer is None else g.layer
