@@ -159,16 +159,10 @@ class CompiledPlan:
 
 
 def _as_plan(plan: Any) -> ParallelPlan:
-    if plan is None:
+    """`ParallelPlan.of(plan)`; None, or a graph that records no plan, is one device."""
+    if plan is None or (isinstance(plan, Graph) and "plan" not in plan.attrs):
         return ParallelPlan()
-    if isinstance(plan, ParallelPlan):
-        return plan
-    if isinstance(plan, str):
-        return ParallelPlan.parse(plan)
-    if isinstance(plan, Graph):
-        return ParallelPlan.parse(str(plan.attrs["plan"])) if "plan" in plan.attrs else ParallelPlan()
-    raise ShardcError(f"plan must be a ParallelPlan, its text ('dp=2,tp=2'), a partitioned Graph or None, "
-                      f"not {type(plan).__name__}")
+    return ParallelPlan.of(plan)
 
 
 def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: Any = None, *,

@@ -228,10 +228,10 @@ def as_cluster(cluster: str | Cluster | None) -> Cluster | None:
 
 
 def as_plan(plan: str | ParallelPlan | None) -> ParallelPlan | None:
-    """A ParallelPlan from its text; None stays None."""
+    """`ParallelPlan.of(plan)`; None stays None."""
     from shardc.plan.parallel import ParallelPlan
 
-    return ParallelPlan.parse(plan) if isinstance(plan, str) else plan
+    return None if plan is None else ParallelPlan.of(plan)
 
 
 def partition(source: Source | str, cluster: str | Cluster | None, plan: str | ParallelPlan, *,

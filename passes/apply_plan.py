@@ -78,13 +78,6 @@ from shardc.passes.validate_plan import check_plan
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.plan.parallel import ParallelPlan
 
-MESH_AXES = ("pp", "dp", "cp", "tp")
-
-
-def plan_mesh(plan: ParallelPlan) -> Mesh:
-    """The mesh of a plan: pp, dp, cp, tp in that order (tp innermost, on the fastest links)."""
-    return Mesh(tuple((axis, getattr(plan, axis)) for axis in MESH_AXES))
-
 
 @dataclass
 class _Planner:
@@ -243,7 +236,7 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
         group_layers(graph)
     check_plan(graph, plan)
     dims = model_dims(graph)
-    mesh = plan_mesh(plan)
+    mesh = plan.mesh()
     graph.mesh = mesh
     roles = dim_roles(graph)
     batch = graph.inputs[0].type.shape[0] if graph.inputs and graph.inputs[0].type.rank else None
@@ -310,9 +303,7 @@ class ApplyPlan(ParallelPlan, Pass):
         plan = self.to_plan()
         given = getattr(ctx, "plan", None) if ctx is not None else None
         if plan == ParallelPlan() and given is not None:
-            plan = ParallelPlan.parse(given) if isinstance(given, str) else given
-        if not isinstance(plan, ParallelPlan):
-            raise ShardcError(f"apply-plan needs a ParallelPlan, got {type(plan).__name__}")
+            plan = ParallelPlan.of(given)
         return apply_plan(graph, plan)
 
 

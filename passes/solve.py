@@ -19,18 +19,19 @@ from shardc.hardware import Cluster, parse_cluster
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
+from shardc.plan.file import PlanFile
 from shardc.search.evaluate import Assignment
 from shardc.search.outer import search
-from shardc.search.planfile import annotate_graph, assignment_from_plan, load_plan, plan_shape
+from shardc.search.planfile import annotate_graph, assignment_from_plan
 from shardc.search.problem import GraphFacts, MeshShape, build_problem, graph_facts
 from shardc.search.report import no_fit_error
 
 
 def warm_hint(path: str, facts: GraphFacts, cluster: Cluster, gbs: int) -> tuple[MeshShape, int, Assignment]:
     """The plan file at `path` mapped onto this graph: (mesh shape, micro-batch size, assignment)."""
-    data = load_plan(path)
-    shape, mb = plan_shape(data)
-    return shape, mb, assignment_from_plan(data, build_problem(facts, cluster, shape, mb, gbs))
+    file = PlanFile.load(path)
+    shape, mb = MeshShape.of(file.plan, file.tq), file.plan.mb
+    return shape, mb, assignment_from_plan(file, build_problem(facts, cluster, shape, mb, gbs))
 
 
 @register_pass

@@ -33,9 +33,9 @@ from shardc.hardware import Cluster
 from shardc.ir import Axis, Graph, LayerAnnotation, Shard
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
-from shardc.plan.parallel import ParallelPlan
+from shardc.plan.parallel import ParallelPlan, plan_of
 
-__all__ = ["EstimateOptions", "estimate", "plan_of"]
+__all__ = ["EstimateOptions", "estimate"]
 
 
 def _layers(graph: Graph, plan: ParallelPlan) -> list[LayerWork]:
@@ -103,16 +103,6 @@ def _batch_scale(graph: Graph, plan: ParallelPlan) -> tuple[float, int]:
             if isinstance(p, Shard) and p.dim == 0 and axis != Axis.DP:
                 model_axes *= graph.mesh.axis_size(axis)
     return plan.mb / model_axes / max(local, 1), batch
-
-
-def plan_of(graph: Graph) -> ParallelPlan:
-    """The plan a partitioned graph was written with: `graph.attrs["plan"]` (apply-plan and the
-    solver record it); recomputation, ZeRO and stages per layer come from the layers."""
-    text = graph.attrs.get("plan")
-    if not text:
-        raise ShardcError(f"graph @{graph.name} records no plan (graph.attrs['plan']); pass the plan to "
-                          "estimate, or partition the graph with apply-plan or the solver first")
-    return ParallelPlan.parse(str(text))
 
 
 def _sequence(graph: Graph) -> int:

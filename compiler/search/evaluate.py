@@ -51,6 +51,12 @@ class Assignment:
     def uniform(self) -> bool:
         return not self.stage_choice
 
+    def blocks(self) -> list[tuple[int, str]]:
+        """Every block copy's (stage, recomputation), in order. Rule: within a stage, fully
+        recomputed blocks first, then selective, then none (the first are held longest)."""
+        return [(s, RECOMPUTE_CHOICES[r]) for s, row in enumerate(self.stages) for r in (2, 1, 0)
+                for _ in range(row[r])]
+
 
 def per_stage(problem: Problem, choice: tuple[int, ...], blocks: list[tuple[int, ...]],
               stages: tuple[tuple[int, int, int], ...], zero: int) -> Assignment:
@@ -68,11 +74,6 @@ def per_stage(problem: Problem, choice: tuple[int, ...], blocks: list[tuple[int,
     if all(v == vecs[0] for v in vecs):
         return Assignment(vecs[0], stages, zero)
     return Assignment(vecs[0], stages, zero, tuple(vecs))
-
-
-def block_stages(a: Assignment) -> list[int]:
-    """The stage of every block copy, in order."""
-    return [s for s, row in enumerate(a.stages) for _ in range(sum(row))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +102,8 @@ class Evaluation:
 
 
 def plan_for(problem: Problem, zero: int = 0) -> ParallelPlan:
-    s = problem.shape
-    return ParallelPlan(dp=s.dp, tp=s.tp * s.tq, pp=s.pp, cp=s.cp, mb=problem.mb, gbs=problem.gbs, zero=zero,
-                        dtype=problem.dtype)
+    """The uniform plan `problem` prices: its mesh shape's degrees, micro-batch, batch, `zero`."""
+    return problem.shape.plan(problem.mb, problem.gbs, zero, problem.dtype)
 
 
 def _add(into: dict[str, float], part: dict[str, float]) -> None:
@@ -248,7 +248,7 @@ def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None
 
     options = options or EstimateOptions()
     p = len(a.stages)
-    where = block_stages(a)
+    where = [s for s, _ in a.blocks()]
     L = problem.layers
     vec_first = a.at(where[0]) if where else a.choice
     vec_last = a.at(where[-1]) if where else a.at(p - 1)
@@ -293,8 +293,7 @@ def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None
         out.append(LayerWork(lay.pre[0], "pre", LayerAnnotation(0, "none", a.zero), stage=0,
                              cost=cost(("pre", vec_first), t, "none"), params=params["pre"],
                              memory=memory(timeline(None, vec_first), "pre", t, "none", 0, params["pre"])))
-    i = 0
-    for s, row in enumerate(a.stages):
+    for i, (s, rc) in enumerate(a.blocks()):  # the order `annotate_graph` writes them in
         cur = a.at(s)
         if cur not in block_params:
             bp: dict[str, tuple[float, frozenset[str]]] = {}
@@ -304,20 +303,16 @@ def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None
                         prev_p = bp.get(name)
                         bp[name] = (numel, axes | (prev_p[1] if prev_p else frozenset()))
             block_params[cur] = bp
-        for r in (2, 1, 0):  # as `annotate_graph` writes them: fully recomputed blocks first
-            for _ in range(row[r]):
-                prev = a.at(where[i - 1]) if i > 0 else None
-                nxt = a.at(where[i + 1]) if i < L - 1 else None
-                kind = "first" if i == 0 else "last" if i == L - 1 else "block"
-                key = ("block", prev, cur, nxt)
-                if key not in terms:
-                    terms[key] = block_terms(problem, prev, cur, nxt)
-                name = lay.blocks[i]
-                own = {f"{name}/{k}": v for k, v in block_params[cur].items()}
-                out.append(LayerWork(name, "block", LayerAnnotation(s, RECOMPUTE_CHOICES[r], a.zero), stage=s,
-                                     cost=cost(key, terms[key], RECOMPUTE_CHOICES[r]), params=own,
-                                     memory=memory(timeline(prev, cur), kind, terms[key], RECOMPUTE_CHOICES[r], s, own)))
-                i += 1
+        prev = a.at(where[i - 1]) if i > 0 else None
+        nxt = a.at(where[i + 1]) if i < L - 1 else None
+        kind = "first" if i == 0 else "last" if i == L - 1 else "block"
+        key = ("block", prev, cur, nxt)
+        if key not in terms:
+            terms[key] = block_terms(problem, prev, cur, nxt)
+        name = lay.blocks[i]
+        own = {f"{name}/{k}": v for k, v in block_params[cur].items()}
+        out.append(LayerWork(name, "block", LayerAnnotation(s, rc, a.zero), stage=s, cost=cost(key, terms[key], rc),
+                             params=own, memory=memory(timeline(prev, cur), kind, terms[key], rc, s, own)))
     if lay.post:
         last_stage = p - 1
         t = terms.setdefault(("post", vec_last), section_terms(problem, "post", vec_last))

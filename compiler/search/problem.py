@@ -26,16 +26,20 @@ from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
-from shardc.ir import Graph, Layout, Mesh, Value
+from shardc.ir import Axis, Graph, Layout, Mesh, Value
+from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import ir_dtype
+from shardc.plan.parallel import ParallelPlan
 from shardc.search.candidates import Candidate, Shapes, enumerate_group
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
 
 
 @dataclass(frozen=True, slots=True)
 class MeshShape:
-    """Degrees of pipeline, data, context and tensor parallelism (outermost first); `tq` > 1
-    splits tensor parallelism over a second axis (tp x tq), as PrimePar's grids need."""
+    """The degrees of a `ParallelPlan` the solver varies: pipeline, data, context and tensor
+    parallelism (outermost first); `tq` > 1 splits tensor parallelism over a second axis
+    (tp x tq), as PrimePar's grids need, which a plan writes as tp = tp*tq. `of` and `plan`
+    are the one conversion between the two; `mesh` is the plan's mesh with tq split off tp."""
 
     pp: int = 1
     dp: int = 1
@@ -43,19 +47,33 @@ class MeshShape:
     tp: int = 1
     tq: int = 1
 
+    @classmethod
+    def of(cls, plan: ParallelPlan, tq: int = 1) -> MeshShape:
+        """`plan`'s degrees, `tq` of its tensor parallelism on the second tensor axis."""
+        if plan.tp % tq:
+            raise ShardcError(f"plan {plan}: tq={tq} does not divide tp={plan.tp}")
+        return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq)
+
+    def plan(self, mb: int, gbs: int, zero: int = 0, dtype: str = "bf16") -> ParallelPlan:
+        """The plan with these degrees (tp*tq as tp) and the given micro-batch, batch and ZeRO."""
+        return ParallelPlan(dp=self.dp, tp=self.tp * self.tq, pp=self.pp, cp=self.cp, mb=mb, gbs=gbs, zero=zero,
+                            dtype=dtype)
+
     @property
     def devices(self) -> int:
         return self.pp * self.dp * self.cp * self.tp * self.tq
 
     def _tq(self) -> tuple[tuple[str, int], ...]:
-        return (("tq", self.tq),) if self.tq > 1 else ()
+        return ((Axis.TQ, self.tq),) if self.tq > 1 else ()
 
     def mesh(self) -> Mesh:
-        return Mesh((("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) + self._tq())
+        """The plan's mesh (`ParallelPlan.mesh`: pp, dp, cp, tp), then tq innermost when > 1."""
+        axes = ParallelPlan(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp).mesh().axes
+        return Mesh(axes + self._tq())
 
     def intra(self) -> Mesh:
-        axes = (("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) + self._tq()
-        return Mesh(tuple((a, s) for a, s in axes if s > 1))
+        """The mesh without pp, and without axes of size 1: the axes inside one stage."""
+        return Mesh(tuple((a, s) for a, s in self.mesh().axes if s > 1 and a != Axis.PP))
 
     def __str__(self) -> str:
         return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}" + (f", tq={self.tq}" if self.tq > 1 else "")
