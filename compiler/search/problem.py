@@ -17,9 +17,9 @@ the same producer `share` one gradient (their contributions are summed, then red
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from shardc.analysis.dims import batch_scale
 from shardc.analysis.groups import NodeGroup, build_groups
 from shardc.analysis.roles import Roles, dim_roles
 from shardc.analysis.stages import Layering, layering
@@ -181,8 +181,9 @@ def pricing_shape(facts: GraphFacts, shape: MeshShape) -> MeshShape:
     replica holds `mb` sequences whatever the dp size, and dp's own collectives (gradient sync,
     ZeRO) and the pipeline sends are priced per shape in `shardc.search.linear.coefficients`.
     So a shape whose dp is at least the traced batch is priced with dp equal to the traced
-    batch (one traced sequence per replica, scaled to `mb`, as on the shape itself), where
-    every local shape divides exactly; a smaller dp is priced as it is."""
+    batch (one traced sequence per replica, scaled to `mb` by `shardc.analysis.dims.batch_scale`,
+    as on the shape itself), where every local shape divides exactly; a smaller dp is priced as
+    it is."""
     dp = max(min(shape.dp, facts.batch), 2) if shape.dp > 1 else 1
     return MeshShape(1, dp, shape.cp, shape.tp, shape.tq)
 
@@ -193,7 +194,7 @@ def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate
 
 
 def _pricer(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int, dtype: str) -> Pricer:
-    ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
+    ctx = facts.ctx.rescoped(shape.mesh(), batch_scale(facts.batch, mb, shape.dp).factor)
     return Pricer(cluster, shape.mesh(), dtype, ctx, facts.core)
 
 
@@ -215,7 +216,7 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
 
 def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate: bool, chunk: bool) -> Priced:
     lay = facts.layering
-    shapes = Shapes(facts.roles, mb * shape.dp / facts.batch, facts.batched)
+    shapes = Shapes(facts.roles, batch_scale(facts.batch, mb, shape.dp).global_factor, facts.batched)
     intra = shape.intra()
     rep = (lay.blocks[1] if len(lay.blocks) > 1 else lay.blocks[0]) if lay.blocks else None
     sections = [(name, "pre") for name in lay.pre] + ([(rep, "block")] if rep else []) + [(n, "post") for n in lay.post]
