@@ -18,8 +18,8 @@ Rules: the figures come from the cost model's own functions, at the traced batch
   parameter, so tied weights count once: its local shard at its own dtype.
 - The `dtype` option counts float tensors at that element size (`annotate-cost{dtype=bf16}`,
   as the model does at a plan's compute dtype); by default every tensor counts at its own dtype.
-- Times need a cluster: with `ctx.cluster` its device's rules apply (a calibrated local CPU
-  charges no bytes to views); without, a roofline device's.
+- The device's rules apply as the model applies them: `ctx.cluster`'s device when set (a
+  calibrated local CPU charges views no bytes), else a roofline H100 (FLOPs and bytes only).
 
 The cost model does not read these annotations back: it prices a plan at its compute dtype and
 micro-batch (`shardc.analysis.dims.batch_scale`), and the solver prices candidates the IR does
