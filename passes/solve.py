@@ -8,6 +8,10 @@ writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts
 stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
 plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes. The
 search result is left in `ctx.options["search"]`. Fails with a ShardcError when no plan fits.
+
+Candidates an `enumerate-candidates` pass enumerated earlier in the pipeline (its table in
+`ctx.options["candidates"]`, for this graph) are the solver's: it enumerates only the shapes and
+micro-batches that table lacks, and leaves the completed table there.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class Solve(Pass):
             raise ShardcError("the solve pass needs a cluster", hint="set PassContext(cluster=parse_cluster('8xH100'))")
         cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
         limit = self.memory_limit_gb * 2**30 if self.memory_limit_gb else float(cluster.device.memory_bytes)
-        facts = graph_facts(graph, cluster)
+        facts = graph_facts(graph, cluster, candidates=ctx.options.get("candidates"))
+        ctx.options["candidates"] = facts.candidates
         warm = warm_hint(self.warm_start, facts, cluster, self.gbs) if self.warm_start else None
         result = search(facts, cluster, self.gbs, limit, self.time_limit, self.seed, self.workers, warm,
                         grid2d=self.grid2d)

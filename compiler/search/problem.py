@@ -17,11 +17,11 @@ the same producer `share` one gradient (their contributions are summed, then red
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from shardc.analysis.dims import batch_scale
 from shardc.analysis.groups import NodeGroup, build_groups
-from shardc.analysis.roles import Roles, dim_roles
+from shardc.analysis.roles import Roles
 from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
@@ -30,8 +30,9 @@ from shardc.ir import Axis, Graph, Layout, Mesh, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import ir_dtype
 from shardc.plan.parallel import ParallelPlan
-from shardc.search.candidates import Candidate, Shapes, enumerate_group
+from shardc.search.candidates import Candidate
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
+from shardc.search.table import CandidateTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +132,19 @@ class GraphFacts:
     needs_grad: frozenset[int]
     core: frozenset[int]
     ctx: CostContext
+    candidates: CandidateTable
     by_layer: dict[str | None, list[NodeGroup]] = field(default_factory=dict)
 
 
-def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFacts:
+def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16",
+                candidates: CandidateTable | None = None) -> GraphFacts:
+    """The facts of `graph` on `cluster`. `candidates`: a table an earlier enumeration filled
+    (the enumerate-candidates pass); used when it was made for this graph, else a fresh one."""
     groups = build_groups(graph)
-    roles = dim_roles(graph)
+    if candidates is None or not candidates.fits(graph):
+        candidates = CandidateTable.of(graph)
+    roles, batch = candidates.roles, candidates.batch
     ctx = CostContext.build(graph, cluster, ir_dtype(dtype))
-    batch = next((v.type.shape[0] for v in graph.inputs if roles.get(v, (None,))[0] == "batch"), 1)
     core: set[int] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
     for g in groups:
@@ -149,7 +155,7 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
     for nodes in nodes_of.values():
         core |= attention_core(ctx, nodes)
     return GraphFacts(graph, groups, roles, layering(graph, "<graph>").uniform(), batch, frozenset(ctx.batched),
-                      frozenset(ctx.needs_grad), frozenset(core), ctx, by_layer)
+                      frozenset(ctx.needs_grad), frozenset(core), ctx, candidates, by_layer)
 
 
 @dataclass
@@ -192,15 +198,16 @@ class Priced:
 PricingCache = dict[tuple[object, ...], Priced]
 
 
-def pricing_shape(facts: GraphFacts, shape: MeshShape) -> MeshShape:
+def pricing_shape(facts: GraphFacts | CandidateTable, shape: MeshShape) -> MeshShape:
     """The mesh candidates and edges are priced on. Rule: prices depend on the intra-stage axes
     present, the sizes of cp and tp (the innermost axes: their link levels do not depend on the
     outer ones) and the micro-batch, not on pp or the dp size: dp only splits batch dims, one
     replica holds `mb` sequences whatever the dp size, and dp's own collectives (gradient sync,
     ZeRO) and the pipeline sends are priced per shape in `shardc.search.linear.coefficients`.
     So a shape whose dp is at least the traced batch is priced with dp equal to the traced
-    batch (one traced sequence per replica, scaled to `mb`, as on the shape itself), where
-    every local shape divides exactly; a smaller dp is priced as it is."""
+    batch (one traced sequence per replica, scaled to `mb` by `shardc.analysis.dims.batch_scale`,
+    as on the shape itself), where every local shape divides exactly; a smaller dp is priced as
+    it is."""
     dp = max(min(shape.dp, facts.batch), 2) if shape.dp > 1 else 1
     return MeshShape(1, dp, shape.cp, shape.tp, shape.tq)
 
@@ -211,7 +218,7 @@ def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate
 
 
 def _pricer(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int, dtype: str) -> Pricer:
-    ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
+    ctx = facts.ctx.rescoped(shape.mesh(), batch_scale(facts.batch, mb, shape.dp).factor)
     return Pricer(cluster, shape.mesh(), dtype, ctx, facts.core)
 
 
@@ -233,16 +240,16 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
 
 def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate: bool, chunk: bool) -> Priced:
     lay = facts.layering
-    shapes = Shapes(facts.roles, mb * shape.dp / facts.batch, facts.batched)
-    intra = shape.intra()
     rep = (lay.blocks[1] if len(lay.blocks) > 1 else lay.blocks[0]) if lay.blocks else None
     sections = [(name, "pre") for name in lay.pre] + ([(rep, "block")] if rep else []) + [(n, "post") for n in lay.post]
     vars_: list[GroupVar] = []
     index: dict[tuple[str, int], int] = {}
+    intra = shape.intra()
     for layer, section in sections:
         for g in facts.by_layer.get(None if layer == "<graph>" else layer, []):
             index[(layer, g.position)] = len(vars_)
-            vars_.append(GroupVar((layer, g.position), section, g, enumerate_group(g, intra, shapes, rotate, chunk), []))
+            cands = facts.candidates.candidates(g, intra, shape.dp, mb, rotate, chunk)
+            vars_.append(GroupVar((layer, g.position), section, g, cands, []))
     for var in vars_:
         var.costs = [pricer.candidate(var.group, c) for c in var.cands]
     edges = _edges(facts, vars_, index, rep, pricer)
