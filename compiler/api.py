@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shardc.ir import Graph, Mesh
+from shardc.ir import Axis, Graph, Mesh
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
 
@@ -85,17 +85,17 @@ class CompiledPlan:
         self._check_rank(rank)
         coords = ", ".join(f"{a}={c}" for a, c in self.mesh.coordinates(rank).items())
         head = f"# rank {rank} of {self.mesh} ({coords}), plan {self.plan}\n"
-        if self.mesh.axis_size("pp") == 1:
+        if self.mesh.axis_size(Axis.PP) == 1:
             return head + module_code(self.module(rank))
         from shardc.backends.torch.codegen import generate
         from shardc.backends.torch.stages import split_stages
 
         stages = split_stages(self.runtime_graph)
-        pp, parts = self.mesh.axis_size("pp"), []
-        for s in range(self.mesh.coordinates(rank)["pp"], len(stages.stages), pp):
+        pp, parts = self.mesh.axis_size(Axis.PP), []
+        for s in range(self.mesh.coordinates(rank)[Axis.PP], len(stages.stages), pp):
             parts.append(f"# ==== stage {s} of {len(stages.stages)} ====\n"
                          + module_code(generate(stages.stages[s], rank, local_inputs=True)))
-        if stages.loss is not None and (len(stages.stages) - 1) % pp == self.mesh.coordinates(rank)["pp"]:
+        if stages.loss is not None and (len(stages.stages) - 1) % pp == self.mesh.coordinates(rank)[Axis.PP]:
             parts.append("# ==== loss (the schedule's loss_fn on the last stage) ====\n"
                          + module_code(generate(stages.loss, rank, local_inputs=True)))
         return head + "\n".join(parts)
@@ -137,7 +137,7 @@ class CompiledPlan:
         `loss_fn(outputs, target)` when given (the model then returns e.g. logits, and `step`
         takes `step(*inputs, target=...)`).
         """
-        if self.plan.pp > 1 or self.mesh.axis_size("pp") > 1:
+        if self.plan.pp > 1 or self.mesh.axis_size(Axis.PP) > 1:
             from shardc.backends.torch.pipelined import parallelize_pipeline
 
             return parallelize_pipeline(self, model, init=init, seed=seed, device=device, loss_fn=loss_fn)
@@ -159,16 +159,10 @@ class CompiledPlan:
 
 
 def _as_plan(plan: Any) -> ParallelPlan:
-    if plan is None:
+    """`ParallelPlan.of(plan)`; None, or a graph that records no plan, is one device."""
+    if plan is None or (isinstance(plan, Graph) and "plan" not in plan.attrs):
         return ParallelPlan()
-    if isinstance(plan, ParallelPlan):
-        return plan
-    if isinstance(plan, str):
-        return ParallelPlan.parse(plan)
-    if isinstance(plan, Graph):
-        return ParallelPlan.parse(str(plan.attrs["plan"])) if "plan" in plan.attrs else ParallelPlan()
-    raise ShardcError(f"plan must be a ParallelPlan, its text ('dp=2,tp=2'), a partitioned Graph or None, "
-                      f"not {type(plan).__name__}")
+    return ParallelPlan.of(plan)
 
 
 def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: Any = None, *,

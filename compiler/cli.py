@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--fresh-profile", action="store_true",
                    help="recalibrate this machine before the sweep (its load changes the predictions)")
+    _add_pipeline(p, PIPELINES["study"] + " (its passes before estimate make the graph that runs)")
 
     p = sub.add_parser("calibrate", help="measure this machine and cache the local profile")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
@@ -234,7 +235,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     return run_study(args.model, args.nproc, plans_file=args.plans, sweep=args.sweep, device=args.device,
                      out_dir=args.out, steps=args.steps, warmup=args.warmup, console=_console(),
                      fresh_profile=args.fresh_profile, cluster=args.cluster,
-                     gpu_calibration=args.calibrate_matmuls)
+                     gpu_calibration=args.calibrate_matmuls, flags=_flags(args))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from shardc.hardware import Cluster, parse_cluster
-from shardc.ir import Graph
+from shardc.ir import Axis, Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, parse_pipeline, run_pipeline
 
@@ -39,6 +39,8 @@ PIPELINES: dict[str, str] = {
     "partition": "group-layers,validate-plan,apply-plan",
     "estimate": "group-layers,validate-plan,apply-plan,estimate",
     "compile": "group-layers,validate-plan,apply-plan,lower",
+    # what comes before `estimate` partitions the graph that is both predicted and run
+    "study": "group-layers,validate-plan,apply-plan,estimate",
 }
 
 
@@ -171,7 +173,7 @@ def micro_batch_trace(source: Source, partitioned: Graph) -> TraceResult | None:
     micro = int(partitioned.attrs.get("microbatches", 1))
     if micro <= 1 or partitioned.mesh is None or source.fixed_import:
         return None
-    rows = partitioned.mesh.axis_size("dp") * int(partitioned.attrs.get("microbatch_size", 1))
+    rows = partitioned.mesh.axis_size(Axis.DP) * int(partitioned.attrs.get("microbatch_size", 1))
     if source.batch is None:
         raise ShardcError(f"plan {partitioned.attrs.get('plan')} has {micro} micro-batches, but the inputs of graph "
                           f"@{partitioned.name} do not all have the batch as their first dim",
@@ -226,10 +228,10 @@ def as_cluster(cluster: str | Cluster | None) -> Cluster | None:
 
 
 def as_plan(plan: str | ParallelPlan | None) -> ParallelPlan | None:
-    """A ParallelPlan from its text; None stays None."""
+    """`ParallelPlan.of(plan)`; None stays None."""
     from shardc.plan.parallel import ParallelPlan
 
-    return ParallelPlan.parse(plan) if isinstance(plan, str) else plan
+    return None if plan is None else ParallelPlan.of(plan)
 
 
 def partition(source: Source | str, cluster: str | Cluster | None, plan: str | ParallelPlan, *,
@@ -292,9 +294,15 @@ def solve(source: Source | str, cluster: str | Cluster, gbs: int, *, flags: Flag
 
 def split_at_lower(pipeline: str) -> tuple[list[Pass], list[Pass]]:
     """The compile pipeline cut before its last `lower` pass (hand-written partitions go between)."""
+    return split_before(pipeline, "lower", "compile")
+
+
+def split_before(pipeline: str, name: str, command: str) -> tuple[list[Pass], list[Pass]]:
+    """`pipeline` cut before its last `name` pass; a ShardcError naming `command`'s default
+    pipeline when it has none."""
     passes = parse_pipeline(pipeline)
-    at = max((i for i, p in enumerate(passes) if p.name == "lower"), default=None)
+    at = max((i for i, p in enumerate(passes) if p.name == name), default=None)
     if at is None:
-        raise ShardcError(f"a compile pipeline ends with the lower pass; {pipeline!r} has none",
-                          hint=PIPELINES["compile"])
+        raise ShardcError(f"a {command} pipeline ends with the {name} pass; {pipeline!r} has none",
+                          hint=PIPELINES[command])
     return passes[:at], passes[at:]

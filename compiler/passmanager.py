@@ -47,8 +47,10 @@ class PassTiming:
 class PassContext:
     """What passes may read besides the graph. Seeds and limits are explicit, never global.
 
-    `plan` is whatever plan object the solving passes exchange (a `ParallelPlan`, a solver
-    result); `options` holds free-form settings; `timings` is filled by `run_pipeline`.
+    `plan` is the plan the passes apply or check: plan text, a `ParallelPlan`, or a partitioned
+    graph that records one (passes read it through `ParallelPlan.of`); `options` holds free-form
+    settings and what passes leave for the caller (`estimate`, `search`); `timings` is filled by
+    `run_pipeline`.
     """
 
     mesh: Mesh | None = None

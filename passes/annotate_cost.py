@@ -1,22 +1,30 @@
 """annotate-cost: per node, the FLOPs, bytes moved, activation bytes saved for backward and
-parameter bytes it brings in, written to `node.annotations` (the IR changes in place).
+parameter bytes the analytical model (`shardc.cost`) charges it, written to `node.annotations`
+(the IR changes in place), so that what `shardc inspect` shows is what `shardc estimate` prices.
 
-Rules:
-- Sizes are per device: in a graph with a mesh each operand counts at its local shard shape,
-  from the layouts the node's partition implies (or the values' own layouts when it has none).
-- `flops` is the registry's forward count; `bytes` what a plain kernel reads and writes.
-- `saved_bytes` follows `OpDef.saved_for_backward`. A tensor saved by several nodes counts
-  once, at the first. Views alias their source exactly where torch makes a view
-  (`shardc.analysis.aliasing`: the graph is run on meta tensors): a saved view costs its own
-  size, and all the saved aliases of one storage together never cost more than that storage.
+Rules: the figures come from the cost model's own functions, at the traced batch.
+- Local shapes: `shardc.cost.compute.localize` (the node's partition on the graph's mesh, the
+  registry's layouts; a node without a partition works on whole tensors), each step of a
+  rotating split on `grid2d.step_types`'s pieces.
+- `flops` and `bytes`: the forward of `node_compute_time` (the registry's FLOP formula on local
+  shapes; what the kernel reads and writes, nothing for a view, a copy for a view PyTorch
+  cannot make), repeated per rotation step and scaled to the slowest rank of a causal ring
+  (`rotation_steps`, `causal_ring_cost`); a dropout that drops nothing costs nothing.
+- `saved_bytes`: the op's `saved_bytes_of` entries; a view counts as the storage it aliases
+  (`shardc.analysis.aliasing`) at that storage's own layout, each storage once per layer, at
+  the first node of the layer that saves it, as `cost.layer.layer_terms` charges it.
   Parameters and buffers, and views of them, are not activations and cost nothing here.
 - `param_bytes` (and `params`, the element count) go to the first node that reads a
-  parameter, so tied weights count once.
-- The `dtype` option counts float tensors at that element size (`annotate-cost{dtype=bf16}`
-  for mixed precision); by default every tensor counts at its own dtype. Parameter bytes are
-  always at the parameter's own dtype.
+  parameter, so tied weights count once: its local shard at its own dtype.
+- The `dtype` option counts float tensors at that element size (`annotate-cost{dtype=bf16}`,
+  as the model does at a plan's compute dtype); by default every tensor counts at its own dtype.
+- The device's rules apply as the model applies them: `ctx.cluster`'s device when set (a
+  calibrated local CPU charges views no bytes), else a roofline H100 (FLOPs and bytes only).
 
-`cost_table(graph)` sums the same figures per layer for `shardc inspect`.
+The cost model does not read these annotations back: it prices a plan at its compute dtype and
+micro-batch (`shardc.analysis.dims.batch_scale`), and the solver prices candidates the IR does
+not hold (`CostContext.with_overlay`), so it calls the same functions on what it prices.
+`cost_table(graph)` sums the annotations per layer for `shardc inspect`.
 """
 
 from __future__ import annotations
@@ -24,101 +32,98 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardc.analysis.aliasing import aliasing
-from shardc.ir import DTYPE_BYTES, Graph, Layout, Mesh, Node, TensorType, Value
-from shardc.ops.registry import CostRow, OpDef, get_op, has_op, node_layouts
-from shardc.ops.verifier import layouts_agree
+from shardc.analysis.aliasing import aliases, aliasing
+from shardc.cost.compute import (
+    NodeCost,
+    local_type,
+    localize,
+    node_compute_time,
+    repeated,
+    rotation_steps,
+    saved_bytes_of,
+)
+from shardc.cost.grid2d import step_types
+from shardc.cost.ring import causal_ring_cost
+from shardc.hardware import DeviceSpec, parse_cluster
+from shardc.ir import DTYPE_BYTES, Graph, Layout, Node, TensorType, Value
+from shardc.ops.registry import CostRow, get_op, has_op
 from shardc.passmanager import Pass, PassContext, register_pass
 
 COST_KEYS = ("flops", "bytes", "saved_bytes", "param_bytes", "params")
+ROOFLINE_DEVICE = "1xH100"  # the device whose rules apply without a cluster (FLOPs and bytes only)
+_NO_LAYOUT = Layout()
 
 
-def _bytes(t: TensorType, dtype: str | None) -> int:
-    if dtype is not None and t.is_float:
-        return t.numel * DTYPE_BYTES[dtype]
-    return t.nbytes
+def _own_dtype(types: tuple[TensorType, ...], values: list[Value], dtype: str | None) -> tuple[TensorType, ...]:
+    """Local types at `dtype` (localize's), or at each value's own dtype when None."""
+    if dtype is not None:
+        return types
+    return tuple(TensorType(t.shape, v.type.dtype) for t, v in zip(types, values))
 
 
-def _local(t: TensorType, layout: Layout | None, mesh: Mesh | None) -> TensorType:
-    if mesh is None or layout is None:
-        return t
-    return TensorType(layout.local_shape(t.shape, mesh), t.dtype)
+def forward_cost(node: Node, graph: Graph, device: DeviceSpec, dtype: str | None, copies: bool) -> tuple[
+        NodeCost, tuple[TensorType, ...], tuple[TensorType, ...]]:
+    """The forward the cost model charges `node` (see the module rules), with its local input
+    and output types."""
+    compute = dtype or "f32"
+    try:
+        local = localize(node, graph.mesh, compute)
+    except (ValueError, KeyError, IndexError):  # the verifier explains a partition that does not fit
+        local = localize(node, graph.mesh, compute, None)
+    ins = _own_dtype(local.in_types, node.inputs, dtype)
+    outs = _own_dtype(local.out_types, node.outputs, dtype)
+    part = node.partition if local.space is not None else None
+    cost = node_compute_time(local.op, step_types(local.space, part, ins), outs, node.attrs,
+                             device, compute, needs_grad=[False] * len(ins), copies=copies)
+    cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)
+    if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
+        cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    return cost, ins, outs
 
 
-def node_local_layouts(node: Node, op: OpDef, mesh: Mesh | None) -> tuple[list[Layout | None], list[Layout | None]]:
-    """The layouts a node computes on: its partition's, else its values' own."""
-    ins: list[Layout | None] = [v.layout for v in node.inputs]
-    outs: list[Layout | None] = [v.layout for v in node.outputs]
-    if mesh is not None and node.partition is not None:
-        try:
-            space = op.iteration_space([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
-            want_in, want_out = node_layouts(space, node.partition, mesh)
-            ins = list(want_in) + ins[len(want_in):]
-            outs = list(want_out) + outs[len(want_out):]
-        except (ValueError, KeyError, IndexError):
-            pass  # the verifier explains a partition that does not fit; cost the value layouts
-    return ins, outs
-
-
-def node_costs(graph: Graph, dtype: str | None = None) -> list[CostRow]:
-    """One `CostRow` per node, in graph order (`extra["params"]` is the parameter count)."""
+def node_costs(graph: Graph, dtype: str | None = None, device: DeviceSpec | None = None) -> list[CostRow]:
+    """One `CostRow` per node, in graph order (`extra["params"]` is the parameter count), on
+    `device` (a roofline H100 when None)."""
     if dtype is not None and dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    device = device or parse_cluster(ROOFLINE_DEVICE).device
     mesh = graph.mesh
     storage = aliasing(graph)
+    copies = set(storage.copies)
     seen_params: set[Value] = set()
-    saved_values: set[tuple[Value, str]] = set()
-    charged: dict[Any, int] = {}  # storage key -> bytes charged so far
+    saved_storages: set[tuple[str | None, Value]] = set()  # (layer, storage) charged
     rows = []
     for node in graph.nodes:
         if not has_op(node.op):
             rows.append(CostRow(extra={"params": 0.0}))
             continue
-        op = get_op(node.op)
-        in_layouts, out_layouts = node_local_layouts(node, op, mesh)
-        in_local = [_local(v.type, lay, mesh) for v, lay in zip(node.inputs, in_layouts)]
-        out_local = [_local(v.type, lay, mesh) for v, lay in zip(node.outputs, out_layouts)]
-        flops = op.count_flops(in_local, out_local, node.attrs)
-        as_dtype = [TensorType(t.shape, dtype) if dtype and t.is_float else t for t in (*in_local, *out_local)]
-        moved = op.count_bytes(as_dtype[: len(in_local)], as_dtype[len(in_local):], node.attrs)
-        saved = 0
-        for where, index in op.saved_for_backward(in_local, out_local, node.attrs):
+        cost, ins, outs = forward_cost(node, graph, device, dtype, node in copies)
+        saved = 0.0
+        for where, index, nbytes in saved_bytes_of(get_op(node.op), ins, outs, node.attrs):
             if where == "bytes":
-                saved += index
+                saved += nbytes
                 continue
-            value, local, layout = ((node.inputs[index], in_local[index], in_layouts[index]) if where == "in"
-                                    else (node.outputs[index], out_local[index], out_layouts[index]))
-            root = storage.root(value)
-            if root.kind in ("parameter", "buffer"):
+            root = storage.root(node.inputs[index] if where == "in" else node.outputs[index])
+            if root.kind in ("parameter", "buffer") or (node.layer, root) in saved_storages:
                 continue
-            resharded = not layouts_agree(layout, value.layout)
-            key = (value, str(layout) if resharded else "")
-            if key in saved_values:
-                continue
-            saved_values.add(key)
-            size = _bytes(local, dtype)
-            owner: Any
-            if resharded:  # the node works on a resharded copy: storage of its own
-                owner, cap = key, size
-            else:
-                owner, cap = root, _bytes(_local(root.type, root.layout, mesh), dtype)
-            before = charged.get(owner, 0)
-            charged[owner] = min(cap, before + min(size, cap))
-            saved += charged[owner] - before
+            saved_storages.add((node.layer, root))
+            local = local_type(root.type, root.layout or _NO_LAYOUT, mesh, dtype or root.type.dtype)
+            saved += local.nbytes
         param_bytes = params = 0
         for v in node.inputs:
             if v.kind == "parameter" and v not in seen_params:
                 seen_params.add(v)
-                local = _local(v.type, v.layout, mesh)
+                local = local_type(v.type, v.layout or _NO_LAYOUT, mesh, v.type.dtype)
                 param_bytes += local.nbytes
                 params += local.numel
-        rows.append(CostRow(int(flops), int(moved), int(saved), param_bytes, {"params": float(params)}))
+        rows.append(CostRow(int(cost.fwd_flops), int(cost.fwd_bytes), int(saved), param_bytes,
+                            {"params": float(params)}))
     return rows
 
 
-def annotate_cost(graph: Graph, dtype: str | None = None) -> Graph:
+def annotate_cost(graph: Graph, dtype: str | None = None, device: DeviceSpec | None = None) -> Graph:
     """Write `flops`, `bytes`, `saved_bytes`, `param_bytes` and `params` into every node's annotations."""
-    for node, row in zip(graph.nodes, node_costs(graph, dtype)):
+    for node, row in zip(graph.nodes, node_costs(graph, dtype, device)):
         node.annotations.update(flops=row.flops, bytes=row.bytes, saved_bytes=row.saved_bytes,
                                 param_bytes=row.param_bytes, params=int(row.extra["params"]))
     return graph
@@ -148,11 +153,16 @@ UNGROUPED = "(ungrouped)"
 
 def cost_table(graph: Graph, dtype: str | None = None) -> list[LayerCost]:
     """Per layer (in order of first appearance; nodes without a layer form `(ungrouped)`):
-    node count, parameters, FLOPs, bytes moved and saved activation bytes."""
+    node count, parameters, FLOPs, bytes moved and saved activation bytes. The figures are the
+    annotations annotate-cost wrote; a graph it has not annotated is costed now at `dtype`."""
+    annotated = all(all(k in n.annotations for k in COST_KEYS) for n in graph.nodes)
+    figures = ([tuple(int(n.annotations[k]) for k in COST_KEYS) for n in graph.nodes] if annotated else
+               [(r.flops, r.bytes, r.saved_bytes, r.param_bytes, int(r.extra["params"]))
+                for r in node_costs(graph, dtype)])
     totals: dict[str, list[int]] = {}
-    for node, row in zip(graph.nodes, node_costs(graph, dtype)):
+    for node, (flops, moved, saved, param_bytes, params) in zip(graph.nodes, figures):
         acc = totals.setdefault(node.layer if node.layer is not None else UNGROUPED, [0] * 6)
-        for i, x in enumerate((1, int(row.extra["params"]), row.param_bytes, row.flops, row.bytes, row.saved_bytes)):
+        for i, x in enumerate((1, params, param_bytes, flops, moved, saved)):
             acc[i] += x
     rows = []
     for name, acc in totals.items():
@@ -174,4 +184,5 @@ class AnnotateCost(Pass):
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
-        return annotate_cost(graph, self.dtype)
+        cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
+        return annotate_cost(graph, self.dtype, cluster.device if cluster is not None else None)

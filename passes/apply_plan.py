@@ -57,6 +57,7 @@ from shardc.analysis.propagate import derives_from_input, follow, io_layouts, it
 from shardc.analysis.roles import Roles, dim_roles, iteration_roles
 from shardc.analysis.stages import layer_stages
 from shardc.ir import (
+    Axis,
     Graph,
     Layer,
     LayerAnnotation,
@@ -78,13 +79,6 @@ from shardc.passes.validate_plan import check_plan
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.plan.parallel import ParallelPlan
 
-MESH_AXES = ("pp", "dp", "cp", "tp")
-
-
-def plan_mesh(plan: ParallelPlan) -> Mesh:
-    """The mesh of a plan: pp, dp, cp, tp in that order (tp innermost, on the fastest links)."""
-    return Mesh(tuple((axis, getattr(plan, axis)) for axis in MESH_AXES))
-
 
 @dataclass
 class _Planner:
@@ -99,7 +93,7 @@ class _Planner:
         return self.plan.sp and self.plan.tp > 1
 
     def axes(self) -> list[str]:
-        return [a for a in ("dp", "cp", "tp") if self.mesh.axis_size(a) > 1]
+        return [a for a in (Axis.DP, Axis.CP, Axis.TP) if self.mesh.axis_size(a) > 1]
 
     def partition(self, node: Node, space: IterationSpace) -> Partition:
         it_roles = iteration_roles(node, space, self.roles)
@@ -116,16 +110,16 @@ class _Planner:
             spatial.append((axis, dim))
             if stride > 1:
                 strides.append((axis, stride))
-            if axis == "cp" and self.plan.cp_layout == "zigzag":
-                zigzag = ("cp",)
+            if axis == Axis.CP and self.plan.cp_layout == "zigzag":
+                zigzag = (Axis.CP,)
             for ring in (d for d, rule in space.special if rule == "ring"):
-                if axis == "cp" and dim == _query_dim(space, ring):
+                if axis == Axis.CP and dim == _query_dim(space, ring):
                     temporal.append(TemporalSplit(ring, self.mesh.axis_size(axis), axis))
         return Partition(tuple(spatial), tuple(temporal), tuple(strides), zigzag)
 
     def choose(self, node: Node, space: IterationSpace, axis: str, outer: Partition,
                it_roles: dict[str, str]) -> tuple[str, int] | None:
-        if axis == "tp":
+        if axis == Axis.TP:
             forced = self.megatron(node, space)
             if forced is not None:
                 return forced
@@ -136,9 +130,9 @@ class _Planner:
                            lambda d: self.splittable(space, d, axis))
             if found is not None:
                 return found
-        role = {"dp": "batch", "cp": "seq"}.get(axis)
+        role = {Axis.DP: "batch", Axis.CP: "seq"}.get(axis)
         partial_in = any(isinstance((v.layout or Layout()).on(axis), Partial) for v in node.inputs)
-        if axis == "tp" and self.sequence_parallel and partial_in:
+        if axis == Axis.TP and self.sequence_parallel and partial_in:
             role = "seq"
         for dim, has in it_roles.items():  # the first input's dims first
             if role is not None and has == role and self.splittable(space, dim, axis):
@@ -149,14 +143,14 @@ class _Planner:
         rule = dict(space.special).get(dim)
         if dim in space.unsplittable or space.size(dim) <= 1 or (rule is not None and rule != "vocab"):
             return False
-        return rule != "vocab" or axis == "tp"
+        return rule != "vocab" or axis == Axis.TP
 
     def megatron(self, node: Node, space: IterationSpace) -> tuple[str, int] | None:
         """Column/row-parallel linears and the vocab-parallel token embedding (module docstring)."""
         if (node.op == "linear" or (node.op == "matmul" and node.inputs[1].type.rank == 2)) and \
                 len(node.inputs) >= 2 and node.inputs[1].kind == "parameter":
             x = node.inputs[0]
-            p = (x.layout or Layout()).on("tp")
+            p = (x.layout or Layout()).on(Axis.TP)
             if isinstance(p, Shard) and p.dim == x.type.rank - 1 and p.interleave == 1:
                 return "k", 1
             return "n", _equal_split_readers(self.graph, node)
@@ -171,7 +165,7 @@ class _Planner:
             size, n, stride = space.size(dim), self.mesh.axis_size(axis), partition.stride_of(axis)
             together = math.prod(self.mesh.axis_size(a) * partition.stride_of(a) * (2 if a in partition.zigzag
                                  else 1) for a, d in partition.spatial if d == dim)
-            if size % together == 0 or (axis == "tp" and self.vocab is not None and size == self.vocab):
+            if size % together == 0 or (axis == Axis.TP and self.vocab is not None and size == self.vocab):
                 continue
             what = f"iteration dim {dim} (size {size}"
             what += f" in {stride} interleaved pieces)" if stride > 1 else ")"
@@ -224,11 +218,11 @@ def _input_layout(value: Value, roles: tuple[str | None, ...], mesh: Mesh, seque
     """Batch on dp, sequence on cp (zig-zag with `zigzag`); with sequence parallelism a float input
     (the residual stream of a block traced alone) also has its sequence on tp."""
     placements = []
-    for axis, role in (("dp", "batch"), ("cp", "seq"), ("tp", "seq")):
-        if axis == "tp" and not (sequence_parallel and value.type.is_float):
+    for axis, role in ((Axis.DP, "batch"), (Axis.CP, "seq"), (Axis.TP, "seq")):
+        if axis == Axis.TP and not (sequence_parallel and value.type.is_float):
             continue
         if mesh.axis_size(axis) > 1 and role in roles:
-            placements.append((axis, Shard(roles.index(role), zigzag=zigzag and axis == "cp")))
+            placements.append((axis, Shard(roles.index(role), zigzag=zigzag and axis == Axis.CP)))
     return Layout(tuple(placements))
 
 
@@ -243,7 +237,7 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
         group_layers(graph)
     check_plan(graph, plan)
     dims = model_dims(graph)
-    mesh = plan_mesh(plan)
+    mesh = plan.mesh()
     graph.mesh = mesh
     roles = dim_roles(graph)
     batch = graph.inputs[0].type.shape[0] if graph.inputs and graph.inputs[0].type.rank else None
@@ -310,9 +304,7 @@ class ApplyPlan(ParallelPlan, Pass):
         plan = self.to_plan()
         given = getattr(ctx, "plan", None) if ctx is not None else None
         if plan == ParallelPlan() and given is not None:
-            plan = ParallelPlan.parse(given) if isinstance(given, str) else given
-        if not isinstance(plan, ParallelPlan):
-            raise ShardcError(f"apply-plan needs a ParallelPlan, got {type(plan).__name__}")
+            plan = ParallelPlan.of(given)
         return apply_plan(graph, plan)
 
 

@@ -2,10 +2,10 @@
 
 Rule: `shardc.cost.model.estimate` on the graph as it stands (partitioned by apply-plan or the
 solver; a graph without a mesh is one device) on the context's cluster, under the context's
-`ParallelPlan`, or, without one, the plan the graph records (`graph.attrs["plan"]`). The
-`Estimate` goes to `ctx.options["estimate"]`; the graph is not changed. Options are the
-model's knobs that are not part of the plan: DDP's bucket size (MiB; 0 keeps DDP's default)
-and the collective algorithm.
+plan (`ParallelPlan.of`: its text, a plan, a partitioned graph), or, without one, the plan the
+graph records (`plan_of`). The `Estimate` goes to `ctx.options["estimate"]`; the graph is not
+changed. Options are the model's knobs that are not part of the plan: DDP's bucket size (MiB;
+0 keeps DDP's default) and the collective algorithm.
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ class Estimate(Pass):
         if ctx.cluster is None:
             raise ShardcError("the estimate pass needs a cluster", hint="give the command a --cluster")
         cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
-        plan = ParallelPlan.parse(ctx.plan) if isinstance(ctx.plan, str) else ctx.plan
-        if plan is not None and not isinstance(plan, ParallelPlan):
-            plan = None  # a solver's plan: the graph records what it chose
+        plan = None if ctx.plan is None else ParallelPlan.of(ctx.plan)
         options = EstimateOptions(algorithm=self.algorithm)
         if self.bucket_mb:
             options = EstimateOptions(bucket_bytes=self.bucket_mb * 2**20, algorithm=self.algorithm)

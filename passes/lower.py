@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from shardc.analysis.propagate import io_layouts
 from shardc.analysis.resharding import Edge, ReshardStep, edge_steps, node_stage
-from shardc.ir import DATA_AXES, Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
+from shardc.ir import DATA_AXES, Axis, Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 
@@ -95,14 +95,14 @@ class _Emit:
 
     def send(self, src: Value, edge: Edge, producer: Node) -> Value:
         """The producer's half of a stage cut (emitted right after the producer)."""
-        attrs = {"axis": "pp", "src": edge.src_stage, "dst": edge.dst_stage}
+        attrs = {"axis": Axis.PP, "src": edge.src_stage, "dst": edge.dst_stage}
         return self("send", attrs, src, src.layout or Layout(), producer, "send")
 
     def chain(self, src: Value, edge: Edge, steps: list[ReshardStep], near: Node, sent: Value | None = None) -> Value:
         cur = src
         for step in steps:
             if step.kind == "send_recv":
-                attrs = {"axis": "pp", "src": edge.src_stage, "dst": edge.dst_stage}
+                attrs = {"axis": Axis.PP, "src": edge.src_stage, "dst": edge.dst_stage}
                 if sent is None:
                     sent = self.send(cur, edge, src.producer or near)
                 cur = self("recv", attrs, sent, cur.layout or Layout(), near, "recv")

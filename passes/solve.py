@@ -8,6 +8,10 @@ writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts
 stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
 plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes. The
 search result is left in `ctx.options["search"]`. Fails with a ShardcError when no plan fits.
+
+Candidates an `enumerate-candidates` pass enumerated earlier in the pipeline (its table in
+`ctx.options["candidates"]`, for this graph) are the solver's: it enumerates only the shapes and
+micro-batches that table lacks, and leaves the completed table there.
 """
 
 from __future__ import annotations
@@ -19,18 +23,19 @@ from shardc.hardware import Cluster, parse_cluster
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
+from shardc.plan.file import PlanFile
 from shardc.search.evaluate import Assignment
 from shardc.search.outer import search
-from shardc.search.planfile import annotate_graph, assignment_from_plan, load_plan, plan_shape
+from shardc.search.planfile import annotate_graph, assignment_from_plan
 from shardc.search.problem import GraphFacts, MeshShape, build_problem, graph_facts
 from shardc.search.report import no_fit_error
 
 
 def warm_hint(path: str, facts: GraphFacts, cluster: Cluster, gbs: int) -> tuple[MeshShape, int, Assignment]:
     """The plan file at `path` mapped onto this graph: (mesh shape, micro-batch size, assignment)."""
-    data = load_plan(path)
-    shape, mb = plan_shape(data)
-    return shape, mb, assignment_from_plan(data, build_problem(facts, cluster, shape, mb, gbs))
+    file = PlanFile.load(path)
+    shape, mb = MeshShape.of(file.plan, file.tq), file.plan.mb
+    return shape, mb, assignment_from_plan(file, build_problem(facts, cluster, shape, mb, gbs))
 
 
 @register_pass
@@ -58,7 +63,8 @@ class Solve(Pass):
             raise ShardcError("the solve pass needs a cluster", hint="set PassContext(cluster=parse_cluster('8xH100'))")
         cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
         limit = self.memory_limit_gb * 2**30 if self.memory_limit_gb else float(cluster.device.memory_bytes)
-        facts = graph_facts(graph, cluster)
+        facts = graph_facts(graph, cluster, candidates=ctx.options.get("candidates"))
+        ctx.options["candidates"] = facts.candidates
         warm = warm_hint(self.warm_start, facts, cluster, self.gbs) if self.warm_start else None
         result = search(facts, cluster, self.gbs, limit, self.time_limit, self.seed, self.workers, warm,
                         grid2d=self.grid2d)

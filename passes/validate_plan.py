@@ -11,7 +11,7 @@ Every broken constraint is reported at once, in one ShardcError. The graph is no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from shardc.analysis.dims import model_dims
 from shardc.analysis.stages import layering
@@ -33,14 +33,11 @@ def check_plan(graph: Graph, plan: ParallelPlan, devices: int | None = None) -> 
 
 
 def context_plan(ctx: PassContext, who: str) -> ParallelPlan:
-    """The context's plan as a ParallelPlan (its text is parsed); a ShardcError naming `who` when none."""
-    plan: Any = ctx.plan
-    if isinstance(plan, str):
-        return ParallelPlan.parse(plan)
-    if not isinstance(plan, ParallelPlan):
-        raise ShardcError(f"the {who} pass needs a ParallelPlan in the pass context, got {type(plan).__name__}",
+    """The context's plan (`ParallelPlan.of`); a ShardcError naming `who` when it has none."""
+    if ctx.plan is None:
+        raise ShardcError(f"the {who} pass needs a plan in the pass context",
                           hint="give the command a --plan (or PassContext(plan=ParallelPlan.parse('dp=2')))")
-    return plan
+    return ParallelPlan.of(ctx.plan)
 
 
 @register_pass

@@ -123,6 +123,20 @@ def test_a_bad_pipeline_is_a_clear_error_naming_the_pass(pipeline: str, message:
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("pipeline", "message"), [
+    ("group-layers,no-such-pass,estimate", "unknown pass 'no-such-pass'"),
+    ("group-layers,validate-plan,apply-plan", "a study pipeline ends with the estimate pass"),
+])
+def test_a_bad_study_pipeline_is_a_clear_error_before_anything_runs(pipeline: str, message: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["study", f"{SPEC}?batch=4", "--nproc", "2", "--sweep", "dp", "--out", str(tmp_path / "out"),
+            "--steps", "2", "--warmup", "1", "--pipeline", pipeline]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_plan_that_does_not_fit_the_cluster_fails_in_validate_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", SPEC, "--cluster", "4xA100-80GB", "--plan", "dp=2"]) == 2
     err = capsys.readouterr().err

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from shardc.analysis.aliasing import aliasing
+from shardc.cost.context import CostContext
+from shardc.cost.layer import layer_terms
+from shardc.hardware import parse_cluster
 from shardc.ir.parser import parse
 from shardc.passes.annotate_cost import LayerCost, annotate_cost, cost_table, node_costs
 from shardc.passmanager import run_pipeline
@@ -107,12 +110,30 @@ def test_saved_bytes_count_each_storage_once() -> None:
     assert costs[8].flops == 2 * 64 * 4 + 2 * 64 * 4
 
 
-def test_a_saved_view_costs_its_own_size() -> None:
+def test_a_saved_view_costs_the_storage_it_aliases() -> None:
+    # As the cost model charges it (`layer_terms`): q is a view of qkv, so saving q keeps all
+    # of qkv's 768 B alive; kt, another view of it, then costs nothing more.
     text = ATTENTION.replace("%o = scaled_dot_product_attention[is_causal=true](%qt, %kt, %vt)",
                              "%o = mul(%qt, %qt)")
     saved = [c.saved_bytes for c in node_costs(parse(text))]
-    assert saved[8] == 256  # only q's third of qkv, once although both operands are q
-    assert saved[12] == 256  # kt is new; qt was counted
+    assert saved[8] == 768
+    assert saved[12] == 0
+
+
+def test_the_figures_are_the_cost_models() -> None:
+    # Per layer, what inspect shows is what the model charges: forward FLOPs and saved bytes of
+    # `layer_terms` at the traced batch, at the same dtype.
+    graph = run_pipeline(parse(MLP), "annotate-cost{dtype=bf16}")
+    ctx = CostContext.build(graph, parse_cluster("1xH100"), "bf16")
+    for row in cost_table(graph):
+        terms = layer_terms(ctx, [n for n in graph.nodes if n.layer == row.layer])
+        assert (row.flops, row.saved_bytes) == (terms.fwd_flops, terms.saved)
+
+
+def test_cost_table_reads_the_annotations() -> None:
+    graph = annotate_cost(parse(MLP))
+    graph.nodes[1].annotations["flops"] = 1
+    assert cost_table(graph)[0].flops == 33792 + 1 + 32768
 
 
 PARTITIONED = """\

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 from test_candidates import mlp_graph
@@ -13,15 +14,18 @@ from traced import PRESETS, transformer_graph
 
 from shardc.cli import main
 from shardc.cost import estimate
+from shardc.driver import load, solver_batch
 from shardc.driver import solve as solve_spec
 from shardc.hardware import parse_cluster
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.parser import parse
+from shardc.ir.printer import print_graph
 from shardc.ops.verifier import verify
+from shardc.plan.file import PlanFile
 from shardc.search.cpsat import solve
 from shardc.search.linear import objective
 from shardc.search.outer import mesh_shapes, search
-from shardc.search.planfile import annotate_graph, assignment_from_plan, load_plan, plan_dict
+from shardc.search.planfile import annotate_graph, assignment_from_plan, partitioned_graph, plan_file
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 
 
@@ -92,8 +96,8 @@ def test_deterministic_for_a_fixed_seed():
     a, b = _plan(seed=3, time_limit=8, wall_stop=float("inf")), _plan(seed=3, time_limit=8, wall_stop=float("inf"))
     # The gap is global: the best plan against the smallest bound over every mesh shape.
     assert 0.0 <= a.gap == b.gap < 1.0 and a.shapes_solved + a.shapes_pruned > 1
-    assert plan_dict(a.best.problem, a.best.assignment, a.best.estimate, 16) == \
-        plan_dict(b.best.problem, b.best.assignment, b.best.estimate, 16)
+    assert plan_file(a.best.problem, a.best.assignment, a.best.estimate, 16) == \
+        plan_file(b.best.problem, b.best.assignment, b.best.estimate, 16)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -141,15 +145,18 @@ def test_plan_file_round_trip_and_warm_start(tmp_path, capsys):
     plan = ["plan", PRESETS["tiny"].spec, "--cluster", "8xH100", "--gbs", "16", "--time-limit", "2", "--json"]
     assert main([*plan, "-o", str(out)]) == 0
     first = capsys.readouterr().out
-    data = load_plan(out)
+    data = PlanFile.load(out)
     ir = (tmp_path / "plan.json.ir").read_text()
     assert ir.count("partition<") > 10
     verify(parse(ir))  # traced at the global batch, so that every dp divides it
     g = transformer_graph(dataclasses.replace(PRESETS["tiny"], batch=16))  # traced at the global batch, as plan
     c = parse_cluster("8xH100")
-    shape = MeshShape(**data["mesh"])
-    problem = build_problem(graph_facts(g, c), c, shape, data["mb"], 16)
+    problem = build_problem(graph_facts(g, c), c, MeshShape.of(data.plan, data.tq), data.plan.mb, 16)
     a = assignment_from_plan(data, problem)
-    assert estimate(annotate_graph(g, problem, a), c).step_time_s == pytest.approx(data["step_time_s"])
+    assert estimate(annotate_graph(g, problem, a), c).step_time_s == pytest.approx(data.step_time_s)
+    # The file alone (with the spec and cluster) rebuilds the partitioned IR written beside it.
+    again = partitioned_graph(load(PRESETS["tiny"].spec, batch=solver_batch(16)), c, data)
+    assert print_graph(again) == ir
+    assert PlanFile.from_json(json.loads(out.read_text())) == data and data.plan.gbs == 16
     assert main([*plan, "--warm-start", str(out)]) == 0
     assert '"step_time_s"' in first and '"optimality_gap"' in first and '"grid_best_step_time_s"' in first

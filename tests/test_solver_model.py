@@ -10,9 +10,10 @@ import dataclasses
 import pytest
 from traced import PRESETS, transformer_graph
 
-from shardc.cost import estimate, plan_of
+from shardc.cost import estimate
 from shardc.driver import load
 from shardc.hardware import parse_cluster
+from shardc.plan.parallel import plan_of
 from shardc.search.evaluate import Assignment, evaluate
 from shardc.search.grid import grid_assignments
 from shardc.search.linear import coefficients, objective

@@ -13,10 +13,11 @@ from traced import PRESETS, transformer_graph
 
 from shardc.cost import estimate
 from shardc.hardware import parse_cluster
+from shardc.plan.file import PlanFile
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import evaluate, per_stage
 from shardc.search.linear import objective
-from shardc.search.planfile import annotate_graph, assignment_from_plan, plan_dict
+from shardc.search.planfile import annotate_graph, assignment_from_plan, plan_file
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.sections import stage_classes
 
@@ -106,8 +107,9 @@ def test_per_stage_plans_evaluate_as_estimated(style):
         for mine, theirs in zip(ev.stages, est.stages):
             assert mine.memory_bytes == pytest.approx(theirs.memory_bytes, rel=0.01)
         assert _linear(problem, a).step_time_s == pytest.approx(est.step_time_s, rel=0.05)
-        data = plan_dict(problem, a, est, 16)
-        assert len(data["stage_groups"]) == 2 and assignment_from_plan(data, problem) == a
+        data = plan_file(problem, a, est, 16)
+        assert len(data.stage_groups) == 2 and assignment_from_plan(data, problem) == a
+        assert PlanFile.from_json(data.to_json()) == data
 
 
 def test_stage_classes_bound_the_model():

@@ -6,12 +6,15 @@ the numbers are real measurements, so the tests check structure and accounting, 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from shardc.cli import main
 from shardc.study import run_study
 from shardc.study.compare import spearman
 from shardc.study.plans import parse_study_plan
@@ -34,19 +37,25 @@ def _study(out: Path, plans: list[str], **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def studies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+def studies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path, dict, str]:
     out = tmp_path_factory.mktemp("study") / "out"
     # bucket_mb= runs plain DDP, which the worker refuses for a ZeRO plan on every rank: the group
     # stops, the error is recorded and the study goes on. The resumed study adds a split= pipeline
     # with recomputation (stages dealt before lowering, run by the IR pipeline runtime).
     first = _study(out, ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1"])
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
-    second = _study(out, ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1", SPLIT])
-    return first, second, out, stamps
+    # resumed through the command line (its all_reduce benchmark is done), its passes timed
+    plans = _write(out.parent / "resumed.plans", ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1", SPLIT])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["study", MODEL, "--nproc", "2", "--plans", plans, "--out", str(out), "--steps", "2",
+                     "--warmup", "1", "--time-passes"]) == 0
+    second = json.loads((out / "results.json").read_text())
+    return first, second, out, stamps, printed.getvalue()
 
 
 def test_results_schema_and_report_files(studies) -> None:
-    first, _, out, _ = studies
+    first, _, out, _, _ = studies
     ok = [p for p in first["plans"] if p["status"] == "ok"]
     assert [p["plan"].split(",")[0] for p in ok] == ["dp=2"]
     p = ok[0]
@@ -73,7 +82,7 @@ def test_results_schema_and_report_files(studies) -> None:
 
 
 def test_failing_plan_is_recorded_and_sweep_goes_on(studies) -> None:
-    first, second, _, _ = studies
+    first, second, _, _, _ = studies
     failed = [p for p in first["plans"] if p["status"] == "error"]
     assert len(failed) == 1 and "bucket_mb" in failed[0]["plan"]
     assert "bucket_mb applies to plain DDP plans" in failed[0]["error"]
@@ -81,7 +90,7 @@ def test_failing_plan_is_recorded_and_sweep_goes_on(studies) -> None:
 
 
 def test_resume_runs_only_the_rest(studies) -> None:
-    first, second, out, stamps = studies
+    first, second, out, stamps, _ = studies
     before = {p["id"]: p for p in first["plans"]}
     after = {p["id"]: p for p in second["plans"]}
     assert set(after) == set(before) | {parse_study_plan(SPLIT, 4).id}
@@ -93,6 +102,14 @@ def test_resume_runs_only_the_rest(studies) -> None:
             assert path.stat().st_mtime_ns == stamps[path.name], f"{path.name} was rewritten"
     pipelined = after[parse_study_plan(SPLIT, 4).id]
     assert pipelined["status"] == "ok" and [r["stage"] for r in pipelined["ranks"]] == [0, 1]
+
+
+def test_the_study_command_times_the_passes_of_each_plan(studies) -> None:
+    """Only the resumed plan is partitioned, scored and lowered: one timing table per driver run."""
+    printed = studies[4]
+    assert printed.count("pass timings") == 3, printed
+    for name in ("group-layers", "validate-plan", "apply-plan", "estimate", "lower"):
+        assert f"\n│ {name} " in printed or f"\n| {name} " in printed, name
 
 
 def test_plans_that_do_not_fit_are_not_run(tmp_path: Path) -> None:

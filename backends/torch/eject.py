@@ -156,8 +156,7 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
     """Like `eject`, also returning the unsupported parts as data."""
     from shardc.plan.parallel import ParallelPlan
 
-    if isinstance(plan, str):
-        plan = ParallelPlan.parse(plan)
+    plan = ParallelPlan.of(plan)
     path, _, rest = model_spec.partition(":")
     factory, _, query = rest.partition("?")
     if not path.endswith(".py"):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardc.ir import Graph
+from shardc.ir import Axis, Graph
 from shardc.ir.diagnostics import ShardcError
 
 
@@ -52,7 +52,7 @@ class Microbatched(nn.Module):
         self.__dict__["runner"] = runner  # not a submodule: its children are ours
         self.microbatches = microbatches
         self.full_inputs = [(v.name, tuple(v.type.shape)) for v in graph.inputs]
-        self.data_ranks = runtime.mesh.axis_size("dp") if runtime.mesh else 1
+        self.data_ranks = runtime.mesh.axis_size(Axis.DP) if runtime.mesh else 1
         self.loss_fn = loss_fn
 
     @property
@@ -87,7 +87,7 @@ class Microbatched(nn.Module):
             return out
         if target is None:
             raise ShardcError("plan.parallelize got a loss_fn: call step(*inputs, target=...)")
-        rank = self.runner.get_submodule("mesh").coords.get("dp", 0)
+        rank = self.runner.get_submodule("mesh").coords.get(Axis.DP, 0)
         share = target.chunk(self.data_ranks)[rank]
         return self.loss_fn(out, share.chunk(self.microbatches)[index] if self.microbatches > 1 else share)
 

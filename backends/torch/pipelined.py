@@ -46,7 +46,7 @@ from shardc.backends.torch.parallelize import (
 )
 from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
-from shardc.ir import Graph, Layout, Shard
+from shardc.ir import Axis, Graph, Layout, Shard
 from shardc.ir.diagnostics import ShardcError
 
 
@@ -71,12 +71,12 @@ class PipelinedModule(nn.Module):
         self.microbatches = int(graph.attrs.get("microbatches", 1))
         self.num_stages = len(plan.stages)
         self.device = device
-        self.pp = graph.mesh.axis_size("pp") if graph.mesh else 1
+        self.pp = graph.mesh.axis_size(Axis.PP) if graph.mesh else 1
         self.coords = graph.mesh.coordinates(dist.get_rank()) if graph.mesh else {}
         self.user_loss = loss_fn
         from torch.distributed.pipelining import PipelineStage
 
-        group = dm.get_group("pp")
+        group = dm.get_group(Axis.PP)
         assert graph.mesh is not None
         self.stages = [PipelineStage(m, s, self.num_stages, device, group=group,
                                      input_args=_examples(plan.stages[s].inputs, graph.mesh),
@@ -160,14 +160,14 @@ class PipelinedModule(nn.Module):
                 tgt = self._local(by_name[self.plan.target.name], self.plan.target.layout)
             elif target is not None:
                 tgt = self._local(target, Layout(tuple((a, p) for a, p in (self.plan.first_inputs[0].layout
-                                                                         or Layout()).placements if a == "dp")))
+                                                                         or Layout()).placements if a == Axis.DP)))
             else:
                 tgt = torch.zeros(self.microbatches, device=self.device)
             kwargs = {"target": tgt, "losses": losses}
         self.schedule.step(*args, **kwargs)
         self._finish_gradients()
         loss = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros((), device=self.device)
-        group = self.dm.get_group("pp")
+        group = self.dm.get_group(Axis.PP)
         dist.broadcast(loss, src=dist.get_global_rank(group, (self.num_stages - 1) % self.pp), group=group)
         return loss
 
@@ -180,7 +180,7 @@ class PipelinedModule(nn.Module):
                 if len({s % self.pp for s in stages}) > 1]
         if not tied:
             return
-        group = self.dm.get_group("pp")
+        group = self.dm.get_group(Axis.PP)
         for name in tied:  # every pp rank joins; ranks without the parameter add zeros
             held = params.get(name)
             if held is None:
@@ -211,7 +211,7 @@ class PipelinedModule(nn.Module):
                     t = gather(t, groups, axis, p.dim, p.interleave, p.zigzag)
             mine[name] = t
         parts: list[Any] = [None] * self.pp
-        dist.all_gather_object(parts, mine, group=self.dm.get_group("pp"))
+        dist.all_gather_object(parts, mine, group=self.dm.get_group(Axis.PP))
         out: dict[str, torch.Tensor] = {}
         for part in parts:
             for k, v in part.items():
@@ -234,12 +234,12 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if dm.device_type == "cuda" else "cpu"
     dev = torch.device(device)
     plan = split_stages(graph)
-    pp = graph.mesh.axis_size("pp")
+    pp = graph.mesh.axis_size(Axis.PP)
     virtual = int(graph.attrs.get("virtual_stages", 1))
     if len(plan.stages) != pp * virtual:
         raise ShardcError(f"graph @{graph.name} has {len(plan.stages)} stages but the plan asks for pp*vpp = "
                           f"{pp}*{virtual}", hint="compile the plan again (apply-plan assigns the stages)")
-    pp_rank = graph.mesh.coordinates(rank)["pp"]
+    pp_rank = graph.mesh.coordinates(rank)[Axis.PP]
     stage_ids = [pp_rank + i * pp for i in range(virtual)]
     names = {p.name for s in stage_ids for p in plan.stages[s].params + plan.stages[s].buffers}
     if plan.loss is not None:

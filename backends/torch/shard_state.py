@@ -22,7 +22,7 @@ from torch import nn
 
 from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.ring import gather, take
-from shardc.ir import Graph, Layout, Shard
+from shardc.ir import Axis, Graph, Layout, Shard
 
 Writeback = Callable[[], None]
 
@@ -64,7 +64,7 @@ class StateViews:
         assert parts is not None, "not a module from plan.parallelize"
         self.inner, self.graph, dm = parts
         assert self.graph.mesh is not None
-        self.axes = tuple(a for a in self.graph.mesh.names if a != "pp")
+        self.axes = tuple(a for a in self.graph.mesh.names if a != Axis.PP)
         self.mesh = dm[self.axes]
         self.groups: MeshGroups = self.inner.get_submodule("stage_modules.0.mesh") \
             if hasattr(self.inner, "stage_modules") else self.inner.get_submodule("mesh")

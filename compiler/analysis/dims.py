@@ -2,6 +2,8 @@
 
 `model_dims(graph)` is what plan validation (`shardc.plan.validate_plan`) needs to know about
 a Transformer; each figure is None where the graph does not say (rules in its docstring).
+`batch_scale` / `graph_batch_scale` say how the batch a graph was traced at relates to a plan's
+micro-batch: the one rule the cost model and the solver scale batch-dependent sizes by.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, fields
 
-from shardc.ir import Graph, Node, Value
+from shardc.ir import Axis, Graph, Node, Shard, Value
 from shardc.ops.registry import get_op, has_op
 
 
@@ -28,6 +30,61 @@ class ModelDims:
     def as_kwargs(self) -> dict[str, int | None]:
         """Keyword arguments for `validate_plan`."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class BatchScale:
+    """How a graph traced at `traced` sequences stands for a plan's micro-batch.
+
+    Rule: each of the `replicas` data-parallel replicas holds `mb` sequences per micro-batch;
+    `model` further mesh axes (tp, cp, ...) that also cut the batch dim (a solver's `tp:e0`)
+    leave each device `mb / model` of them. One device holds `local` of the traced sequences
+    (ceil division, as every local shape is), so its batch-dependent sizes and FLOPs are
+    multiplied by `factor`; the unsplit batch dim, `traced` long, stands for `global_factor`
+    times as many sequences (dp*mb)."""
+
+    traced: int
+    mb: int
+    replicas: int
+    local: int
+    model: int = 1
+
+    @property
+    def factor(self) -> float:
+        """From one device's share of the traced batch to its share of the micro-batch."""
+        return self.mb / self.model / max(self.local, 1)
+
+    @property
+    def global_factor(self) -> float:
+        """From the traced batch to the micro-batch of all replicas together (dp*mb sequences)."""
+        return self.mb * self.replicas / self.traced
+
+
+def batch_scale(traced: int, mb: int, replicas: int = 1) -> BatchScale:
+    """A graph traced at `traced` sequences, not yet partitioned, priced for `replicas`
+    data-parallel replicas of `mb` sequences each, which split the traced batch evenly."""
+    return BatchScale(traced, mb, replicas, -(-traced // replicas))
+
+
+def graph_batch_scale(graph: Graph, mb: int) -> BatchScale:
+    """A graph as partitioned, at a micro-batch of `mb` sequences per data-parallel replica.
+    The traced batch is dim 0 of the first graph input; the split is that input's layout (the
+    axes that shard its dim 0; those besides dp are model axes). A graph without a batched
+    input is taken as traced at the micro-batch (a factor of 1)."""
+    if not graph.inputs or not graph.inputs[0].type.shape:
+        return BatchScale(mb, mb, 1, mb)
+    first = graph.inputs[0]
+    traced = first.type.shape[0]
+    local, model, replicas = traced, 1, 1
+    if graph.mesh is not None and first.layout is not None:
+        local = first.layout.local_shape(first.type.shape, graph.mesh)[0]
+        for axis, p in first.layout.placements:
+            if isinstance(p, Shard) and p.dim == 0:
+                if axis == Axis.DP:
+                    replicas *= graph.mesh.axis_size(axis)
+                else:
+                    model *= graph.mesh.axis_size(axis)
+    return BatchScale(traced, mb, replicas, local, model)
 
 
 def _attention_nodes(graph: Graph) -> list[tuple[Node, int, int, int, int]]:

@@ -40,6 +40,7 @@ from shardc.analysis.propagate import io_layouts, iteration_space, requires_grad
 from shardc.ir import (
     DATA_AXES,
     DTYPE_BYTES,
+    Axis,
     Graph,
     Layout,
     Mesh,
@@ -320,7 +321,7 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
         steps: list[ReshardStep] = []
         if src_stage is not None and stage is not None and src_stage != stage:
             nbytes = local_bytes(v.type, src, mesh)
-            steps.append(ReshardStep("send_recv", "pp", src, src, nbytes, nbytes, 2, "send_recv"))
+            steps.append(ReshardStep("send_recv", Axis.PP, src, src, nbytes, nbytes, 2, "send_recv"))
         steps += _with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes,
                                  grads.get(v, False), set().union(*(splits[i] for i, _ in consumers)))
         if steps:

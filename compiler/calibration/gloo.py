@@ -22,6 +22,7 @@ from typing import Any
 
 from shardc.calibration.fit import fit_two_terms
 from shardc.calibration.timing import COLD_BYTES, evict, timed
+from shardc.ir import Axis
 from shardc.ir.diagnostics import ShardcError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
@@ -245,14 +246,14 @@ def _wrapper_overhead(nprocs: int, rank: int) -> float:
 
     from shardc.backends.torch.collectives import MeshGroups, all_reduce
 
-    mesh = MeshGroups({"tp": nprocs}, {"tp": rank}, {"tp": dist.group.WORLD})
+    mesh = MeshGroups({Axis.TP: nprocs}, {Axis.TP: rank}, {Axis.TP: dist.group.WORLD})
     x, grad = torch.ones(OVERHEAD_NUMEL, requires_grad=True), torch.ones(OVERHEAD_NUMEL)
     buf = torch.ones(OVERHEAD_NUMEL)
 
     def wrapped() -> None:
         y = x
         for _ in range(OVERHEAD_CHAIN):
-            y = all_reduce(y, mesh, "tp")
+            y = all_reduce(y, mesh, Axis.TP)
         y.backward(grad)
         x.grad = None
 

@@ -19,7 +19,7 @@ from shardc.cost.context import CostContext
 from shardc.cost.estimate import Estimate, StageEstimate
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_costs, layer_terms
 from shardc.cost.memory import in_flight, model_state_bytes
-from shardc.cost.model import estimate, plan_of
+from shardc.cost.model import estimate
 from shardc.cost.pipeline import bubble_fraction, simulate
 from shardc.cost.timeline import LayerMemory, layer_memory
 
@@ -27,5 +27,5 @@ __all__ = [
     "CostContext", "Estimate", "EstimateOptions", "LayerCost", "LayerMemory", "LayerTerms", "LayerWork", "Links",
     "StageEstimate", "layer_memory",
     "bubble_fraction", "collective_time", "compose", "estimate", "finish_layer", "group_levels", "in_flight",
-    "layer_costs", "layer_terms", "model_state_bytes", "node_compute_time", "plan_of", "reshard_steps", "simulate",
+    "layer_costs", "layer_terms", "model_state_bytes", "node_compute_time", "reshard_steps", "simulate",
 ]

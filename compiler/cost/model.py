@@ -4,7 +4,7 @@ Rules:
 - The graph is costed as partitioned (the driver partitions it first; a graph without a mesh
   is one device): any partitioned IR, whether apply-plan wrote it from a plan string or the solver chose it node
   by node. Its batch is rescaled to the plan's micro-batch: every batch-dependent tensor and
-  FLOP is multiplied by `mb / local batch`. Layers come from `graph.layers` (stage, recompute
+  FLOP is multiplied by `mb / local batch` (`shardc.analysis.dims.graph_batch_scale`). Layers come from `graph.layers` (stage, recompute
   and ZeRO per layer); copies of one block with equal partitions are costed once
   (`layer_costs`) and reused.
 - The step and the memory per device are composed from the layers' costs by
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardc.analysis.dims import graph_batch_scale
 from shardc.analysis.stages import layer_stages
 from shardc.cost.comm import collective_time, neighbour_link
 from shardc.cost.compose import EstimateOptions, LayerWork, compose, fsdp2, zero_group
@@ -31,12 +32,12 @@ from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_terms
 from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.hardware import Cluster
-from shardc.ir import Axis, Graph, LayerAnnotation, Shard, Value
+from shardc.ir import Axis, Graph, LayerAnnotation, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
-from shardc.plan.parallel import ParallelPlan
+from shardc.plan.parallel import ParallelPlan, plan_of
 
-__all__ = ["EstimateOptions", "estimate", "plan_of"]
+__all__ = ["EstimateOptions", "estimate"]
 
 
 def _layers(graph: Graph, plan: ParallelPlan) -> list[LayerWork]:
@@ -85,35 +86,6 @@ def _param_names(layer: LayerWork) -> list[str]:
     return list(seen)
 
 
-def _batch_scale(graph: Graph, plan: ParallelPlan) -> tuple[float, int]:
-    """(scale from the graph's local batch to the plan's micro-batch, the graph's batch).
-
-    The local batch is the first input's batch dim under its layout (ceil division, as the
-    local shapes of every batched tensor are), so a graph traced at a batch smaller than the
-    data-parallel degree is still costed at `mb` sequences per device. `mb` counts sequences per
-    data-parallel rank: where a model axis (tp, cp, ...) also cuts the batch, as a solver's
-    `tp:e0` partition does, each device holds `mb / that axis's size` of them."""
-    if not graph.inputs or not graph.inputs[0].type.shape:
-        return 1.0, plan.mb
-    first = graph.inputs[0]
-    batch = first.type.shape[0]
-    local, model_axes = batch, 1
-    if graph.mesh is not None and first.layout is not None:
-        local = first.layout.local_shape(first.type.shape, graph.mesh)[0]
-        for axis, p in first.layout.placements:
-            if isinstance(p, Shard) and p.dim == 0 and axis != Axis.DP:
-                model_axes *= graph.mesh.axis_size(axis)
-    return plan.mb / model_axes / max(local, 1), batch
-
-
-def plan_of(graph: Graph) -> ParallelPlan:
-    """The plan a partitioned graph was written with: `graph.attrs["plan"]` (apply-plan and the
-    solver record it); recomputation, ZeRO and stages per layer come from the layers."""
-    text = graph.attrs.get("plan")
-    if not text:
-        raise ShardcError(f"graph @{graph.name} records no plan (graph.attrs['plan']); pass the plan to "
-                          "estimate, or partition the graph with apply-plan or the solver first")
-    return ParallelPlan.parse(str(text))
 
 
 def _sequence(graph: Graph) -> int:
@@ -137,10 +109,10 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
         raise ShardcError(f"graph @{graph.name} is not partitioned but plan {plan} spans {plan.devices} devices",
                           hint="partition it first: the pipeline group-layers,validate-plan,apply-plan,estimate "
                                "(shardc.driver) does")
-    scale, graph_batch = _batch_scale(graph, plan)
-    gbs = plan.global_batch(graph_batch)
+    batch = graph_batch_scale(graph, plan.mb)
+    gbs = plan.global_batch(batch.traced)
     m = plan.micro_batches(gbs)
-    ctx = CostContext.build(graph, cluster, plan.ir_dtype, scale, options.algorithm)
+    ctx = CostContext.build(graph, cluster, plan.ir_dtype, batch.factor, options.algorithm)
     layers = _layers(graph, plan)
     cache: dict[tuple, tuple[LayerCost, list[tuple[float, frozenset[str]]], LayerTerms]] = {}
     memories: dict[tuple, LayerMemory] = {}

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from shardc.ir import Graph, Layout, Mesh, Node, Replicate, Shard, TensorType, Value
+from shardc.ir import Axis, Graph, Layout, Mesh, Node, Replicate, Shard, TensorType, Value
 from shardc.ir.diagnostics import VerificationError
 from shardc.ir.dtypes import dtype_name, torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, get_op, has_op, node_layouts
@@ -255,9 +255,9 @@ class _Verifier:
         missing = sorted(set(range(count)) - set(staged.values()))
         if missing:
             self.fail(f"pipeline stages run 0..{count - 1} but no layer is on stage {missing[0]}")
-        if self.mesh is not None and "pp" in self.mesh.names and count % self.mesh.axis_size("pp"):
+        if self.mesh is not None and count % self.mesh.degree(Axis.PP):
             self.fail(f"{count} pipeline stages do not fill {self.mesh} (a multiple of pp="
-                      f"{self.mesh.axis_size('pp')} is needed)")
+                      f"{self.mesh.degree(Axis.PP)} is needed)")
         last: tuple[int, str] | None = None
         for node in self.graph.nodes:
             if node.layer is None:

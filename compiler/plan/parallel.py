@@ -2,6 +2,8 @@
 
 One parser (`ParallelPlan.parse`) serves every command that takes `--plan`; `str(plan)` prints
 the same syntax back, every key in `PLAN_KEYS` order, so `parse(str(p)) == p`.
+`ParallelPlan.of` is the one coercion from what callers hold (the text, a plan, a partitioned
+graph: `plan_of`) to a plan; `plan.mesh()` is the device mesh it partitions over.
 `validate_plan` checks a plan against a cluster size and a model's dimensions (`model_dims`
 reads those off an IR graph) and names the nearest valid values when a constraint fails.
 """
@@ -14,13 +16,15 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Axis, dtypes
+from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Axis, Graph, Mesh, dtypes
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import PLAN_DTYPES
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CP_LAYOUTS = ("contiguous", "zigzag")
 _ZEROS = ", ".join(map(str, ZERO_STAGES))
+# The mesh's axes, outermost first: tp innermost, on the fastest links.
+MESH_AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
 
 # key -> (type, default, meaning); the order here is the printed order.
 PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
@@ -167,7 +171,25 @@ class ParallelPlan:
                               "device) or schedule=1f1b")
         return cls(**values)
 
-    def __str__(self) -> str:
+    @classmethod
+    def of(cls, plan: str | ParallelPlan | Graph) -> ParallelPlan:
+        """The plan `plan` stands for: its text parsed, a plan as it is, a partitioned graph's
+        recorded plan (`plan_of`). Anything else is a ShardcError naming what was given."""
+        if isinstance(plan, ParallelPlan):
+            return plan
+        if isinstance(plan, str):
+            return cls.parse(plan)
+        if isinstance(plan, Graph):
+            return plan_of(plan)
+        raise ShardcError(f"a plan is a ParallelPlan, its text ('dp=2,tp=2') or a partitioned Graph, "
+                          f"not {type(plan).__name__}")
+
+    def mesh(self) -> Mesh:
+        """The device mesh of the plan: pp, dp, cp, tp in that order (`MESH_AXES`)."""
+        return Mesh(tuple((axis, getattr(self, axis)) for axis in MESH_AXES))
+
+    def items(self) -> list[tuple[str, str]]:
+        """Every key with its value as `parse` reads it, in `PLAN_KEYS` order: the text form."""
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
@@ -176,8 +198,11 @@ class ParallelPlan:
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
             if f.name == Axis.CP and self.cp_layout != "contiguous":
                 text += f":{self.cp_layout}"
-            parts.append(f"{f.name}={text}")
-        return ",".join(parts)
+            parts.append((f.name, text))
+        return parts
+
+    def __str__(self) -> str:
+        return ",".join(f"{key}={text}" for key, text in self.items())
 
     @property
     def devices(self) -> int:
@@ -226,6 +251,16 @@ class ParallelPlan:
             elif self.schedule == "interleaved" and m % self.pp:
                 out.append(f"interleaved 1F1B wants the micro-batch count ({m}) to be a multiple of pp={self.pp}")
         return out
+
+
+def plan_of(graph: Graph) -> ParallelPlan:
+    """The plan a partitioned graph was written with: `graph.attrs["plan"]` (apply-plan and the
+    solver record it); recomputation, ZeRO and stages per layer come from the layers."""
+    text = graph.attrs.get("plan")
+    if not text:
+        raise ShardcError(f"graph @{graph.name} records no plan (graph.attrs['plan']); pass the plan, or "
+                          "partition the graph with apply-plan or the solver first")
+    return ParallelPlan.parse(str(text))
 
 
 def plan_keys_help() -> str:

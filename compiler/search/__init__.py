@@ -7,5 +7,6 @@ its linearisation (`linear`, `cpsat`), and the plans compared and reported are s
 
 Public entry points: `search` (outer search), `solve` (one mesh shape), `enumerate_group`
 (candidates), `best_grid`/`grid_assignments` (the baseline), `plan_summary`/`print_plan` (`shardc plan`),
-`save_plan`/`load_plan`/`annotate_graph` (plan files and partitioned IR).
+`plan_file`/`assignment_from_plan`/`annotate_graph`/`partitioned_graph` (an assignment as a plan file
+(`shardc.plan.file`) and as partitioned IR).
 """

@@ -53,6 +53,12 @@ class Assignment:
     def uniform(self) -> bool:
         return not self.stage_choice
 
+    def blocks(self) -> list[tuple[int, str]]:
+        """Every block copy's (stage, recomputation), in order. Rule: within a stage, fully
+        recomputed blocks first, then selective, then none (the first are held longest)."""
+        return [(s, RECOMPUTE_CHOICES[r]) for s, row in enumerate(self.stages) for r in (2, 1, 0)
+                for _ in range(row[r])]
+
 
 def per_stage(problem: Problem, choice: tuple[int, ...], blocks: list[tuple[int, ...]],
               stages: tuple[tuple[int, int, int], ...], zero: int) -> Assignment:
@@ -70,11 +76,6 @@ def per_stage(problem: Problem, choice: tuple[int, ...], blocks: list[tuple[int,
     if all(v == vecs[0] for v in vecs):
         return Assignment(vecs[0], stages, zero)
     return Assignment(vecs[0], stages, zero, tuple(vecs))
-
-
-def block_stages(a: Assignment) -> list[int]:
-    """The stage of every block copy, in order."""
-    return [s for s, row in enumerate(a.stages) for _ in range(sum(row))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +104,8 @@ class Evaluation:
 
 
 def plan_for(problem: Problem, zero: int = 0) -> ParallelPlan:
-    s = problem.shape
-    return ParallelPlan(dp=s.dp, tp=s.tp * s.tq, pp=s.pp, cp=s.cp, mb=problem.mb, gbs=problem.gbs, zero=zero,
-                        dtype=problem.dtype)
+    """The uniform plan `problem` prices: its mesh shape's degrees, micro-batch, batch, `zero`."""
+    return problem.shape.plan(problem.mb, problem.gbs, zero, problem.dtype)
 
 
 def _add(into: dict[str, float], part: dict[str, float]) -> None:
@@ -247,17 +247,14 @@ def _rebase_chain(problem: Problem, prev: tuple[int, ...], t: LayerTerms) -> Non
 def layer_works(problem: Problem, a: Assignment, options: EstimateOptions | None = None) -> list[LayerWork]:
     """The plan's layers in order, with stages, recomputation, costs, parameters and memory timelines."""
     build = _Layers(problem, a, options or EstimateOptions())
-    where = block_stages(a)
+    blocks = a.blocks()
+    where = [s for s, _ in blocks]
     lay = problem.facts.layering
     out = []
     if lay.pre:  # the prefix runs on the stage of the first block
         out.append(build.section("pre", lay.pre[0], 0, a.at(where[0]) if where else a.choice))
-    i = 0
-    for s, row in enumerate(a.stages):
-        for r in (2, 1, 0):  # as `annotate_graph` writes them: fully recomputed blocks first
-            for _ in range(row[r]):
-                out.append(build.block(i, s, RECOMPUTE_CHOICES[r], where))
-                i += 1
+    for i, (s, recompute) in enumerate(blocks):  # the order `annotate_graph` writes them in
+        out.append(build.block(i, s, recompute, where))
     if lay.post:  # the suffix, on the last stage, runs that of the last block
         last = len(a.stages) - 1
         out.append(build.section("post", lay.post[0], last, a.at(where[-1]) if where else a.at(last)))

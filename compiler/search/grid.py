@@ -13,6 +13,7 @@ on the annotated graph, and the plan it returns is never worse than the best of 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shardc.ir import RECOMPUTE_CHOICES, Shard
@@ -32,8 +33,7 @@ class GridPoint:
 
     def plan_string(self, gbs: int) -> str:
         """The same point in `ParallelPlan` syntax (what `shardc estimate --plan` takes)."""
-        return (f"dp={self.shape.dp},tp={self.shape.tp},pp={self.shape.pp},mb={self.mb},gbs={gbs},"
-                f"recompute={self.recompute},zero={self.zero}")
+        return str(dataclasses.replace(self.shape.plan(self.mb, gbs, self.zero), recompute=self.recompute))
 
 
 def _megatron_legal(var: GroupVar, cand: Candidate) -> bool:

@@ -1,74 +1,44 @@
-"""Plans as files, and plans written into the IR.
+"""A solver's plan as a plan file and as a partitioned graph: the one conversion each way.
 
-A plan file is JSON: the mesh shape, micro-batch size, global batch, ZeRO stage, per stage the
-block counts under each recomputation, and per node group its chosen partition (by group key
-and candidate label, so a file stays readable and loads back onto a freshly traced graph);
-when stages partition their blocks differently, `stage_groups` lists per stage the block
-groups' partitions (`groups` then holds the first stage's).
-`annotate_graph` writes a plan into the IR: `graph.mesh`, every node's `Partition`, every
-value's `Layout`, and per layer its stage, recomputation and ZeRO stage, so the printed IR
-(`shardc inspect plan.ir`) shows `partition<...>` on every node.
+`plan_file` writes an `Assignment` as the plan file (`shardc.plan.file.PlanFile`: group keys
+and candidate labels), `assignment_from_plan` reads one back onto a `Problem` of the same
+model, shape and micro-batch size, and `annotate_graph` writes an assignment into the IR:
+`graph.mesh`, every node's `Partition`, every value's `Layout`, and per layer its stage,
+recomputation and ZeRO stage, so the printed IR (`shardc inspect plan.ir`) shows
+`partition<...>` on every node. `partitioned_graph` is the three together: a plan file on a
+freshly traced graph.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from shardc.ir import RECOMPUTE_CHOICES, Graph, LayerAnnotation, Layout, Partial, Placement, Value
+from shardc.hardware import Cluster
+from shardc.ir import Graph, LayerAnnotation, Layout, Partial, Placement, Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.search.evaluate import Assignment, per_stage
-from shardc.search.problem import MeshShape, Problem
+from shardc.plan.file import GroupChoice, PlanFile
+from shardc.search.evaluate import Assignment, per_stage, plan_for
+from shardc.search.problem import MeshShape, Problem, build_problem, graph_facts
 
-FORMAT = "shardc-plan/1"
 
-
-def plan_dict(problem: Problem, a: Assignment, ev: Any, gbs: int) -> dict[str, Any]:
-    """The plan file's content; `ev` is the plan's `Estimate` (or `Evaluation`)."""
+def plan_file(problem: Problem, a: Assignment, ev: Any, gbs: int) -> PlanFile:
+    """The plan file of `a` on `problem`; `ev` is the plan's `Estimate` (or `Evaluation`)."""
     s = problem.shape
-    return {
-        "format": FORMAT,
-        "model": problem.facts.graph.name,
-        "mesh": {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp, **({"tq": s.tq} if s.tq > 1 else {})},
-        "mb": problem.mb, "gbs": gbs, "micro_batches": problem.micro_batches, "zero": a.zero,
-        "stages": [dict(zip(RECOMPUTE_CHOICES, row)) for row in a.stages],
-        "groups": [{"layer": v.key[0], "position": v.key[1], "anchor": v.group.name, "partition": v.cands[c].label}
-                   for v, c in zip(problem.groups, a.choice)],
-        **({"stage_groups": [[{"layer": v.key[0], "position": v.key[1], "partition": v.cands[c].label}
-                              for v, c in zip(problem.groups, a.at(s)) if v.section == "block"]
-                             for s in range(len(a.stages))]} if a.stage_choice else {}),
-        "step_time_s": ev.step_time_s,
-        "memory_per_device_bytes": ev.memory_per_device_bytes,
-    }
+    groups = tuple(GroupChoice(v.key[0], v.key[1], v.cands[c].label, v.group.name)
+                   for v, c in zip(problem.groups, a.choice))
+    stage_groups = tuple(tuple(GroupChoice(v.key[0], v.key[1], v.cands[c].label)
+                               for v, c in zip(problem.groups, a.at(st)) if v.section == "block")
+                         for st in range(len(a.stages))) if a.stage_choice else ()
+    return PlanFile(problem.facts.graph.name, s.plan(problem.mb, gbs, a.zero, problem.dtype), problem.micro_batches,
+                    a.stages, groups, stage_groups, s.tq, ev.step_time_s, ev.memory_per_device_bytes)
 
 
-def save_plan(path: str | Path, problem: Problem, a: Assignment, ev: Any, gbs: int) -> None:
-    Path(path).write_text(json.dumps(plan_dict(problem, a, ev, gbs), indent=1) + "\n")
-
-
-def load_plan(path: str | Path) -> dict[str, Any]:
-    """Read a plan file written by `save_plan` (checked for its format tag)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ShardcError(f"cannot read plan file {path}: {e}", hint="pass a file written by `shardc plan -o`") from e
-    if data.get("format") != FORMAT:
-        raise ShardcError(f"{path} is not a shardc plan file (format {data.get('format')!r}, expected {FORMAT})")
-    return data
-
-
-def plan_shape(data: dict[str, Any]) -> tuple[MeshShape, int]:
-    m = data["mesh"]
-    return MeshShape(m["pp"], m["dp"], m["cp"], m["tp"], m.get("tq", 1)), int(data["mb"])
-
-
-def assignment_from_plan(data: dict[str, Any], problem: Problem) -> Assignment:
+def assignment_from_plan(file: PlanFile, problem: Problem) -> Assignment:
     """Map a plan file back onto `problem` (same model, shape and micro-batch size)."""
-    stages = tuple(tuple(int(row[r]) for r in RECOMPUTE_CHOICES) for row in data["stages"])
+    stages: Any = file.stages
 
-    def vector(groups: list[dict[str, Any]], base: dict[tuple[str, int], str]) -> tuple[int, ...]:
-        by_key = base | {(g["layer"], g["position"]): g["partition"] for g in groups}
+    def vector(groups: tuple[GroupChoice, ...], base: dict[tuple[str, int], str]) -> tuple[int, ...]:
+        by_key = base | {g.key: g.partition for g in groups}
         choice = []
         for v in problem.groups:
             label = by_key.get(v.key)
@@ -79,19 +49,26 @@ def assignment_from_plan(data: dict[str, Any], problem: Problem) -> Assignment:
             choice.append(labels.index(label))
         return tuple(choice)
 
-    base = {(g["layer"], g["position"]): g["partition"] for g in data["groups"]}
-    choice = vector([], base)
-    if "stage_groups" not in data:
-        return Assignment(choice, stages, int(data["zero"]))  # type: ignore[arg-type]
-    vecs = [vector(groups, base) for groups in data["stage_groups"]]
-    return per_stage(problem, choice, vecs, stages, int(data["zero"]))  # type: ignore[arg-type]
+    base = {g.key: g.partition for g in file.groups}
+    choice = vector((), base)
+    if not file.stage_groups:
+        return Assignment(choice, stages, file.plan.zero)
+    vecs = [vector(groups, base) for groups in file.stage_groups]
+    return per_stage(problem, choice, vecs, stages, file.plan.zero)
 
 
-def plan_text(problem: Problem, a: Assignment) -> str:
-    """The plan's uniform part in `ParallelPlan` syntax (degrees, micro-batch, batch, ZeRO)."""
-    from shardc.search.evaluate import plan_for
+def plan_problem(graph: Graph, cluster: Cluster, file: PlanFile) -> Problem:
+    """The solver's problem for `file`'s mesh shape and micro-batch size on `graph`."""
+    shape = MeshShape.of(file.plan, file.tq)
+    return build_problem(graph_facts(graph, cluster, file.plan.dtype), cluster, shape, file.plan.mb,
+                         file.plan.global_batch(), file.plan.dtype)
 
-    return str(plan_for(problem, a.zero))
+
+def partitioned_graph(graph: Graph, cluster: Cluster, file: PlanFile) -> Graph:
+    """`graph` (the model the plan was made for, traced at the batch the solver traced it at)
+    partitioned as `file` says, in place: the graph `shardc plan -o` wrote beside the file."""
+    problem = plan_problem(graph, cluster, file)
+    return annotate_graph(graph, problem, assignment_from_plan(file, problem))
 
 
 def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
@@ -108,15 +85,7 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
     rep_block = problem.groups[[v.section for v in problem.groups].index("block")].key[0] \
         if any(v.section == "block" for v in problem.groups) else None
     blocks = set(facts.layering.blocks)
-    stage_of: dict[str, tuple[int, str]] = {}
-    order = list(facts.layering.blocks)
-    i = 0
-    for s, row in enumerate(a.stages):
-        # Within a stage, fully recomputed blocks first: they are the ones held longest.
-        for r in (2, 1, 0):
-            for _ in range(row[r]):
-                stage_of[order[i]] = (s, RECOMPUTE_CHOICES[r])
-                i += 1
+    stage_of: dict[str, tuple[int, str]] = dict(zip(facts.layering.blocks, a.blocks()))
     wanted: dict[int, tuple[Value, list[tuple[tuple[str, Placement], ...]]]] = {}
     for g in facts.groups:
         layer = "<graph>" if g.layer is None else g.layer
@@ -153,7 +122,7 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
         if v.layout is None:
             v.layout = Layout()
     graph.attrs.update({
-        "plan": plan_text(problem, a), "microbatch_size": problem.mb, "microbatches": problem.micro_batches,
+        "plan": str(plan_for(problem, a.zero)), "microbatch_size": problem.mb, "microbatches": problem.micro_batches,
         "global_batch": problem.gbs, "traced_batch": facts.batch, "schedule": "1f1b", "virtual_stages": 1,
         "dtype": problem.pricer.ctx.dtype,
     })

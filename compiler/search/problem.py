@@ -17,25 +17,30 @@ the same producer `share` one gradient (their contributions are summed, then red
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from shardc.analysis.dims import batch_scale
 from shardc.analysis.groups import NodeGroup, build_groups
-from shardc.analysis.roles import Roles, dim_roles
+from shardc.analysis.roles import Roles
 from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
-from shardc.ir import Graph, Layout, Mesh, Node, Value
+from shardc.ir import Axis, Graph, Layout, Mesh, Node, Value
+from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import ir_dtype
-from shardc.search.candidates import Candidate, Shapes, enumerate_group
+from shardc.plan.parallel import ParallelPlan
+from shardc.search.candidates import Candidate
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
+from shardc.search.table import CandidateTable
 
 
 @dataclass(frozen=True, slots=True)
 class MeshShape:
-    """Degrees of pipeline, data, context and tensor parallelism (outermost first); `tq` > 1
-    splits tensor parallelism over a second axis (tp x tq), as PrimePar's grids need."""
+    """The degrees of a `ParallelPlan` the solver varies: pipeline, data, context and tensor
+    parallelism (outermost first); `tq` > 1 splits tensor parallelism over a second axis
+    (tp x tq), as PrimePar's grids need, which a plan writes as tp = tp*tq. `of` and `plan`
+    are the one conversion between the two; `mesh` is the plan's mesh with tq split off tp."""
 
     pp: int = 1
     dp: int = 1
@@ -43,19 +48,33 @@ class MeshShape:
     tp: int = 1
     tq: int = 1
 
+    @classmethod
+    def of(cls, plan: ParallelPlan, tq: int = 1) -> MeshShape:
+        """`plan`'s degrees, `tq` of its tensor parallelism on the second tensor axis."""
+        if plan.tp % tq:
+            raise ShardcError(f"plan {plan}: tq={tq} does not divide tp={plan.tp}")
+        return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq)
+
+    def plan(self, mb: int, gbs: int, zero: int = 0, dtype: str = "bf16") -> ParallelPlan:
+        """The plan with these degrees (tp*tq as tp) and the given micro-batch, batch and ZeRO."""
+        return ParallelPlan(dp=self.dp, tp=self.tp * self.tq, pp=self.pp, cp=self.cp, mb=mb, gbs=gbs, zero=zero,
+                            dtype=dtype)
+
     @property
     def devices(self) -> int:
         return self.pp * self.dp * self.cp * self.tp * self.tq
 
     def _tq(self) -> tuple[tuple[str, int], ...]:
-        return (("tq", self.tq),) if self.tq > 1 else ()
+        return ((Axis.TQ, self.tq),) if self.tq > 1 else ()
 
     def mesh(self) -> Mesh:
-        return Mesh((("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) + self._tq())
+        """The plan's mesh (`ParallelPlan.mesh`: pp, dp, cp, tp), then tq innermost when > 1."""
+        axes = ParallelPlan(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp).mesh().axes
+        return Mesh(axes + self._tq())
 
     def intra(self) -> Mesh:
-        axes = (("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) + self._tq()
-        return Mesh(tuple((a, s) for a, s in axes if s > 1))
+        """The mesh without pp, and without axes of size 1: the axes inside one stage."""
+        return Mesh(tuple((a, s) for a, s in self.mesh().axes if s > 1 and a != Axis.PP))
 
     def __str__(self) -> str:
         return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}" + (f", tq={self.tq}" if self.tq > 1 else "")
@@ -109,17 +128,21 @@ class GraphFacts:
     roles: Roles
     layering: Layering
     batch: int
-    batched: frozenset[Value]
     core: frozenset[Node]
     ctx: CostContext
+    candidates: CandidateTable
     by_layer: dict[str | None, list[NodeGroup]] = field(default_factory=dict)
 
 
-def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFacts:
+def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16",
+                candidates: CandidateTable | None = None) -> GraphFacts:
+    """The facts of `graph` on `cluster`. `candidates`: a table an earlier enumeration filled
+    (the enumerate-candidates pass); used when it was made for this graph, else a fresh one."""
     groups = build_groups(graph)
-    roles = dim_roles(graph)
+    if candidates is None or not candidates.fits(graph):
+        candidates = CandidateTable.of(graph)
+    roles, batch = candidates.roles, candidates.batch
     ctx = CostContext.build(graph, cluster, ir_dtype(dtype))
-    batch = next((v.type.shape[0] for v in graph.inputs if roles.get(v, (None,))[0] == "batch"), 1)
     core: set[Node] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
     for g in groups:
@@ -129,8 +152,8 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16") -> GraphFac
         nodes_of.setdefault(n.layer, []).append(n)
     for nodes in nodes_of.values():
         core |= attention_core(ctx, nodes)
-    return GraphFacts(graph, groups, roles, layering(graph, "<graph>").uniform(), batch, frozenset(ctx.batched),
-                      frozenset(core), ctx, by_layer)
+    return GraphFacts(graph, groups, roles, layering(graph, "<graph>").uniform(), batch, frozenset(core), ctx,
+                      candidates, by_layer)
 
 
 @dataclass
@@ -173,15 +196,16 @@ class Priced:
 PricingCache = dict[tuple[object, ...], Priced]
 
 
-def pricing_shape(facts: GraphFacts, shape: MeshShape) -> MeshShape:
+def pricing_shape(facts: GraphFacts | CandidateTable, shape: MeshShape) -> MeshShape:
     """The mesh candidates and edges are priced on. Rule: prices depend on the intra-stage axes
     present, the sizes of cp and tp (the innermost axes: their link levels do not depend on the
     outer ones) and the micro-batch, not on pp or the dp size: dp only splits batch dims, one
     replica holds `mb` sequences whatever the dp size, and dp's own collectives (gradient sync,
     ZeRO) and the pipeline sends are priced per shape in `shardc.search.linear.coefficients`.
     So a shape whose dp is at least the traced batch is priced with dp equal to the traced
-    batch (one traced sequence per replica, scaled to `mb`, as on the shape itself), where
-    every local shape divides exactly; a smaller dp is priced as it is."""
+    batch (one traced sequence per replica, scaled to `mb` by `shardc.analysis.dims.batch_scale`,
+    as on the shape itself), where every local shape divides exactly; a smaller dp is priced as
+    it is."""
     dp = max(min(shape.dp, facts.batch), 2) if shape.dp > 1 else 1
     return MeshShape(1, dp, shape.cp, shape.tp, shape.tq)
 
@@ -192,7 +216,7 @@ def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate
 
 
 def _pricer(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int, dtype: str) -> Pricer:
-    ctx = facts.ctx.rescoped(shape.mesh(), mb / max(1, math.ceil(facts.batch / shape.dp)))
+    ctx = facts.ctx.rescoped(shape.mesh(), batch_scale(facts.batch, mb, shape.dp).factor)
     return Pricer(cluster, shape.mesh(), dtype, ctx, facts.core)
 
 
@@ -214,16 +238,16 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
 
 def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate: bool, chunk: bool) -> Priced:
     lay = facts.layering
-    shapes = Shapes(facts.roles, mb * shape.dp / facts.batch, facts.batched)
-    intra = shape.intra()
     rep = (lay.blocks[1] if len(lay.blocks) > 1 else lay.blocks[0]) if lay.blocks else None
     sections = [(name, "pre") for name in lay.pre] + ([(rep, "block")] if rep else []) + [(n, "post") for n in lay.post]
     vars_: list[GroupVar] = []
     index: dict[tuple[str, int], int] = {}
+    intra = shape.intra()
     for layer, section in sections:
         for g in facts.by_layer.get(None if layer == "<graph>" else layer, []):
             index[(layer, g.position)] = len(vars_)
-            vars_.append(GroupVar((layer, g.position), section, g, enumerate_group(g, intra, shapes, rotate, chunk), []))
+            cands = facts.candidates.candidates(g, intra, shape.dp, mb, rotate, chunk)
+            vars_.append(GroupVar((layer, g.position), section, g, cands, []))
     for var in vars_:
         var.costs = [pricer.candidate(var.group, c) for c in var.cands]
     edges = _edges(facts, vars_, index, rep, pricer)

@@ -15,7 +15,7 @@ from shardc.ir import RECOMPUTE_CHOICES, Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import has_op
 from shardc.search.outer import Found, SearchResult
-from shardc.search.planfile import plan_dict, save_plan
+from shardc.search.planfile import plan_file
 
 
 def describe(found: Found) -> str:
@@ -46,7 +46,7 @@ def write_plan(out: str, graph: Graph, best: Found, gbs: int) -> None:
     """The plan file at `out` and, beside it at `out.ir`, the partitioned IR it was scored on."""
     est = best.estimate
     assert est is not None
-    save_plan(out, best.problem, best.assignment, est, gbs)
+    plan_file(best.problem, best.assignment, est, gbs).save(out)
     Path(str(out) + ".ir").write_text(str(graph))
 
 
@@ -73,7 +73,7 @@ def plan_summary(graph: Graph, result: SearchResult, gbs: int, total_time_s: flo
         "time_breakdown": est.time_breakdown(),
         "memory_breakdown": est.memory_breakdown,
         "replicated_ops": sorted({n.op for n in graph.nodes if not has_op(n.op)}),
-        "plan": plan_dict(best.problem, best.assignment, est, gbs),
+        "plan": plan_file(best.problem, best.assignment, est, gbs).to_json(),
     }
 
 

@@ -10,13 +10,15 @@ import re
 import statistics
 from typing import Any
 
-from shardc.study.plans import label
+from shardc.plan.parallel import ParallelPlan
+from shardc.study.plans import label, parse_study_plan
 
 MiB = 2**20
 
 
-def _keys(plan_text: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in plan_text.split(",") if "=" in p)
+def _plan(plan_text: str) -> ParallelPlan:
+    """The parallel plan of a study plan's text (which may add `split=` and `bucket_mb=`)."""
+    return parse_study_plan(plan_text).plan
 
 
 def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -25,11 +27,11 @@ def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def pure(p: dict[str, Any]) -> str | None:
     """'dp', 'tp' or 'pp' when the plan uses only that kind of parallelism (plain settings)."""
-    k = _keys(p["plan"])
-    degrees = {a: int(k.get(a, 1)) for a in ("dp", "tp", "pp", "cp")}
+    plan = _plan(p["plan"])
+    degrees = {a: getattr(plan, a) for a in ("dp", "tp", "pp", "cp")}
     used = [a for a, d in degrees.items() if d > 1]
-    plain = k.get("zero", "0") == "0" and k.get("recompute", "none") == "none" and not p.get("split") \
-        and p.get("bucket_mb") is None and k.get("sp", "0") == "0" and k.get("schedule", "1f1b") == "1f1b"
+    plain = plan.zero == 0 and plan.recompute == "none" and not p.get("split") and p.get("bucket_mb") is None \
+        and not plan.sp and plan.schedule == "1f1b"
     return used[0] if len(used) == 1 and plain else None
 
 
@@ -72,12 +74,11 @@ def _stage_total(p: dict[str, Any]) -> tuple[float, float]:
 
 def partition(data: dict[str, Any]) -> str:
     lines = []
-    pipelined = [p for p in _ok(data) if int(_keys(p["plan"]).get("pp", 1)) > 1]
+    pipelined = [p for p in _ok(data) if _plan(p["plan"]).pp > 1]
     for bad in (p for p in pipelined if p.get("split")):
         same = [p for p in pipelined if not p.get("split") and p["nproc"] == bad["nproc"]
-                and _keys(p["plan"]).get("pp") == _keys(bad["plan"]).get("pp")
-                and _keys(p["plan"]).get("schedule") == _keys(bad["plan"]).get("schedule")
-                and _keys(p["plan"]).get("mb") == _keys(bad["plan"]).get("mb")]
+                and (_plan(p["plan"]).pp, _plan(p["plan"]).schedule, _plan(p["plan"]).mb)
+                == (_plan(bad["plan"]).pp, _plan(bad["plan"]).schedule, _plan(bad["plan"]).mb)]
         if not same:
             continue
         good = same[0]

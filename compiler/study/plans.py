@@ -37,19 +37,45 @@ DEFAULT_SWEEP: dict[int, tuple[str, ...]] = {
 DEFAULT_MODEL = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
 
 
-@dataclass(frozen=True)
-class StudyPlan:
-    """One plan of the study: the parallel plan, an optional stage split and DDP bucket size."""
+# The study's defaults that a label leaves out: the plan's, in the study's dtype (mb is always shown).
+_LABEL_DEFAULTS = dict(ParallelPlan(dtype="fp32").items())
 
-    text: str
+
+@dataclass(frozen=True, slots=True)
+class StudyPlan:
+    """One plan of the study: the parallel plan, an optional stage split (repeated blocks per
+    pipeline stage, one positive count per stage) and DDP bucket size (MiB). Its text is the
+    plan's text form followed by `split=3+1` and `bucket_mb=1` when set."""
+
     plan: ParallelPlan
     split: tuple[int, ...] | None = None
     bucket_mb: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.split is not None and (len(self.split) != self.plan.stages or min(self.split) < 1):
+            raise ShardcError(f"study plan {self.plan}: split={'+'.join(map(str, self.split))} names "
+                              f"{len(self.split)} stages but the plan has pp*vpp = {self.plan.stages}; give one "
+                              "positive count per stage")
+
+    def items(self) -> list[tuple[str, str]]:
+        """The plan's keys and values (`ParallelPlan.items`), then the study's own."""
+        return self.plan.items() + ([("split", "+".join(map(str, self.split)))] if self.split else []) + \
+            ([("bucket_mb", f"{self.bucket_mb:g}")] if self.bucket_mb is not None else [])
+
+    @property
+    def text(self) -> str:
+        """The canonical text: every plan key, then split and bucket_mb when set."""
+        return ",".join(f"{k}={v}" for k, v in self.items())
+
+    @property
+    def label(self) -> str:
+        """The keys that differ from the study's defaults, and mb: `dp=2,mb=4,zero=1`."""
+        return ",".join(f"{k}={v}" for k, v in self.items() if k == "mb" or _LABEL_DEFAULTS.get(k) != v)
+
     @property
     def id(self) -> str:
         """A stable file-name-safe id: the plan's keys, then a short hash of the full text."""
-        short = re.sub(r"[^A-Za-z0-9=._+-]", "_", label(self.text))[:60]
+        short = re.sub(r"[^A-Za-z0-9=._+-]", "_", self.label)[:60]
         return f"{short}-{hashlib.sha1(self.text.encode()).hexdigest()[:6]}"
 
     @property
@@ -58,15 +84,13 @@ class StudyPlan:
 
 
 def label(plan_text: str) -> str:
-    """The keys that differ from the study's defaults: `dp=2,mb=4,zero=1`."""
-    defaults = {"dp": "1", "tp": "1", "pp": "1", "vpp": "1", "cp": "1", "sp": "0", "gbs": "auto",
-                "schedule": "1f1b", "recompute": "none", "zero": "0", "dtype": "fp32", "offload": "0"}
-    keys = dict(p.split("=", 1) for p in plan_text.split(",") if "=" in p)
-    return ",".join(f"{k}={v}" for k, v in keys.items() if defaults.get(k) != v) or plan_text
+    """The label (`StudyPlan.label`) of a study plan's text, as results record it."""
+    return parse_study_plan(plan_text).label
 
 
 def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:
-    """`dp=2,pp=2,split=3+1,bucket_mb=1` -> StudyPlan; fills the study's defaults (dtype, mb)."""
+    """`dp=2,pp=2,split=3+1,bucket_mb=1` -> StudyPlan: the study's keys taken out, the rest read
+    by `ParallelPlan.parse`; fills the study's defaults (dtype, mb) where they are not written."""
     keys: dict[str, str] = {}
     rest: list[str] = []
     for item in (p.strip() for p in text.split(",")):
@@ -92,18 +116,13 @@ def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:
         except ValueError:
             raise ShardcError(f"study plan {text!r}: split={keys['split']!r} is not blocks per stage "
                               "like 3+1") from None
-        if len(split) != plan.stages or min(split) < 1:
-            raise ShardcError(f"study plan {text!r}: split={keys['split']} names {len(split)} stages but the "
-                              f"plan has pp*vpp = {plan.stages}; give one positive count per stage")
     bucket = None
     if "bucket_mb" in keys:
         try:
             bucket = float(keys["bucket_mb"])
         except ValueError:
             raise ShardcError(f"study plan {text!r}: bucket_mb={keys['bucket_mb']!r} is not a number") from None
-    canonical = str(plan) + (f",split={'+'.join(map(str, split))}" if split else "") + \
-        (f",bucket_mb={bucket:g}" if bucket is not None else "")
-    return StudyPlan(canonical, plan, split, bucket)
+    return StudyPlan(plan, split, bucket)
 
 
 def read_plans_file(path: str | Path) -> list[str]:

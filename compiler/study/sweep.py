@@ -1,15 +1,16 @@
 """`shardc study`: run every plan of a sweep for real, predict it, compare, report.
 
 Order of work: parse the plans; for each one not already in `DIR/results.json` (a resumed
-study keeps what it has), predict it with the cost model; a plan predicted not to fit the
-local memory is recorded as `does_not_fit` and not run; the others run in one process group
-per process count (`launch.spawn`), after an all_reduce-by-size benchmark. Every finished
-plan is written to `results.json` at once (atomically), so an interrupted study loses at most
-the plan in flight and resumes with the next. A plan that fails is recorded with its error
-(the failing rank's exception) and the rest of the group restarts in a fresh process group.
-Once a plan has run it is predicted again on the profile at the speed the machine ran it
-(`calibrate.at_speed`: every rank times the probe workload of `shardc.calibration.speed` before and after
-each measured step, against the profile's reference time for it); both predictions are recorded.
+study keeps what it has), partition it once through the driver (`shardc.study.predict`: the
+study pipeline up to its `estimate` pass, on the model built with real weights) and predict
+it from that graph; a plan predicted not to fit the local memory is recorded as
+`does_not_fit` and not run; the others are lowered from that same partitioned graph
+(`shardc.compile` with the graph as the plan) and run in one process group per process count
+(`shardc.study.runs`), after an all_reduce-by-size benchmark. Once a plan has run it is
+predicted again, from the same graph, on the profile at the speed the machine ran it
+(`calibration.profile.at_speed`: every rank times the probe workload of
+`shardc.calibration.speed` before and after each measured step, against the profile's
+reference time for it); both predictions are recorded.
 
 On `--device cuda` each process count needs as many GPUs (NCCL, rank r on `cuda:r`); plans are
 predicted on the GPU preset `--cluster` names (`H200`) or the visible GPU's, and after the sweep
@@ -19,102 +20,92 @@ curve fitted to them (`shardc.calibration.gpu`): the report says how far the pre
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from shardc.driver import Flags, Source, open_model
 from shardc.ir.diagnostics import ShardcError
 from shardc.study.plans import DEFAULT_SWEEP, StudyPlan, parse_study_plan, read_plans_file, sweep_plans
+from shardc.study.predict import partition, score, study_cluster, study_pipeline
+from shardc.study.runs import Predictions, ResultsStore, run_groups, status_entry
 
-RESULTS_VERSION = 1
 ALLREDUCE_SIZES = (64, 1024, 16384, 131072, 1 << 20, 4 << 20)
 JOB_TIMEOUT_S = 150.0
 
 
-class ResultsStore:
-    """`results.json`: the study's every number, rewritten atomically after each plan."""
+@dataclass
+class Study:
+    """What the plans of one study share: the model (built once, with the weights the runs
+    start from), the device, this machine's profile (CPU), the pipeline flags, what every job
+    carries (`settings`), the clusters made so far and each prepared plan's partitioned IR."""
 
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {"version": RESULTS_VERSION, **meta, "plans": [], "allreduce": {}}
-        if path.exists():
-            try:
-                old = json.loads(path.read_text())
-            except ValueError:
-                old = None
-            if old and old.get("version") == RESULTS_VERSION and old.get("model") == meta.get("model"):
-                self.data["plans"] = old.get("plans", [])
-                self.data["allreduce"] = old.get("allreduce", {})
+    model_spec: str
+    source: Source
+    device: str
+    profile: Any
+    memory_limit_bytes: int | None
+    gpu_preset: str | None
+    flags: Flags
+    settings: dict[str, Any]
+    clusters: dict[int, Any] = field(default_factory=dict)
+    partitioned: dict[str, str] = field(default_factory=dict)  # plan id -> its IR before lowering
 
-    def done(self, plan_id: str) -> bool:
-        return any(p["id"] == plan_id for p in self.data["plans"])
+    def cluster_for(self, n: int) -> Any:
+        """The cluster plans of `n` processes are predicted on (made once per `n`)."""
+        if n not in self.clusters and self.device == "cuda":
+            from shardc.backends.torch.launch import choose_backend
+            from shardc.calibration.gpu import gpu_study_cluster
+            from shardc.hardware import with_overrides
 
-    def record(self, entry: dict[str, Any]) -> None:
-        self.data["plans"] = [p for p in self.data["plans"] if p["id"] != entry["id"]] + [entry]
-        self.save()
+            choose_backend(n, "cuda")
+            gpus = gpu_study_cluster(n, self.gpu_preset)
+            limit = self.memory_limit_bytes
+            self.clusters[n] = gpus if limit is None else with_overrides(gpus, memory_bytes=limit)
+        if n not in self.clusters:
+            self.clusters[n] = study_cluster(n, profile=self.profile, memory_limit_bytes=self.memory_limit_bytes)
+        return self.clusters[n]
 
-    def save(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+    def prepare(self, sp: StudyPlan, cluster: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(the job to run, or None when it is predicted not to fit; the predicted figures) of
+        one plan: partitioned once, predicted from that graph, and that graph lowered."""
+        from shardc.api import compile as compile_plan
 
+        graph, _ = partition(self.source, sp, cluster, self.flags)
+        _, predicted = score(graph, sp, cluster, self.flags)
+        if not predicted["fits"]:
+            return None, predicted
+        plan = sp.plan
+        compiled = compile_plan(self.source.model, self.source.inputs, plan=graph, name=self.source.name,
+                                input_names=self.source.input_names, print_after_all=self.flags.print_after_all,
+                                time_passes=self.flags.time_passes)
+        self.partitioned[sp.id] = compiled.partitioned_ir
+        job = {"id": sp.id, "kind": "plan", "plan": plan, "bucket_mb": sp.bucket_mb, "compiled": compiled,
+               "micro_batches": plan.micro_batches(int(self.source.inputs[0].shape[0])),
+               "mesh_axes": [tuple(a) for a in predicted["mesh_axes"]], "runtime": "shardc", **self.settings}
+        if sp.bucket_mb is not None and (plan.pp == 1 or sp.split is None):
+            # plain DDP with its bucket size set: the worker accumulates the micro-batches itself
+            job.update(runtime="ddp-bucket", traced_batch=plan.dp * plan.mb)
+        return job, predicted
 
-def _nprocs(nproc: int | str | Sequence[int]) -> list[int]:
-    if isinstance(nproc, int):
-        return [nproc]
-    if isinstance(nproc, str):
-        return [int(x) for x in nproc.split(",") if x.strip()]
-    return [int(x) for x in nproc]
+    def recalibrated(self, sp: StudyPlan, results: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The plan predicted again, from its partitioned graph, on the profile at the speed the
+        machine ran it (`at_speed`); None on CUDA or without speed probes."""
+        from shardc.calibration.profile import at_speed
+        from shardc.ir.parser import parse
+        from shardc.study.compare import plan_speed
 
-
-def plan_texts(nprocs: list[int], plans_file: str | None, sweep: str | None, batch: int) -> list[str]:
-    if plans_file:
-        return read_plans_file(plans_file)
-    if sweep:
-        return sweep_plans(sweep.split(","), nprocs, batch)
-    return [t for n in nprocs for t in DEFAULT_SWEEP.get(n, (f"dp={n}",))]
-
-
-def _entry(sp: StudyPlan | None, text: str, status: str, **kw: Any) -> dict[str, Any]:
-    return {"id": sp.id if sp else text, "plan": sp.text if sp else text, "nproc": sp.devices if sp else None,
-            "status": status, **kw}
-
-
-def prepare(model_spec: str, loaded: Any, sp: StudyPlan, cluster: Any, common: dict[str, Any]
-            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(the job to run or None, the predicted figures) for one plan."""
-    from shardc.study.predict import predict
-
-    _, predicted = predict(model_spec, sp, cluster)
-    if not predicted["fits"]:
-        return None, predicted
-    plan = sp.plan
-    batch = loaded.example_inputs[0].shape[0]
-    m = plan.micro_batches(batch)
-    job = {"id": sp.id, "kind": "plan", "plan": plan, "bucket_mb": sp.bucket_mb, "micro_batches": m,
-           "mesh_axes": [tuple(a) for a in predicted["mesh_axes"]], **common}
-    from shardc.api import compile as compile_plan
-
-    split = sp.split if plan.pp > 1 else None
-    if split is None and sp.bucket_mb is not None:  # DDP with its bucket size set: one micro-batch graph, accumulated here
-        per = plan.dp * plan.mb
-        inputs = tuple(x[:per] for x in loaded.example_inputs)
-        job["runtime"] = "ddp-bucket"
-        job["compiled"] = compile_plan(loaded.model, inputs, plan=plan, input_names=loaded.input_names)
-        job["traced_batch"] = per
-    else:  # what `shardc run` does: the global batch compiled, `parallelize(model).step(*batch)`;
-        # an unbalanced split= deals the blocks to stages before lowering, as the prediction did
-        from shardc.study.predict import stage_split
-
-        edit = None if split is None else (lambda graph: stage_split(graph, split, plan.stages))
-        job["runtime"] = "shardc"
-        job["compiled"] = compile_plan(loaded.model, tuple(loaded.example_inputs), plan=plan,
-                                       input_names=loaded.input_names, before_lower=edit)
-    return job, predicted
+        factor = plan_speed(results)
+        if self.device != "cpu" or factor is None:
+            return None
+        cluster = study_cluster(sp.devices, profile=at_speed(self.profile, factor),
+                                memory_limit_bytes=self.memory_limit_bytes)
+        quiet = replace(self.flags, print_after_all=False, time_passes=False)  # the progress bar is drawing
+        _, predicted = score(parse(self.partitioned[sp.id]), sp, cluster, quiet)
+        return {**predicted, "cluster": str(cluster), "speed_factor": factor}
 
 
 def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: str | None = None,
@@ -122,7 +113,8 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
               steps: int = 10, warmup: int = 2, console: Any = None, profile: Any = None,
               memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
               allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True,
-              fresh_profile: bool = False, cluster: str | None = None, gpu_calibration: bool | None = None) -> int:
+              fresh_profile: bool = False, cluster: str | None = None, gpu_calibration: bool | None = None,
+              flags: Flags | None = None) -> int:
     """Run the study (see the module doc) and write the report to `out_dir`; returns 0.
 
     `nproc`: process counts (`2`, `"2,4"`); plans of other device counts in a sweep are left
@@ -134,13 +126,59 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     `cluster` (a GPU preset, `--device cuda` only) and `gpu_calibration` (time the device's matmuls
     after the sweep against the device spec the plans were predicted on; by default on CUDA only,
     True on the CPU times small fp32 matmuls against the local profile): see the module doc.
+    `flags` (`shardc.driver.Flags`): the study pipeline (`--pipeline`, which must keep the
+    `estimate` pass), and whether each plan's passes are printed and timed.
     """
+    import torch
     from rich.console import Console
 
-    from shardc.frontend.spec import load_model
-    from shardc.study.predict import study_cluster
-
     console = console or Console(stderr=True)
+    nprocs = _nprocs(nproc)
+    study_pipeline(flags)  # a bad --pipeline stops the study before anything runs
+    _check_device(device, cluster, nprocs)
+    out = Path(out_dir)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    source = open_model(model_spec, device="cpu")
+    if device == "cpu" and profile is None:
+        profile = _local_profile(out, nprocs, fresh_profile, console)
+    reference = 1.0 / profile.probe_alone_rate if profile is not None and profile.probe_alone_rate > 0 else None
+    settings = {"model": model_spec, "steps": steps, "warmup": warmup, "seed": 0, "device": device,
+                "speed_reference": reference}
+    study = Study(model_spec, source, device, profile, memory_limit_bytes, cluster, flags or Flags(), settings)
+    store = ResultsStore(out / "results.json", {"model": model_spec, "device": device, "steps": steps,
+                                                "warmup": warmup})
+    texts = plan_texts(nprocs, plans_file, sweep, int(source.inputs[0].shape[0]))
+    jobs, predictions = _prepare_jobs(study, texts, store, None if plans_file else nprocs)
+    for n in sorted(jobs):
+        if str(n) not in store.data["allreduce"]:
+            jobs[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes),
+                               "device": device})
+    run_groups(jobs, out / "runs", store, predictions, study.cluster_for, study.recalibrated, job_timeout_s, console)
+    if gpu_calibration if gpu_calibration is not None else device == "cuda":
+        from shardc.study.gpu_report import calibrate_study
+
+        console.print("timing the device's matmuls against the model's device spec (gpu-calibration.md)")
+        calibrate_study(store.data, model_spec, study.cluster_for, nprocs, out, device=device)
+    store.data["wall_time_s"] = store.data.get("wall_time_s", 0.0) + time.perf_counter() - started
+    store.save()
+    if report:
+        _write_report(store.data, out, console)
+    return 0
+
+
+def _nprocs(nproc: int | str | Sequence[int]) -> list[int]:
+    if isinstance(nproc, int):
+        return [nproc]
+    if isinstance(nproc, str):
+        return [int(x) for x in nproc.split(",") if x.strip()]
+    return [int(x) for x in nproc]
+
+
+def _check_device(device: str, cluster: str | None, nprocs: list[int]) -> None:
+    """A ShardcError for a device the study cannot run on: not cpu or cuda, a GPU preset on the
+    CPU, or fewer GPUs than a process count needs."""
     if device not in ("cpu", "cuda"):
         raise ShardcError(f"--device {device!r}: use cpu or cuda")
     if cluster is not None and device != "cuda":
@@ -149,199 +187,70 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     if device == "cuda":
         from shardc.backends.torch.launch import choose_backend
 
-        for n in _nprocs(nproc):
+        for n in nprocs:
             choose_backend(n, "cuda")  # a ShardcError when there are fewer GPUs than processes
-    out = Path(out_dir)
-    work = out / "runs"
-    work.mkdir(parents=True, exist_ok=True)
-    nprocs = _nprocs(nproc)
-    started = time.perf_counter()
-    import torch
 
-    torch.manual_seed(0)
-    loaded = load_model(model_spec, device="cpu")
-    batch = int(loaded.example_inputs[0].shape[0])
-    if fresh_profile and device == "cpu" and profile is None:
-        from shardc.calibration.local import run_calibration
 
-        profile = run_calibration(out / "local-profile.json", quick=True, nprocs=tuple(n for n in nprocs if n > 1),
-                                  console=console)
-    if device == "cpu" and profile is None:
-        from shardc.calibration.local import load_profile, run_calibration
+def _local_profile(out: Path, nprocs: list[int], fresh: bool, console: Any) -> Any:
+    """This machine's profile: measured now (`fresh`, into `out`), else the cached one (measured
+    again when it predates the eager op costs)."""
+    from shardc.calibration.local import load_profile, run_calibration
 
-        profile = load_profile()
-        if profile.eager is None:  # a version 1 cache: the CPU's eager costs were never measured
-            console.print("the cached local profile has no eager op costs (version 1); recalibrating it")
-            profile = run_calibration(console=console)
-    texts = plan_texts(nprocs, plans_file, sweep, batch)
-    clusters: dict[int, Any] = {}
+    if fresh:
+        return run_calibration(out / "local-profile.json", quick=True, nprocs=tuple(n for n in nprocs if n > 1),
+                               console=console)
+    profile = load_profile()
+    if profile.eager is None:  # a version 1 cache: the CPU's eager costs were never measured
+        console.print("the cached local profile has no eager op costs (version 1); recalibrating it")
+        profile = run_calibration(console=console)
+    return profile
 
-    def cluster_for(n: int) -> Any:
-        if n not in clusters and device == "cuda":
-            from shardc.backends.torch.launch import choose_backend
-            from shardc.calibration.gpu import gpu_study_cluster
-            from shardc.hardware import with_overrides
 
-            choose_backend(n, "cuda")
-            gpus = gpu_study_cluster(n, cluster)
-            clusters[n] = gpus if memory_limit_bytes is None else with_overrides(gpus, memory_bytes=memory_limit_bytes)
-        if n not in clusters:
-            clusters[n] = study_cluster(n, device, profile=profile, memory_limit_bytes=memory_limit_bytes)
-        return clusters[n]
+def plan_texts(nprocs: list[int], plans_file: str | None, sweep: str | None, batch: int) -> list[str]:
+    """The plans to study: the file's, the `--sweep` of `batch`, or the default sweep."""
+    if plans_file:
+        return read_plans_file(plans_file)
+    if sweep:
+        return sweep_plans(sweep.split(","), nprocs, batch)
+    return [t for n in nprocs for t in DEFAULT_SWEEP.get(n, (f"dp={n}",))]
 
-    def recalibrated(sp: StudyPlan, results: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The plan predicted again on the profile at the speed the machine ran it (`at_speed`)."""
-        from shardc.study.compare import plan_speed
 
-        factor = plan_speed(results)
-        if device != "cpu" or factor is None:
-            return None
-        from shardc.calibration.local import load_profile
-        from shardc.calibration.profile import at_speed
-        from shardc.study.predict import predict
-
-        base = profile if profile is not None else load_profile()
-        cluster = study_cluster(sp.devices, device, profile=at_speed(base, factor),
-                                memory_limit_bytes=memory_limit_bytes)
-        return {**predict(model_spec, sp, cluster)[1], "cluster": str(cluster), "speed_factor": factor}
-
-    store = ResultsStore(out / "results.json", {"model": model_spec, "device": device, "steps": steps,
-                                                "warmup": warmup})
-    common = {"model": model_spec, "steps": steps, "warmup": warmup, "seed": 0, "device": device,
-              "speed_reference": 1.0 / profile.probe_alone_rate if profile is not None and profile.probe_alone_rate > 0
-              else None}
+def _prepare_jobs(study: Study, texts: list[str], store: ResultsStore, nprocs: list[int] | None
+                  ) -> tuple[dict[int, list[dict[str, Any]]], Predictions]:
+    """(process count -> the jobs to run, the predictions of their plans) for the plans not in
+    `store` yet, of the `nprocs` process counts (None: any); plans that are invalid or predicted
+    not to fit are recorded in `store` instead."""
+    batch = int(study.source.inputs[0].shape[0])
     jobs: dict[int, list[dict[str, Any]]] = {}
-    predictions: dict[str, tuple[StudyPlan, dict[str, Any]]] = {}
+    predictions: Predictions = {}
     for text in texts:
         try:
             sp = parse_study_plan(text, batch)
         except ShardcError as err:
             if not store.done(text):
-                store.record(_entry(None, text, "invalid", error=str(err)))
+                store.record(status_entry(None, text, "invalid", error=str(err)))
             continue
-        if store.done(sp.id) or (not plans_file and sp.devices not in nprocs):
+        if store.done(sp.id) or (nprocs is not None and sp.devices not in nprocs):
             continue
         try:
-            cluster = cluster_for(sp.devices)
-            job, predicted = prepare(model_spec, loaded, sp, cluster, common)
+            cluster = study.cluster_for(sp.devices)
+            job, predicted = study.prepare(sp, cluster)
         except Exception as err:  # a plan the compiler rejects is a result too
-            store.record(_entry(sp, text, "invalid", error=f"{type(err).__name__}: {err}"))
+            store.record(status_entry(sp, text, "invalid", error=f"{type(err).__name__}: {err}"))
             continue
         if job is None:
-            store.record(_entry(sp, text, "does_not_fit", predicted=predicted, cluster=str(cluster),
-                                error=f"predicted not to fit: {predicted['overflow']}"))
+            store.record(status_entry(sp, text, "does_not_fit", predicted=predicted, cluster=str(cluster),
+                                      error=f"predicted not to fit: {predicted['overflow']}"))
             continue
         predictions[sp.id] = (sp, {**predicted, "cluster": str(cluster)})
         jobs.setdefault(sp.devices, []).append(job)
-    for n in sorted(jobs):
-        if str(n) not in store.data["allreduce"]:
-            jobs[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes),
-                               "device": device})
-    total = sum(len(j) for j in jobs.values())
-    _run_groups(jobs, work, store, predictions, cluster_for, total, job_timeout_s, console, recalibrated)
-    if gpu_calibration if gpu_calibration is not None else device == "cuda":
-        from shardc.study.gpu_report import calibrate_study
-
-        console.print("timing the device's matmuls against the model's device spec (gpu-calibration.md)")
-        calibrate_study(store.data, model_spec, cluster_for, nprocs, out, device=device)
-    store.data["wall_time_s"] = store.data.get("wall_time_s", 0.0) + time.perf_counter() - started
-    store.save()
-    if report:
-        from shardc.study.report import write_report
-
-        write_report(store.data, out)
-        from shardc.study.gpu_report import append_to_report
-
-        append_to_report(store.data, out)
-        console.print(f"study written to {out}/ (report.md, results.json, plots)")
-    return 0
+    return jobs, predictions
 
 
-def _run_groups(jobs: dict[int, list[dict[str, Any]]], work: Path, store: ResultsStore,
-                predictions: dict[str, tuple[StudyPlan, dict[str, Any]]], cluster_for: Any, total: int,
-                job_timeout_s: float, console: Any, recalibrated: Any = None) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _write_report(data: dict[str, Any], out: Path, console: Any) -> None:
+    from shardc.study.gpu_report import append_to_report
+    from shardc.study.report import write_report
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("study", total=total)
-        for n in sorted(jobs):
-            pending = list(jobs[n])
-            while pending:
-                for job in pending:
-                    for r in range(n):
-                        (work / f"{job['id']}.rank{r}.json").unlink(missing_ok=True)
-                failure = _launch(n, pending, work, job_timeout_s, progress, task)
-                finished = 0
-                for job in pending:
-                    files = [work / f"{job['id']}.rank{r}.json" for r in range(n)]
-                    results = [json.loads(f.read_text()) for f in files if f.exists()]
-                    errors = [x for x in results if "error" in x]
-                    if len(results) == n and not errors:
-                        _collect(job, results, store, predictions, cluster_for, recalibrated)
-                        finished += 1
-                        continue
-                    message = errors[0]["error"] if errors else (failure or "process group stopped")
-                    tb = errors[0].get("traceback", "") if errors else ""
-                    _record_error(job, message, tb, store, predictions)
-                    finished += 1
-                    break
-                pending = pending[finished:]
-
-
-def _launch(n: int, pending: list[dict[str, Any]], work: Path, job_timeout_s: float, progress: Any,
-            task: Any) -> str | None:
-    """Run `pending` on a fresh group of `n` processes, advancing the bar as files appear."""
-    from shardc.backends.torch.launch import spawn
-    from shardc.study.worker import run_jobs
-
-    outcome: dict[str, Any] = {}
-
-    device = next((job["device"] for job in pending if job.get("device")), None)
-
-    def target() -> None:
-        try:
-            spawn(run_jobs, n, pending, str(work), timeout_s=job_timeout_s * len(pending) + 60, device=device)
-        except Exception as err:
-            outcome["error"] = str(err)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    seen: set[str] = set()
-    while thread.is_alive():
-        thread.join(0.5)
-        for job in pending:
-            if job["id"] not in seen and all((work / f"{job['id']}.rank{r}.json").exists() for r in range(n)):
-                seen.add(job["id"])
-                progress.advance(task)
-                progress.update(task, description=f"{n} processes: {job['id'][:40]}")
-    return outcome.get("error")
-
-
-def _record_error(job: dict[str, Any], message: str, tb: str, store: ResultsStore,
-                  predictions: dict[str, tuple[StudyPlan, dict[str, Any]]]) -> None:
-    if job["kind"] != "plan":
-        store.data["allreduce"][job["id"].split("-")[1]] = {"error": message}
-        store.save()
-        return
-    sp, predicted = predictions[job["id"]]
-    store.record(_entry(sp, sp.text, "error", error=message.strip().splitlines()[0][:500] if message else "",
-                        traceback=tb[-2000:], predicted=predicted))
-
-
-def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsStore,
-             predictions: dict[str, tuple[StudyPlan, dict[str, Any]]], cluster_for: Any,
-             recalibrated: Any = None) -> None:
-    from shardc.study.compare import allreduce_entry, plan_entry
-
-    if job["kind"] == "allreduce_sizes":
-        n = len(results)
-        store.data["allreduce"][str(n)] = allreduce_entry(results[0]["points"], cluster_for(n))
-        store.save()
-        return
-    sp, predicted = predictions[job["id"]]
-    now = recalibrated(sp, results) if recalibrated is not None else None
-    # The machine's 1-minute load average as the plan finished: how shared the cores were.
-    store.record({**plan_entry(sp, predicted, results, now), "load_average": os.getloadavg()[0]})
-
-
+    write_report(data, out)
+    append_to_report(data, out)
+    console.print(f"study written to {out}/ (report.md, results.json, plots)")

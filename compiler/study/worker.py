@@ -198,7 +198,7 @@ def _ddp_module(compiled: Any, model: torch.nn.Module, bucket_mb: float, device:
         mesh_groups,
     )
 
-    graph = compiled.graph
+    graph = compiled.runtime_graph  # one micro-batch of the plan: DDP accumulates them itself
     axes, via, zero = data_parallel_info(graph)
     if zero or via != "ddp" or len(axes) != 1:
         raise ShardcError(f"bucket_mb applies to plain DDP plans (zero=0, one data axis); plan {compiled.plan} "
@@ -208,7 +208,8 @@ def _ddp_module(compiled: Any, model: torch.nn.Module, bucket_mb: float, device:
     check_model(graph, model)
     from shardc.backends.torch.parallelize import with_constants
 
-    tensors = local_tensors(graph, with_constants(model, compiled.constants), rank, device=device)
+    constants = {**compiled.constants, **compiled.micro_constants}
+    tensors = local_tensors(graph, with_constants(model, constants), rank, device=device)
     module = generate(graph, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
     return DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
                                    process_group=dm[axes[0]].get_group(), bucket_cap_mb=bucket_mb)
