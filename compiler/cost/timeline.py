@@ -63,10 +63,6 @@ class LayerMemory:
     held: float = 0.0
 
 
-def _storage(ctx: CostContext, v: Value) -> Value:
-    return ctx.root(v)
-
-
 def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
                  earlier_params: Collection[str] = (), hold_param_grads: bool = False) -> LayerMemory:
     """Walk `nodes` (one layer, graph order) forward and backward (module rules). `terms` is the
@@ -76,7 +72,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     gathered = _gathered_saves(ctx, nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else set()
     saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
-    in_core = [k for k, (_, c) in terms.saved_entries.items() if c]
+    in_core = [k for k, (_, c) in terms.saved_entries.items() if c]  # a list: recomputed in saved order
     if recompute == "full":
         kept = dict(terms.input_entries)
     elif recompute == "selective":
@@ -91,11 +87,11 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     exported: set[Value] = set()
     for idx, node in enumerate(nodes):
         for v in node.inputs:
-            last_read[_storage(ctx, v)] = idx
+            last_read[ctx.root(v)] = idx
         for v in node.outputs:
             users = ctx.users.get(v, [])
             if any(u not in inside for u in users) or v in ctx.graph.outputs:
-                exported.add(_storage(ctx, v))
+                exported.add(ctx.root(v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
     fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload)
     if recompute == "full":  # the forward again, inputs kept and output gradients arriving
@@ -127,7 +123,7 @@ def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[Value, floa
                 continue
             v = node.inputs[i]
             if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i])):
-                key = _storage(ctx, v)
+                key = ctx.root(v)
                 out[key] = max(out.get(key, 0.0), ctx.local_bytes(v, local.in_layouts[i]))
     return out
 
@@ -137,8 +133,8 @@ def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> li
     local = ctx.local(node)
     keys: list[object] = []
     for k, (kind, i) in enumerate(local.op.saved_for_backward(local.in_types, local.out_types, node.attrs)):
-        key: object = (node, k) if kind == "bytes" else _storage(
-            ctx, node.inputs[i] if kind == "in" else node.outputs[i])
+        key: object = (node, k) if kind == "bytes" else ctx.root(
+            node.inputs[i] if kind == "in" else node.outputs[i])
         if key in terms.saved_entries or key in terms.input_entries:
             keys.append(key)
     return keys
