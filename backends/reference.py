@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardc.ir import Graph
+from shardc.ir import Graph, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
 
@@ -44,24 +44,24 @@ def run_graph(graph: Graph, inputs: Sequence[torch.Tensor], state: Mapping[str, 
     if len(inputs) != len(graph.inputs):
         raise ShardcError(f"graph @{graph.name} takes {len(graph.inputs)} inputs "
                           f"({', '.join(v.name for v in graph.inputs)}), got {len(inputs)}")
-    env: dict[int, Any] = {}
+    env: dict[Value, Any] = {}
     for value, tensor in zip(graph.inputs, inputs):
         if tuple(tensor.shape) != value.type.shape:
             raise ShardcError(f"input %{value.name} has shape {tuple(tensor.shape)}, the graph was traced with "
                               f"{value.type}", hint="trace again with example inputs of this shape")
-        env[id(value)] = tensor
+        env[value] = tensor
     for value in graph.params + graph.buffers:
         if value.name not in state:
             raise ShardcError(f"no tensor for {value.kind} %{value.name} in the state given to run_graph")
-        env[id(value)] = state[value.name]
+        env[value] = state[value.name]
     for node in graph.nodes:
         try:
-            result = get_op(node.op).impl(*[env[id(v)] for v in node.inputs], **node.attrs)
+            result = get_op(node.op).impl(*[env[v] for v in node.inputs], **node.attrs)
         except Exception as err:
             raise ShardcError(f"running {node.op} failed: {type(err).__name__}: {err}", node=node) from err
         results = list(result) if isinstance(result, tuple | list) else [result]
         if len(results) != len(node.outputs):
             raise ShardcError(f"{node.op} gave {len(results)} results for {len(node.outputs)} outputs", node=node)
         for value, tensor in zip(node.outputs, results):
-            env[id(value)] = tensor
-    return [env[id(v)] for v in graph.outputs]
+            env[value] = tensor
+    return [env[v] for v in graph.outputs]

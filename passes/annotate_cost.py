@@ -32,18 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardc.analysis.aliasing import aliases, aliasing
+from shardc.analysis.aliasing import aliasing
 from shardc.cost.compute import (
     NodeCost,
     local_type,
     localize,
     node_compute_time,
-    repeated,
-    rotation_steps,
     saved_bytes_of,
 )
 from shardc.cost.grid2d import step_types
-from shardc.cost.ring import causal_ring_cost
+from shardc.cost.ring import as_run
 from shardc.hardware import DeviceSpec, parse_cluster
 from shardc.ir import DTYPE_BYTES, Graph, Layout, Node, TensorType, Value
 from shardc.ops.registry import CostRow, get_op, has_op
@@ -75,9 +73,7 @@ def forward_cost(node: Node, graph: Graph, device: DeviceSpec, dtype: str | None
     part = node.partition if local.space is not None else None
     cost = node_compute_time(local.op, step_types(local.space, part, ins), outs, node.attrs,
                              device, compute, needs_grad=[False] * len(ins), copies=copies)
-    cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)
-    if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
-        cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    cost = as_run(cost, node, part)
     return cost, ins, outs
 
 

@@ -54,16 +54,16 @@ def _relative(path: str, prefix: str) -> str:
 
 def structural_hash(graph: Graph, layer: str, nodes: list[Node]) -> str:
     """A digest of everything that makes two layers copies of each other (see module docstring)."""
-    position: dict[int, tuple[int, int]] = {}
-    external: dict[int, int] = {}
+    position: dict[Value, tuple[int, int]] = {}
+    external: dict[Value, int] = {}
     items: list[Any] = []
 
     def operand(v: Value) -> Any:
-        if id(v) in position:
-            return ("local", *position[id(v)])
+        if v in position:
+            return ("local", *position[v])
         if v.kind in ("parameter", "buffer"):
             return (v.kind, _relative(v.name, layer), str(v.type), str(v.layout), v.requires_grad)
-        return ("outside", external.setdefault(id(v), len(external)), str(v.type), str(v.layout))
+        return ("outside", external.setdefault(v, len(external)), str(v.type), str(v.layout))
 
     for k, node in enumerate(nodes):
         try:
@@ -76,7 +76,7 @@ def structural_hash(graph: Graph, layer: str, nodes: list[Node]) -> str:
             str(node.partition), _relative(node.location.module_path, layer),
         ))
         for i, v in enumerate(node.outputs):
-            position[id(v)] = (k, i)
+            position[v] = (k, i)
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
@@ -159,20 +159,20 @@ def hoist_foreign_nodes(graph: Graph) -> None:
             last[name] = i
     moves: dict[int, list[Node]] = {}  # index of a layer's first node -> nodes to put before it
     moved: set[int] = set()
-    depends: set[int] = set()  # ids of values computed from the current layer
+    depends: set[Value] = set()  # values computed from the current layer
     current: str | None = None
     for i, (node, name) in enumerate(zip(graph.nodes, named)):
         if name is not None:
             if name != current:
                 current, depends = name, set()
-            depends.update(id(v) for v in node.outputs)
+            depends.update(node.outputs)
             continue
         inside = current is not None and i < last[current]
-        if inside and not any(id(v) in depends for v in node.inputs):
+        if inside and not any(v in depends for v in node.inputs):
             moves.setdefault(first[current], []).append(node)  # type: ignore[index]
             moved.add(i)
         else:
-            depends.update(id(v) for v in node.outputs)
+            depends.update(node.outputs)
     if not moved:
         return
     nodes: list[Node] = []

@@ -138,7 +138,7 @@ def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit) -> None:
     for node in graph.nodes:
         key_stage = node_stage(graph, node)
         for i, v in enumerate(node.inputs):
-            key = (id(v), key_stage)
+            key = (v, key_stage)
             if v.kind == "parameter" and v.requires_grad and key not in synced:
                 axes = tuple(a for a in data if isinstance((v.layout or Layout()).on(a), Replicate)
                              and splits_axis(node, a))
@@ -171,12 +171,12 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
         if edge.consumers:
             before.setdefault(min(i for i, _ in edge.consumers), []).append(edge)
     old = list(graph.nodes)
-    position = {id(n): i for i, n in enumerate(old)}
+    position = {n: i for i, n in enumerate(old)}
     after: dict[int, list[Edge]] = {}  # producer index -> edges whose send goes right after it
     for edge in edges:
         producer = by_name[edge.value].producer
         if edge.consumers and edges[edge][0].kind == "send_recv" and producer is not None:
-            after.setdefault(position[id(producer)], []).append(edge)
+            after.setdefault(position[producer], []).append(edge)
     sent: dict[Edge, Value] = {}
     emit.nodes = []
     for index, node in enumerate(old):
@@ -198,12 +198,12 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
 
 def _grads(graph: Graph) -> list[bool]:
     """Per node: whether its outputs carry a gradient (they read a trainable parameter, transitively)."""
-    flags = {id(p): p.requires_grad for p in graph.params}
+    flags: dict[Value, bool] = {p: p.requires_grad for p in graph.params}
     out = []
     for node in graph.nodes:
-        flag = any(flags.get(id(v), False) for v in node.inputs)
+        flag = any(flags.get(v, False) for v in node.inputs)
         for v in node.outputs:
-            flags[id(v)] = flag and v.type.is_float
+            flags[v] = flag and v.type.is_float
         out.append(flag)
     return out
 

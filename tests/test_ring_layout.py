@@ -123,7 +123,7 @@ def test_estimate_balanced_against_contiguous_causal_ring(monkeypatch: pytest.Mo
     """Causal Llama, cp=4 on 4xH100 at 8k tokens: contiguous, the last rank computes every key
     shard, so attention costs what non-causal attention costs; zig-zag, every rank computes
     (2n+1)/4 = 9/16 of the n shards, and that is the whole difference in compute time."""
-    import shardc.cost.layer as layer
+    import shardc.cost.ring as ring
     from shardc.cost.model import estimate
     from shardc.driver import partition
     from shardc.hardware import parse_cluster
@@ -138,7 +138,7 @@ def test_estimate_balanced_against_contiguous_causal_ring(monkeypatch: pytest.Mo
             scaled.append((cost.fwd_s + cost.bwd_s, out.fwd_s + out.bwd_s))
         return out
 
-    monkeypatch.setattr(layer, "causal_ring_cost", record)
+    monkeypatch.setattr(ring, "causal_ring_cost", record)
 
     def compute(plan: str, causal: bool = True) -> float:
         parsed = ParallelPlan.parse(plan)

@@ -62,7 +62,7 @@ class Emitter:
         self.skews: dict[Node, fx.Node] = {}  # grid node -> its weight's prefetched skew
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> fx.Node:
-        node = self.g.create_node("call_function", fn, args, kwargs, name=py_name(name))
+        node = self.g.create_node("call_function", fn, _plain(args), _plain(kwargs), name=py_name(name))
         return node
 
     def call_positional(self, fn: Callable[..., Any], args: tuple, name: str) -> fx.Node:
@@ -184,3 +184,15 @@ class Emitter:
         if node in self.skews:
             kw["skew"] = self.skews[node]
         return self.call(G.grid_contraction, (node.op, *args), kw, node.outputs[0].name)
+
+
+def _plain(x: Any) -> Any:
+    """Arguments as the generated code should spell them: a mesh axis (`Axis.TP`, a str enum) as
+    the plain string `'tp'`, inside tuples, lists and dicts too."""
+    if isinstance(x, str) and type(x) is not str:
+        return str(x)
+    if type(x) in (tuple, list):
+        return type(x)(_plain(y) for y in x)
+    if type(x) is dict:
+        return {k: _plain(v) for k, v in x.items()}
+    return x

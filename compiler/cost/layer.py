@@ -30,13 +30,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from shardc.analysis.aliasing import aliases
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     NodeCost,
     node_compute_time,
-    repeated,
-    rotation_steps,
     saved_bytes_of,
     working_bytes,
 )
@@ -51,7 +48,7 @@ from shardc.cost.edges import (
     resolves,
 )
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
-from shardc.cost.ring import causal_ring_cost
+from shardc.cost.ring import as_run
 from shardc.ir import Node, Value
 from shardc.ops.registry import rotating_operands
 
@@ -232,9 +229,7 @@ def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> Node
                              ctx.device, ctx.dtype, needs_grad=[v in ctx.needs_grad for v in node.inputs],
                              scale=ctx.batch_scale, scaled_in=[v in ctx.batched for v in node.inputs],
                              scaled_out=[v in ctx.batched for v in node.outputs], copies=node in ctx.copies)
-    cost = causal_ring_cost(repeated(cost, rotation_steps(part)), node, part)
-    if node.op == "dropout" and aliases(node):  # p=0: PyTorch returns the input, no kernel
-        cost = NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    cost = as_run(cost, node, part)
     _add(t.bwd, "compute_bwd", cost.bwd_s)
     t.fwd_flops += cost.fwd_flops
     t.bwd_flops += cost.bwd_flops

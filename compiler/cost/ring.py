@@ -21,7 +21,8 @@ n-step cost by slowest / n; anything else (not attention, not causal, not rotati
 
 from __future__ import annotations
 
-from shardc.cost.compute import NodeCost
+from shardc.analysis.aliasing import aliases
+from shardc.cost.compute import NodeCost, repeated, rotation_steps
 from shardc.ir import Node, Partition
 from shardc.ops.registry import get_op
 
@@ -54,3 +55,12 @@ def causal_ring_cost(cost: NodeCost, node: Node, partition: Partition | None) ->
     n, zigzag = ring
     f = max(causal_ring_blocks(n, zigzag)) / n
     return NodeCost(cost.fwd_s * f, cost.bwd_s * f, cost.fwd_flops * f, cost.bwd_flops * f, cost.fwd_bytes * f)
+
+
+def as_run(cost: NodeCost, node: Node, partition: Partition | None) -> NodeCost:
+    """What one node's kernels cost as the runtime runs them: one kernel per rotation step, the
+    slowest rank's share of a causal ring, nothing for a dropout that returns its input (p=0:
+    PyTorch makes no kernel). The cost model's layers and `annotate-cost` both charge this."""
+    if node.op == "dropout" and aliases(node):
+        return NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    return causal_ring_cost(repeated(cost, rotation_steps(partition)), node, partition)

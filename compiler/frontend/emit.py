@@ -71,7 +71,7 @@ class Emitter:
     def __init__(self, name: str) -> None:
         self.graph = Graph(name)
         self.location = Location()
-        self._meta: dict[int, torch.Tensor] = {}
+        self._meta: dict[Value, torch.Tensor] = {}
         self._names: set[str] = set()
         self._counter = 0
         self.constants: dict[str, torch.Tensor] = {}
@@ -92,7 +92,7 @@ class Emitter:
             raise ValueError(f"value name {name!r} is declared twice")
         value = Value(name, tensor_type(meta), kind, requires_grad=requires_grad)
         self._names.add(name)
-        self._meta[id(value)] = to_meta(meta)
+        self._meta[value] = to_meta(meta)
         {"input": self.graph.inputs, "parameter": self.graph.params, "buffer": self.graph.buffers}[kind].append(value)
         return value
 
@@ -104,7 +104,7 @@ class Emitter:
         return value
 
     def meta(self, value: Value) -> torch.Tensor:
-        return self._meta[id(value)]
+        return self._meta[value]
 
     def type_of(self, value: Value) -> TensorType:
         return value.type
@@ -118,7 +118,7 @@ class Emitter:
         if not has_op(op):
             raise Unsupported(f"the registry has no op {op!r}")
         attrs = {k: clean_attr(v) for k, v in attrs.items()}
-        metas = [self._meta[id(v)] for v in inputs]
+        metas = [self._meta[v] for v in inputs]
         key = (op, typed_key(metas), typed_key(attrs))
         result = self._results.get(key)
         if result is None:
@@ -135,7 +135,7 @@ class Emitter:
         for r in results:
             value = Value(self._fresh(), tensor_type(r))
             self._names.add(value.name)
-            self._meta[id(value)] = to_meta(r)
+            self._meta[value] = to_meta(r)
             outs.append(value)
         self.graph.nodes.append(Node(op, list(inputs), outs, attrs, self.location))
         return tuple(outs) if many else outs[0]

@@ -19,7 +19,7 @@ import torch
 
 import shardc.frontend.onnx_ops  # noqa: F401  (fills the handler table)
 from shardc.frontend.onnx_import import Importer, OnnxImport, onnx_torch_dtype
-from shardc.ir import Graph
+from shardc.ir import Graph, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import get_op
@@ -145,14 +145,14 @@ class OnnxModule(torch.nn.Module):
     def forward(self, *inputs: torch.Tensor) -> Any:
         graph = self.shardc_graph
         state = dict(self.named_parameters()) | dict(self.named_buffers())
-        env: dict[int, Any] = {id(v): t for v, t in zip(graph.inputs, inputs)}
+        env: dict[Value, Any] = dict(zip(graph.inputs, inputs))
         for v in graph.params + graph.buffers:
-            env[id(v)] = state[v.name]
+            env[v] = state[v.name]
         for node in graph.nodes:
-            out = get_op(node.op).impl(*[env[id(v)] for v in node.inputs], **node.attrs)
+            out = get_op(node.op).impl(*[env[v] for v in node.inputs], **node.attrs)
             for v, t in zip(node.outputs, out if isinstance(out, tuple | list) else [out]):
-                env[id(v)] = t
-        outs = [env[id(v)] for v in graph.outputs]
+                env[v] = t
+        outs = [env[v] for v in graph.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -160,10 +160,10 @@ def example_inputs(graph: Graph, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Inputs matching the graph's declared types; integer inputs that feed an embedding are
     drawn below its vocabulary size."""
     gen = torch.Generator().manual_seed(seed)
-    high: dict[int, int] = {}
+    high: dict[Value, int] = {}
     for node in graph.nodes:
         if node.op == "embedding":
-            high[id(node.inputs[0])] = node.inputs[1].type.shape[0]
+            high[node.inputs[0]] = node.inputs[1].type.shape[0]
     out = []
     for v in graph.inputs:
         dtype = torch_dtype(v.type.dtype)
@@ -172,7 +172,7 @@ def example_inputs(graph: Graph, seed: int = 0) -> tuple[torch.Tensor, ...]:
         elif v.type.dtype == "bool":
             out.append(torch.ones(v.type.shape, dtype=torch.bool))
         else:
-            out.append(torch.randint(0, high.get(id(v), 2), v.type.shape, generator=gen, dtype=dtype))
+            out.append(torch.randint(0, high.get(v, 2), v.type.shape, generator=gen, dtype=dtype))
     return tuple(out)
 
 

@@ -154,7 +154,7 @@ class _Lowering:
         self.e = Emitter(name)
         self.env: dict[torch.fx.Node, Any] = {}
         self.declared: dict[str, Value] = {}
-        self.const_values: dict[int, Value] = {}
+        self.const_values: dict[_Const, Value] = {}
         self.const_nodes: dict[torch.fx.Node, Any] = {}
         self.results: dict[Any, Any] = {}  # a call's meta result by its argument types
 
@@ -186,15 +186,15 @@ class _Lowering:
         """Drop nodes nothing uses (sizes computed for a mask that is a constant after all, say)
         and declarations no node reads."""
         graph = self.e.graph
-        live = {id(v) for v in graph.outputs}
+        live = set(graph.outputs)
         kept = []
         for node in reversed(graph.nodes):
-            if any(id(v) in live for v in node.outputs):
+            if any(v in live for v in node.outputs):
                 kept.append(node)
-                live.update(id(v) for v in node.inputs)
+                live.update(node.inputs)
         graph.nodes = kept[::-1]
-        graph.params = [v for v in graph.params if id(v) in live]
-        graph.buffers = [v for v in graph.buffers if id(v) in live]
+        graph.params = [v for v in graph.params if v in live]
+        graph.buffers = [v for v in graph.buffers if v in live]
         for name in [n for n in self.e.constants if not any(v.name == n for v in graph.buffers)]:
             del self.e.constants[name]
 
@@ -262,8 +262,8 @@ class _Lowering:
     def materialize(self, c: _Const) -> Value:
         """A constant as a graph value: its computation lowered to ops when every step of it has a
         rule (an `arange`, a `full`), else one `const.N` buffer holding its value."""
-        if id(c) in self.const_values:
-            return self.const_values[id(c)]
+        if c in self.const_values:
+            return self.const_values[c]
         value: Value | None = None
         if c.node is not None and self.lowerable(c.node):
             mark, location = self.e.checkpoint(), self.e.location
@@ -281,7 +281,7 @@ class _Lowering:
             self.e.location = location
         if value is None:
             value = self.e.constant(c.value)
-        self.const_values[id(c)] = value
+        self.const_values[c] = value
         return value
 
     def lowerable(self, node: torch.fx.Node) -> bool:
@@ -291,7 +291,7 @@ class _Lowering:
         if node.op not in ("call_function", "call_method") or lookup(node.op, node.target) is None:
             return False
         for leaf in _leaves((self.env_args(node.args), self.env_args(node.kwargs))):
-            if isinstance(leaf, _Const) and id(leaf) not in self.const_values and (
+            if isinstance(leaf, _Const) and leaf not in self.const_values and (
                     leaf.node is None or not self.lowerable(leaf.node)):
                 return False
         return True

@@ -133,12 +133,12 @@ class Graph:
                 return v
         raise KeyError(f"graph @{self.name} has no value %{name}")
 
-    def users(self) -> dict[int, list[Node]]:
-        """id(value) -> the nodes that read it, in graph order."""
-        out: dict[int, list[Node]] = {}
+    def users(self) -> dict[Value, list[Node]]:
+        """Value -> the nodes that read it, in graph order."""
+        out: dict[Value, list[Node]] = {}
         for node in self.nodes:
             for v in node.inputs:
-                lst = out.setdefault(id(v), [])
+                lst = out.setdefault(v, [])
                 if not lst or lst[-1] is not node:
                     lst.append(node)
         return out

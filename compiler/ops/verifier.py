@@ -99,7 +99,7 @@ class _Verifier:
         self.mesh = graph.mesh
         self.allow_uneven = allow_uneven
         self.check_input_layouts = check_input_layouts
-        self.defined: set[int] = set()
+        self.defined: set[Value] = set()
         self.names: set[str] = set()
 
     def fail(self, message: str, node: Node | None = None, hint: str = "") -> NoReturn:
@@ -121,7 +121,7 @@ class _Verifier:
         for node in g.nodes:
             self.check_node(node)
         for v in g.outputs:
-            if id(v) not in self.defined:
+            if v not in self.defined:
                 self.fail(f"returned value %{v.name} is not defined in the graph")
         self.check_stages()
 
@@ -129,11 +129,11 @@ class _Verifier:
         if v.name in self.names:
             self.fail(f"value %{v.name} is defined twice", node, "give every value a unique name")
         self.names.add(v.name)
-        self.defined.add(id(v))
+        self.defined.add(v)
 
     def check_node(self, node: Node) -> None:
         for i, v in enumerate(node.inputs):
-            if id(v) not in self.defined:
+            if v not in self.defined:
                 known = v.name in self.names
                 self.fail(f"operand {i} %{v.name} of {node.op} is used before its definition"
                           if not known else f"operand {i} %{v.name} of {node.op} is not the value of that name "

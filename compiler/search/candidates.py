@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from shardc.analysis.groups import NodeGroup
 from shardc.analysis.roles import Roles, iteration_roles
-from shardc.ir import Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
+from shardc.ir import Axis, Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
 from shardc.ops.registry import IterationSpace, get_op, has_op, node_layouts
 from shardc.search.primepar import GRID_AXES, grid_partitions, without_axes
 
@@ -78,11 +78,9 @@ class Shapes:
 
     roles: Roles
     batch_scale: float = 1.0
-    batched: frozenset[Value] | None = None  # the values that scale with the batch (default: by role)
 
     def scales(self, value: Value) -> bool:
-        if self.batched is not None:
-            return value in self.batched
+        """Whether the value's size scales with the batch (it has a batch dim)."""
         return "batch" in self.roles.get(value, ())
 
     def nbytes(self, value: Value, layout: Layout | None, mesh: Mesh) -> float:
@@ -119,9 +117,9 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
     plain = [d for d in space.dims if d not in space.unsplittable and d not in special and sizes[d] > 1]
     per_axis: list[list[str | None]] = []
     for axis in mesh.names:
-        if axis == "dp":
+        if axis == Axis.DP:
             opts: list[str | None] = [d for d in plain if roles.get(d) == "batch"][:1] or [None]
-        elif axis == "cp":
+        elif axis == Axis.CP:
             opts = [None] + [d for d in plain if roles.get(d) == "seq"]
         else:
             opts = [None] + plain + [d for d, rule in special.items() if rule == "vocab"]
@@ -129,7 +127,7 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
     out = []
     for choice in itertools.product(*per_axis):
         picked = dict(zip(mesh.names, choice))
-        if "tq" in picked and picked["tq"] != picked.get("tp"):
+        if Axis.TQ in picked and picked[Axis.TQ] != picked.get(Axis.TP):
             continue  # tq follows tp outside grids
         spatial = tuple((a, d) for a, d in zip(mesh.names, choice) if d is not None)
         if _divisible(space, spatial, mesh, sizes):
@@ -146,7 +144,7 @@ def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh
     used = {d for _, d in spatial}
     rules = dict(space.special)
     for axis, d1 in spatial:
-        if axis == "dp":
+        if axis == Axis.DP:
             continue
         for d2 in space.dims:
             if d2 in used or d2 in space.unsplittable or (d2 in rules and rules[d2] != "ring"):
@@ -214,13 +212,13 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
         for spatial, split in grid_partitions(space, mesh, base, sizes):
             grids.setdefault(spatial, []).append(split)
     for spatial in spatials + [s for s in grids if s not in spatials]:
-        strides = tuple((a, pieces) for a, d in spatial if pieces > 1 and d == last and a not in ("dp", "cp")
+        strides = tuple((a, pieces) for a, d in spatial if pieces > 1 and d == last and a not in (Axis.DP, Axis.CP)
                         and sizes[d] % (pieces * mesh.axis_size(a)) == 0)
         plain = spatial in spatials
         temporals: list[tuple[TemporalSplit, ...]] = [()] if plain else []
         if rotate and kind in ("contraction", "attention") and plain:
             temporals += [(t,) for t in _rotations(space, spatial, mesh, sizes, roles) if t.rotate not in GRID_AXES
-                          or "tq" not in mesh.names or kind == "attention"]
+                          or Axis.TQ not in mesh.names or kind == "attention"]
         temporals += [(t,) for t in grids.get(spatial, [])]
         if plain and chunk and (kind == "loss" or (kind == "contraction" and _expands(group))):
             seq = [d for d in space.dims if roles.get(d) == "seq" and d not in space.unsplittable]
@@ -253,7 +251,7 @@ def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shape
         dims: list[int | None] = [None, *targets]
         for choice in itertools.product(dims, repeat=len(partial_axes)):
             picked = dict(zip(partial_axes, choice))
-            if "tq" in picked and "tp" in picked and picked["tq"] != picked["tp"]:
+            if Axis.TQ in picked and Axis.TP in picked and picked[Axis.TQ] != picked[Axis.TP]:
                 continue  # tq resolves as tp does (the two act as one tp)
             placements = dict(layout.placements)
             for axis, dim in zip(partial_axes, choice):

@@ -28,7 +28,7 @@ from shardc.cost.edges import (
 )
 from shardc.cost.layer import LayerTerms, layer_terms, regather_exposed
 from shardc.hardware import Cluster
-from shardc.ir import Layout, Mesh, Node, Value
+from shardc.ir import Axis, Layout, Mesh, Node, Value
 from shardc.search.candidates import Candidate
 
 
@@ -129,9 +129,9 @@ class Pricer:
 
     def p2p(self, nbytes: float) -> float:
         """One pipeline send of `nbytes` between neighbouring stages."""
-        if self.mesh.axis_size("pp") <= 1 or nbytes <= 0:
+        if self.mesh.axis_size(Axis.PP) <= 1 or nbytes <= 0:
             return 0.0
-        return collective_time("send_recv", nbytes, ((neighbour_link(self.mesh, "pp", self.cluster), 2),))
+        return collective_time("send_recv", nbytes, ((neighbour_link(self.mesh, Axis.PP, self.cluster), 2),))
 
     def local_bytes(self, value: Value, layout: Layout) -> float:
         return self.ctx.local_bytes(value, layout)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardc.ir import RECOMPUTE_CHOICES, Shard
+from shardc.ir import RECOMPUTE_CHOICES, Axis, Shard
 from shardc.ops.registry import get_op, has_op
 from shardc.search.candidates import Candidate
 from shardc.search.evaluate import Assignment, Evaluation, balanced_stages, evaluate
@@ -44,8 +44,8 @@ def _megatron_legal(var: GroupVar, cand: Candidate) -> bool:
         return False
     if "->" in cand.label and "tp:S" in cand.label.split("->", 1)[1]:
         return False  # sequence-parallel reduce_scatter: not in the plain grid
-    dims = [d for a, d in part.spatial if a == "tp"]
-    if any(a == "cp" for a, _ in part.spatial):
+    dims = [d for a, d in part.spatial if a == Axis.TP]
+    if any(a == Axis.CP for a, _ in part.spatial):
         return False
     if not dims:
         return True
@@ -86,8 +86,8 @@ def megatron_choice(problem: Problem) -> tuple[int, ...]:
             for i in incoming.get(g, []):
                 e = problem.edges[i]
                 if (e.member, e.index) == (0, 0) and e.producer < len(choice):
-                    have = e.prod_info[e.prod_class[choice[e.producer]]][0].on("tp")
-                    return isinstance(have, Shard) and e.cons_required[e.cons_class[c]].on("tp") == have
+                    have = e.prod_info[e.prod_class[choice[e.producer]]][0].on(Axis.TP)
+                    return isinstance(have, Shard) and e.cons_required[e.cons_class[c]].on(Axis.TP) == have
             return False
 
         def score(c: int, g: int = g) -> float:
@@ -97,13 +97,13 @@ def megatron_choice(problem: Problem) -> tuple[int, ...]:
         legal += [c for c, cand in enumerate(var.cands) if c not in legal and _plain(cand) and follows(c)]
         # A Megatron user splits every op that has a tensor-parallel rule.
         split = [c for c in legal if var.cands[c].partitions[0] is not None
-                 and var.cands[c].partitions[0].axes_of and any(a == "tp" for a, _ in var.cands[c].partitions[0].spatial)]
+                 and var.cands[c].partitions[0].axes_of and any(a == Axis.TP for a, _ in var.cands[c].partitions[0].spatial)]
         legal = split or legal
         node = var.group.anchor
         if len(node.inputs) > 1 and node.inputs[1].kind == "parameter" and any(
-                a == "tp" and d == "n" for c in legal for a, d in var.cands[c].partitions[0].spatial):
+                a == Axis.TP and d == "n" for c in legal for a, d in var.cands[c].partitions[0].spatial):
             # Column-parallel unless the input already arrives split on its last dim (then row).
-            row = [c for c in legal if any(a == "tp" and d == "k" for a, d in var.cands[c].partitions[0].spatial)]
+            row = [c for c in legal if any(a == Axis.TP and d == "k" for a, d in var.cands[c].partitions[0].spatial)]
             free_row = [c for c in row if follows(c)]
             legal = free_row or [c for c in legal if c not in row] or legal
 
@@ -114,7 +114,7 @@ def megatron_choice(problem: Problem) -> tuple[int, ...]:
 def _plain(cand: Candidate) -> bool:
     """A candidate without temporal splits, cp, or a sequence-parallel resolution."""
     part = cand.partitions[0]
-    return part is not None and not part.temporal and not any(a == "cp" for a, _ in part.spatial) \
+    return part is not None and not part.temporal and not any(a == Axis.CP for a, _ in part.spatial) \
         and not ("->" in cand.label and "tp:S" in cand.label.split("->", 1)[1])
 
 

@@ -86,7 +86,7 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
         if any(v.section == "block" for v in problem.groups) else None
     blocks = set(facts.layering.blocks)
     stage_of: dict[str, tuple[int, str]] = dict(zip(facts.layering.blocks, a.blocks()))
-    wanted: dict[int, tuple[Value, list[tuple[tuple[str, Placement], ...]]]] = {}
+    wanted: dict[Value, tuple[Value, list[tuple[tuple[str, Placement], ...]]]] = {}
     for g in facts.groups:
         layer = "<graph>" if g.layer is None else g.layer
         key = (rep_block, g.position) if layer in blocks and rep_block is not None else (layer, g.position)
@@ -101,7 +101,7 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
             needs = cand.layouts[j][0] if j < len(cand.layouts) else ()
             for v, need in zip(node.inputs, needs):
                 if v.kind in ("input", "parameter", "buffer"):
-                    wanted.setdefault(id(v), (v, []))[1].append(
+                    wanted.setdefault(v, (v, []))[1].append(
                         tuple((ax, p) for ax, p in need.placements if not isinstance(p, Partial)))
         for k, v in enumerate(outputs):
             if k < len(cand.outputs):

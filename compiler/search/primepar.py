@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import itertools
 
-from shardc.ir import Mesh, TemporalSplit
+from shardc.ir import Axis, Mesh, TemporalSplit
 from shardc.ops.registry import IterationSpace
 
-GRID_AXES = ("tp", "tq")
+GRID_AXES = (Axis.TP, Axis.TQ)
 Spatial = tuple[tuple[str, str], ...]
 
 
@@ -46,8 +46,8 @@ def grid_partitions(space: IterationSpace, mesh: Mesh, spatials: list[Spatial], 
     the other mesh axes, `sizes` the iteration dims' sizes as priced."""
     if not all(a in mesh.names for a in GRID_AXES) or len(space.inputs) < 2 or len(space.inputs[1]) != 2:
         return []  # the second operand is a 2-d weight (what the torch backend's grid runs)
-    q = mesh.axis_size("tp")
-    if q != mesh.axis_size("tq") or q < 2 or q & (q - 1):
+    q = mesh.axis_size(Axis.TP)
+    if q != mesh.axis_size(Axis.TQ) or q < 2 or q & (q - 1):
         return []
     i_op, w_op = space.inputs[0], space.inputs[1]
     free = [d for d in space.dims if d not in space.unsplittable and d not in dict(space.special)]
