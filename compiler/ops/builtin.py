@@ -22,26 +22,26 @@ from shardc.ops.targets import resolve_target
 Types = Sequence[TensorType]
 
 
-def _dims(n: int, prefix: str = "d") -> list[str]:
+def dim_names(n: int, prefix: str = "d") -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
 
 
-def _norm_dim(dim: int, rank: int) -> int:
+def norm_dim(dim: int, rank: int) -> int:
     return dim + rank if dim < 0 else dim
 
 
-def _aligned_space(ins: Types, outs: Types, fixed: Sequence[int] = ()) -> IterationSpace:
+def aligned_space(ins: Types, outs: Types, fixed: Sequence[int] = ()) -> IterationSpace:
     """Every operand aligned from the right with the first output (broadcasting allowed);
     output dims in `fixed` cannot be split."""
     rank = outs[0].rank
-    names = _dims(rank)
+    names = dim_names(rank)
     sizes = tuple(zip(names, outs[0].shape))
 
     def bind(t: TensorType) -> tuple[tuple[str, ...], ...]:
         off = rank - t.rank
         return tuple(() if (t.shape[i] == 1 and outs[0].shape[off + i] != 1) else (names[off + i],) for i in range(t.rank))
 
-    unsplittable = frozenset(names[_norm_dim(d, rank)] for d in fixed)
+    unsplittable = frozenset(names[norm_dim(d, rank)] for d in fixed)
     return IterationSpace(sizes, tuple(bind(t) for t in ins), tuple(bind(t) for t in outs), unsplittable)
 
 
@@ -55,7 +55,7 @@ def elementwise(name: str, impl: Any, flops_per_element: int = 1, saves: str = "
         def save_fn(i: Types, o: Types, a: dict[str, Any]) -> list[tuple[str, int]]:
             return [("out", 0)]
     return register(OpDef(
-        name, "elementwise", lambda i, o, a: _aligned_space(i, o), impl,
+        name, "elementwise", lambda i, o, a: aligned_space(i, o), impl,
         flops=lambda i, o, a: flops_per_element * o[0].numel, saves=save_fn, doc=doc,
     ))
 
@@ -76,9 +76,9 @@ def _mul_saves(i: Types, o: Types, a: dict[str, Any]) -> list[tuple[str, int]]:
 # ---- elementwise ---------------------------------------------------------------------------
 elementwise("add", _binary(torch.add))
 elementwise("sub", _binary(torch.sub))
-register(OpDef("mul", "elementwise", lambda i, o, a: _aligned_space(i, o), _binary(torch.mul),
+register(OpDef("mul", "elementwise", lambda i, o, a: aligned_space(i, o), _binary(torch.mul),
                flops=lambda i, o, a: o[0].numel, saves=_mul_saves))
-register(OpDef("div", "elementwise", lambda i, o, a: _aligned_space(i, o), _binary(torch.div),
+register(OpDef("div", "elementwise", lambda i, o, a: aligned_space(i, o), _binary(torch.div),
                flops=lambda i, o, a: o[0].numel, saves=_mul_saves))
 elementwise("pow", _binary(torch.pow), saves="inputs")
 def _extremum(fn: Any, clamp: Any) -> Any:
@@ -126,7 +126,7 @@ def _where(cond: torch.Tensor, *xs: torch.Tensor, x: Any = None, y: Any = None) 
 elementwise("where", _where)
 elementwise("masked_fill", lambda x, mask, value: x.masked_fill(mask, value))
 register(OpDef(
-    "dropout", "elementwise", lambda i, o, a: _aligned_space(i, o),
+    "dropout", "elementwise", lambda i, o, a: aligned_space(i, o),
     lambda x, p, training=True: F.dropout(x, p, training),
     flops=lambda i, o, a: o[0].numel,
     # Backward needs the mask: one byte per element (Korthikanti et al. count it so).
@@ -185,7 +185,7 @@ register(OpDef(
 
 
 def _softmax_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    return _aligned_space(i, o, fixed=(a["dim"],))
+    return aligned_space(i, o, fixed=(a["dim"],))
 
 
 register(OpDef("softmax", "norm", _softmax_space, lambda x, dim: torch.softmax(x, dim),
@@ -197,9 +197,9 @@ register(OpDef("log_softmax", "norm", _softmax_space, lambda x, dim: torch.log_s
 
 def _reduce_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
     rank = i[0].rank
-    names = _dims(rank)
+    names = dim_names(rank)
     dims = a.get("dim")
-    reduced = set(range(rank)) if dims is None else {_norm_dim(d, rank) for d in dims}
+    reduced = set(range(rank)) if dims is None else {norm_dim(d, rank) for d in dims}
     keep = a.get("keepdim", False)
     out = tuple(((names[d],) if d not in reduced else ()) for d in range(rank) if keep or d not in reduced)
     return IterationSpace(tuple(zip(names, i[0].shape)), ((tuple((n,) for n in names)),), (out,),
@@ -252,7 +252,7 @@ register(OpDef(
 
 def _cross_entropy_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
     lead = i[0].rank - 1
-    names = _dims(lead)
+    names = dim_names(lead)
     sizes = tuple(zip(names, i[0].shape[:-1])) + (("v", i[0].shape[-1]),)
     logits = tuple((n,) for n in names) + (("v",),)
     targets = tuple((n,) for n in names)
@@ -271,148 +271,9 @@ register(OpDef(
 ))
 
 
-# ---- views and data movement ---------------------------------------------------------------
-def _reshape_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    """Group input and output dims into blocks of equal product; a block of one input dim and
-    several output dims (or the reverse) becomes a composite `(a d)` whose major factor splits."""
-    src, dst = list(i[0].shape), list(o[0].shape)
-    in_dims: list[tuple[str, ...]] = []
-    out_dims: list[tuple[str, ...]] = []
-    sizes: list[tuple[str, int]] = []
-    unsplittable: set[str] = set()
-    si = di = 0
-    counter = 0
-    while si < len(src) or di < len(dst):
-        if si < len(src) and src[si] == 1 and (di >= len(dst) or dst[di] != 1):
-            in_dims.append(())
-            si += 1
-            continue
-        if di < len(dst) and dst[di] == 1 and (si >= len(src) or src[si] != 1):
-            out_dims.append(())
-            di += 1
-            continue
-        s_block, d_block = [si], [di]
-        ps, pd = src[si], dst[di]
-        while ps != pd:
-            if ps < pd:
-                si += 1
-                s_block.append(si)
-                ps *= src[si]
-            else:
-                di += 1
-                d_block.append(di)
-                pd *= dst[di]
-        si += 1
-        di += 1
-        if len(s_block) == 1:
-            names = [f"r{counter + k}" for k in range(len(d_block))]
-            sizes += [(n, dst[d]) for n, d in zip(names, d_block)]
-            in_dims.append(tuple(names))
-            out_dims += [(n,) for n in names]
-        elif len(d_block) == 1:
-            names = [f"r{counter + k}" for k in range(len(s_block))]
-            sizes += [(n, src[s]) for n, s in zip(names, s_block)]
-            in_dims += [(n,) for n in names]
-            out_dims.append(tuple(names))
-        else:  # a tangle of merges and splits: keep it whole
-            names = [f"r{counter}"]
-            sizes.append((names[0], ps))
-            unsplittable.add(names[0])
-            in_dims += [(names[0],) if k == 0 else () for k in range(len(s_block))]
-            out_dims += [(names[0],) if k == 0 else () for k in range(len(d_block))]
-        counter += len(names)
-    return IterationSpace(tuple(sizes), (tuple(in_dims),), (tuple(out_dims),), frozenset(unsplittable))
-
-
-register(OpDef("reshape", "view", _reshape_space, lambda x, shape: x.reshape(shape), flops=lambda i, o, a: 0))
-
-
-def _permute_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    names = _dims(i[0].rank)
-    perm = [_norm_dim(d, i[0].rank) for d in a["dims"]]
-    return IterationSpace(tuple(zip(names, i[0].shape)), (tuple((n,) for n in names),),
-                          (tuple((names[p],) for p in perm),))
-
-
-register(OpDef("permute", "view", _permute_space, lambda x, dims: x.permute(dims), flops=lambda i, o, a: 0,
-               doc="transpose(a, b) is a permute"))
-
-
-def _expand_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    return _aligned_space(i, o)
-
-
-register(OpDef("expand", "view", _expand_space, lambda x, shape: x.expand(shape), flops=lambda i, o, a: 0))
-
-
-def _slice_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    rank = i[0].rank
-    d = _norm_dim(a["dim"], rank)
-    names = _dims(rank)
-    ins = tuple((n,) if k != d else (f"{n}in",) for k, n in enumerate(names))
-    outs = tuple((n,) for n in names)
-    sizes = tuple(zip(names, o[0].shape)) + ((f"{names[d]}in", i[0].shape[d]),)
-    return IterationSpace(sizes, (ins,), (outs,), frozenset({names[d], f"{names[d]}in"}))
-
-
-register(OpDef("slice", "view", _slice_space,
-               lambda x, dim, start, end, step=1: x[(slice(None),) * _norm_dim(dim, x.dim()) + (slice(start, end, step),)],
-               flops=lambda i, o, a: 0, doc="x[start:end:step] along dim; that dim cannot be split"))
-
-
-def _select_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    rank = i[0].rank
-    d = _norm_dim(a["dim"], rank)
-    names = _dims(rank)
-    sizes = tuple(zip(names, i[0].shape))
-    outs = tuple((n,) for k, n in enumerate(names) if k != d)
-    return IterationSpace(sizes, (tuple((n,) for n in names),), (outs,), frozenset({names[d]}))
-
-
-register(OpDef("select", "view", _select_space, lambda x, dim, index: x.select(dim, index), flops=lambda i, o, a: 0))
-
-
-def _concat_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    space = _aligned_space(i, o, fixed=(a["dim"],))
-    return space
-
-
-def _split_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    """Unequal pieces: the split dim cannot be split. Equal pieces: the input dim is `(piece d)`
-    and `d` splits as a strided shard of the input (each device keeps its part of every piece:
-    the q, k and v heads of a fused projection)."""
-    d = _norm_dim(a["dim"], i[0].rank)
-    if len(o) > 1 and len({t.shape[d] for t in o}) == 1:
-        space = _aligned_space(o[:1], o[:1])
-        ins = tuple((n,) if k != d else ("piece", n) for k, n in enumerate(space.dims))
-        return IterationSpace(space.sizes + (("piece", len(o)),), (ins,), tuple(space.outputs[0] for _ in o),
-                              frozenset({"piece"}))
-    space = _aligned_space(o[:1], o[:1], fixed=(a["dim"],))
-    ins = tuple((n,) if k != d else ("whole",) for k, n in enumerate(space.dims))
-    return IterationSpace(space.sizes + (("whole", i[0].shape[d]),), (ins,), tuple(space.outputs[0] for _ in o),
-                          space.unsplittable | {"whole"})
-
-
-register(OpDef("concat", "view", _concat_space, lambda *xs, dim: torch.cat(xs, dim), flops=lambda i, o, a: 0,
-               doc="the concatenated dim cannot be split"))
-register(OpDef("split", "view", _split_space, lambda x, sizes, dim: torch.split(x, list(sizes), dim),
-               flops=lambda i, o, a: 0, num_outputs=lambda a: len(a["sizes"]),
-               doc="pieces of `sizes` along dim; that dim splits only when the pieces are equal (strided)"))
-
-
-def _position_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    return _aligned_space(i, o, fixed=(-1, -2))
-
-
-register(OpDef("triu", "elementwise", _position_space, lambda x, diagonal=0: torch.triu(x, diagonal),
-               flops=lambda i, o, a: 0))
-register(OpDef("tril", "elementwise", _position_space, lambda x, diagonal=0: torch.tril(x, diagonal),
-               flops=lambda i, o, a: 0))
-
-
 # ---- creation ------------------------------------------------------------------------------
 def _creation_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
-    names = _dims(o[0].rank)
+    names = dim_names(o[0].rank)
     return IterationSpace(tuple(zip(names, o[0].shape)), (), (tuple((n,) for n in names),), frozenset(names))
 
 
@@ -474,8 +335,8 @@ def _gather_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
     """out[..., j, ...] = x[..., index[..., j, ...], ...] along `dim`: output dims follow the index;
     x's `dim` (read at data-dependent positions) and any x dim longer than the index cannot split."""
     rank = o[0].rank
-    d = _norm_dim(a["dim"], rank)
-    names = _dims(rank)
+    d = norm_dim(a["dim"], rank)
+    names = dim_names(rank)
     sizes = list(zip(names, o[0].shape))
     x_dims: list[tuple[str, ...]] = []
     fixed: set[str] = set()
@@ -496,7 +357,7 @@ register(OpDef(
     doc="torch.gather: out takes the index's shape; x's gathered dim cannot be split",
 ))
 register(OpDef(
-    "cumsum", "elementwise", lambda i, o, a: _aligned_space(i, o, fixed=(a["dim"],)),
+    "cumsum", "elementwise", lambda i, o, a: aligned_space(i, o, fixed=(a["dim"],)),
     lambda x, dim: torch.cumsum(x, dim), flops=lambda i, o, a: o[0].numel, saves=lambda i, o, a: [],
     doc="running sum along dim (integers widen to i64 as in torch); a scan: that dim cannot be split",
 ))
