@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -210,7 +210,7 @@ def full_state_dict(graph: Graph, module: nn.Module) -> dict[str, torch.Tensor]:
     inner = unwrap(module)
     local: dict[str, torch.Tensor] = dict(inner.named_parameters(remove_duplicate=False))
     local.update(dict(inner.named_buffers(remove_duplicate=False)))
-    dm_groups = None
+    dm_groups: MeshGroups | None = None
     out: dict[str, torch.Tensor] = {}
     for v in graph.params + graph.buffers:
         t = local[v.name].detach()
@@ -219,7 +219,7 @@ def full_state_dict(graph: Graph, module: nn.Module) -> dict[str, torch.Tensor]:
         for axis, p in reversed((v.layout or Layout()).placements):
             if isinstance(p, Shard) and graph.mesh.axis_size(axis) > 1:
                 if dm_groups is None:
-                    dm_groups = inner.get_submodule("mesh")
+                    dm_groups = cast(MeshGroups, inner.get_submodule("mesh"))  # generate() puts it there
                 t = gather(t, dm_groups, axis, p.dim, p.interleave, p.zigzag)
         out[v.name] = t
     return out

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardc.backends.torch.codegen import generate, local_piece, local_shape
+from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.parallelize import (
     check_model,
     data_parallel_info,
@@ -199,7 +200,7 @@ class PipelinedModule(nn.Module):
         from torch.distributed.tensor import DTensor
 
         assert self.graph.mesh is not None
-        groups = self.stage_modules[0].get_submodule("mesh")
+        groups = cast(MeshGroups, self.stage_modules[0].get_submodule("mesh"))  # generate() puts it there
         mine: dict[str, torch.Tensor] = {}
         layouts = {v.name: v.layout for v in self.graph.params + self.graph.buffers}
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
@@ -250,7 +251,7 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
         if name in trainable:
             tensors[name] = nn.Parameter(tensors[name], requires_grad=trainable[name])
     groups = mesh_groups(graph.mesh, dm, rank)
-    modules = [generate(plan.stages[s], rank, tensors, groups, device=str(dev), local_inputs=True) for s in stage_ids]
+    modules: list[nn.Module] = [generate(plan.stages[s], rank, tensors, groups, device=str(dev), local_inputs=True) for s in stage_ids]
     loss_module = None
     if plan.loss is not None and plan.stages and len(plan.stages) - 1 in stage_ids:
         loss_module = generate(plan.loss, rank, tensors, groups, device=str(dev), local_inputs=True)

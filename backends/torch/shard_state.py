@@ -22,7 +22,7 @@ from torch import nn
 
 from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.ring import gather, take
-from shardc.ir import Axis, Graph, Layout, Shard
+from shardc.ir import Axis, Graph, Layout, Mesh, Shard
 
 Writeback = Callable[[], None]
 
@@ -63,8 +63,10 @@ class StateViews:
         parts = shardc_parts(model)
         assert parts is not None, "not a module from plan.parallelize"
         self.inner, self.graph, dm = parts
-        assert self.graph.mesh is not None
-        self.axes = tuple(a for a in self.graph.mesh.names if a != Axis.PP)
+        if self.graph.mesh is None:
+            raise ValueError("a plan.parallelize module's graph has no mesh")
+        self.graph_mesh: Mesh = self.graph.mesh
+        self.axes = tuple(a for a in self.graph_mesh.names if a != Axis.PP)
         self.mesh = dm[self.axes]
         self.groups: MeshGroups = self.inner.get_submodule("stage_modules.0.mesh") \
             if hasattr(self.inner, "stage_modules") else self.inner.get_submodule("mesh")
@@ -92,7 +94,7 @@ class StateViews:
         local: Any = tensor.detach()
         if fsdp:
             local = local.full_tensor() if not loading else torch.empty(
-                layout.local_shape(value.type.shape, self.graph.mesh), dtype=tensor.dtype, device=local.device)
+                layout.local_shape(value.type.shape, self.graph_mesh), dtype=tensor.dtype, device=local.device)
         if strided:
             if loading:
                 gathered = self._gathered_shape(value)
@@ -111,11 +113,11 @@ class StateViews:
 
     def _gathered_shape(self, value: Any) -> tuple[int, ...]:
         layout = value.layout or Layout()
-        shape = list(layout.local_shape(value.type.shape, self.graph.mesh))
+        shape = list(layout.local_shape(value.type.shape, self.graph_mesh))
         for axis in self.axes:
             p = layout.on(axis)
             if isinstance(p, Shard) and (p.interleave > 1 or p.zigzag):
-                shape[p.dim] *= self.graph.mesh.axis_size(axis)
+                shape[p.dim] *= self.graph_mesh.axis_size(axis)
         return tuple(shape)
 
     def _writeback(self, target: torch.Tensor, buffer: torch.Tensor, layout: Layout, strided: bool) -> Writeback:

@@ -183,7 +183,7 @@ def model_dims(graph: Graph) -> ModelDims:
     widths = [n.inputs[1].type.shape[-1] if len(n.inputs) > 1 else n.inputs[0].type.shape[-1]
               for n in graph.nodes if n.op in ("layer_norm", "rms_norm") and n.inputs]
     emb_width = [n.inputs[1].type.shape[-1] for n in embeddings]
-    hidden = next((w for w in emb_width if w in widths), _most_common(widths) or (emb_width or [None])[0])
+    hidden = next((w for w in emb_width if w in widths), _most_common(widths) or (emb_width[0] if emb_width else None))
     token = [n.inputs[1].type.shape[0] for n in embeddings if n.inputs[0] in inputs]
     losses = [n.inputs[0].type.shape[-1] for n in graph.nodes if n.op == "cross_entropy" and n.inputs]
     vocab = max(token or losses or [n.inputs[1].type.shape[0] for n in embeddings] or [0]) or None

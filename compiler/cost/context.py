@@ -16,7 +16,7 @@ from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import Axis, Graph, Layout, Mesh, Node, Partition, Value
 from shardc.ops.registry import get_op
 
-AXIS_CATEGORY = {Axis.TP: "tp_comm", Axis.CP: "cp_comm", Axis.DP: "dp_comm", Axis.PP: "pp_comm"}
+AXIS_CATEGORY: dict[str, str] = {Axis.TP: "tp_comm", Axis.CP: "cp_comm", Axis.DP: "dp_comm", Axis.PP: "pp_comm"}
 
 
 def axis_category(axis: str) -> str:

@@ -33,12 +33,13 @@ def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
     """The layout of the gradient `node` sends back to its input `i`."""
     local = ctx.local(node)
     layout = local.in_layouts[i]
-    if ctx.partition(node) is None or ctx.mesh is None:
+    partition = ctx.partition(node)
+    if partition is None or ctx.mesh is None:
         return layout
     indexed = _operand_dims(ctx, node, i)
     placements: list[tuple[str, Placement]] = []
     for axis in ctx.mesh.names:
-        split = [d for a, d in ctx.partition(node).spatial if a == axis]
+        split = [d for a, d in partition.spatial if a == axis]
         p = layout.on(axis)
         if split and isinstance(p, Replicate) and split[0] not in indexed:
             p = Partial("sum")
@@ -72,7 +73,8 @@ def passthrough_axes(ctx: CostContext, node: Node) -> set[str]:
     sync instead of costing an all_reduce per micro-batch."""
     if ctx.mesh is None or not feeds_only_parameters(node, ctx.needs_grad):
         return set()
-    split = {a for a, _ in ctx.partition(node).spatial} if ctx.partition(node) else set()
+    partition = ctx.partition(node)
+    split = {a for a, _ in partition.spatial} if partition else set()
     grad = _output_gradient(ctx, node.outputs[0])
     if grad is None:
         return set()

@@ -86,6 +86,11 @@ class LayerCost:
         return sum(self.bwd.values())
 
 
+# What a layer saves for backward: a storage (its root value), or (node, k) for an op's k-th
+# saved entry of raw bytes.
+SavedKey = Value | tuple[Node, int]
+
+
 @dataclass
 class LayerTerms:
     """A layer's per-micro-batch sums before recomputation is applied (`finish_layer`).
@@ -108,8 +113,7 @@ class LayerTerms:
     inputs: float = 0.0
     transient: float = 0.0
     collectives: list[tuple[str, CommStep]] = field(default_factory=list)
-    # Keys: a storage (its root value), or (node, k) for an op's k-th saved entry of raw bytes.
-    saved_entries: dict[Value | tuple[Node, int], tuple[float, bool]] = field(default_factory=dict)  # -> (bytes, in core)
+    saved_entries: dict[SavedKey, tuple[float, bool]] = field(default_factory=dict)  # -> (bytes, in core)
     input_entries: dict[Value, float] = field(default_factory=dict)  # input storage -> bytes
     # Fragments only: saved storages made elsewhere, counted at the view read (see `layer_terms`).
     roots: set[Value] = field(default_factory=set)
@@ -234,7 +238,7 @@ def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> Node
     t.fwd_flops += cost.fwd_flops
     t.bwd_flops += cost.bwd_flops
     if op.kind in ("contraction", "attention"):
-        g = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
+        g: float = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
         g *= _batched_scale(ctx, node.inputs)
         t.matmul_flops += g
         t.core_matmul_flops += g if in_core else 0.0
@@ -358,10 +362,11 @@ def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict
 def _charge_grid(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[str, float], t: LayerTerms) -> None:
     """PrimePar's P(q x q) (`shardc.cost.grid2d`): overlapped shifts, the skew, and receive
     buffers on top of the node's working memory. Nothing when the node has no grid split."""
-    local, split = ctx.local(node), grid_split(ctx.partition(node))
-    if ctx.mesh is None or split is None or local.space is None or split.steps <= 1:
+    local, partition = ctx.local(node), ctx.partition(node)
+    split = grid_split(partition)
+    if ctx.mesh is None or partition is None or split is None or local.space is None or split.steps <= 1:
         return
-    along = moving_operands(local.space, ctx.partition(node), split)
+    along = moving_operands(local.space, partition, split)
     moving = {axis: sum(local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in ins)
               for axis, ins in along.items()}
     transfer = {axis: comm_time(ctx, CommStep("rotate", axis, b)) for axis, b in moving.items()}

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
-from shardc.cost.layer import LayerTerms, attention_core
+from shardc.cost.layer import LayerTerms, SavedKey, attention_core
 from shardc.ir import Node, Value
 from shardc.ops.registry import get_op
 
@@ -73,6 +73,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     core = attention_core(ctx, nodes) if recompute == "selective" else set()
     saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
     in_core = [k for k, (_, c) in terms.saved_entries.items() if c]  # a list: recomputed in saved order
+    kept: dict[SavedKey, float]
     if recompute == "full":
         kept = dict(terms.input_entries)
     elif recompute == "selective":
@@ -110,10 +111,10 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held)
 
 
-def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[Value, float]:
+def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[SavedKey, float]:
     """Saved inputs that arrive sharded and are all-gathered for the op (sequence parallelism):
     eager autograd saves the gathered tensor the op read, not the shard (Megatron re-gathers)."""
-    out: dict[Value, float] = {}
+    out: dict[SavedKey, float] = {}
     if ctx.mesh is None:
         return out
     for node in nodes:

@@ -106,19 +106,19 @@ def first_difference(a: Graph, b: Graph) -> str | None:
             extra = (xs if len(xs) > len(ys) else ys)[min(len(xs), len(ys))]
             return f"{len(xs)} {what}s != {len(ys)} (first unmatched: %{extra.name})"
     layers_a, layers_b = list(a.layers.values()), list(b.layers.values())
-    for i, (x, y) in enumerate(zip(layers_a, layers_b)):
-        if format_layer(x) != format_layer(y):
-            return f"layer {i}: {format_layer(x)} != {format_layer(y)}"
+    for i, (layer_a, layer_b) in enumerate(zip(layers_a, layers_b)):
+        if format_layer(layer_a) != format_layer(layer_b):
+            return f"layer {i}: {format_layer(layer_a)} != {format_layer(layer_b)}"
     if len(layers_a) != len(layers_b):
         return f"{len(layers_a)} layers != {len(layers_b)}"
-    for i, (x, y) in enumerate(zip(a.nodes, b.nodes)):
-        found = _node_difference(x, y)
+    for i, (node_a, node_b) in enumerate(zip(a.nodes, b.nodes)):
+        found = _node_difference(node_a, node_b)
         if found:
-            return f"node {i} ({_describe(x)}): {found}"
+            return f"node {i} ({_describe(node_a)}): {found}"
     if len(a.nodes) != len(b.nodes):
         n = min(len(a.nodes), len(b.nodes))
-        extra = (a.nodes if len(a.nodes) > n else b.nodes)[n]
-        return f"{len(a.nodes)} nodes != {len(b.nodes)} (first unmatched: node {n} ({_describe(extra)}))"
+        extra_node = (a.nodes if len(a.nodes) > n else b.nodes)[n]
+        return f"{len(a.nodes)} nodes != {len(b.nodes)} (first unmatched: node {n} ({_describe(extra_node)}))"
     names_a, names_b = [v.name for v in a.outputs], [v.name for v in b.outputs]
     if names_a != names_b:
         return "outputs " + ", ".join(f"%{n}" for n in names_a) + " != " + ", ".join(f"%{n}" for n in names_b)

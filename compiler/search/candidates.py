@@ -118,7 +118,8 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
     per_axis: list[list[str | None]] = []
     for axis in mesh.names:
         if axis == Axis.DP:
-            opts: list[str | None] = [d for d in plain if roles.get(d) == "batch"][:1] or [None]
+            batch_dims = [d for d in plain if roles.get(d) == "batch"]
+            opts: list[str | None] = [batch_dims[0] if batch_dims else None]
         elif axis == Axis.CP:
             opts = [None] + [d for d in plain if roles.get(d) == "seq"]
         else:

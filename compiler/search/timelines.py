@@ -17,7 +17,7 @@ import dataclasses
 
 from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
 from shardc.cost.context import CostContext
-from shardc.cost.layer import LayerTerms
+from shardc.cost.layer import LayerTerms, SavedKey
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.ir import Layout, Node, Partial, Partition, Value
 from shardc.ops.registry import get_op, has_op
@@ -42,7 +42,9 @@ class Timelines:
         # previous copy's: its inputs are laid out as the prefix produces them.
         chain = {(e.consumer, e.member, e.index): e for e in problem.edges if e.kind == "chain"}
         first = dict(self.ctx.layouts)
-        self.rekey: dict[Value, Value] = {}  # the first block's terms name the prefix's value, its nodes the copy's
+        # The first block's terms name the prefix's value, its nodes the copy's (keyed as the
+        # terms' saved entries are; only values are ever rekeyed).
+        self.rekey: dict[SavedKey, Value] = {}
         for e in problem.edges:
             old = chain.get((e.consumer, e.member, e.index)) if e.kind == "first" else None
             if old is not None:
