@@ -130,7 +130,8 @@ class _Planner:
                            lambda d: self.splittable(space, d, axis))
             if found is not None:
                 return found
-        role = {Axis.DP: "batch", Axis.CP: "seq"}.get(axis)
+        axis_roles: dict[str, str] = {Axis.DP: "batch", Axis.CP: "seq"}
+        role = axis_roles.get(axis)
         partial_in = any(isinstance((v.layout or Layout()).on(axis), Partial) for v in node.inputs)
         if axis == Axis.TP and self.sequence_parallel and partial_in:
             role = "seq"

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from shardc.analysis.propagate import io_layouts
 from shardc.analysis.resharding import Edge, ReshardStep, edge_steps, node_stage
-from shardc.ir import DATA_AXES, Axis, Graph, Layout, Location, Node, Partial, Replicate, Shard, Value
+from shardc.ir import DATA_AXES, Axis, Graph, Layout, Location, Node, Partial, Placement, Replicate, Shard, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 
@@ -53,22 +53,32 @@ def step_node_attrs(step: ReshardStep) -> tuple[str, dict[str, Any]]:
     def strided(prefix: str, p: Any) -> dict[str, Any]:
         return {prefix + "interleave": p.interleave} if isinstance(p, Shard) and p.interleave > 1 else {}
 
+    def shard(p: Placement) -> Shard:
+        if not isinstance(p, Shard):
+            raise ShardcError(f"resharding step {step} needs a Shard on {axis}, not {p}")
+        return p
+
+    def partial(p: Placement) -> Partial:
+        if not isinstance(p, Partial):
+            raise ShardcError(f"resharding step {step} needs a Partial on {axis}, not {p}")
+        return p
+
     kind = step.kind
     if kind == "identity":
         return "grad_all_reduce", {"axis": axis}
     if kind == "all_gather":
-        return kind, {"axis": axis, "dim": before.dim, **strided("", before), "grad": step.backward}
+        return kind, {"axis": axis, "dim": shard(before).dim, **strided("", before), "grad": step.backward}
     if kind == "chunk":
-        return kind, {"axis": axis, "dim": after.dim, **strided("", after), "grad": step.backward}
+        return kind, {"axis": axis, "dim": shard(after).dim, **strided("", after), "grad": step.backward}
     if kind == "all_reduce":
-        return kind, {"axis": axis, "op": before.op, "grad": step.backward}
+        return kind, {"axis": axis, "op": partial(before).op, "grad": step.backward}
     if kind == "reduce_scatter":
-        return kind, {"axis": axis, "dim": after.dim, **strided("", after), "op": before.op}
+        return kind, {"axis": axis, "dim": shard(after).dim, **strided("", after), "op": partial(before).op}
     if kind == "all_to_all":
-        return kind, {"axis": axis, "src": before.dim, "dst": after.dim, **strided("src_", before),
+        return kind, {"axis": axis, "src": shard(before).dim, "dst": shard(after).dim, **strided("src_", before),
                       **strided("dst_", after)}
     if kind == "pad":
-        return kind, {"axis": axis, "dim": before.dim, **strided("", before)}
+        return kind, {"axis": axis, "dim": shard(before).dim, **strided("", before)}
     if kind == "to_partial":
         return kind, {"axis": axis}
     raise ShardcError(f"lower has no op for resharding step {step}")
@@ -132,7 +142,7 @@ def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit) -> None:
     per pipeline stage reading it)."""
     zero = {name: layer.annotation.zero for name, layer in graph.layers.items()}
     via = "fsdp" if any(zero.values()) else "ddp"
-    synced: dict[tuple[int, int | None], Value] = {}
+    synced: dict[tuple[Value, int | None], Value] = {}
     nodes: list[Node] = []
     emit.nodes = nodes
     for node in graph.nodes:

@@ -25,11 +25,11 @@ def check_plan(graph: Graph, plan: ParallelPlan, devices: int | None = None) -> 
     """Raise a ShardcError naming every constraint `plan` breaks on `graph` and `devices`
     (default: the plan's own device count); see the module docstring."""
     dims = model_dims(graph)
-    kwargs = dims.as_kwargs()
+    kwargs = {k: v for k, v in dims.as_kwargs().items() if k != "layers"}
     if graph.inputs and dims.batch is None and graph.inputs[0].type.rank:
         kwargs["batch"] = graph.inputs[0].type.shape[0]
-    kwargs["layers"] = max(dims.layers, layering(graph).count, 1 if plan.stages == 1 else 0)
-    validate_plan(plan, devices=plan.devices if devices is None else devices, **kwargs)
+    layers = max(dims.layers, layering(graph).count, 1 if plan.stages == 1 else 0)
+    validate_plan(plan, devices=plan.devices if devices is None else devices, layers=layers, **kwargs)
 
 
 def context_plan(ctx: PassContext, who: str) -> ParallelPlan:

@@ -75,7 +75,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     in_core = [k for k, (_, c) in terms.saved_entries.items() if c]  # a list: recomputed in saved order
     kept: dict[SavedKey, float]
     if recompute == "full":
-        kept = dict(terms.input_entries)
+        kept = dict(terms.input_entries.items())
     elif recompute == "selective":
         kept = {k: b for k, b in saved_all.items() if k not in in_core}
     else:

@@ -111,11 +111,15 @@ class Builder:
         self.low_state = min(M.low("block", partial(_state_units, M, co.state[z])) for z in zeros)
         self.low_buf = M.low("block", lambda r: to_m(2 * r["numel"] * co.w_elem))
         self.low_grad = M.low("block", lambda r: to_m(r["gbytes"]))
-        self.low_sync = min(M.low("block", lambda r, z=z: to_t((co.serial[z][1] if co.fsdp[z] else co.rate[z])
-                                                                * r["gbytes"])) for z in zeros)
-        self.low_after = min(M.low("block", lambda r, z=z: to_t(r["numel"] * (co.optimizer[z]
-                                                                              + co.gather[z][1] * co.w_elem)))
-                             for z in zeros)
+
+        def sync(z: int, r: dict[str, float]) -> int:
+            return to_t((co.serial[z][1] if co.fsdp[z] else co.rate[z]) * r["gbytes"])
+
+        def after(z: int, r: dict[str, float]) -> int:
+            return to_t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem))
+
+        self.low_sync = min(M.low("block", partial(sync, z)) for z in zeros)
+        self.low_after = min(M.low("block", partial(after, z)) for z in zeros)
 
     def _zero_terms(self) -> None:
         """What the ZeRO stage adds: the optimizer tail, the gathers' latency, and whether it

@@ -149,7 +149,7 @@ def _result(built: Builder, solver: cp_model.CpSolver, status: Any) -> SolveResu
                            solver.deterministic_time)
     per_class = [tuple(next(c for c, var in enumerate(row) if solver.value(var)) for row in M.xs[k])
                  for k in range(built.K)]
-    stages = tuple(tuple(solver.value(k[r]) for r in range(3)) for _, k in built.counts)
+    stages = tuple((solver.value(k[0]), solver.value(k[1]), solver.value(k[2])) for _, k in built.counts)
     zero = next(z for z in ZERO_STAGES if solver.value(M.z[z]))
     a = per_stage(problem, per_class[classes[0]], [per_class[classes[s]] for s in range(p)], stages, zero)
     # The plan's own linearised objective: a FEASIBLE answer may leave slack in the auxiliary

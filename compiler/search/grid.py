@@ -96,19 +96,24 @@ def megatron_choice(problem: Problem) -> tuple[int, ...]:
         legal = [c for c, cand in enumerate(var.cands) if _megatron_legal(var, cand)] or list(range(len(var.cands)))
         legal += [c for c, cand in enumerate(var.cands) if c not in legal and _plain(cand) and follows(c)]
         # A Megatron user splits every op that has a tensor-parallel rule.
-        split = [c for c in legal if var.cands[c].partitions[0] is not None
-                 and var.cands[c].partitions[0].axes_of and any(a == Axis.TP for a, _ in var.cands[c].partitions[0].spatial)]
+        split = [c for c in legal if any(a == Axis.TP for a, _ in _anchor_spatial(var.cands[c]))]
         legal = split or legal
         node = var.group.anchor
         if len(node.inputs) > 1 and node.inputs[1].kind == "parameter" and any(
-                a == Axis.TP and d == "n" for c in legal for a, d in var.cands[c].partitions[0].spatial):
+                a == Axis.TP and d == "n" for c in legal for a, d in _anchor_spatial(var.cands[c])):
             # Column-parallel unless the input already arrives split on its last dim (then row).
-            row = [c for c in legal if any(a == Axis.TP and d == "k" for a, d in var.cands[c].partitions[0].spatial)]
+            row = [c for c in legal if any(a == Axis.TP and d == "k" for a, d in _anchor_spatial(var.cands[c]))]
             free_row = [c for c in row if follows(c)]
             legal = free_row or [c for c in legal if c not in row] or legal
 
         choice.append(min(legal, key=lambda c: (score(c), c)))
     return tuple(choice)
+
+
+def _anchor_spatial(cand: Candidate) -> tuple[tuple[str, str], ...]:
+    """The spatial split of the candidate's anchor; none for the replicated fallback."""
+    part = cand.partitions[0]
+    return part.spatial if part is not None else ()
 
 
 def _plain(cand: Candidate) -> bool:

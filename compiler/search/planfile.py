@@ -106,18 +106,18 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
         for k, v in enumerate(outputs):
             if k < len(cand.outputs):
                 v.layout = cand.outputs[k][1]
-    for v, needs in wanted.values():
+    for v, read_as in wanted.values():
         # A value every reader needs alike is laid out so; one that stages partitioned apart
         # read differently (a rotary table) is kept whole on the axes they disagree on.
-        v.layout = Layout(tuple(pl for pl in needs[0] if all(pl in other for other in needs[1:])))
+        v.layout = Layout(tuple(pl for pl in read_as[0] if all(pl in other for other in read_as[1:])))
     last = len(a.stages) - 1
     for name in facts.layering.pre:
         stage_of[name] = (0, "none")
     for name in facts.layering.post:
         stage_of[name] = (last, "none")
-    for name, layer in graph.layers.items():
+    for name, graph_layer in graph.layers.items():
         stage, rc = stage_of.get(name, (0, "none"))
-        layer.annotation = LayerAnnotation(stage, rc, a.zero, layer.annotation.offload)
+        graph_layer.annotation = LayerAnnotation(stage, rc, a.zero, graph_layer.annotation.offload)
     for v in graph.params + graph.buffers:
         if v.layout is None:
             v.layout = Layout()

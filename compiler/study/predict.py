@@ -19,6 +19,7 @@ from typing import Any
 from shardc import driver
 from shardc.driver import Flags, Source
 from shardc.ir import Axis, Graph
+from shardc.passes.estimate import Estimate
 from shardc.passmanager import Pass, PassContext
 from shardc.study.plans import StudyPlan
 
@@ -78,7 +79,7 @@ def score(graph: Graph, sp: StudyPlan, cluster: Any, flags: Flags | None = None)
     it is), with `sp.bucket_mb` as the pass's bucket size."""
     _, passes = study_pipeline(flags)
     if sp.bucket_mb is not None:
-        passes = [replace(p, bucket_mb=sp.bucket_mb) if p.name == "estimate" else p for p in passes]
+        passes = [replace(p, bucket_mb=sp.bucket_mb) if isinstance(p, Estimate) else p for p in passes]
     ctx = PassContext(cluster=driver.as_cluster(cluster), plan=sp.plan)
     driver.run(graph, passes, ctx, flags or Flags())
     return ctx.options["estimate"], figures(ctx.options["estimate"], graph, sp)

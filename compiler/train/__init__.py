@@ -127,6 +127,8 @@ def parallelized(compiled: CompiledPlan, model: torch.nn.Module, device: torch.d
     `default_loss` when the model returns none. The runtime places itself (`cuda:LOCAL_RANK`
     under NCCL), so `device` is not used."""
     default = default_loss(compiled.graph)
+    # Any: `step` is the runtime's own method, which nn.Module's typing cannot see.
+    module: Any
     if default is None:
         module = compiled.parallelize(model)
         return Trainee(module, lambda batch: module.step(*batch))
