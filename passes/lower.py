@@ -32,7 +32,19 @@ from typing import Any, ClassVar
 
 from shardc.analysis.propagate import io_layouts
 from shardc.analysis.resharding import Edge, ReshardStep, edge_steps, node_stage
-from shardc.ir import DATA_AXES, Axis, Graph, Layout, Location, Node, Partial, Placement, Replicate, Shard, Value
+from shardc.ir import (
+    DATA_AXES,
+    Axis,
+    Graph,
+    Layout,
+    Location,
+    Node,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    Value,
+)
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 
