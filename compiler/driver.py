@@ -223,8 +223,16 @@ def load(spec: str, *, batch: int | None = None, pipeline: str = "group-layers",
 
 
 def as_cluster(cluster: str | Cluster | None) -> Cluster | None:
-    """A cluster from its text (`8xA100-80GB`, `local2`); None stays None."""
-    return parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    """A cluster from its text (`8xA100-80GB`, `local2`); None stays None. A `local` cluster on
+    a machine never calibrated is measured once first (`shardc calibrate` redoes it), so every
+    command predicts for this machine out of the box."""
+    if not isinstance(cluster, str):
+        return cluster
+    if "local" in cluster.lower():
+        from shardc.calibration.local import load_profile
+
+        load_profile()  # read the cached profile; measure and cache it when there is none
+    return parse_cluster(cluster)
 
 
 def as_plan(plan: str | ParallelPlan | None) -> ParallelPlan | None:

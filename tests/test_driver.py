@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import shardc
+from shardc import driver
 from shardc.cli import main
 from shardc.driver import batch_for, estimate, open_model
 from shardc.ir.parser import parse_file
@@ -170,3 +171,26 @@ def test_a_padded_vocabulary_estimates_and_plans(capsys: pytest.CaptureFixture[s
     assert est["step_time_s"] > 0
     with pytest.raises(shardc.ShardcError, match="unevenly"):
         shardc.compile(spec, plan="tp=2")  # the backend's graph stays strict
+
+
+def test_a_local_cluster_is_calibrated_once_when_never_measured(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """`--cluster local` on a fresh machine: the driver measures the profile (here: a stand-in
+    that writes the cached one) before building the cluster; an explicit preset never does."""
+    from test_hardware import _profile
+
+    import shardc.calibration.local as local
+    from shardc.calibration.profile import write_profile
+
+    monkeypatch.setenv("SHARDC_CACHE_DIR", str(tmp_path))
+    measured: list[bool] = []
+
+    def measure(*args: object, **kwargs: object) -> object:
+        measured.append(True)
+        write_profile(_profile(), tmp_path / "local-profile.json")
+        return local.read_profile()
+
+    monkeypatch.setattr(local, "run_calibration", measure)
+    assert driver.as_cluster("8xA100-80GB").num_devices == 8 and not measured
+    assert driver.as_cluster("local2").num_devices == 2 and measured == [True]
+    assert driver.as_cluster("local2").num_devices == 2 and measured == [True]  # cached from now on
