@@ -10,11 +10,9 @@ broken graphs as text. Every error is a `ParseError` whose message starts with
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 from shardc.ir import (
     Graph,
@@ -34,16 +32,13 @@ from shardc.ir import (
     Value,
 )
 from shardc.ir.diagnostics import ParseError
+from shardc.ir.scanner import WORD, Scanner
 
-_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NUMBER = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
-_INT = re.compile(r"-?\d+")
 _MODULE_PATH = re.compile(r"[^\s\"@]*")
-_SPACE = re.compile(r"(?:\s+|//[^\n]*)+")
 _DECLARATIONS = {"input": "input", "param": "parameter", "buffer": "buffer"}
 
-T = TypeVar("T")
 
 
 def parse(text: str, *, filename: str = "<string>") -> Graph:
@@ -60,118 +55,13 @@ def parse_file(path: str | Path) -> Graph:
     return parse(text, filename=str(path))
 
 
-class _Parser:
-    """A recursive-descent parser working directly on the text (the grammar is small and the
-    lexical rules depend on context: a layer name may be `0`, a module path may hold `:`)."""
+class _Parser(Scanner):
+    """A recursive-descent parser over the `Scanner`: one method per rule of the grammar."""
 
     def __init__(self, text: str, filename: str) -> None:
-        self.text = text
-        self.filename = filename
-        self.pos = 0
+        super().__init__(text, filename)
         self.values: dict[str, Value] = {}
         self.defined_at: dict[str, int] = {}
-
-    # ---- positions and errors -------------------------------------------------------------
-    def where(self, pos: int | None = None) -> str:
-        pos = self.pos if pos is None else pos
-        line = self.text.count("\n", 0, pos) + 1
-        column = pos - (self.text.rfind("\n", 0, pos) + 1) + 1
-        return f"{self.filename}:{line}:{column}"
-
-    def found(self) -> str:
-        if self.pos >= len(self.text):
-            return "end of file"
-        m = _WORD.match(self.text, self.pos)
-        if m:
-            return f"'{m.group()}'"
-        return f"'{self.text[self.pos]}'"
-
-    def fail(self, message: str, pos: int | None = None) -> NoReturn:
-        raise ParseError(f"{self.where(pos)}: {message}")
-
-    def expected(self, what: str) -> NoReturn:
-        self.fail(f"expected {what}, found {self.found()}")
-
-    # ---- lexical helpers ------------------------------------------------------------------
-    def skip(self) -> None:
-        if self.pos < len(self.text) and self.text[self.pos] not in " \t\r\n/":
-            return
-        m = _SPACE.match(self.text, self.pos)
-        if m:
-            self.pos = m.end()
-
-    def peek(self, literal: str) -> bool:
-        self.skip()
-        return self.text.startswith(literal, self.pos)
-
-    def peek_keyword(self, word: str) -> bool:
-        self.skip()
-        m = _WORD.match(self.text, self.pos)
-        return m is not None and m.group() == word
-
-    def accept(self, literal: str) -> bool:
-        if self.peek(literal):
-            self.pos += len(literal)
-            return True
-        return False
-
-    def expect(self, literal: str, context: str = "") -> None:
-        if not self.accept(literal):
-            self.expected(f"'{literal}'" + (f" {context}" if context else ""))
-
-    def keyword(self, word: str, context: str = "") -> None:
-        if not self.peek_keyword(word):
-            self.expected(f"'{word}'" + (f" {context}" if context else ""))
-        self.pos += len(word)
-
-    def regex(self, pattern: re.Pattern[str], what: str) -> str:
-        self.skip()
-        m = pattern.match(self.text, self.pos)
-        if not m or not m.group():
-            self.expected(what)
-        self.pos = m.end()
-        return m.group()
-
-    def string(self) -> str:
-        self.skip()
-        if not self.text.startswith('"', self.pos):
-            self.expected("a string")
-        start = self.pos
-        try:
-            value, end = json.decoder.scanstring(self.text, self.pos + 1)  # type: ignore[attr-defined]
-        except json.JSONDecodeError as err:
-            line_end = self.text.find("\n", start)
-            if '"' not in self.text[start + 1: line_end if line_end >= 0 else len(self.text)]:
-                self.fail("unterminated string: expected a closing '\"' on the same line", start)
-            self.fail(f"malformed string: {err.msg.removesuffix(' at')} at column {err.colno}", start)
-        self.pos = end
-        return value
-
-    def name(self, what: str) -> str:
-        """A bare name (`blocks.0`) or a JSON-quoted one."""
-        if self.peek('"'):
-            return self.string()
-        return self.regex(_WORD, what)
-
-    def integer(self, what: str) -> int:
-        return int(self.regex(_INT, what))
-
-    def build(self, start: int, make: Callable[[], T]) -> T:
-        """Construct an IR value; its own checks become parse errors at `start`."""
-        try:
-            return make()
-        except (ValueError, TypeError) as err:
-            self.fail(str(err), start)
-
-    def separated(self, item: Callable[[], T], close: str) -> list[T]:
-        """`item (, item)*` up to (not including) `close`; possibly empty."""
-        items: list[T] = []
-        if self.peek(close):
-            return items
-        items.append(item())
-        while self.accept(","):
-            items.append(item())
-        return items
 
     # ---- the grammar ----------------------------------------------------------------------
     def graph(self) -> Graph:
@@ -190,7 +80,7 @@ class _Parser:
                 self.pos += len("return")
                 graph.outputs = self.separated(self.use, "}")
                 break
-            m = _WORD.match(self.text, self.pos)
+            m = WORD.match(self.text, self.pos)
             word = m.group() if m else ""
             if word in _DECLARATIONS:
                 self.pos = m.end()  # type: ignore[union-attr]
@@ -239,7 +129,7 @@ class _Parser:
         self.expect("%", "before a value name")
         if self.peek('"'):
             return self.string(), start
-        m = _WORD.match(self.text, self.pos)
+        m = WORD.match(self.text, self.pos)
         if not m:
             self.expected("a value name after '%'")
         self.pos = m.end()
@@ -339,7 +229,7 @@ class _Parser:
         def spatial() -> tuple[str, str]:
             axis = self.regex(_IDENT, "a mesh axis name")
             self.expect(":", f"after mesh axis {axis}")
-            dim = self.regex(_WORD, "an iteration dim")
+            dim = self.regex(WORD, "an iteration dim")
             if self.accept("/"):
                 strides.append((axis, self.integer(f"the stride of {axis}:{dim}")))
             if self.peek_keyword("zigzag"):
@@ -349,7 +239,7 @@ class _Parser:
 
         def temporal() -> TemporalSplit:
             dim_start = self.pos
-            dim = self.regex(_WORD, "an iteration dim")
+            dim = self.regex(WORD, "an iteration dim")
             self.expect("/", f"after temporal dim {dim}")
             steps = self.integer("a number of steps")
             rotate = grid = None
@@ -407,7 +297,7 @@ class _Parser:
         def item() -> None:
             self.skip()
             start = self.pos
-            key = self.regex(_WORD, "an attribute name")
+            key = self.regex(WORD, "an attribute name")
             self.expect("=", f"after attribute name {key}")
             if key in attrs:
                 self.fail(f"attribute {key} is given twice", start)
