@@ -228,11 +228,9 @@ def as_cluster(cluster: str | Cluster | None) -> Cluster | None:
     command predicts for this machine out of the box."""
     if not isinstance(cluster, str):
         return cluster
-    if "local" in cluster.lower():
-        from shardc.calibration.local import load_profile
+    from shardc.calibration.local import load_profile  # the cached profile, measured when there is none
 
-        load_profile()  # read the cached profile; measure and cache it when there is none
-    return parse_cluster(cluster)
+    return parse_cluster(cluster, local_profile=load_profile)
 
 
 def as_plan(plan: str | ParallelPlan | None) -> ParallelPlan | None:
@@ -242,13 +240,19 @@ def as_plan(plan: str | ParallelPlan | None) -> ParallelPlan | None:
     return None if plan is None else ParallelPlan.of(plan)
 
 
+def _traced(source: Source | str, cluster: str | Cluster | None,
+            plan: str | ParallelPlan | None) -> tuple[Graph, PassContext]:
+    """`source` traced at the batch `plan` needs, and the pass context holding the cluster and
+    the plan (None when there is none)."""
+    source = open_model(source) if isinstance(source, str) else source
+    parsed = as_plan(plan)
+    return trace_for(source, parsed).graph, PassContext(cluster=as_cluster(cluster), plan=parsed)
+
+
 def partition(source: Source | str, cluster: str | Cluster | None, plan: str | ParallelPlan, *,
               flags: Flags = Flags(), pipeline: str | None = None) -> tuple[Graph, PassContext]:
     """Trace at the plan's batch and run `group-layers,validate-plan,apply-plan` (or `pipeline`)."""
-    source = open_model(source) if isinstance(source, str) else source
-    parsed = as_plan(plan)
-    ctx = PassContext(cluster=as_cluster(cluster), plan=parsed)
-    graph = trace_for(source, parsed).graph
+    graph, ctx = _traced(source, cluster, plan)
     return run(graph, pipeline or flags.pipeline or PIPELINES["partition"], ctx, flags), ctx
 
 
@@ -256,12 +260,8 @@ def estimate(source: Source | str, cluster: str | Cluster, plan: str | ParallelP
              flags: Flags = Flags(), pipeline: str | None = None) -> tuple[Any, Graph]:
     """(the Estimate, the partitioned graph) of `plan` on `cluster`: the `estimate` pipeline. A
     printed IR that is already partitioned (`shardc plan -o`'s `.ir`) is only estimated."""
-    source = open_model(source) if isinstance(source, str) else source
-    parsed = as_plan(plan)
-    the_cluster = as_cluster(cluster)
-    ctx = PassContext(cluster=the_cluster, plan=parsed)
-    graph = trace_for(source, parsed).graph
-    if pipeline is None and flags.pipeline is None and parsed is None:
+    graph, ctx = _traced(source, cluster, plan)
+    if pipeline is None and flags.pipeline is None and ctx.plan is None:
         if graph.mesh is None:
             raise ShardcError(f"graph @{graph.name} is not partitioned; give a --plan",
                               hint="e.g. --plan dp=2, or a partitioned IR file written by `shardc plan -o`")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -259,17 +259,18 @@ _LOCAL = re.compile(r"^local(?::?(\d+))?$", re.IGNORECASE)
 _SHAPE = re.compile(r"^(\d+)\s*[xX]\s*(?:(\d+)\s*[xX]\s*)?([A-Za-z][\w.-]*)$")
 
 
-def parse_cluster(text: str) -> Cluster:
+def parse_cluster(text: str, *, local_profile: Callable[[], LocalProfile] = read_profile) -> Cluster:
     """Parse a cluster: `8xA100-80GB`, `64xH100` (8 per node), `2x8xH100`, `local`, `local4`/`local:4`.
 
     `NxPRESET` fills nodes of the preset's size (8): up to 8 devices make one node, more must be
     a multiple of 8. `AxBxPRESET` is A nodes of B devices. `local` is this machine as calibrated
-    by `shardc calibrate` (one process per core; `localN` or `Nxlocal` for N processes).
+    by `shardc calibrate` (one process per core; `localN` or `Nxlocal` for N processes), from the
+    profile `local_profile()` gives, called only for a local cluster (default: the cached one).
     """
     s = text.strip()
     m = _LOCAL.match(s)
     if m:
-        return local_cluster(int(m.group(1)) if m.group(1) else _default_local_procs())
+        return local_cluster(int(m.group(1)) if m.group(1) else _default_local_procs(), local_profile())
     m = _SHAPE.match(s)
     if not m:
         raise ShardcError(f"cannot read cluster {text!r}; write e.g. {_EXAMPLES}; known presets: "
@@ -279,7 +280,7 @@ def parse_cluster(text: str) -> Cluster:
         if second is not None:
             total = first * int(second)
             raise ShardcError(f"cluster {text!r}: the local machine is one node; write {total}xlocal or local{total}")
-        return local_cluster(first)
+        return local_cluster(first, local_profile())
     p = preset(name)
     if second is not None:
         nodes, per_node = first, int(second)

@@ -60,6 +60,20 @@ class PassContext:
     options: dict[str, Any] = field(default_factory=dict)
     timings: list[PassTiming] = field(default_factory=list)
 
+    def the_cluster(self, who: str | None = None) -> Any:
+        """The context's cluster (its text parsed: `8xH100`, `local2`); None when there is none,
+        or a ShardcError naming the pass `who` when that pass needs one."""
+        if self.cluster is None:
+            if who is None:
+                return None
+            raise ShardcError(f"the {who} pass needs a cluster",
+                              hint="give the command a --cluster (or PassContext(cluster='8xH100'))")
+        if isinstance(self.cluster, str):
+            from shardc.hardware import parse_cluster
+
+            return parse_cluster(self.cluster)
+        return self.cluster
+
 
 @dataclass(frozen=True)
 class Pass:

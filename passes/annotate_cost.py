@@ -180,5 +180,5 @@ class AnnotateCost(Pass):
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
-        cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
+        cluster = ctx.the_cluster()
         return annotate_cost(graph, self.dtype, cluster.device if cluster is not None else None)

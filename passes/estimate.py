@@ -15,9 +15,7 @@ from typing import ClassVar
 
 from shardc.cost.compose import EstimateOptions
 from shardc.cost.model import estimate
-from shardc.hardware import parse_cluster
 from shardc.ir import Graph
-from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.plan.parallel import ParallelPlan
 
@@ -32,9 +30,7 @@ class Estimate(Pass):
     algorithm: str = "auto"
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
-        if ctx.cluster is None:
-            raise ShardcError("the estimate pass needs a cluster", hint="give the command a --cluster")
-        cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
+        cluster = ctx.the_cluster(self.name)
         plan = None if ctx.plan is None else ParallelPlan.of(ctx.plan)
         options = EstimateOptions(algorithm=self.algorithm)
         if self.bucket_mb:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shardc.hardware import Cluster, parse_cluster
+from shardc.hardware import Cluster
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
@@ -59,9 +59,7 @@ class Solve(Pass):
             raise ShardcError(f"--gbs must be a positive number of sequences, got {self.gbs}")
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
-        if ctx.cluster is None:
-            raise ShardcError("the solve pass needs a cluster", hint="set PassContext(cluster=parse_cluster('8xH100'))")
-        cluster = parse_cluster(ctx.cluster) if isinstance(ctx.cluster, str) else ctx.cluster
+        cluster = ctx.the_cluster(self.name)
         limit = self.memory_limit_gb * 2**30 if self.memory_limit_gb else float(cluster.device.memory_bytes)
         facts = graph_facts(graph, cluster, candidates=ctx.options.get("candidates"))
         ctx.options["candidates"] = facts.candidates
