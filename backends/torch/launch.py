@@ -186,9 +186,9 @@ def torchrun(nproc: int, module: str, argv: Sequence[str], *, timeout_s: float, 
     return code, text
 
 
-def write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any, indent: int | None = None) -> None:
     """Write JSON atomically (temp file then rename), so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data))
+    tmp.write_text(json.dumps(data, indent=indent))
     os.replace(tmp, path)
 

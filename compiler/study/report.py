@@ -11,12 +11,12 @@ waiting, other).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from shardc.backends.torch.launch import write_json
 from shardc.study.compare import summary as make_summary
 from shardc.study.findings import findings, pure
 from shardc.study.plans import label
@@ -329,7 +329,5 @@ def write_report(data: dict[str, Any], out: Path) -> dict[str, Any]:
     for name, fn in PLOTS.items():
         fn(data, out / name)
     (out / "report.md").write_text(markdown(data, summary))
-    tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(out / "results.json")
+    write_json(out / "results.json", data, indent=1)
     return summary

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardc.backends.torch.launch import write_json
 from shardc.study.plans import StudyPlan
 
 RESULTS_VERSION = 1
@@ -49,9 +50,7 @@ class ResultsStore:
         self.save()
 
     def save(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+        write_json(self.path, self.data, indent=1)
 
 
 def status_entry(sp: StudyPlan | None, text: str, status: str, **kw: Any) -> dict[str, Any]:
