@@ -55,7 +55,7 @@ MEGATRON_ROWS = [
 
 
 @pytest.mark.parametrize("name,h,l,a,t,p,n,B,published", MEGATRON_ROWS, ids=[r[0] for r in MEGATRON_ROWS])
-def test_megatron_throughput_within_15_percent(name, h, l, a, t, p, n, B, published) -> None:
+def test_megatron_throughput_within_6_percent_as_the_readme_says(name, h, l, a, t, p, n, B, published) -> None:
     # One policy for every row: micro-batch 1, 1F1B, no sequence parallelism (2021 Megatron).
     dp = n // (t * p)
     g = gpt_graph(layers=l, hidden=h, heads=a, vocab=51200, seq=2048, batch=dp, dp=dp, tp=t, pp=p,
@@ -64,4 +64,4 @@ def test_megatron_throughput_within_15_percent(name, h, l, a, t, p, n, B, publis
     # Megatron-LM's own pipeline runtime: no torch.distributed.pipelining receive buffers per micro-batch.
     e = estimate(g, parse_cluster(f"{n}xA100-80GB"), plan, options=EstimateOptions(pipeline_runtime="none"))
     assert e.fits
-    assert e.tflops_per_device == pytest.approx(published, rel=0.15)
+    assert e.tflops_per_device == pytest.approx(published, rel=0.06)
