@@ -26,6 +26,7 @@ from shardc.backends.torch import ring as R
 from shardc.backends.torch import temporal as T
 from shardc.ir import Layout, Mesh, Node, Shard, Value
 from shardc.ir.diagnostics import ShardcError
+from shardc.ops.lowering import Site, refusal
 from shardc.ops.registry import get_op
 
 MEAN_OPS = frozenset({"mean"})
@@ -87,6 +88,11 @@ class Emitter:
                     attrs.update(src_zigzag=zigzag[0], dst_zigzag=zigzag[1])
             return [self.call(fn, (args[0], self.mesh_node, axis), attrs, name)]
         part = node.partition
+        site = Site.of(node, self.mesh)
+        reason = refusal(site) if site is not None else None
+        if reason is not None:  # the capability table the solver filters with: same rule, same message
+            raise ShardcError(reason, node=node, hint="the solver never offers this partition; fix the hand edit "
+                              "or the plan that wrote it")
         if part is not None and part.temporal:
             out = self.temporal(node, args)
         else:
@@ -120,25 +126,20 @@ class Emitter:
         return self.call(L.compute_op(node.op), tuple(args), attrs, name)
 
     def temporal(self, node: Node, args: list[fx.Node]) -> fx.Node:
+        """A node with one temporal split (`node` checked it against `shardc.ops.lowering`) as a
+        loop: a grid, a ring attention, a rotating contraction or chunks."""
         part = node.partition
-        assert part is not None
-        if len(part.temporal) != 1:
-            raise ShardcError("codegen runs one temporal split per node", node=node)
+        assert part is not None and len(part.temporal) == 1
         split = part.temporal[0]
         op = get_op(node.op)
         space = op.iteration_space([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
         name, attrs = node.outputs[0].name, dict(node.attrs)
         dims = [next((j for j, f in enumerate(operand) if f and f[0] == split.dim), None) for operand in space.inputs]
         dims += [None] * (len(node.inputs) - len(dims))
-        if node.op in ("reshape", "expand", "full", "arange"):
-            raise ShardcError(f"a temporal split of {node.op} is not supported; split its consumers instead", node=node)
         if split.grid is not None:
             return self.grid(node, args, split)
         if split.rotate is not None:
             axis = split.rotate
-            if split.steps != self.mesh.axis_size(axis):
-                raise ShardcError(f"rotating split {split} needs steps == size of mesh axis {axis} "
-                                  f"({self.mesh.axis_size(axis)})", node=node)
             if op.kind == "attention":
                 q = node.inputs[0]
                 placement = (q.layout or Layout()).on(axis)
@@ -151,8 +152,6 @@ class Emitter:
                     held = (mask.layout or Layout()).on(axis)
                     attrs["rotate_mask"] = isinstance(held, Shard) and held.dim == mask.type.rank - 1
                 return self.call(R.ring_attention, tuple(args), {"mesh": self.mesh_node, "axis": axis, **attrs}, name)
-            if split.dim not in space.reductions:
-                raise ShardcError(f"a rotating split must cut a reduction dim; {split.dim} is parallel", node=node)
             rotating = tuple(i for i, d in enumerate(dims) if d is not None
                              and (node.inputs[i].layout or Layout()).on(axis) == Shard(d))
             indexed = tuple((i, d) for i, d in enumerate(dims) if d is not None and i not in rotating)

@@ -9,10 +9,11 @@ Rules (one place):
   other axis (`tp`) any splittable dim; a dim split by several axes must be divisible by the
   product of their sizes. Special-rule dims split only by their rule: "ring" (attention's key
   dim, rotated) and "vocab" (cross entropy's classes, with max/sum-exp all-reduces).
-- Rotating (PrimePar's temporal primitive; ring attention): for an axis A splitting d1, a dim
-  d2 of the operands that A would otherwise replicate is cut into |A| steps and those operands'
-  shards move one neighbour along A per step: `partition<tp:n; time k/4 rotate tp>`. No operand
-  is replicated, partial sums stay local, and the ring transfers overlap with compute.
+- Rotating (PrimePar's temporal primitive; ring attention): for an axis A splitting d1, a
+  reduction dim d2 (or attention's ring dim) of the operands that A would otherwise replicate is
+  cut into |A| steps and those operands' shards move one neighbour along A per step:
+  `partition<tp:n; time k/4 rotate tp>`. No operand is replicated, partial sums stay local, and
+  the ring transfers overlap with compute.
 - Grids (PrimePar's P(q x q), `shardc.search.primepar`): on a mesh with the model axes tp and
   tq of equal size, contractions by a 2-d weight also get `time k/q rotate (tp, tq)` grids.
   Otherwise the second model axis `tq` splits whatever `tp` splits (tp x tq acts as one tp).
@@ -25,6 +26,8 @@ Rules (one place):
 - Followers inherit the partition through their first in-group input's layout; what cannot be
   inherited is gathered first (an in-group all_gather, priced like any redistribution).
 - An op without a registry rule is kept replicated (one candidate) and reported.
+- Only what lowers: a candidate any of whose members' partitions the backend's capability table
+  (`shardc.ops.lowering`) refuses is never offered.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from shardc.analysis.groups import NodeGroup
 from shardc.analysis.roles import Roles, iteration_roles
 from shardc.ir import Axis, Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
+from shardc.ops.lowering import Site, refusal
 from shardc.ops.registry import IterationSpace, get_op, has_op, node_layouts
 from shardc.search.primepar import GRID_AXES, grid_partitions, without_axes
 
@@ -139,7 +143,7 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
 def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh: Mesh,
                sizes: dict[str, int], roles: dict[str, str]) -> list[TemporalSplit]:
     """Rotating splits: for an axis splitting d1, a dim d2 of the operands it replicates; d2 is a
-    reduction (partial sums stay local), the ring dim, or a sequence dim (an overlapped gather)."""
+    reduction (partial sums stay local) or the ring dim (what the backend's loops rotate)."""
     out = []
     reductions = set(space.reductions)
     used = {d for _, d in spatial}
@@ -150,7 +154,7 @@ def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh
         for d2 in space.dims:
             if d2 in used or d2 in space.unsplittable or (d2 in rules and rules[d2] != "ring"):
                 continue
-            if not (d2 in reductions or rules.get(d2) == "ring" or roles.get(d2) == "seq"):
+            if not (d2 in reductions or rules.get(d2) == "ring"):
                 continue
             if sizes[d2] % mesh.axis_size(axis) or sizes[d2] < mesh.axis_size(axis):
                 continue
@@ -232,8 +236,25 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
             except ValueError:
                 continue
             for resolved in _resolutions(group, outs, mesh, shapes, roles):
-                out.append(_complete(group, partition, ins, resolved, mesh))
+                candidate = _complete(group, partition, ins, resolved, mesh)
+                if lowering_refusal(group, candidate, mesh, roles) is None:
+                    out.append(candidate)
     return out or [_replicated(group, mesh)]
+
+
+def lowering_refusal(group: NodeGroup, candidate: Candidate, mesh: Mesh,
+                     roles: dict[str, str] | None = None) -> str | None:
+    """Why the backend would not lower `candidate` (the first member's partition its capability
+    table refuses, `shardc.ops.lowering`), None when it lowers. `roles` are the anchor's
+    iteration dims' roles (the data and context axes' rules read them)."""
+    for j, (node, space, partition) in enumerate(zip(group.members, group.spaces, candidate.partitions)):
+        if space is None or partition is None or not has_op(node.op):
+            continue
+        kind = get_op(node.op).kind
+        reason = refusal(Site(node.op, kind, space, partition, mesh, roles if j == 0 else None))
+        if reason is not None:
+            return f"{node.op} {partition}: {reason}"
+    return None
 
 
 def _resolutions(group: NodeGroup, outs: list[Layout], mesh: Mesh, shapes: Shapes,
