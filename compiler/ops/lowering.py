@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from shardc.ir import Axis, Mesh, Node, Partition, TemporalSplit
 from shardc.ops.registry import IterationSpace, get_op
 
-# Ops whose local kernel reads the global position of its piece (a contiguous shard only).
-POSITIONAL_OPS = frozenset({"embedding", "cross_entropy", "scaled_dot_product_attention"})
+# Op -> the iteration dim whose global position its local kernel reads (a contiguous shard only):
+# the vocabulary range of an embedding table or of the classes, the queries' causal offset.
+POSITIONAL_DIMS: Mapping[str, str] = {"embedding": "v", "cross_entropy": "v", "scaled_dot_product_attention": "s"}
 # Ops a temporal chunk loop cannot run: their attributes hold whole shapes (split their consumers).
 UNCHUNKED_OPS = frozenset({"reshape", "expand", "full", "arange"})
 # Registry kinds whose split reduction a rotating loop accumulates (partial products summed locally).
@@ -116,8 +117,20 @@ def _vocab_refusal(site: Site) -> str | None:
 
 
 def _strided_refusal(site: Site) -> str | None:
-    if site.op in POSITIONAL_OPS:
-        return f"{site.op} reads its piece's global position; a strided split ({site.partition}) has none"
+    dim = POSITIONAL_DIMS.get(site.op)
+    split = dict(site.partition.spatial)
+    for axis, _ in site.partition.strides:
+        if dim is not None and split.get(axis) == dim:
+            return f"{site.op} reads the global position of its piece of {dim}; a strided split ({site.partition}) has none"
+    return None
+
+
+def _zigzag_refusal(site: Site) -> str | None:
+    dim = POSITIONAL_DIMS.get(site.op)
+    if dim is not None and not _rotates(site) and any(d == dim for a, d in site.partition.spatial
+                                                      if a in site.partition.zigzag):
+        return (f"{site.op} reads the global position of its piece of {dim}; a zig-zag shard reaches it only "
+                f"through ring attention")
     return None
 
 
@@ -202,6 +215,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                lambda s: bool(_model_axes(s)), _plain_split_refusal),
     Capability("strided", "a fused output split as k equal pieces (qkv), every piece sharded alike",
                lambda s: bool(s.partition.strides), _strided_refusal),
+    Capability("zigzag-shard", "a dim split zig-zag (2n chunks, rank c holds c and 2n-1-c): collectives permute",
+               lambda s: bool(s.partition.zigzag), _zigzag_refusal),
     Capability("vocab-parallel-loss", "cross entropy over split classes: row max and sum-exp all-reduced",
                lambda s: bool(_vocab_dims(s)), _vocab_refusal),
     Capability("vocab-parallel-embedding", "an embedding table split by rows: each rank looks up its range",
