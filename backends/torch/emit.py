@@ -7,7 +7,8 @@ data-parallel wrapper and the pipeline runtime); a node with a temporal split be
 (`temporal.py`: chunks, or shards rotating over a mesh axis; ring attention; PrimePar's 2-D
 grid of `grid2d.py`); any other node the registry op on local tensors, or its sharding-aware
 form (`local_ops.py`: vocab-parallel embedding and cross entropy, attention at its query
-offset). fx node names are the IR value names.
+offset). fx node names are the IR value names. A partition the capability table
+(`shardc.ops.lowering`) refuses raises its reason, the rule the solver's candidates obey.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """Temporal partitions as loops: a dim cut into steps computed one after another on one rank.
 
+Which temporal splits reach these loops is the capability table's (`shardc.ops.lowering`: one
+split per node; chunks not of reshape/expand/full/arange nor of a special or unsplittable dim;
+rotations of a contraction's reduction dim or attention's key dim, one step per device), which
+the solver's candidates obey and codegen (`emit.py`) checks with the same messages.
+
 - `temporal_loop`: no rotation (sequence chunking, micro-steps): each step runs the op on one
   chunk of every operand holding the dim; outputs are concatenated (the dim is parallel) or
   accumulated (the dim is a reduction).

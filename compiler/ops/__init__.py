@@ -3,7 +3,8 @@
 `registry` holds the types and the lookup (`get_op`, `node_layouts`, the rotating-operand
 rule); `builtin` registers the compute ops, `views` the view and data-movement ops,
 `collectives` the communication ops (and the one table of their ring traffic); `targets`
-resolves the torch calls opaque ops stand for; `verifier` checks a graph against them all.
+resolves the torch calls opaque ops stand for; `verifier` checks a graph against them all;
+`lowering` says which partitions the torch backend lowers (one table for solver and codegen).
 Importing this package registers every op.
 """
 
