@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_backend_numerics import build
 from traced import traced
 
+import shardc
 from shardc.backends.torch.codegen import generate
 from shardc.hardware import parse_cluster
 from shardc.ir import Partition, TemporalSplit
@@ -87,7 +89,7 @@ def test_backend_refuses_what_the_table_refuses_with_its_message() -> None:
     labels = [c.label for c in scores.cands]
     assert "partition<tp:m>" in labels and not any("rotate" in label and "time n/" in label for label in labels)
     bad = Partition((("tp", "m"),), (TemporalSplit("n", 2, "tp"),))
-    site = Site(scores.group.anchor.op, "contraction", scores.group.spaces[0], bad, graph_mesh(problem))
+    site = Site(scores.group.anchor.op, "contraction", scores.group.spaces[0], bad, problem.shape.mesh())
     assert refusal(site) == "a rotating split must cut a reduction dim; n is parallel"
     annotate_graph(graph, problem, Assignment(tuple(0 for _ in problem.groups),
                                               ((len(problem.facts.layering.blocks), 0, 0),), 0))
@@ -95,10 +97,6 @@ def test_backend_refuses_what_the_table_refuses_with_its_message() -> None:
     copy = lower(parse(str(graph)))
     with pytest.raises(ShardcError, match="a rotating split must cut a reduction dim; n is parallel"):
         generate(copy, 0)
-
-
-def graph_mesh(problem: Any) -> Any:
-    return problem.shape.mesh()
 
 
 def test_refusals_of_the_table() -> None:
@@ -244,9 +242,6 @@ def _plan_keys(plan: str) -> dict[str, str]:
 @cache
 def _compiled_kinds(case: Case) -> frozenset[str]:
     """The partition kinds the lowered graph of `case` uses."""
-    import shardc
-    from test_backend_numerics import build
-
     model, inputs, names = build(case.spec)
     graph = shardc.compile(model, inputs, plan=case.plan, input_names=names, before_lower=case.edit).graph
     assert graph.mesh is not None

@@ -85,7 +85,7 @@ def _model_axes(site: Site) -> list[tuple[str, str]]:
 
 
 def _role_refusal(site: Site, axis: str, role: str) -> str | None:
-    for a, d in _axis_dims(site, (axis,)):
+    for _, d in _axis_dims(site, (axis,)):
         got = None if site.roles is None else site.roles.get(d)
         if site.roles is not None and got != role:
             return f"the {axis} axis splits a {role} dim only; {d} is {got or 'neither batch nor sequence'}"
@@ -200,10 +200,6 @@ def _chunk_refusal(site: Site) -> str | None:
 
 def _has_temporal(site: Site) -> bool:
     return bool(site.partition.temporal)
-
-
-def _kind_is(*kinds: str) -> Callable[[Site], bool]:
-    return lambda site: site.kind in kinds
 
 
 CAPABILITIES: tuple[Capability, ...] = (
