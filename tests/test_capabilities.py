@@ -29,10 +29,11 @@ from traced import traced
 import shardc
 from shardc.backends.torch.codegen import generate
 from shardc.hardware import parse_cluster
-from shardc.ir import Partition, TemporalSplit
+from shardc.ir import Partition, TemporalSplit, TensorType
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.parser import parse
 from shardc.ops.lowering import CAPABILITIES, Site, all_kinds, kinds_of, refusal, resolution_kind
+from shardc.ops.registry import get_op
 from shardc.passes.lower import lower
 from shardc.plan.parallel import PLAN_KEYS
 from shardc.search.evaluate import Assignment
@@ -121,6 +122,12 @@ def test_refusals_of_the_table() -> None:
         "cross entropy with classes split over more than one mesh axis"
     assert why(loss, Partition((), (TemporalSplit("d1", 2), TemporalSplit("d0", 2)))) == \
         "codegen runs one temporal split per node"
+    amax = get_op("amax")
+    space = amax.iteration_space([TensorType((4, 8), "f32")], [TensorType((4,), "f32")], {"dim": (1,)})
+    assert refusal(Site("amax", amax.kind, space, Partition((("tp", "d1"),)), mesh)) == (
+        "splitting amax's reduction d1 (mesh axis tp) leaves Partial(max), which the backend does not "
+        "differentiate; keep d1 whole")
+    assert refusal(Site("amax", amax.kind, space, Partition((("tp", "d0"),)), mesh)) is None
 
 
 # ---- 3. every kind and plan key has a multi-process numerics test ----------------------------

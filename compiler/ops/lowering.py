@@ -30,7 +30,7 @@ UNCHUNKED_OPS = frozenset({"reshape", "expand", "full", "arange"})
 ROTATING_KINDS = frozenset({"contraction"})
 # Ops PrimePar's 2-D grid runs (`backends/torch/grid2d.py`): x @ W with W a 2-d weight.
 GRID_OPS = frozenset({"linear", "matmul"})
-# How a chunk loop combines a split reduction's steps: summed, or averaged for a mean.
+# How a chunk loop (or a collective, with its gradient) combines a split reduction: sum or mean.
 CHUNK_PARTIALS = frozenset({"sum", "avg"})
 
 
@@ -93,10 +93,14 @@ def _role_refusal(site: Site, axis: str, role: str) -> str | None:
 
 
 def _plain_split_refusal(site: Site, axes: tuple[str, ...] | None = None) -> str | None:
-    """A mesh axis (of `axes`; every model axis when None) splits no unsplittable dim and no ring dim."""
+    """A mesh axis (of `axes`; every model axis when None) splits no unsplittable dim, no ring dim,
+    and no reduction that leaves Partial(max) (its all_reduce has no gradient rule)."""
     for a, d in _model_axes(site) if axes is None else _axis_dims(site, axes):
         if d in site.space.unsplittable:
             return f"{d} of {site.op} cannot be split (mesh axis {a})"
+        if d in site.space.reductions and site.space.partial_op not in CHUNK_PARTIALS:
+            return (f"splitting {site.op}'s reduction {d} (mesh axis {a}) leaves Partial({site.space.partial_op}), "
+                    f"which the backend does not differentiate; keep {d} whole")
         rule = site.special.get(d)
         if rule == "ring":
             return f"{d} of {site.op} is split only in time, rotating (ring attention), not by mesh axis {a}"
