@@ -29,9 +29,9 @@ from shardc.analysis.attention import attention_core, batch_dependent, layer_nod
 from shardc.backends.torch.codegen import generate, module_code
 from shardc.backends.torch.eject import eject_plan
 from shardc.backends.torch.launch import spawn
-from shardc.cli import main
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
+from shardc.run import run_model
 
 GPT4 = GPT + "&n_layer=4"
 BERT = "examples/bert.py:tiny"
@@ -210,7 +210,9 @@ def test_pipelines_with_per_layer_recomputation_match_single_process(tmp_path: P
 
 
 def _run(capsys: pytest.CaptureFixture[str], plan: str) -> dict:
-    assert main(["run", GPT, "--nproc", "2", "--steps", "2", "--plan", plan, "--cluster", CLUSTER, "--json"]) == 0
+    """`shardc run --json` on 2 processes, predicted for a preset cluster (memory does not depend
+    on the device's speed; the CLI predicts for the calibrated local machine)."""
+    assert run_model(GPT, nproc=2, steps=2, plan=plan, cluster=CLUSTER, json_out=True) == 0
     return json.loads(capsys.readouterr().out)
 
 
