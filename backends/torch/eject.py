@@ -166,7 +166,8 @@ def recomputed_blocks(plan: Any, blocks: int) -> tuple[int, ...]:
         return ()
     from shardc.analysis.stages import stage_sizes
 
-    out, start = [], 0
+    out: list[int] = []
+    start = 0
     for size in stage_sizes(blocks, max(1, min(plan.stages, blocks))):
         keep = size if plan.recompute_layers is None else min(size, plan.recompute_layers)
         out += range(start, start + keep)
