@@ -133,6 +133,7 @@ def test_flat_plans_with_recomputation_match_single_process() -> None:
         (GPT, "dp=2,recompute=selective", ""),
         (GPT, "dp=2,recompute=full", ""),
         (GPT, "tp=2,recompute=selective", ""),                   # heads split inside the core
+        (GPT, "cp=2,recompute=selective", ""),                   # keys gathered inside the core, again in backward
         (GPT4, "dp=2,recompute=selective,recompute_layers=1", ""),  # mixed: selective, none, ...
     ]) == []
 
