@@ -36,8 +36,11 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   `shardc.analysis.stages`: the repeated blocks are cut into pp*vpp contiguous chunks as even
   as possible (extra blocks go to the middle stages first), layers before the first block join
   stage 0, after the last the last stage, between blocks the previous block's; virtual stage
-  k runs on pp rank k % pp. Every layer
-  records the plan's recompute, zero and offload.
+  k runs on pp rank k % pp. Every layer records the plan's zero and offload; the plan's
+  recompute goes to the transformer blocks only (`Layering.block_names`; the embedding, the
+  head and layers between blocks get none, as in Megatron-LM; a graph without repeated blocks:
+  every layer), and with `recompute_layers=N` to the first N blocks of each model chunk only
+  (Megatron's block method).
 - graph.attrs: plan (its text), microbatch_size, microbatches (gbs / (dp*mb)), global_batch,
   traced_batch (the batch the graph was traced with; per device per micro-batch, activation
   shapes are the local shapes with the batch scaled by microbatch_size / (traced_batch / dp)),
@@ -55,7 +58,7 @@ from typing import ClassVar
 from shardc.analysis.dims import model_dims
 from shardc.analysis.propagate import derives_from_input, follow, io_layouts, iteration_space
 from shardc.analysis.roles import Roles, dim_roles, iteration_roles
-from shardc.analysis.stages import layer_stages
+from shardc.analysis.stages import layer_stages, layering
 from shardc.ir import (
     Axis,
     Graph,
@@ -77,7 +80,7 @@ from shardc.ops.registry import IterationSpace, get_op
 from shardc.passes.group_layers import group_layers
 from shardc.passes.validate_plan import check_plan
 from shardc.passmanager import Pass, PassContext, register_pass
-from shardc.plan.parallel import ParallelPlan
+from shardc.plan.parallel import ParallelPlan, check_recompute_layers
 
 
 @dataclass
@@ -278,14 +281,28 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
 
 
 def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
-    """Give every layer its pipeline stage (`shardc.analysis.stages`) and the plan's
-    recompute/zero/offload."""
+    """Give every layer its pipeline stage (`shardc.analysis.stages`), zero and offload, and the
+    plan's recompute to the transformer blocks only (the embedding, the head and layers between
+    blocks: none, as Megatron-LM recomputes blocks); with `recompute_layers=N`, only the first N
+    blocks of each model chunk (stage, or virtual stage) recompute."""
     if not graph.layers:
         group_layers(graph)
     stage_of = layer_stages(graph, plan.stages)
+    # A graph without repeated blocks (an MLP) recomputes every layer, as the plan asks.
+    blocks = layering(graph).block_names or tuple(graph.layers)
+    per_chunk = [sum(stage_of.get(b, 0) == k for b in blocks) for k in range(plan.stages)]
+    check_recompute_layers(plan, per_chunk)
+    recompute: dict[str, str] = {}
+    seen = [0] * plan.stages
+    for name in blocks:
+        k = stage_of.get(name, 0)
+        keep = plan.recompute_layers is None or seen[k] < plan.recompute_layers
+        recompute[name] = plan.recompute if keep else "none"
+        seen[k] += 1
     for name, layer in graph.layers.items():
         graph.layers[name] = Layer(name, layer.block, LayerAnnotation(
-            stage=stage_of.get(name, 0), recompute=plan.recompute, zero=plan.zero, offload=plan.offload))
+            stage=stage_of.get(name, 0), recompute=recompute.get(name, "none"), zero=plan.zero,
+            offload=plan.offload))
 
 
 @register_pass

@@ -95,9 +95,9 @@ def test_stages_with_virtual_stages() -> None:
     g = apply_plan(tiny_lm(layers=4), ParallelPlan(pp=2, vpp=2, recompute="full", zero=1, offload=True, gbs=4))
     stages = {name: layer.annotation.stage for name, layer in g.layers.items()}
     assert stages == {"embed": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3, "head": 3}
-    for layer in g.layers.values():
+    for name, layer in g.layers.items():  # blocks recompute; the embedding and the head never do
         a = layer.annotation
-        assert (a.recompute, a.zero, a.offload) == ("full", 1, True)
+        assert (a.recompute, a.zero, a.offload) == ("full" if name.startswith("blocks.") else "none", 1, True)
     assert g.attrs["virtual_stages"] == 2 and g.attrs["schedule"] == "interleaved"
     assert str(g.mesh) == "mesh<pp=2, dp=1, cp=1, tp=1>"
 

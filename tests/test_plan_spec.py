@@ -9,7 +9,7 @@ import pytest
 from shardc.analysis.dims import ModelDims, model_dims
 from shardc.ir import Graph, Layer, Location, Node, TensorType, Value
 from shardc.ir.diagnostics import ShardcError
-from shardc.plan.parallel import PLAN_KEYS, ParallelPlan, plan_keys_help, validate_plan
+from shardc.plan.parallel import OPTIONAL_KEYS, PLAN_KEYS, ParallelPlan, plan_keys_help, validate_plan
 
 EXAMPLE = "dp=8,tp=8,pp=16,vpp=3,mb=1,gbs=1536,schedule=1f1b,recompute=full,sp=1,cp=1,zero=1,dtype=bf16,offload=0"
 
@@ -32,7 +32,9 @@ def test_defaults_are_documented() -> None:
     assert plan == ParallelPlan()
     assert str(plan) == ("dp=1,tp=1,pp=1,vpp=1,cp=1,sp=0,mb=1,gbs=auto,schedule=1f1b,recompute=none,"
                          "zero=0,dtype=bf16,offload=0")
-    assert list(PLAN_KEYS) == [part.split("=")[0] for part in str(plan).split(",")]
+    # Every key is printed, in order, but the optional ones at their default (`OPTIONAL_KEYS`).
+    assert [k for k in PLAN_KEYS if k not in OPTIONAL_KEYS] == [part.split("=")[0] for part in str(plan).split(",")]
+    assert all(f"{k}={PLAN_KEYS[k][1]}" in (ParallelPlan.__doc__ or "") for k in OPTIONAL_KEYS)
     for part in str(plan).split(","):  # PLAN_KEYS' default column is the printed default
         key, value = part.split("=")
         assert PLAN_KEYS[key][1] == value
@@ -68,7 +70,7 @@ def test_helpers() -> None:
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("dp=8,foo=1", r"unknown plan key 'foo'.*known keys: dp, tp, pp, vpp, cp, sp, mb, gbs, schedule, recompute, zero, dtype, offload"),
+    ("dp=8,foo=1", r"unknown plan key 'foo'.*known keys: dp, tp, pp, vpp, cp, sp, mb, gbs, schedule, recompute, recompute_layers, zero, dtype, offload"),
     ("dp=x", r"plan key dp='x': expected an integer >= 1"),
     ("tp=0", r"plan key tp='0': expected an integer >= 1"),
     ("gbs=-3", r"plan key gbs='-3': expected an integer >= 1"),

@@ -1,9 +1,14 @@
 """Codegen: one `torch.fx.GraphModule` per rank from a lowered IR graph.
 
 Rule. Nodes are grouped by layer into regions: each layer becomes a sub-GraphModule at the
-layer's module path (`blocks.0`), called from the root module (through
-`torch.utils.checkpoint` when the layer asks for recomputation); nodes outside layers live in
-the root. Every parameter and buffer is an `nn.Parameter` / buffer at its own module path holding
+layer's module path (`blocks.0`), called from the root module; nodes outside layers live in
+the root. Recomputation runs as each layer's annotation says, as the cost model prices it:
+`full` calls the layer's module through `torch.utils.checkpoint.checkpoint(use_reentrant=False)`
+(only its inputs are kept); `selective` calls, inside the layer's module, each attention core
+(`shardc.analysis.attention`: QK^T through PV) as a module of its own (`attention_core`)
+through checkpoint, so the core's own tensors are dropped and recomputed while its inputs and
+output are kept (a layer with fused attention has no core and runs plainly); `none` is a plain
+call. Every parameter and buffer is an `nn.Parameter` / buffer at its own module path holding
 this rank's shard only (so `state_dict()` keys are the model's). Each IR node becomes one call
 (`emit.py`): the registry impl on local tensors, an autograd-aware collective (`collectives.py`),
 a sharding-aware local op (`local_ops.py`) or a temporal loop (`temporal.py`). fx node names are
@@ -13,6 +18,7 @@ the IR value names, so `module.code` reads like the IR.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from shardc.analysis.attention import attention_core, batch_dependent, core_runs, layer_nodes
 from shardc.backends.torch import collectives as C
 from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import ring as R
@@ -164,9 +171,12 @@ def _placement(graph: Graph, regions: list[Region], kinds: dict[Value, str]) -> 
     return home, last_read
 
 
-def _layer_module(rank: _Rank, region: Region, k: int) -> tuple[fx.GraphModule, list[Value], list[Value]]:
+def _layer_module(rank: _Rank, region: Region, k: int,
+                  core: Collection[Node] = frozenset()) -> tuple[fx.GraphModule, list[Value], list[Value]]:
     """Region `k` as a sub-GraphModule holding the parameters and buffers at home in it; with
-    the values it takes from the root (in order) and those it returns that later regions read."""
+    the values it takes from the root (in order) and those it returns that later regions read.
+    Each run of `core` nodes (the attention cores of a layer recomputed selectively) becomes a
+    module of its own, called through `checkpoint` (`_core_call`)."""
     path = region.path
     assert path is not None
     sub = fx.Graph()
@@ -193,14 +203,54 @@ def _layer_module(rank: _Rank, region: Region, k: int) -> tuple[fx.GraphModule, 
             sub_attrs[rel] = rank.objects[v]
         return sub_env[v]
 
-    emit.skews = G.prefetch_skews(region.nodes, arg, emit.call_positional, sub_mesh)
-    for n in region.nodes:
-        args = [arg(v) for v in n.inputs]
-        for v, out in zip(n.outputs, emit.node(n, args)):
-            sub_env[v] = out
+    emit.skews = G.prefetch_skews([n for n in region.nodes if n not in core], arg, emit.call_positional, sub_mesh)
+    runs = core_runs(region.nodes, core)
+    for j, run in enumerate(runs):
+        if run[0] in core:
+            later = {v for r in runs[j + 1:] for n in r for v in n.inputs}
+            wanted = [v for n in run for v in n.outputs if v in later or rank.last_read.get(v, -1) > k]
+            count = sum(r[0] in core for r in runs[:j])  # cores before this one (cross-attention)
+            name = "attention_core" + (f"_{count + 1}" if count else "")
+            sub_attrs[name] = _core_call(rank, run, wanted, sub, name, arg, sub_env)
+            continue
+        for n in run:
+            args = [arg(v) for v in n.inputs]
+            for v, out in zip(n.outputs, emit.node(n, args)):
+                sub_env[v] = out
     outputs = [v for n in region.nodes for v in n.outputs if rank.last_read.get(v, -1) > k]
     sub.output(tuple(sub_env[v] for v in outputs))
     return fx.GraphModule(sub_attrs, sub, class_name=f"Layer_{py_name(path)}"), region_inputs, outputs
+
+
+def _core_call(rank: _Rank, run: list[Node], wanted: list[Value], outer: fx.Graph, name: str,
+               arg: Callable[[Value], fx.Node], env: dict[Value, fx.Node]) -> fx.GraphModule:
+    """An attention core as a module of its own (every value it reads, parameters and buffers
+    included, is an argument), called from `outer` through `checkpoint(use_reentrant=False)`:
+    autograd keeps its arguments and what it returns (`wanted`, read after it), and drops and
+    recomputes in backward every tensor made inside it, as `finish_layer` prices `selective`."""
+    g = fx.Graph()
+    inner: dict[Value, fx.Node] = {}
+    inputs: list[Value] = []
+    made = {v for n in run for v in n.outputs}
+    for n in run:
+        for v in n.inputs:
+            if v not in made and v not in inner:
+                inner[v] = g.placeholder(py_name(v.name))
+                inputs.append(v)
+    mesh = g.get_attr("mesh")
+    emit = Emitter(g, rank.mesh, rank.coords, mesh)
+    emit.skews = G.prefetch_skews(run, inner.__getitem__, emit.call_positional, mesh)
+    for n in run:
+        for v, out in zip(n.outputs, emit.node(n, [inner[w] for w in n.inputs])):
+            inner[v] = out
+    g.output(tuple(inner[v] for v in wanted))
+    call_args = tuple(arg(v) for v in inputs)
+    fn = outer.get_attr(name)
+    call = outer.create_node("call_function", torch.utils.checkpoint.checkpoint, (fn, *call_args),
+                             {"use_reentrant": False}, name=f"{name}_out")
+    for j, v in enumerate(wanted):
+        env[v] = outer.create_node("call_function", operator.getitem, (call, j), {}, name=py_name(v.name))
+    return fx.GraphModule({"mesh": rank.groups}, g, class_name="AttentionCore")
 
 
 class _Root:
@@ -241,8 +291,8 @@ class _Root:
         path = region.path
         assert path is not None
         call_args = tuple(self.value(v) for v in inputs)
-        recompute = graph.layers.get(region.layer or "")
-        if recompute is not None and recompute.annotation.recompute != "none":
+        layer = graph.layers.get(region.layer or "")
+        if layer is not None and layer.annotation.recompute == "full":
             fn = self.graph.get_attr(path)
             call = self.emit.call(torch.utils.checkpoint.checkpoint, (fn, *call_args), {"use_reentrant": False},
                                   f"{path}_out")
@@ -266,6 +316,7 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     regions = regions_of(graph)
     home, last_read = _placement(graph, regions, kinds)
     ctx = _Rank(mesh, coords, groups or C.MeshGroups(dict(mesh.axes), coords), kinds, objects, home, last_read)
+    cores = selective_cores(graph)
     root = _Root(ctx)
     root.inputs(graph.inputs, local_inputs, device)
     submodules: list[tuple[str, fx.GraphModule]] = []
@@ -273,7 +324,7 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
         if region.path is None:
             root.nodes(region)
             continue
-        module, inputs, outputs = _layer_module(ctx, region, k)
+        module, inputs, outputs = _layer_module(ctx, region, k, cores.get(region.layer, frozenset()))
         submodules.append((region.path, module))
         root.call_layer(graph, region, inputs, outputs)
     outs = [root.env[v] for v in graph.outputs]
@@ -286,6 +337,16 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
         _place(holder, ctx.state_path(v), objects[v], kind)
     root.graph.lint()
     return fx.GraphModule(holder, root.graph, class_name=f"{py_name(graph.name)}_rank{rank}")
+
+
+def selective_cores(graph: Graph) -> dict[str | None, frozenset[Node]]:
+    """The attention cores (`shardc.analysis.attention`) of the layers annotated `selective`, by
+    layer: the nodes their generated module runs under checkpoint (empty: nothing recomputed)."""
+    chosen = {name for name, layer in graph.layers.items() if layer.annotation.recompute == "selective"}
+    if not chosen:
+        return {}
+    batched = batch_dependent(graph)
+    return {name: attention_core(nodes, batched) for name, nodes in layer_nodes(graph).items() if name in chosen}
 
 
 def module_code(module: nn.Module) -> str:

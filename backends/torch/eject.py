@@ -8,7 +8,11 @@ data parallelism as `DistributedDataParallel` (zero=0 without tp) or `fully_shar
 tp: DDP takes no DTensor parameters, FSDP2 over dp is torch's 2-D recipe), pipelines as
 `PipelineStage` plus a schedule class. What torch has no word for is listed in `unsupported`
 and left out of the code: temporal or rotating partitions, context parallelism (ring attention),
-per-node partitions that differ from Megatron's pairing, offload, selective recomputation.
+per-node partitions that differ from Megatron's pairing, offload, and selective recomputation
+of an attention written out as matmuls. Full recomputation is emitted as the backend runs it:
+the blocks that recompute (apply-plan's rule: transformer blocks only, the first
+`recompute_layers` of each model chunk) call their forward through
+`torch.utils.checkpoint.checkpoint(use_reentrant=False)`.
 
 The same discovery (`megatron_plan`) gives `apply_tensor_parallel`, the hand-written baseline of
 `benchmarks/runtime.py`.
@@ -131,14 +135,44 @@ def unsupported_parts(plan: Any, graph: Any = None) -> list[str]:
                    "not emitted")
     if getattr(plan, "offload", False):
         out.append("optimizer state offload: not emitted")
-    if getattr(plan, "recompute", "none") == "selective":
-        out.append("selective recomputation: no torch equivalent; emitted code recomputes nothing")
+    if getattr(plan, "recompute", "none") == "selective" and _has_core(graph):
+        out.append("selective recomputation: shardc checkpoints each attention core (QK^T through PV, "
+                   "shardc.analysis.attention) as a module of its own, a region the model's source does not "
+                   "delimit (torch's selective activation checkpointing chooses by op, not by region); "
+                   "emitted code recomputes nothing, so it keeps the cores' scores and probabilities")
     if graph is not None:
         for node in graph.nodes:
             if node.partition is not None and node.partition.temporal:
                 out.append(f"temporal partition {node.partition} on {node.op} @{node.location.module_path}: "
                            "a loop of rotating shards torch has no placement for")
     return out
+
+
+def _has_core(graph: Any) -> bool:
+    """Whether selective recomputation drops anything in `graph` (unknown without a graph: yes).
+    A model with fused attention (sdpa) has no core: shardc recomputes nothing there either."""
+    if graph is None:
+        return True
+    from shardc.analysis.attention import attention_core, batch_dependent, layer_nodes
+
+    batched = batch_dependent(graph)
+    return any(attention_core(nodes, batched) for nodes in layer_nodes(graph).values())
+
+
+def recomputed_blocks(plan: Any, blocks: int) -> tuple[int, ...]:
+    """Indices of the blocks recomputed under `recompute=full` (apply-plan's rule: the first
+    `recompute_layers` blocks of each of the pp*vpp model chunks; all when not set)."""
+    if plan.recompute != "full":
+        return ()
+    from shardc.analysis.stages import stage_sizes
+
+    out: list[int] = []
+    start = 0
+    for size in stage_sizes(blocks, max(1, min(plan.stages, blocks))):
+        keep = size if plan.recompute_layers is None else min(size, plan.recompute_layers)
+        out += range(start, start + keep)
+        start += size
+    return tuple(out)
 
 
 def eject(plan: Any, model_spec: str, graph: Any = None) -> str:
@@ -167,12 +201,13 @@ def eject_plan(plan: Any, model_spec: str, graph: Any = None) -> Ejected:
 
         kwargs = parse_query(query, model_spec)
     missing = unsupported_parts(plan, graph)
+    recompute = _recompute(plan, model_spec) if plan.recompute == "full" else ()
     tp_block = _tensor_parallel(plan, model_spec, missing)
     pp_note = _pipeline_note(plan, missing)
     code = _SOURCE.format(
         plan=plan, model_spec=model_spec, nproc=plan.dp * plan.tp, header="\n".join(f"  - {m}" for m in missing)
         or "  (none)", pp_note=pp_note, head_attrs=HEAD_ATTRS, path=path, factory=factory or "default",
-        kwargs=kwargs, tp_block=textwrap.indent(textwrap.dedent(tp_block), "    "),
+        kwargs=kwargs, recompute=recompute, tp_block=textwrap.indent(textwrap.dedent(tp_block), "    "),
         dp_block=textwrap.indent(textwrap.dedent(_data_parallel(plan)), "    "))
     return Ejected(code, tuple(missing))
 
@@ -201,6 +236,14 @@ def _tensor_parallel(plan: Any, model_spec: str, missing: list[str]) -> str:
               "            if isinstance(getattr(mod, attr, None), int):",
               '                setattr(mod, attr, getattr(mod, attr) // mesh["tp"].size())', ""]
     return "\n".join(lines)
+
+
+def _recompute(plan: Any, model_spec: str) -> tuple[int, ...]:
+    """The blocks (indices into `block_list`) full recomputation checkpoints."""
+    from shardc.frontend.spec import load_model
+
+    _, blocks = block_list(load_model(model_spec, device="meta").model)
+    return recomputed_blocks(plan, len(blocks))
 
 
 def _data_parallel(plan: Any) -> str:
@@ -235,13 +278,15 @@ Run: torchrun --nproc-per-node {nproc} this_file.py
 Not expressed in torch's vocabulary (left out):
 {header}
 """
-{pp_note}import importlib.util
+{pp_note}import functools
+import importlib.util
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -252,6 +297,7 @@ MODEL_FILE = {path!r}
 FACTORY = {factory!r}
 FACTORY_KWARGS = {kwargs!r}
 DP, TP = {plan.dp}, {plan.tp}
+RECOMPUTE_BLOCKS = {recompute!r}  # blocks whose forward runs again in backward (recompute=full)
 
 
 def build_model(seed: int = 0):
@@ -263,10 +309,20 @@ def build_model(seed: int = 0):
     return getattr(module, FACTORY)(**FACTORY_KWARGS)
 
 
+def recompute_blocks(model):
+    """Full recomputation: each block in RECOMPUTE_BLOCKS of the model's largest ModuleList keeps
+    only its inputs and runs its forward again in backward (module names stay as they are)."""
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=[])
+    for i in RECOMPUTE_BLOCKS:
+        blocks[i].forward = functools.partial(torch.utils.checkpoint.checkpoint, blocks[i].forward,
+                                              use_reentrant=False)
+
+
 def parallelize(model):
     """Apply the plan to a model on every rank (the process group must be initialised)."""
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-{tp_block}{dp_block}    return model, mesh
+{tp_block}    recompute_blocks(model)
+{dp_block}    return model, mesh
 
 
 def main(steps: int = 3) -> None:

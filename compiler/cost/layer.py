@@ -19,8 +19,9 @@ Rules, node by node over the layer's partitioned IR:
   Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
-  layout. Selective recomputation drops what the attention core (from the QK^T product to the
-  PV product) saves and recomputes the core; full recomputation keeps only the layer's inputs
+  layout. Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  from the QK^T product to the PV product; none for a fused attention node) saves of its own
+  tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
 The solver prices its candidates with these same functions (`layer_terms` on a fragment).
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from shardc.analysis.attention import attention_core as core_of
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     NodeCost,
@@ -167,17 +169,10 @@ def _add(acc: dict[str, float], key: str, value: float) -> None:
         acc[key] = acc.get(key, 0.0) + value
 
 
-def attention_core(ctx: CostContext, nodes: Sequence[Node]) -> set[Node]:
-    """The nodes from each QK^T product through the next PV product (inclusive)."""
-    core: set[Node] = set()
-    inside = False
-    for node in nodes:
-        if ctx.is_matmul_of_activations(node):
-            core.add(node)
-            inside = not inside
-        elif inside:
-            core.add(node)
-    return core if not inside else set()
+def attention_core(ctx: CostContext, nodes: Sequence[Node]) -> frozenset[Node]:
+    """The layer's attention cores (`shardc.analysis.attention`: from each QK^T product through
+    the next PV product; a fused attention node is none), the one definition codegen executes."""
+    return core_of(nodes, ctx.batched)
 
 
 def layer_costs(ctx: CostContext, nodes: Sequence[Node], recompute: str = "none") -> LayerCost:

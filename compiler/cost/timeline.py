@@ -70,7 +70,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     same device also read (their gradients are held here until that layer's backward)."""
     inside = set(nodes)
     gathered = _gathered_saves(ctx, nodes)
-    core = attention_core(ctx, nodes) if recompute == "selective" else set()
+    core = attention_core(ctx, nodes) if recompute == "selective" else frozenset()
     saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
     in_core = [k for k, (_, c) in terms.saved_entries.items() if c]  # a list: recomputed in saved order
     kept: dict[SavedKey, float]
@@ -185,7 +185,7 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 
 
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
-              inside: set[Node], core: set[Node], saved_all: dict, in_core: list, earlier: set[str],
+              inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool) -> tuple[float, float, float, float, float]:
     grads: dict[Value, float] = {}
     for node in nodes:

@@ -1,7 +1,8 @@
 """The parallel plan users write by hand: `dp=8,tp=8,pp=16,vpp=3,mb=1,gbs=1536,...`.
 
 One parser (`ParallelPlan.parse`) serves every command that takes `--plan`; `str(plan)` prints
-the same syntax back, every key in `PLAN_KEYS` order, so `parse(str(p)) == p`.
+the same syntax back, every key in `PLAN_KEYS` order (those in `OPTIONAL_KEYS` only when set),
+so `parse(str(p)) == p`.
 `ParallelPlan.of` is the one coercion from what callers hold (the text, a plan, a partitioned
 graph: `plan_of`) to a plan; `plan.mesh()` is the device mesh it partitions over.
 `validate_plan` checks a plan against a cluster size and a model's dimensions (`model_dims`
@@ -27,6 +28,8 @@ _ZEROS = ", ".join(map(str, ZERO_STAGES))
 MESH_AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
 
 # key -> (type, default, meaning); the order here is the printed order.
+# Keys printed only away from their default, so plans that do not use them print as before.
+OPTIONAL_KEYS: tuple[str, ...] = ("recompute_layers",)
 PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     Axis.DP: ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
     Axis.TP: ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
@@ -38,7 +41,11 @@ PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     "mb": ("int", "1", "micro-batch size (sequences per micro-batch per data-parallel rank)"),
     "gbs": ("int|auto", "auto", "global batch (sequences per optimizer step); auto: the model's batch"),
     "schedule": ("|".join(SCHEDULES), "1f1b", "pipeline schedule"),
-    "recompute": ("|".join(RECOMPUTE_CHOICES), "none", "activation recomputation of every layer"),
+    "recompute": ("|".join(RECOMPUTE_CHOICES), "none", "activation recomputation of the transformer blocks "
+                  "(full: the whole block; selective: its attention core; the embedding and head never)"),
+    "recompute_layers": ("int|all", "all", "with recompute=full|selective, only the first N blocks of each "
+                         "pipeline model chunk recompute, the rest none (Megatron's --recompute-num-layers, "
+                         "block method); printed only when not all"),
     "zero": (f"{ZERO_STAGES[0]}-{ZERO_STAGES[-1]}", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
     "dtype": ("|".join(PLAN_DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
     "offload": ("0|1", "0", "offload optimizer states to host memory"),
@@ -78,7 +85,8 @@ class ParallelPlan:
     """A uniform Megatron-style plan. Degrees multiply to the device count: dp*tp*pp*cp.
 
     Keys and defaults (see `PLAN_KEYS`): dp=1, tp=1, pp=1, vpp=1, cp=1, sp=0, mb=1, gbs=auto
-    (the model's example batch), schedule=1f1b, recompute=none, zero=0, dtype=bf16, offload=0.
+    (the model's example batch), schedule=1f1b, recompute=none, recompute_layers=all, zero=0,
+    dtype=bf16, offload=0.
     mb is the micro-batch size; gbs the global batch (sequences per optimizer step); the
     number of micro-batches per pipeline is gbs / (dp * mb) (gradient accumulation when pp=1).
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
@@ -88,6 +96,9 @@ class ParallelPlan:
     i and 2N-1-i, so causal ring attention costs every rank the same (contiguous, the last rank
     computes all N key shards and sets the pace). Opt-in: the default keeps the contiguous
     split, whose inputs, printed IR and checkpoints read as before.
+    `recompute_layers=N` (None: all) recomputes only the first N blocks of every pipeline model
+    chunk (stage, or virtual stage with vpp>1) and none of the rest; it needs recompute=full or
+    selective, and at most the blocks of a chunk (`check_recompute_layers`, with the model).
     """
 
     dp: int = 1
@@ -106,6 +117,7 @@ class ParallelPlan:
     # The sequence layout over cp, written as a suffix of cp (`cp=4:zigzag`) and printed only
     # when not contiguous, so plans without it print as they always have.
     cp_layout: str = "contiguous"
+    recompute_layers: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):  # the integer fields
@@ -116,6 +128,13 @@ class ParallelPlan:
             raise ShardcError(f"plan key gbs={self.gbs}: expected an integer >= 1 or auto")
         object.__setattr__(self, "dtype", _choice("dtype", self.dtype, PLAN_DTYPES, dtypes.precision))
         object.__setattr__(self, "recompute", _choice("recompute", self.recompute, RECOMPUTE_CHOICES))
+        if self.recompute_layers is not None:
+            n = self.recompute_layers
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ShardcError(f"plan key recompute_layers={n!r}: expected an integer >= 0 or all")
+            if self.recompute == "none":
+                raise ShardcError(f"plan key recompute_layers={n} has no effect with recompute=none",
+                                  hint="set recompute=full or recompute=selective, or leave recompute_layers out")
         object.__setattr__(self, "sp", bool(self.sp))
         object.__setattr__(self, "offload", bool(self.offload))
         if self.zero not in ZERO_STAGES:
@@ -155,6 +174,10 @@ class ParallelPlan:
                 values[key] = _bool(key, raw)
             elif key == "gbs":
                 values[key] = None if raw.lower() == "auto" else _int(key, raw)
+            elif key == "recompute_layers":
+                if raw.lower() != "all" and not (raw.isdigit() and raw.isascii()):
+                    raise ShardcError(f"plan key recompute_layers={raw!r}: expected an integer >= 0 or all")
+                values[key] = None if raw.lower() == "all" else int(raw)
             elif key == "zero":
                 values[key] = _int(key, raw, 0)
                 if values[key] not in ZERO_STAGES:
@@ -189,16 +212,19 @@ class ParallelPlan:
         return Mesh(tuple((axis, getattr(self, axis)) for axis in MESH_AXES))
 
     def items(self) -> list[tuple[str, str]]:
-        """Every key with its value as `parse` reads it, in `PLAN_KEYS` order: the text form."""
+        """Every key with its value as `parse` reads it, in `PLAN_KEYS` order: the text form
+        (`OPTIONAL_KEYS` only when not at their default)."""
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "cp_layout":
+            if f.name in ("cp_layout", "recompute_layers"):
                 continue
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
             if f.name == Axis.CP and self.cp_layout != "contiguous":
                 text += f":{self.cp_layout}"
             parts.append((f.name, text))
+            if f.name == "recompute" and self.recompute_layers is not None:
+                parts.append(("recompute_layers", str(self.recompute_layers)))
         return parts
 
     def __str__(self) -> str:
@@ -263,6 +289,17 @@ def plan_of(graph: Graph) -> ParallelPlan:
     return ParallelPlan.parse(str(text))
 
 
+def check_recompute_layers(plan: ParallelPlan, chunk_blocks: list[int]) -> None:
+    """`recompute_layers=N` must not exceed the blocks of the largest pipeline model chunk
+    (`chunk_blocks`: blocks per stage, virtual stages included): beyond it, N means all."""
+    n = plan.recompute_layers
+    if n is not None and chunk_blocks and n > max(chunk_blocks):
+        raise ShardcError(f"plan key recompute_layers={n} but the pipeline model chunks hold at most "
+                          f"{max(chunk_blocks)} blocks ({'+'.join(map(str, chunk_blocks))} over pp*vpp = "
+                          f"{plan.stages} chunks)", hint=f"use recompute_layers <= {max(chunk_blocks)}, or "
+                          "recompute_layers=all")
+
+
 def plan_keys_help() -> str:
     """`PLAN_KEYS` as help text, one key a line: `  dp=int (default 1)  data-parallel degree ...`."""
     rows = [(f"{k}={t}", f"(default {d})", m) for k, (t, d, m) in PLAN_KEYS.items()]
@@ -297,7 +334,8 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
 
     Rules: dp*tp*pp*cp == devices; tp divides heads, kv_heads and hidden; pp*vpp <= layers;
     the global batch (gbs, else `batch`) divisible by dp*mb; cp divides the sequence; with
-    sp=1, tp*cp divides the sequence. `vocab` is not constrained: a vocab-parallel embedding
+    sp=1, tp*cp divides the sequence; recompute_layers at most the layers of a model chunk.
+    `vocab` is not constrained: a vocab-parallel embedding
     pads it to a multiple of tp.
     """
     problems: list[str] = []
@@ -321,6 +359,11 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
         if plan.vpp > 1:
             text += f"; with pp={plan.pp}, vpp <= {max(1, layers // plan.pp)}"
         problems.append(text)
+    most = -(-layers // plan.stages) if plan.stages <= layers else 1
+    if plan.recompute_layers is not None and plan.recompute_layers > most:
+        problems.append(f"recompute_layers={plan.recompute_layers} but a pipeline model chunk holds at most {most} "
+                        f"of the {layers} layers over pp*vpp = {plan.stages} chunks; use recompute_layers <= "
+                        f"{most} or all")
     gbs = plan.gbs if plan.gbs is not None else batch
     if gbs is not None and gbs % (plan.dp * plan.mb):
         problems.append(f"global batch {gbs} not divisible by dp*mb = {plan.dp}*{plan.mb} = "
