@@ -36,8 +36,7 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   `shardc.analysis.stages`: the repeated blocks are cut into pp*vpp contiguous chunks as even
   as possible (extra blocks go to the middle stages first), layers before the first block join
   stage 0, after the last the last stage, between blocks the previous block's; virtual stage
-  k runs on pp rank k % pp. Every layer
-  records the plan's recompute, zero and offload.
+  k runs on pp rank k % pp. Every layer records the plan's recompute and zero.
 - graph.attrs: plan (its text), microbatch_size, microbatches (gbs / (dp*mb)), global_batch,
   traced_batch (the batch the graph was traced with; per device per micro-batch, activation
   shapes are the local shapes with the batch scaled by microbatch_size / (traced_batch / dp)),
@@ -279,13 +278,13 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
 
 def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
     """Give every layer its pipeline stage (`shardc.analysis.stages`) and the plan's
-    recompute/zero/offload."""
+    recompute/zero."""
     if not graph.layers:
         group_layers(graph)
     stage_of = layer_stages(graph, plan.stages)
     for name, layer in graph.layers.items():
         graph.layers[name] = Layer(name, layer.block, LayerAnnotation(
-            stage=stage_of.get(name, 0), recompute=plan.recompute, zero=plan.zero, offload=plan.offload))
+            stage=stage_of.get(name, 0), recompute=plan.recompute, zero=plan.zero))
 
 
 @register_pass

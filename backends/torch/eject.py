@@ -8,7 +8,7 @@ data parallelism as `DistributedDataParallel` (zero=0 without tp) or `fully_shar
 tp: DDP takes no DTensor parameters, FSDP2 over dp is torch's 2-D recipe), pipelines as
 `PipelineStage` plus a schedule class. What torch has no word for is listed in `unsupported`
 and left out of the code: temporal or rotating partitions, context parallelism (ring attention),
-per-node partitions that differ from Megatron's pairing, offload, selective recomputation.
+per-node partitions that differ from Megatron's pairing, selective recomputation.
 
 The same discovery (`megatron_plan`) gives `apply_tensor_parallel`, the hand-written baseline of
 `benchmarks/runtime.py`.
@@ -129,8 +129,6 @@ def unsupported_parts(plan: Any, graph: Any = None) -> list[str]:
     if getattr(plan, "cp", 1) > 1:
         out.append(f"context parallelism cp={plan.cp} (ring attention): torch's context_parallel is experimental; "
                    "not emitted")
-    if getattr(plan, "offload", False):
-        out.append("optimizer state offload: not emitted")
     if getattr(plan, "recompute", "none") == "selective":
         out.append("selective recomputation: no torch equivalent; emitted code recomputes nothing")
     if graph is not None:
