@@ -187,7 +187,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     cluster: Any = args.cluster
     if args.memory_limit is not None:
-        cluster = with_memory_limit(as_cluster(args.cluster), args.memory_limit)
+        parsed = as_cluster(args.cluster)
+        assert parsed is not None  # --cluster is required
+        cluster = with_memory_limit(parsed, args.memory_limit)
     result, _ = estimate(_source(args), cluster, args.plan, flags=_flags(args))
     if args.plot:
         plot(result, args.plot)
