@@ -105,3 +105,27 @@ def test_offload_is_refused_and_old_texts_still_read() -> None:
     assert "offload" not in str(parse(text.replace("VALUE", "false")))
     with pytest.raises(ShardcError, match="layer a: offload=true is not supported"):
         parse(text.replace("VALUE", "true"))
+
+
+def test_interleaved_timeline_is_torchs_order() -> None:
+    """The cost model simulates interleaved 1F1B in torch's own op order (its `pipeline_order`),
+    for the micro-batch counts torch accepts, fewer than stages and not multiples of pp included."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    from shardc.cost.pipeline import device_order
+
+    compared = 0
+    for p, v, m in ((2, 2, 1), (2, 2, 3), (2, 3, 6), (3, 2, 2), (4, 2, 3), (4, 2, 8), (4, 3, 10), (2, 2, 7)):
+        stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, stage_index=k * p, is_first=k == 0,
+                                  is_last=k == v - 1, submod=None) for k in range(v)]
+        if not _torch_accepts("interleaved", p, v, m):
+            with pytest.raises(ShardcError, match=f"interleaved 1F1B runs {m} micro-batches in"):
+                device_order("interleaved", p, 0, m, v)
+            continue
+        order = ScheduleInterleaved1F1B(stages, m).pipeline_order  # type: ignore[arg-type]
+        for d in range(p):
+            theirs = [("F" if a.computation_type.name == "FORWARD" else "B", a.microbatch_index, a.stage_index)
+                      for a in order[d] if a is not None]
+            assert device_order("interleaved", p, d, m, v) == theirs, (p, v, m, d)
+            compared += 1
+    assert compared == 2 + 2 + 2 + 3 + 4 + 4 + 4

@@ -51,7 +51,7 @@ def in_flight(schedule: str, stages: int, device: int, micro_batches: int, virtu
     if schedule == "gpipe":
         return m
     if schedule == "interleaved" and v > 1:
-        return min((p - device - 1) * 2 + (v - 1) * p + 1, m * v)
+        return min((p - device - 1) * 2 + (v - 1) * (m // max(1, m // p)) + 1, m * v)  # torch's rounds of m
     return min(p - device, m)
 
 
