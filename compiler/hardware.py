@@ -101,6 +101,7 @@ class Headroom:
         return self.context_bytes + self.comm_bytes + int(self.fragmentation * memory_bytes)
 
     def describe(self, memory_bytes: int) -> str:
+        """The total and its parts, for a device of `memory_bytes` (one line of a report)."""
         total = self.bytes(memory_bytes)
         if not total:
             return "0 B"
@@ -119,8 +120,8 @@ NO_HEADROOM = Headroom()
 # - NCCL: every communicator allocates NCCL_BUFFSIZE (4 MiB by default, NCCL's environment
 #   variable documentation) per channel, per peer and per protocol (Simple, LL, LL128), on
 #   send and receive sides; 16-32 channels on NVLink systems make a few hundred MiB per
-#   communicator (NVIDIA/nccl#864 reports ~1.6 GB for a process with one communicator after an
-#   all_reduce, context included; NVIDIA/nccl#1685: an 8xH100 all_to_all grew NCCL's use
+#   communicator (NVIDIA/nccl#864 reports ~1.6 GB used by a process with one communicator after
+#   an all_reduce, its CUDA context included; NVIDIA/nccl#1685: an 8xH100 all_to_all grew NCCL's use
 #   from 1.06 to 4.34 GB). A 3-D plan has dp, tp and pp communicators (and more groups for
 #   FSDP/cp): 1 GiB.
 # - Fragmentation: the caching allocator splits and caches blocks; what is reserved but
