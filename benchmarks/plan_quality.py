@@ -28,7 +28,7 @@ GPT3 = "examples/gpt.py:gpt3_175b?vocab_size=51200"
 LLAMA_7B = "examples/llama.py:llama_7b?seq=2048"
 CASES = [
     # name, model spec (traced at the global batch, as `shardc plan`), cluster, gbs, memory limit GiB
-    # (None: the device's)
+    # (None: the device's usable memory, its capacity less its headroom)
     ("GPT-2 1.5B, 8xA100-40GB", "examples/gpt.py:gpt2_xl", "8xA100-40GB", 64, None),
     ("Llama-7B, 8xH100", LLAMA_7B, "8xH100", 64, None),
     ("Llama-70B, 64xH100", "examples/llama.py:llama_70b", "64xH100", 128, None),
@@ -42,7 +42,7 @@ def run_case(name, spec, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
     t0 = time.perf_counter()
     graph = load(spec, batch=solver_batch(gbs))
     cluster = parse_cluster(cluster_name)
-    limit = limit_gb * 2**30 if limit_gb else float(cluster.device.memory_bytes)
+    limit = limit_gb * 2**30 if limit_gb else float(cluster.device.usable_memory_bytes)
     facts = graph_facts(graph, cluster)
     result = search(facts, cluster, gbs, limit, time_limit, grid2d=grid2d)
     wall = time.perf_counter() - t0
@@ -88,7 +88,7 @@ def one_shape(time_limit: float = 10.0) -> list[str]:
     for shape in (MeshShape(4, 2, 1, 1), MeshShape(2, 1, 1, 4), MeshShape(1, 2, 1, 4)):
         t0 = time.perf_counter()
         problem = build_problem(facts, cluster, shape, 1, 64)
-        result = solve(problem, float(cluster.device.memory_bytes), time_limit)
+        result = solve(problem, float(cluster.device.usable_memory_bytes), time_limit)
         rows.append(f"| Llama-7B (32 blocks), 8xH100, one shape {shape}, mb=1 | {time.perf_counter() - t0:.2f} s | "
                     f"{result.status}, gap {result.gap:.1%} |")
     return rows

@@ -214,8 +214,9 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
         micro_graph = micro.graph
         if isinstance(plan, Graph):  # the solver's partitions, node by node
             driver.transfer_partitions(graph, micro_graph)
-        else:  # the plan's rules again, on the micro-batch's shapes
-            micro_graph = driver.run(micro_graph, before, ctx, allow_uneven=False)
+        else:  # the plan's rules again, on the micro-batch's shapes, for the same global batch
+            whole = dataclasses.replace(parallel, gbs=int(graph.attrs["global_batch"]))  # not gbs=auto: 1 micro-batch
+            micro_graph = driver.run(micro_graph, before, dataclasses.replace(ctx, plan=whole), allow_uneven=False)
             micro_graph.attrs = dict(graph.attrs)
             if before_lower is not None:
                 before_lower(micro_graph)

@@ -17,7 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shardc.driver import PIPELINES, Flags, estimate, open_model, run, solve
+from shardc.driver import PIPELINES, Flags, as_cluster, estimate, open_model, run, solve
+from shardc.hardware import with_memory_limit
 from shardc.ir.diagnostics import ShardcError
 
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="e.g. 8xA100-80GB, 64xH100, 2x8xH100, local")
     p.add_argument("--plan", help="e.g. dp=8,tp=8,pp=16,mb=1,gbs=1536,recompute=full (none: the model is a "
                                   "partitioned .ir file, as `shardc plan -o` writes)")
+    p.add_argument("--memory-limit", type=float, metavar="GB",
+                   help="usable memory per device in GiB, judged for fit (default: the device's memory less its "
+                        "headroom: CUDA context, NCCL buffers, allocator fragmentation)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-device memory and time breakdown")
     _add_pipeline(p, PIPELINES["estimate"])
@@ -67,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--cluster", required=True)
     p.add_argument("--gbs", type=int, required=True, help="global batch size (sequences per step)")
-    p.add_argument("--memory-limit", type=float, metavar="GB", help="per-device memory limit")
+    p.add_argument("--memory-limit", type=float, metavar="GB",
+                   help="usable memory per device in GiB (default: the device's memory less its headroom)")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="solver time limit in seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="CP-SAT worker count (fixed for determinism)")
@@ -180,7 +185,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     """Prints the estimate; a plan that does not fit is still printed (marked) and returns 0."""
     from shardc.cost.report import plot, tables
 
-    result, _ = estimate(_source(args), args.cluster, args.plan, flags=_flags(args))
+    cluster: Any = args.cluster
+    if args.memory_limit is not None:
+        parsed = as_cluster(args.cluster)
+        assert parsed is not None  # --cluster is required
+        cluster = with_memory_limit(parsed, args.memory_limit)
+    result, _ = estimate(_source(args), cluster, args.plan, flags=_flags(args))
     if args.plot:
         plot(result, args.plot)
     console = _console()

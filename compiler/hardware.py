@@ -78,14 +78,72 @@ class LinkSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class Headroom:
+    """Device memory the runtime holds that the cost model's categories do not count.
+
+    `context_bytes`: the CUDA context (driver state, loaded kernels, cuBLAS/cuDNN handles and
+    workspaces); `comm_bytes`: the collective library's buffers (NCCL's per-channel, per-peer
+    FIFOs of every communicator); `fragmentation`: the fraction of the capacity the caching
+    allocator holds in blocks it cannot hand out (reserved but unallocated at the peak).
+    Total: `context_bytes + comm_bytes + fragmentation * capacity`.
+    """
+
+    context_bytes: int = 0
+    comm_bytes: int = 0
+    fragmentation: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.context_bytes < 0 or self.comm_bytes < 0 or not 0 <= self.fragmentation < 1:
+            raise ValueError(f"headroom needs bytes >= 0 and fragmentation in [0, 1), got {self}")
+
+    def bytes(self, memory_bytes: int) -> int:
+        """The reserved bytes on a device of `memory_bytes`."""
+        return self.context_bytes + self.comm_bytes + int(self.fragmentation * memory_bytes)
+
+    def describe(self, memory_bytes: int) -> str:
+        """The total and its parts, for a device of `memory_bytes` (one line of a report)."""
+        total = self.bytes(memory_bytes)
+        if not total:
+            return "0 B"
+        return (f"{format_bytes(total)} (context {format_bytes(self.context_bytes)}, NCCL "
+                f"{format_bytes(self.comm_bytes)}, fragmentation {self.fragmentation:.0%})")
+
+
+NO_HEADROOM = Headroom()
+
+# The reserved memory of one GPU training process (what `nvidia-smi` shows beyond
+# `torch.cuda.max_memory_allocated()`), by source:
+# - CUDA context: ~300-400 MB once PyTorch sets CUDA_MODULE_LOADING=LAZY (the default since
+#   torch 1.13, pytorch/pytorch#86509 measured 287 MB lazy vs 667 MB eager; ptrblck on
+#   pytorch/pytorch#107667 and #109888: "~300MB", "around 400MB if CUDA >= 11.7"; >1000 MB
+#   before lazy loading), plus cuBLAS/cuDNN handles and workspaces: 0.5 GiB.
+# - NCCL: every communicator allocates NCCL_BUFFSIZE (4 MiB by default, NCCL's environment
+#   variable documentation) per channel, per peer and per protocol (Simple, LL, LL128), on
+#   send and receive sides; 16-32 channels on NVLink systems make a few hundred MiB per
+#   communicator (NVIDIA/nccl#864 reports ~1.6 GB used by a process with one communicator after
+#   an all_reduce, its CUDA context included; NVIDIA/nccl#1685: an 8xH100 all_to_all grew NCCL's use
+#   from 1.06 to 4.34 GB). A 3-D plan has dp, tp and pp communicators (and more groups for
+#   FSDP/cp): 1 GiB.
+# - Fragmentation: the caching allocator splits and caches blocks; what is reserved but
+#   unallocated at the peak is commonly a few percent of the device (large jobs set
+#   expandable_segments, pytorch/pytorch#96995, to keep it there): 5%.
+# On an 80 GiB device: 0.5 + 1 + 4 = 5.5 GiB, leaving 74.5 GiB to the plan.
+GPU_HEADROOM = Headroom(context_bytes=GiB // 2, comm_bytes=GiB, fragmentation=0.05)
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """One accelerator: peak FLOP/s per dtype, memory capacity and bandwidth.
 
     `matmul_efficiency` is the fraction of peak a large matmul reaches; smaller matmuls reach
     less, following `efficiency(flops) = matmul_efficiency * flops / (flops + matmul_half_flops)`.
-    `kernel_latency` is the fixed cost of launching one op. `host_bandwidth` (bytes/s, one
-    direction, PCIe) and `host_memory_bytes` (this device's share of host RAM) serve offload.
-    `eager`: measured per-op-class costs (the calibrated local CPU), which replace the roofline.
+    `kernel_latency` is the fixed cost of launching one op. `eager`: measured per-op-class costs
+    (the calibrated local CPU), which replace the roofline.
+
+    Memory: `memory_bytes` is the capacity; `headroom` what the runtime takes from it before
+    training allocates anything (`Headroom`); `usable_memory_bytes` what plans must fit in:
+    `memory_limit_bytes` when set (`--memory-limit`, which replaces the headroom), else the
+    capacity less the headroom.
     """
 
     name: str
@@ -95,9 +153,9 @@ class DeviceSpec:
     matmul_efficiency: float = 0.8
     matmul_half_flops: float = 2e9
     kernel_latency: float = 5e-6
-    host_bandwidth: float = 16e9
-    host_memory_bytes: int = 0
     eager: EagerCosts | None = None
+    headroom: Headroom = NO_HEADROOM
+    memory_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.peak_flops or any(f <= 0 for _, f in self.peak_flops):
@@ -106,6 +164,23 @@ class DeviceSpec:
             raise ValueError(f"device {self.name}: memory capacity and bandwidth must be positive")
         if not 0 < self.matmul_efficiency <= 1 or self.matmul_half_flops < 0:
             raise ValueError(f"device {self.name}: matmul_efficiency in (0, 1], matmul_half_flops >= 0")
+        if self.memory_limit_bytes is None and self.headroom.bytes(self.memory_bytes) >= self.memory_bytes:
+            raise ValueError(f"device {self.name}: the headroom {self.headroom} leaves no memory")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ValueError(f"device {self.name}: memory limit must be positive, got {self.memory_limit_bytes}")
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """What a plan's peak per-device memory must fit in (see the class docstring)."""
+        if self.memory_limit_bytes is not None:
+            return self.memory_limit_bytes
+        return self.memory_bytes - self.headroom.bytes(self.memory_bytes)
+
+    def describe_headroom(self) -> str:
+        """One line: the reserved bytes and where they go, or the limit that replaced them."""
+        if self.memory_limit_bytes is not None:
+            return f"not counted: --memory-limit {format_bytes(self.memory_limit_bytes)}"
+        return self.headroom.describe(self.memory_bytes)
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -190,40 +265,40 @@ _IB_HDR = LinkSpec("ib-hdr", 25e9, 7e-6, 0.9)      # HDR 200 Gb/s per GPU (DGX A
 _IB_NDR = LinkSpec("ib-ndr", 50e9, 6e-6, 0.9)      # NDR 400 Gb/s per GPU (DGX H100/H200: 8 ConnectX-7)
 
 # Tesla V100 SXM2 data sheet: 125 TFLOP/s tensor (fp16), 15.7 fp32, 7.8 fp64; 32 GB HBM2 at
-# 900 GB/s; PCIe 3.0 x16 (16 GB/s each way). No bf16. DGX-1V: 512 GB host RAM for 8 GPUs.
+# 900 GB/s. No bf16.
 # Large fp16 GEMMs reach ~100 TFLOP/s with cuBLAS.
 _V100 = DeviceSpec(
     "V100-32GB", (("fp16", 125e12), ("fp32", 15.7e12), ("fp64", 7.8e12)),
-    32 * GiB, 900e9, 0.8, _half_flops(125e12, 0.8), 5e-6, 16e9, 64 * GiB)
+    32 * GiB, 900e9, 0.8, _half_flops(125e12, 0.8), 5e-6, headroom=GPU_HEADROOM)
 
 
-def _a100(name: str, memory_gib: int, bandwidth: float, host_gib: int) -> DeviceSpec:
+def _a100(name: str, memory_gib: int, bandwidth: float) -> DeviceSpec:
     # A100 SXM4 data sheet: 312 TFLOP/s dense bf16/fp16 tensor, 156 tf32, 19.5 fp32, 19.5 fp64
-    # tensor (9.7 plain); HBM2 1555 GB/s (40GB) or HBM2e 2039 GB/s (80GB); PCIe 4.0 x16.
+    # tensor (9.7 plain); HBM2 1555 GB/s (40GB) or HBM2e 2039 GB/s (80GB).
     # Isolated large GEMMs reach ~85% of the bf16 peak in cuBLAS benchmarks, but GEMMs inside a
     # training step run at sustained (power-limited) clocks: 75% is the one figure that puts all
     # four of Narayanan et al.'s published A100 runs (1.7B-1008B) within 6% of their TFLOP/s
     # (calibrated once for the device, never per run; 85% overshoots the large runs by ~13%).
     return DeviceSpec(
         name, (("bf16", 312e12), ("fp16", 312e12), ("tf32", 156e12), ("fp32", 19.5e12), ("fp64", 19.5e12)),
-        memory_gib * GiB, bandwidth, 0.75, _half_flops(312e12, 0.75), 5e-6, 32e9, host_gib * GiB)
+        memory_gib * GiB, bandwidth, 0.75, _half_flops(312e12, 0.75), 5e-6, headroom=GPU_HEADROOM)
 
 
 def _hopper(name: str, memory_gib: int, bandwidth: float) -> DeviceSpec:
     # H100 SXM5 data sheet: 989 TFLOP/s dense bf16/fp16 tensor (1979 with sparsity), 1979 fp8,
-    # 494.5 tf32, 67 fp32, 67 fp64 tensor; 80 GB HBM3 at 3.35 TB/s; PCIe 5.0 x16 (64 GB/s).
-    # H200 SXM: the same compute, 141 GB HBM3e at 4.8 TB/s. DGX H100/H200: 2 TB host RAM.
+    # 494.5 tf32, 67 fp32, 67 fp64 tensor; 80 GB HBM3 at 3.35 TB/s.
+    # H200 SXM: the same compute, 141 GB HBM3e at 4.8 TB/s.
     # cuBLAS reaches ~75% of the bf16 peak on large GEMMs (power and clock limited).
     return DeviceSpec(
         name, (("bf16", 989e12), ("fp16", 989e12), ("fp8", 1979e12), ("tf32", 494.5e12),
                ("fp32", 67e12), ("fp64", 67e12)),
-        memory_gib * GiB, bandwidth, 0.75, _half_flops(989e12, 0.75), 4e-6, 64e9, 256 * GiB)
+        memory_gib * GiB, bandwidth, 0.75, _half_flops(989e12, 0.75), 4e-6, headroom=GPU_HEADROOM)
 
 
 PRESETS: Mapping[str, Preset] = MappingProxyType({
     "V100-32GB": Preset(_V100, 8, _NVLINK2, _IB_EDR),
-    "A100-40GB": Preset(_a100("A100-40GB", 40, 1555e9, 128), 8, _NVLINK3, _IB_HDR),
-    "A100-80GB": Preset(_a100("A100-80GB", 80, 2039e9, 256), 8, _NVLINK3, _IB_HDR),
+    "A100-40GB": Preset(_a100("A100-40GB", 40, 1555e9), 8, _NVLINK3, _IB_HDR),
+    "A100-80GB": Preset(_a100("A100-80GB", 80, 2039e9), 8, _NVLINK3, _IB_HDR),
     "H100-SXM": Preset(_hopper("H100-SXM", 80, 3.35e12), 8, _NVLINK4, _IB_NDR),
     "H200": Preset(_hopper("H200", 141, 4.8e12), 8, _NVLINK4, _IB_NDR),
 })
@@ -324,8 +399,10 @@ def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
     bandwidth = next((b for n, _, b in prof.concurrent if n == nproc), prof.memory_bandwidth / slow)
     memory = prof.memory_bytes // nproc
     eager = prof.eager.scaled(max(1.0, prof.eager_slowdown(nproc))) if prof.eager is not None else None
+    # No headroom: gloo's buffers are a few MiB of host memory, and what the process holds
+    # besides tensors is measured by the tracker `shardc run` compares against (its baseline).
     device = DeviceSpec(f"local-cpu/{nproc}", peaks, memory, bandwidth, 1.0, prof.matmul_half_flops / slow,
-                        prof.kernel_latency * slow, bandwidth, memory, eager)
+                        prof.kernel_latency * slow, eager)
     link = local_link(prof, nproc)
     return Cluster(device, 1, nproc, link, link, f"local{nproc}")
 
@@ -352,10 +429,23 @@ def local_link(profile: LocalProfile, nproc: int) -> LinkSpec:
 
 
 def with_overrides(cluster: Cluster, *, memory_bytes: int | None = None, intra: LinkSpec | None = None,
-                   inter: LinkSpec | None = None) -> Cluster:
-    """A copy of `cluster` with a different device memory or links (for what-if estimates)."""
+                   inter: LinkSpec | None = None, memory_limit_bytes: int | None = None) -> Cluster:
+    """A copy of `cluster` with a different device memory, usable memory limit (replacing the
+    headroom: `--memory-limit`) or links (for what-if estimates)."""
     device = cluster.device if memory_bytes is None else replace(cluster.device, memory_bytes=memory_bytes)
+    if memory_limit_bytes is not None:
+        device = replace(device, memory_limit_bytes=memory_limit_bytes)
     return replace(cluster, device=device, intra=intra or cluster.intra, inter=inter or cluster.inter)
+
+
+def with_memory_limit(cluster: Cluster, gib: float) -> Cluster:
+    """`cluster` whose devices give plans `gib` GiB each (`--memory-limit`): the usable figure
+    itself, the headroom no longer subtracted."""
+    if not gib > 0:
+        raise ShardcError(f"--memory-limit must be a positive number of GiB per device, got {gib}",
+                          hint=f"e.g. --memory-limit {cluster.device.usable_memory_bytes / GiB:.0f} "
+                               f"(the usable memory of {cluster.device.name})")
+    return with_overrides(cluster, memory_limit_bytes=int(gib * GiB))
 
 
 def format_bytes(n: float) -> str:

@@ -36,7 +36,7 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   `shardc.analysis.stages`: the repeated blocks are cut into pp*vpp contiguous chunks as even
   as possible (extra blocks go to the middle stages first), layers before the first block join
   stage 0, after the last the last stage, between blocks the previous block's; virtual stage
-  k runs on pp rank k % pp. Every layer records the plan's zero and offload; the plan's
+  k runs on pp rank k % pp. Every layer records the plan's zero; the plan's
   recompute goes to the transformer blocks only (`Layering.block_names`; the embedding, the
   head and layers between blocks get none, as in Megatron-LM; a graph without repeated blocks:
   every layer), and with `recompute_layers=N` to the first N blocks of each model chunk only
@@ -281,7 +281,7 @@ def apply_plan(graph: Graph, plan: ParallelPlan) -> Graph:
 
 
 def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
-    """Give every layer its pipeline stage (`shardc.analysis.stages`), zero and offload, and the
+    """Give every layer its pipeline stage (`shardc.analysis.stages`) and zero, and the
     plan's recompute to the transformer blocks only (the embedding, the head and layers between
     blocks: none, as Megatron-LM recomputes blocks); with `recompute_layers=N`, only the first N
     blocks of each model chunk (stage, or virtual stage) recompute."""
@@ -301,8 +301,7 @@ def assign_stages(graph: Graph, plan: ParallelPlan) -> None:
         seen[k] += 1
     for name, layer in graph.layers.items():
         graph.layers[name] = Layer(name, layer.block, LayerAnnotation(
-            stage=stage_of.get(name, 0), recompute=recompute.get(name, "none"), zero=plan.zero,
-            offload=plan.offload))
+            stage=stage_of.get(name, 0), recompute=recompute.get(name, "none"), zero=plan.zero))
 
 
 @register_pass

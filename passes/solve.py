@@ -3,7 +3,8 @@ choose and write a plan into the IR.
 
 Rule: runs the outer search (`shardc.search.outer.search`: grid baseline, then one CP-SAT
 model per mesh shape and micro-batch size) on `ctx.cluster` for a global batch of `gbs`
-sequences within a per-device memory limit (`memory-limit-gb`, 0: the device's memory), then
+sequences within a per-device memory limit (`memory-limit-gb`, 0: the device's usable memory,
+its capacity less its headroom, `DeviceSpec.usable_memory_bytes`), then
 writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts,
 stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
 plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes. The
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shardc.hardware import Cluster
+from shardc.hardware import Cluster, with_overrides
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
@@ -60,7 +61,9 @@ class Solve(Pass):
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
         cluster = ctx.the_cluster(self.name)
-        limit = self.memory_limit_gb * 2**30 if self.memory_limit_gb else float(cluster.device.memory_bytes)
+        if self.memory_limit_gb:  # replaces the device's headroom, for the plans' estimates too
+            cluster = with_overrides(cluster, memory_limit_bytes=int(self.memory_limit_gb * 2**30))
+        limit = float(cluster.device.usable_memory_bytes)
         facts = graph_facts(graph, cluster, candidates=ctx.options.get("candidates"))
         ctx.options["candidates"] = facts.candidates
         warm = warm_hint(self.warm_start, facts, cluster, self.gbs) if self.warm_start else None

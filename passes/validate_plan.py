@@ -3,8 +3,9 @@
 Rule: the plan's degrees multiply to the cluster's device count (the plan's own count when the
 context has no cluster); tp divides heads, kv heads and hidden; pp*vpp is at most the number
 of layers (the larger of the attention layers and the blocks group-layers found); the global
-batch (gbs, else the traced batch) divides by dp*mb; cp, and tp*cp with sp, divide the
-sequence (`shardc.plan.parallel.validate_plan` states each with the nearest valid values).
+batch (gbs, else the traced batch) divides by dp*mb, into a micro-batch count the plan's
+torch pipeline schedule accepts (1F1B: at least pp; interleaved 1F1B: divisible by
+max(1, m // pp); GPipe: any); cp, and tp*cp with sp, divide the sequence (`shardc.plan.parallel.validate_plan` states each with the nearest valid values).
 Every broken constraint is reported at once, in one ShardcError. The graph is not changed.
 """
 

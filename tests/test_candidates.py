@@ -102,12 +102,12 @@ def test_op_without_rule_is_replicated():
 
 EXPECTED_IR = """\
 graph @mlp mesh<pp=1, dp=1, cp=1, tp=2> [plan="dp=1,tp=2,pp=1,vpp=1,cp=1,sp=0,mb=4,gbs=4,schedule=1f1b,\
-recompute=none,zero=1,dtype=bf16,offload=0", microbatch_size=4, microbatches=1, global_batch=4, traced_batch=4, \
+recompute=none,zero=1,dtype=bf16", microbatch_size=4, microbatches=1, global_batch=4, traced_batch=4, \
 schedule="1f1b", virtual_stages=1, dtype="bf16"] {
   input %x : bf16[4,8,16]{}
   param %blocks.0.fc1.weight : bf16[32,16]{tp:S(0)}
   param %blocks.0.fc2.weight : bf16[16,32]{tp:S(1)}
-  layer blocks.0 block=block stage=0 recompute=none zero=1 offload=false
+  layer blocks.0 block=block stage=0 recompute=none zero=1
   %h0 = linear(%x, %blocks.0.fc1.weight) : bf16[4,8,32]{tp:S(2)} partition<tp:n> layer=blocks.0 @blocks.0.fc1
   %a0 = gelu(%h0) : bf16[4,8,32]{tp:S(2)} partition<tp:d2> layer=blocks.0 @blocks.0.act
   %y0 = linear(%a0, %blocks.0.fc2.weight) : bf16[4,8,16]{} partition<tp:k> layer=blocks.0 @blocks.0.fc2

@@ -51,7 +51,7 @@ def test_equal_graphs() -> None:
      "param 0 (%blocks.0.mlp.fc1.weight): requires_grad True != False"),
     (lambda g: g.params.clear(), "1 params != 0 (first unmatched: %blocks.0.mlp.fc1.weight)"),
     (lambda g: setattr(g.layers["blocks.0"], "block", "block1"),
-     "layer 0: layer blocks.0 block=block0 stage=none recompute=none zero=0 offload=false != "
+     "layer 0: layer blocks.0 block=block0 stage=none recompute=none zero=0 != "
      "layer blocks.0 block=block1"),
     (lambda g: setattr(g, "mesh", None), "mesh mesh<tp=2> != None"),
     (lambda g: g.attrs.update(microbatches=2), "graph attribute microbatches only in the second graph"),

@@ -13,7 +13,7 @@ GOOD = """\
 graph @g mesh<tp=2> {
   input %x : f32[4,8]
   param %w : f32[16,8]{tp:S(0)}
-  layer blocks.0 block=block0 stage=none recompute=none zero=0 offload=false
+  layer blocks.0 block=block0 stage=none recompute=none zero=0
   %y = linear(%x, %w) : f32[4,16]{tp:S(1)} partition<tp:n> layer=blocks.0 @blocks.0.fc "m.py:3"
   return %y
 }

@@ -72,7 +72,7 @@ def features_graph() -> Graph:
     ]
     layers = {
         "blocks.0": Layer("blocks.0", "block0", LayerAnnotation(stage=0, recompute="selective", zero=1)),
-        "head": Layer("head", "head", LayerAnnotation(stage=1, zero=3, offload=True)),
+        "head": Layer("head", "head", LayerAnnotation(stage=1, zero=3)),
     }
     return Graph("features", [x], [w1, b1, w2, scale], [mask], nodes, [loss], Mesh((("dp", 2), ("tp", 2))), layers,
                  {"microbatches": 4, "schedule": "1f1b", "plan": "dp=2,tp=2"})
@@ -128,7 +128,7 @@ def test_round_trip_keeps_kinds_and_flags() -> None:
     assert graph.nodes[2].location.source == 'we said "x"'
     assert graph.nodes[4].attrs["value"] == float("-inf")
     assert all(v.producer is n for n in graph.nodes for v in n.outputs)
-    assert graph.layers["head"].annotation == LayerAnnotation(stage=1, zero=3, offload=True)
+    assert graph.layers["head"].annotation == LayerAnnotation(stage=1, zero=3)
 
 
 def test_equality_is_exact_about_floats_and_types() -> None:

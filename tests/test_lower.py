@@ -81,8 +81,8 @@ graph @ring mesh<pp=2, cp=2> {
   input %k : f32[1,2,8,4]
   input %v : f32[1,2,8,4]
   param %w : f32[4,4]
-  layer a block=b stage=0 recompute=none zero=3 offload=false
-  layer b block=b stage=1 recompute=full zero=3 offload=false
+  layer a block=b stage=0 recompute=none zero=3
+  layer b block=b stage=1 recompute=full zero=3
   %qw = matmul(%q, %w) : f32[1,2,8,4] partition<cp:m> layer=a @a
   %o = scaled_dot_product_attention[is_causal=true](%qw, %k, %v) : f32[1,2,8,4] partition<cp:s; time t/2 rotate cp> layer=b @b
   %s = sum(%o) : f32[] partition<cp:d2> layer=b @b
@@ -96,8 +96,8 @@ graph @ring mesh<pp=2, cp=2> {
   input %k : f32[1,2,8,4]{cp:S(2)}
   input %v : f32[1,2,8,4]{cp:S(2)}
   param %w : f32[4,4]{}
-  layer a block=b stage=0 recompute=none zero=3 offload=false
-  layer b block=b stage=1 recompute=full zero=3 offload=false
+  layer a block=b stage=0 recompute=none zero=3
+  layer b block=b stage=1 recompute=full zero=3
   %w.grad_sync = grad_sync[axes=("cp",), op="avg", via="fsdp", zero=3](%w) : f32[4,4]{} layer=a @a
   %qw = matmul(%q, %w.grad_sync) : f32[1,2,8,4]{cp:S(2)} partition<cp:m> layer=a @a
   %qw.send = send[axis="pp", src=0, dst=1](%qw) : f32[1,2,8,4]{cp:S(2)} layer=a @a
@@ -156,8 +156,8 @@ graph @piped mesh<pp=2, dp=2> {
   input %t : i64[4]
   param %w : f32[8,8]
   param %v : f32[8,8]
-  layer a block=a stage=0 recompute=none zero=0 offload=false
-  layer b block=b stage=1 recompute=none zero=0 offload=false
+  layer a block=a stage=0 recompute=none zero=0
+  layer b block=b stage=1 recompute=none zero=0
   %h = matmul(%x, %w) : f32[4,8] partition<dp:m> layer=a @a
   %g = matmul(%h, %v) : f32[4,8] partition<dp:m> layer=b @b
   %y = matmul(%g, %w) : f32[4,8] partition<dp:m> layer=b @b
@@ -172,8 +172,8 @@ graph @piped mesh<pp=2, dp=2> {
   input %t : i64[4]{dp:S(0)}
   param %w : f32[8,8]{}
   param %v : f32[8,8]{}
-  layer a block=a stage=0 recompute=none zero=0 offload=false
-  layer b block=b stage=1 recompute=none zero=0 offload=false
+  layer a block=a stage=0 recompute=none zero=0
+  layer b block=b stage=1 recompute=none zero=0
   %w.grad_sync = grad_sync[axes=("dp",), op="avg", via="ddp", zero=0](%w) : f32[8,8]{} layer=a @a
   %h = matmul(%x, %w.grad_sync) : f32[4,8]{dp:S(0)} partition<dp:m> layer=a @a
   %h.send = send[axis="pp", src=0, dst=1](%h) : f32[4,8]{dp:S(0)} layer=a @a

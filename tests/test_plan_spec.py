@@ -11,18 +11,18 @@ from shardc.ir import Graph, Layer, Location, Node, TensorType, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import OPTIONAL_KEYS, PLAN_KEYS, ParallelPlan, plan_keys_help, validate_plan
 
-EXAMPLE = "dp=8,tp=8,pp=16,vpp=3,mb=1,gbs=1536,schedule=1f1b,recompute=full,sp=1,cp=1,zero=1,dtype=bf16,offload=0"
+EXAMPLE = "dp=8,tp=8,pp=16,vpp=3,mb=1,gbs=1536,schedule=1f1b,recompute=full,sp=1,cp=1,zero=1,dtype=bf16"
 
 
 def test_parse_print_round_trip() -> None:
     plan = ParallelPlan.parse(EXAMPLE)
     assert (plan.dp, plan.tp, plan.pp, plan.vpp, plan.mb, plan.gbs) == (8, 8, 16, 3, 1, 1536)
-    assert (plan.recompute, plan.sp, plan.zero, plan.dtype, plan.offload) == ("full", True, 1, "bf16", False)
+    assert (plan.recompute, plan.sp, plan.zero, plan.dtype) == ("full", True, 1, "bf16")
     assert plan.schedule == "interleaved"  # vpp > 1 with 1f1b is interleaved 1F1B
     assert str(plan) == ("dp=8,tp=8,pp=16,vpp=3,cp=1,sp=1,mb=1,gbs=1536,schedule=interleaved,"
-                         "recompute=full,zero=1,dtype=bf16,offload=0")
+                         "recompute=full,zero=1,dtype=bf16")
     assert ParallelPlan.parse(str(plan)) == plan
-    for text in ("", "dp=2,gbs=auto", "tp=4,sp=on,dtype=float16,recompute=Selective", "pp=4,schedule=gpipe,zero=3,offload=1"):
+    for text in ("", "dp=2,gbs=auto", "tp=4,sp=on,dtype=float16,recompute=Selective", "pp=4,schedule=gpipe,zero=3"):
         p = ParallelPlan.parse(text)
         assert ParallelPlan.parse(str(p)) == p and str(ParallelPlan.parse(str(p))) == str(p)
 
@@ -31,7 +31,7 @@ def test_defaults_are_documented() -> None:
     plan = ParallelPlan.parse("")
     assert plan == ParallelPlan()
     assert str(plan) == ("dp=1,tp=1,pp=1,vpp=1,cp=1,sp=0,mb=1,gbs=auto,schedule=1f1b,recompute=none,"
-                         "zero=0,dtype=bf16,offload=0")
+                         "zero=0,dtype=bf16")
     # Every key is printed, in order, but the optional ones at their default (`OPTIONAL_KEYS`).
     assert [k for k in PLAN_KEYS if k not in OPTIONAL_KEYS] == [part.split("=")[0] for part in str(plan).split(",")]
     assert all(f"{k}={PLAN_KEYS[k][1]}" in (ParallelPlan.__doc__ or "") for k in OPTIONAL_KEYS)
@@ -70,7 +70,7 @@ def test_helpers() -> None:
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("dp=8,foo=1", r"unknown plan key 'foo'.*known keys: dp, tp, pp, vpp, cp, sp, mb, gbs, schedule, recompute, recompute_layers, zero, dtype, offload"),
+    ("dp=8,foo=1", r"unknown plan key 'foo'.*known keys: dp, tp, pp, vpp, cp, sp, mb, gbs, schedule, recompute, recompute_layers, zero, dtype"),
     ("dp=x", r"plan key dp='x': expected an integer >= 1"),
     ("tp=0", r"plan key tp='0': expected an integer >= 1"),
     ("gbs=-3", r"plan key gbs='-3': expected an integer >= 1"),

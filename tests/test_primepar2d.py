@@ -30,7 +30,7 @@ graph @mlp mesh<tp=2, tq=2> {
   input %x : bf16[4,8,16]
   param %blocks.0.fc1.weight : bf16[32,16]{tp:S(1), tq:S(0)}
   param %blocks.0.fc2.weight : bf16[16,32]{tp:S(1), tq:S(0)}
-  layer blocks.0 block=block stage=none recompute=none zero=0 offload=false
+  layer blocks.0 block=block stage=none recompute=none zero=0
   %h0 = linear(%x, %blocks.0.fc1.weight) : bf16[4,8,32]{tp:S(1), tq:S(2)} partition<tp:e1, tq:n; time k/2 rotate (tp, tq)> layer=blocks.0 @blocks.0.fc1
   %a0 = gelu(%h0) : bf16[4,8,32]{tp:S(1), tq:S(2)} partition<tp:d1, tq:d2> layer=blocks.0 @blocks.0.act
   %y0 = linear(%a0, %blocks.0.fc2.weight) : bf16[4,8,16]{tp:S(1), tq:S(2)} partition<tp:e1, tq:n; time k/2 rotate (tp, tq)> layer=blocks.0 @blocks.0.fc2

@@ -29,7 +29,7 @@ from shardc.plan.parallel import ParallelPlan
 
 EXPECTED_ATTN_CP2_ZIGZAG = """\
 graph @attn mesh<pp=1, dp=1, cp=2, tp=1> [plan="dp=1,tp=1,pp=1,vpp=1,cp=2:zigzag,sp=0,mb=1,gbs=auto,schedule=1f1b,\
-recompute=none,zero=0,dtype=bf16,offload=0", microbatch_size=1, microbatches=2, global_batch=2, traced_batch=2, \
+recompute=none,zero=0,dtype=bf16", microbatch_size=1, microbatches=2, global_batch=2, traced_batch=2, \
 schedule="1f1b", virtual_stages=1, sequence_parallel=false, dtype="bf16"] {
   input %x : f32[2,8,16]{cp:S(1, zigzag)}
   param %ln.weight : f32[16]{}
@@ -38,7 +38,7 @@ schedule="1f1b", virtual_stages=1, sequence_parallel=false, dtype="bf16"] {
   param %qkv.bias : f32[48]{}
   param %proj.weight : f32[16,16]{}
   param %proj.bias : f32[16]{}
-  layer model block=model stage=0 recompute=none zero=0 offload=false
+  layer model block=model stage=0 recompute=none zero=0
   %x0 = layer_norm(%x, %ln.weight, %ln.bias) : f32[2,8,16]{cp:S(1, zigzag)} partition<cp:e1 zigzag> layer=model @ln
   %x1 = linear(%x0, %qkv.weight, %qkv.bias) : f32[2,8,48]{cp:S(1, zigzag)} partition<cp:e1 zigzag> layer=model @qkv
   %x2, %x3, %x4 = split[sizes=(16, 16, 16), dim=2](%x1) : f32[2,8,16]{cp:S(1, zigzag)}, f32[2,8,16]{cp:S(1, zigzag)}, \

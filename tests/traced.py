@@ -37,8 +37,10 @@ def gpt_graph(*, layers: int, hidden: int, heads: int, vocab: int, seq: int, bat
     layer, the LM head included)."""
     spec = (f"examples/gpt.py:gpt?n_layer={layers}&n_embd={hidden}&n_head={heads}&vocab_size={vocab}"
             f"&seq={seq}&batch={batch}&dropout={dropout}")
-    plan = ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, sp=sequence_parallel, mb=batch // dp, recompute=recompute,
-                        zero=zero, dtype=dtype)
+    # One traced micro-batch; a 1F1B pipeline records pp of them (torch runs no fewer).
+    gbs = batch * pp if pp > 1 and vpp == 1 else None
+    plan = ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, sp=sequence_parallel, mb=batch // dp, gbs=gbs,
+                        recompute=recompute, zero=zero, dtype=dtype)
     graph = apply_plan(traced(spec), plan)
     for name, layer in graph.layers.items():
         if layer_of_path(name) != name:  # not a repeated block

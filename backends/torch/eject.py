@@ -8,7 +8,7 @@ data parallelism as `DistributedDataParallel` (zero=0 without tp) or `fully_shar
 tp: DDP takes no DTensor parameters, FSDP2 over dp is torch's 2-D recipe), pipelines as
 `PipelineStage` plus a schedule class. What torch has no word for is listed in `unsupported`
 and left out of the code: temporal or rotating partitions, context parallelism (ring attention),
-per-node partitions that differ from Megatron's pairing, offload, and selective recomputation
+per-node partitions that differ from Megatron's pairing, and selective recomputation
 of an attention written out as matmuls. Full recomputation is emitted as the backend runs it:
 the blocks that recompute (apply-plan's rule: transformer blocks only, the first
 `recompute_layers` of each model chunk) call their forward through
@@ -133,8 +133,6 @@ def unsupported_parts(plan: Any, graph: Any = None) -> list[str]:
     if getattr(plan, "cp", 1) > 1:
         out.append(f"context parallelism cp={plan.cp} (ring attention): torch's context_parallel is experimental; "
                    "not emitted")
-    if getattr(plan, "offload", False):
-        out.append("optimizer state offload: not emitted")
     if getattr(plan, "recompute", "none") == "selective" and _has_core(graph):
         out.append("selective recomputation: shardc checkpoints each attention core (QK^T through PV, "
                    "shardc.analysis.attention) as a module of its own, a region the model's source does not "

@@ -45,7 +45,6 @@ class EstimateOptions:
 
     bucket_bytes: float = 25 * 2**20  # DDP's default bucket_cap_mb=25
     algorithm: str = "auto"  # collective algorithm: auto, ring, tree, hierarchical
-    host_optimizer_bandwidth: float = 50e9  # CPU Adam's memory bandwidth when offloading
     # How ZeRO runs: "fsdp2" as the torch backend does (fully_shard on the whole module: every
     # stage shards parameters, gradients and optimizer state at rest, one all-gather before
     # forward, one reduce-scatter after backward), or "zero" (textbook ZeRO-1/2/3).
@@ -150,14 +149,14 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     """Step time and per-device breakdowns (see the module rules). `sends[s]`: seconds to send
     the activations leaving virtual stage s for one micro-batch (`send_bytes[s]` their bytes);
     `output_bytes`: the last stage's output per micro-batch (the loss's input); `links`: a
-    `Links` or a `CostContext`; `plan` gives pp, vpp, schedule, dtype and offload."""
+    `Links` or a `CostContext`; `plan` gives pp, vpp, schedule and dtype."""
     p = plan.pp
     zero_axes, shard = zero_group(links.mesh)
     w_elem, g_elem, _ = state_bytes_per_param(plan.dtype)
     times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
     pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
-    if links.device.eager is not None and not plan.offload:  # a CPU's measured eager optimizer step
+    if links.device.eager is not None:  # a CPU's measured eager optimizer step
         dtensors = options.zero_runtime == "fsdp2"
         syncs = [replace(s, optimizer=optimizer_step_time(links.device, s.params, shard, dtensors)) for s in syncs]
     shared = shared_gradients(layers, links, p, g_elem)
@@ -233,8 +232,7 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     sharded = fsdp2(options, zero, shard)
     states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for numel, z in sync.params:
-        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
-                                          plan.offload).items():
+        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard).items():
             states[key] += val
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)

@@ -60,6 +60,10 @@ class Estimate:
     memory_capacity_bytes: float
     layer_table: tuple[dict[str, Any], ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
+    # What the peak must fit in: the capacity less the device's headroom, or --memory-limit
+    # (`DeviceSpec.usable_memory_bytes`); 0: the capacity. `memory_headroom` says which.
+    memory_usable_bytes: float = 0.0
+    memory_headroom: str = ""
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -71,8 +75,13 @@ class Estimate:
         return max(self.stages, key=lambda s: s.memory_bytes)
 
     @property
+    def memory_limit_bytes(self) -> float:
+        """The usable memory per device the peak is compared against."""
+        return self.memory_usable_bytes or self.memory_capacity_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.memory_per_device_bytes <= self.memory_capacity_bytes
+        return self.memory_per_device_bytes <= self.memory_limit_bytes
 
     @property
     def overflow(self) -> str | None:
@@ -82,7 +91,7 @@ class Estimate:
         s = self.peak_stage
         category = max(s.memory, key=lambda k: s.memory[k])
         return (f"stage {s.stage} (pipeline rank {s.stage}) needs {format_bytes(s.memory_bytes)} of "
-                f"{format_bytes(self.memory_capacity_bytes)}; largest category: {category} "
+                f"{format_bytes(self.memory_limit_bytes)} usable; largest category: {category} "
                 f"({format_bytes(s.memory[category])})")
 
     @property
@@ -108,7 +117,8 @@ class Estimate:
             "micro_batches": self.micro_batches, "global_batch": self.global_batch,
             "bubble_fraction": self.bubble_fraction,
             "memory_per_device_bytes": self.memory_per_device_bytes,
-            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "memory_capacity_bytes": self.memory_capacity_bytes, "memory_usable_bytes": self.memory_limit_bytes,
+            "memory_headroom": self.memory_headroom,
             "memory_breakdown": self.memory_breakdown, "time_breakdown": self.time_breakdown(),
             "fits": self.fits, "overflow": self.overflow,
             "stages": [{"stage": s.stage, "layers": list(s.layers), "time": s.time, "memory": s.memory,
@@ -134,4 +144,5 @@ class Estimate:
         notes = tuple(plan.notes(global_batch=gbs))
         return cls(str(plan), str(cluster), devices, step, gbs * seq / step, model / (step * devices * peak),
                    hardware / (step * devices * peak), hardware / (step * devices) / 1e12, model, hardware,
-                   m, gbs, seq, bubble, tuple(stages), float(capacity), table, notes)
+                   m, gbs, seq, bubble, tuple(stages), float(capacity), table, notes,
+                   float(cluster.device.usable_memory_bytes), cluster.device.describe_headroom())

@@ -4,7 +4,7 @@ Rules:
 - Mixed precision (bf16/fp16): 2 bytes of weights + 2 of gradients + 12 of optimizer state
   (fp32 master weights, Adam momentum and variance) per parameter; fp32: 4 + 4 + 8.
   ZeRO-1 divides the optimizer state by the sharding degree (the data-parallel group),
-  ZeRO-2 the gradients too, ZeRO-3 the weights too. Offload moves the optimizer state to host.
+  ZeRO-2 the gradients too, ZeRO-3 the weights too.
 - Activations: the bytes a micro-batch saves on a stage times the micro-batches in flight
   there at the peak (the one in progress by its timeline, `timeline` and `peak`): GPipe holds all m; 1F1B holds p - i on stage i (at most m); interleaved
   1F1B holds (p - i - 1) * 2 + (v - 1) * p + 1 model chunks' worth on device i (Megatron's
@@ -31,7 +31,7 @@ def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
     return 4, 4, 8
 
 
-def model_state_bytes(params: float, dtype: str, zero: int, shard: int, offload: bool = False) -> dict[str, float]:
+def model_state_bytes(params: float, dtype: str, zero: int, shard: int) -> dict[str, float]:
     """Weights, gradients and optimizer bytes on one device holding `params` local parameters,
     with ZeRO stage `zero` sharding over `shard` data-parallel ranks."""
     w, g, o = state_bytes_per_param(dtype)
@@ -39,7 +39,7 @@ def model_state_bytes(params: float, dtype: str, zero: int, shard: int, offload:
     return {
         "parameters": params * w / (shard if zero >= 3 else 1),
         "gradients": params * g / (shard if zero >= 2 else 1),
-        "optimizer": 0.0 if offload else params * o / (shard if zero >= 1 else 1),
+        "optimizer": params * o / (shard if zero >= 1 else 1),
     }
 
 
@@ -51,7 +51,7 @@ def in_flight(schedule: str, stages: int, device: int, micro_batches: int, virtu
     if schedule == "gpipe":
         return m
     if schedule == "interleaved" and v > 1:
-        return min((p - device - 1) * 2 + (v - 1) * p + 1, m * v)
+        return min((p - device - 1) * 2 + (v - 1) * (m // max(1, m // p)) + 1, m * v)  # torch's rounds of m
     return min(p - device, m)
 
 

@@ -33,20 +33,23 @@ def bubble_fraction(stages: int, micro_batches: int, virtual: int = 1) -> float:
 
 
 def device_order(schedule: str, p: int, d: int, m: int, v: int) -> list[tuple[str, int, int]]:
-    """Device d's ops as (F|B, micro-batch, virtual stage), Megatron's order."""
+    """Device d's ops as (F|B, micro-batch, virtual stage), Megatron's order; interleaved 1F1B
+    as torch runs it: in max(1, m // p) rounds of r = m / rounds micro-batches (r = p when p
+    divides m, Megatron's case), which must be whole."""
     if schedule == "gpipe" or p == 1:
         return [("F", j, d) for j in range(m)] + [("B", j, d) for j in range(m)]
     if schedule == "interleaved" and v > 1:
-        if m % p:
-            raise ShardcError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of "
-                              f"pp={p}; change gbs or mb, or use schedule=1f1b")
-        total = m * v
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ShardcError(f"interleaved 1F1B runs {m} micro-batches in {rounds} rounds, which must divide "
+                              f"them; change gbs or mb, or use schedule=1f1b")
+        r, total = m // rounds, m * v
 
         def chunk(k: int, forward: bool) -> tuple[int, int]:
-            c = (k // p) % v
-            return (k // (p * v)) * p + k % p, (c if forward else v - 1 - c) * p + d
+            c = (k // r) % v
+            return (k // (r * v)) * r + k % r, (c if forward else v - 1 - c) * p + d
 
-        warm = min((p - d - 1) * 2 + (v - 1) * p, total)
+        warm = min((p - d - 1) * 2 + (v - 1) * r, total)
         order = [("F", *chunk(k, True)) for k in range(warm)]
         f, b = warm, 0
         while f < total:

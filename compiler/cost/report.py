@@ -28,7 +28,8 @@ def tables(estimate: Estimate) -> list[Any]:
         ("micro-batches x global batch", f"{estimate.micro_batches} x {estimate.global_batch}"),
         ("pipeline bubble (balanced)", f"{estimate.bubble_fraction:.1%}"),
         ("memory per device (peak stage)", f"{format_bytes(estimate.memory_per_device_bytes)} of "
-                                           f"{format_bytes(estimate.memory_capacity_bytes)}"),
+                                           f"{format_bytes(estimate.memory_limit_bytes)} usable"),
+        ("memory headroom", estimate.memory_headroom or "not stated"),
         ("fits", "yes" if estimate.fits else f"NO: {estimate.overflow}"),
     ]
     for what, value in rows:
@@ -74,10 +75,11 @@ def plot(estimate: Estimate, path: str) -> None:
                 bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_ylabel(unit)
         ax.legend(fontsize=7)
-    if estimate.memory_per_device_bytes >= estimate.memory_capacity_bytes / 4:
-        ax_mem.axhline(estimate.memory_capacity_bytes / mem_scale, color="black", linestyle="--", linewidth=1,
-                       label="capacity")
-    ax_mem.set_title(f"memory per device (capacity {format_bytes(estimate.memory_capacity_bytes)})")
+    if estimate.memory_per_device_bytes >= estimate.memory_limit_bytes / 4:
+        ax_mem.axhline(estimate.memory_limit_bytes / mem_scale, color="black", linestyle="--", linewidth=1,
+                       label="usable")
+    ax_mem.set_title(f"memory per device (usable {format_bytes(estimate.memory_limit_bytes)} of "
+                     f"{format_bytes(estimate.memory_capacity_bytes)})")
     ax_time.set_title(f"step time {estimate.step_time_s:.3g} s, MFU {estimate.mfu:.1%}")
     fig.suptitle(f"{estimate.plan}\non {estimate.cluster}", fontsize=8)
     fig.tight_layout()

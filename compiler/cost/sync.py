@@ -27,8 +27,7 @@ Rules:
   the shard out, at the device's copy bandwidth (`fsdp_copy_time`). Where FSDP2's work per
   micro-batch was measured (the local profile), that figure, per parameter tensor and element,
   replaces the copies of the forward gathers (`fsdp_microbatch_time`). The optimizer step
-  reads and writes 28 bytes per local parameter at memory bandwidth (host when offloaded,
-  plus moving gradients down and weights up over PCIe).
+  reads and writes 28 bytes per local parameter at memory bandwidth.
 """
 
 from __future__ import annotations
@@ -186,11 +185,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         elif shard > 1 and zero in (1, 2):  # ZeRO-1/2: after the optimizer
             gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
-        if plan.offload:
-            optimizer = (opt_params * (g_elem + w_elem) / device.host_bandwidth
-                         + opt_params * ADAM_BYTES_PER_PARAM / options.host_optimizer_bandwidth)
-        else:
-            optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
+        optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
         factor = (2 if kind == "all_reduce" else 1) * (shard - 1) / shard if shard > 1 else 0.0
         out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor))
     return out

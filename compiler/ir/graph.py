@@ -28,12 +28,11 @@ class Location:
 
 @dataclass(frozen=True, slots=True)
 class LayerAnnotation:
-    """Per-layer choices: pipeline stage, activation recomputation, ZeRO stage, offload."""
+    """Per-layer choices: pipeline stage, activation recomputation, ZeRO stage."""
 
     stage: int | None = None
     recompute: str = "none"
     zero: int = 0
-    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_CHOICES:

@@ -170,12 +170,14 @@ class _Parser(Scanner):
 
         def make() -> Layer:
             stage = fields.get("stage", "none")
-            offload = fields.get("offload", "false")
-            if offload not in ("true", "false"):
-                raise ValueError(f"offload must be true or false, got {offload!r}")
+            # IR printed before offload was removed says offload=false on every layer: still
+            # read; offload=true asked for something no backend does.
+            if fields.get("offload", "false") != "false":
+                raise ValueError(f"layer {name}: offload={fields['offload']} is not supported (optimizer-state "
+                                 "offload is not executed by any backend); drop the offload field")
             annotation = LayerAnnotation(
                 stage=None if stage == "none" else int(stage), recompute=fields.get("recompute", "none"),
-                zero=int(fields.get("zero", "0")), offload=offload == "true",
+                zero=int(fields.get("zero", "0")),
             )
             return Layer(name, fields.get("block", name), annotation)
 

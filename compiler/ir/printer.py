@@ -4,7 +4,7 @@
       input %idx : i64[8,1024]{dp:S(0)}
       param %blocks.0.mlp.fc1.weight : f32[3072,768]{tp:S(0)}
       buffer %mask : bool[1,1,1024,1024]
-      layer blocks.0 block=block stage=0 recompute=none zero=0 offload=false
+      layer blocks.0 block=block stage=0 recompute=none zero=0
       %x3 = linear(%x2, %blocks.0.mlp.fc1.weight) : f32[8,1024,3072]{dp:S(0), tp:S(2)} partition<dp:e0, tp:n> layer=blocks.0 @blocks.0.mlp.fc1 "gpt.py:57"
       %x4, %x5 = split[sizes=(768, 768), dim=2](%x3) : f32[8,1024,768], f32[8,1024,768] @blocks.0.attn
       return %x9
@@ -79,7 +79,7 @@ def format_layer(layer: Layer) -> str:
     a = layer.annotation
     stage = "none" if a.stage is None else str(a.stage)
     return (f"layer {format_name(layer.name)} block={format_name(layer.block)} stage={stage} "
-            f"recompute={a.recompute} zero={a.zero} offload={'true' if a.offload else 'false'}")
+            f"recompute={a.recompute} zero={a.zero}")
 
 
 def format_node(node: Node) -> str:

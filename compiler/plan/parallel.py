@@ -48,7 +48,6 @@ PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
                          "block method); printed only when not all"),
     "zero": (f"{ZERO_STAGES[0]}-{ZERO_STAGES[-1]}", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
     "dtype": ("|".join(PLAN_DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
-    "offload": ("0|1", "0", "offload optimizer states to host memory"),
 })
 
 
@@ -59,6 +58,18 @@ def _bool(key: str, text: str) -> bool:
     if t in ("0", "false", "off", "no"):
         return False
     raise ShardcError(f"plan key {key}={text!r}: expected 0 or 1 (also true/false, on/off)")
+
+
+def _no_offload(raw: str, text: str) -> None:
+    """`offload=0` reads as nothing (plans printed before the key was removed carry it);
+    `offload=1` is refused: no backend moves optimizer states to host memory, so a plan
+    asking for it would be priced and run as something it is not."""
+    if not _bool("offload", raw):
+        return
+    raise ShardcError(f"plan key offload={raw} in {text!r}: optimizer-state offload to host memory is not "
+                      "supported (no backend executes it, so shardc neither prices nor plans it)",
+                      hint="drop the offload key from the plan; to save device memory use zero=1..3 "
+                           "or recompute=full")
 
 
 def _int(key: str, text: str, low: int = 1) -> int:
@@ -86,7 +97,7 @@ class ParallelPlan:
 
     Keys and defaults (see `PLAN_KEYS`): dp=1, tp=1, pp=1, vpp=1, cp=1, sp=0, mb=1, gbs=auto
     (the model's example batch), schedule=1f1b, recompute=none, recompute_layers=all, zero=0,
-    dtype=bf16, offload=0.
+    dtype=bf16.
     mb is the micro-batch size; gbs the global batch (sequences per optimizer step); the
     number of micro-batches per pipeline is gbs / (dp * mb) (gradient accumulation when pp=1).
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
@@ -113,7 +124,6 @@ class ParallelPlan:
     recompute: str = "none"
     zero: int = 0
     dtype: str = "bf16"
-    offload: bool = False
     # The sequence layout over cp, written as a suffix of cp (`cp=4:zigzag`) and printed only
     # when not contiguous, so plans without it print as they always have.
     cp_layout: str = "contiguous"
@@ -136,7 +146,6 @@ class ParallelPlan:
                 raise ShardcError(f"plan key recompute_layers={n} has no effect with recompute=none",
                                   hint="set recompute=full or recompute=selective, or leave recompute_layers out")
         object.__setattr__(self, "sp", bool(self.sp))
-        object.__setattr__(self, "offload", bool(self.offload))
         if self.zero not in ZERO_STAGES:
             raise ShardcError(f"plan key zero={self.zero!r}: valid values are {_ZEROS}")
         object.__setattr__(self, "cp_layout", _choice("cp layout", self.cp_layout, CP_LAYOUTS))
@@ -162,6 +171,9 @@ class ParallelPlan:
                 continue
             key, eq, raw = item.partition("=")
             key, raw = key.strip().lower(), raw.strip()
+            if key == "offload":
+                _no_offload(raw, text)
+                continue
             if key not in PLAN_KEYS:
                 raise ShardcError(f"unknown plan key {key!r} in {text!r}; known keys: {', '.join(PLAN_KEYS)}",
                                   hint="write the plan as e.g. dp=8,tp=8,pp=4,mb=1,gbs=512,recompute=full")
@@ -170,7 +182,7 @@ class ParallelPlan:
                                   f"({PLAN_KEYS[key][0]})")
             if key in values:
                 raise ShardcError(f"plan key {key!r} given twice in {text!r}")
-            if key in ("sp", "offload"):
+            if key == "sp":
                 values[key] = _bool(key, raw)
             elif key == "gbs":
                 values[key] = None if raw.lower() == "auto" else _int(key, raw)
@@ -333,7 +345,8 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
     every broken constraint with the nearest valid values. Dims given as None are not checked.
 
     Rules: dp*tp*pp*cp == devices; tp divides heads, kv_heads and hidden; pp*vpp <= layers;
-    the global batch (gbs, else `batch`) divisible by dp*mb; cp divides the sequence; with
+    the global batch (gbs, else `batch`) divisible by dp*mb, and the micro-batch count it gives
+    one torch's pipeline schedule accepts (`microbatch_problem`); cp divides the sequence; with
     sp=1, tp*cp divides the sequence; recompute_layers at most the layers of a model chunk.
     `vocab` is not constrained: a vocab-parallel embedding
     pads it to a multiple of tp.
@@ -369,6 +382,10 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
         problems.append(f"global batch {gbs} not divisible by dp*mb = {plan.dp}*{plan.mb} = "
                         f"{plan.dp * plan.mb} (micro-batch count must be whole); "
                         + _batch_suggestions(gbs, plan.dp, plan.mb))
+    elif gbs is not None:
+        short = microbatch_problem(plan, gbs // (plan.dp * plan.mb))
+        if short:
+            problems.append(short + "; " + _pipeline_suggestions(plan, gbs))
     if seq is not None and plan.cp > 1 and seq % plan.cp:
         valid = [c for c in _divisors(seq) if c <= devices]
         problems.append(f"cp={plan.cp} does not divide the sequence length {seq}; valid cp: "
@@ -381,6 +398,42 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
                         f"does not divide it; use sp=0 or a tp dividing {seq // math.gcd(seq, plan.cp)}")
     if problems:
         raise ShardcError(f"plan {plan} is not valid for {devices} devices:\n  - " + "\n  - ".join(problems))
+
+
+def microbatch_problem(plan: ParallelPlan, m: int) -> str | None:
+    """Why torch's schedule for `plan` refuses `m` micro-batches per step, or None when it runs
+    them. The rules are torch.distributed.pipelining's own constructor checks: Schedule1F1B
+    needs m >= pp (its stage count); ScheduleInterleaved1F1B runs in max(1, m // pp) rounds and
+    needs m divisible by that (so m < pp is allowed); ScheduleGPipe takes any m >= 1."""
+    if plan.pp == 1 or plan.schedule == "gpipe":
+        return None
+    if plan.schedule == "1f1b" and m < plan.pp:
+        return (f"{m} micro-batch{'es' if m != 1 else ''} per step for pp={plan.pp} stages: the 1F1B "
+                f"schedule needs at least as many micro-batches as stages (m = gbs/(dp*mb) >= {plan.pp})")
+    rounds = max(1, m // plan.pp)
+    if plan.schedule == "interleaved" and m % rounds:
+        return (f"{m} micro-batches per step for pp={plan.pp}: interleaved 1F1B runs them in "
+                f"max(1, m // pp) = {rounds} rounds and needs m divisible by that (m < pp, or m a "
+                f"multiple of m // pp, e.g. a multiple of pp)")
+    return None
+
+
+def _pipeline_suggestions(plan: ParallelPlan, gbs: int) -> str:
+    """Valid values of gbs, mb and dp near the plan's, for the micro-batch count's sake."""
+    per = plan.dp * plan.mb
+    ok_m = [m for m in range(1, 4 * plan.pp + 1) if microbatch_problem(plan, m) is None]
+    near_gbs = [m * per for m in _nearest(ok_m, gbs // per, 3)]
+    text = f"valid gbs with dp={plan.dp}, mb={plan.mb}: {', '.join(map(str, near_gbs))}"
+    if gbs % plan.dp == 0:
+        mbs = [mb for mb in _divisors(gbs // plan.dp) if microbatch_problem(plan, gbs // (plan.dp * mb)) is None]
+        text += f"; valid mb with gbs={gbs}: {', '.join(map(str, mbs[:6])) or 'none'}"
+    dps = [d for d in _divisors(gbs) if d < plan.dp and gbs % (d * plan.mb) == 0
+           and microbatch_problem(plan, gbs // (d * plan.mb)) is None]
+    if dps:
+        text += f"; or a smaller dp (more devices on tp/pp/cp): {', '.join(map(str, dps[-3:]))}"
+    if plan.schedule != "gpipe" and plan.vpp == 1:
+        text += "; or schedule=gpipe, which runs fewer micro-batches than stages"
+    return text
 
 
 def _degree_problem(plan: ParallelPlan, devices: int) -> str:

@@ -7,7 +7,8 @@ Rules:
   of 8192 tokens or more; with `grid2d`, a tp that is a square q*q is also offered as tp=q x
   tq=q, the two equal model axes PrimePar's 2-D grids run on (`shardc.search.candidates`;
   opt-in: more shapes to price and solve in the same time limit). Micro-batch
-  sizes are the powers of two up to 8 that divide the per-replica batch.
+  sizes are the powers of two up to 8 that divide the per-replica batch and leave at least pp
+  micro-batches (the plans run 1F1B, which torch refuses with fewer micro-batches than stages).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
 - Every problem gets two lower bounds: `grid_bound` (every group at its cheapest candidate,
@@ -317,8 +318,13 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     cache: PricingCache = {}
     for shape in shapes:
         for mb in (mbs or micro_batch_sizes(gbs, shape.dp)):
-            if (gbs // shape.dp) % mb == 0:
+            # The solver's plans run 1F1B: fewer micro-batches than stages is refused by torch.
+            if (gbs // shape.dp) % mb == 0 and gbs // (shape.dp * mb) >= shape.pp:
                 problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
+    if not problems:
+        raise ShardcError(f"no mesh shape and micro-batch size give the 1F1B schedule at least as many "
+                          f"micro-batches as pipeline stages with global batch {gbs}",
+                          hint=f"use a global batch of at least {cluster.num_devices} sequences")
     bounds = [lower_bound(p, limit) for p in problems]
     by_bound = sorted(range(len(problems)), key=lambda i: (bounds[i], i))
     # The grid baseline is scanned by the plain bound (`grid_bound`), so that the tighter

@@ -117,7 +117,7 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
         stage_of[name] = (last, "none")
     for name, graph_layer in graph.layers.items():
         stage, rc = stage_of.get(name, (0, "none"))
-        graph_layer.annotation = LayerAnnotation(stage, rc, a.zero, graph_layer.annotation.offload)
+        graph_layer.annotation = LayerAnnotation(stage, rc, a.zero)
     for v in graph.params + graph.buffers:
         if v.layout is None:
             v.layout = Layout()

@@ -64,7 +64,7 @@ class Study:
             choose_backend(n, "cuda")
             gpus = gpu_study_cluster(n, self.gpu_preset)
             limit = self.memory_limit_bytes
-            self.clusters[n] = gpus if limit is None else with_overrides(gpus, memory_bytes=limit)
+            self.clusters[n] = gpus if limit is None else with_overrides(gpus, memory_limit_bytes=limit)
         if n not in self.clusters:
             self.clusters[n] = study_cluster(n, profile=self.profile, memory_limit_bytes=self.memory_limit_bytes)
         return self.clusters[n]
