@@ -215,7 +215,10 @@ def _cases(module: Any, function: ast.FunctionDef) -> list[Case]:
         out += [Case(*_case(module, item)) for item in getattr(module, name) if _case(module, item)]
     for node in sorted((n for n in nodes if isinstance(n, (ast.Tuple, ast.Call))), key=lambda n: (n.lineno, n.col_offset)):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "build" and node.args:
-            spec = _value(module, node.args[0])
+            try:
+                spec = _value(module, node.args[0])
+            except NameError:  # build(spec) in a loop over the cases: they are read as tuples
+                spec = None
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "compile":
             kw = {k.arg: k.value for k in node.keywords}
             if "plan" in kw and spec is not None and isinstance(kw["plan"], ast.Constant):
