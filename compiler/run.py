@@ -1,7 +1,8 @@
 """`shardc run MODEL --nproc N --steps K [--plan P | --cluster C]`: compile, train on N local processes.
 
-Rule: the plan (from `--plan`, else data parallel over all processes) must use exactly N
-devices. The cost model predicts step time and per-rank memory for the cluster (`--cluster`,
+Rule: the plan (from `--plan`: plan text, or a plan file `shardc plan -o` wrote, which runs the
+solver's partitions, stages and recomputation as the file says; else data parallel over all
+processes) must use exactly N devices. The cost model predicts step time and per-rank memory for the cluster (`--cluster`,
 else this machine's calibrated `local` profile when one is cached); the plan is compiled once
 here and torchrun starts N workers (`python -m shardc.run`, launched by
 `shardc.backends.torch.launch`), gloo on CPU, NCCL when every worker has a GPU. Each worker
@@ -24,12 +25,26 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from shardc.driver import Flags, estimate
+from shardc.driver import Flags, estimate, plan_file_of
 from shardc.ir.diagnostics import ShardcError
+from shardc.plan.file import PlanFile
 from shardc.plan.parallel import ParallelPlan
 from shardc.train import Hooks, TrainOptions, train
 
 DEFAULT_TIMEOUT_S = 600.0
+
+
+def resolve_file(plan: str | os.PathLike[str] | PlanFile | None, nproc: int) -> PlanFile | None:
+    """The plan file `plan` names (`driver.plan_file_of`), checked to be a plan for `nproc`
+    devices; None when `plan` is plan text (or None)."""
+    if nproc < 1:
+        raise ShardcError(f"--nproc must be >= 1, got {nproc}")
+    file = plan_file_of(plan)
+    if file is not None and file.plan.devices != nproc:
+        raise ShardcError(f"plan file {file.path} is a plan for {file.plan.devices} devices ({file.plan}) but --nproc "
+                          f"is {nproc}", hint=f"run it with --nproc {file.plan.devices}, or plan again for {nproc} "
+                          f"devices (`shardc plan --cluster local{nproc} -o FILE.plan`)")
+    return file
 
 
 def resolve_plan(plan: str | None, nproc: int) -> ParallelPlan:
@@ -68,10 +83,11 @@ def prediction_cluster(cluster: str | None, nproc: int) -> str:
     return f"local{nproc}" if cluster == "local" else cluster
 
 
-def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int,
+def predict(spec: str, plan: ParallelPlan | PlanFile, cluster: str | None, nproc: int,
             flags: Flags | None = None) -> tuple[Any, str]:
     """(Estimate or None, a note on where the prediction came from or why there is none): the
-    driver's `estimate` pipeline, as `shardc estimate` runs it."""
+    driver's `estimate` pipeline, as `shardc estimate` runs it (for a plan file: the estimate
+    of the graph the file partitions, the one that runs)."""
     try:
         cluster = prediction_cluster(cluster, nproc)
         est, _ = estimate(spec, cluster, plan, flags=flags or Flags())
@@ -82,19 +98,38 @@ def predict(spec: str, plan: ParallelPlan, cluster: str | None, nproc: int,
         return None, f"no prediction: {type(err).__name__}: {err}"
 
 
-def _predicted_memory(est: Any, plan: ParallelPlan, rank: int) -> int | None:
+def _check_batch(spec: str, file: PlanFile, example_inputs: Any) -> None:
+    """The workers train on the spec's example batch: it must be the plan file's global batch."""
+    firsts = {x.shape[0] for x in example_inputs if hasattr(x, "shape") and len(x.shape)}
+    gbs = file.plan.global_batch()
+    if firsts and firsts != {gbs}:
+        raise ShardcError(f"plan file {file.path} was planned for a global batch of {gbs} sequences, but model {spec} "
+                          f"trains on a batch of {sorted(firsts)[0]}",
+                          hint=f"give the model its plan's batch (e.g. `{spec.split('?')[0]}?batch={gbs}`), or plan "
+                          "again with --gbs set to the model's batch")
+
+
+def _plan_of(plan: ParallelPlan | PlanFile) -> ParallelPlan:
+    return plan.plan if isinstance(plan, PlanFile) else plan
+
+
+def _predicted_memory(est: Any, plan: ParallelPlan | PlanFile, rank: int) -> int | None:
     if est is None or not est.stages:
         return None
+    plan = _plan_of(plan)
     pp_rank = rank // (plan.dp * plan.cp * plan.tp)
     stage = est.stages[min(pp_rank, len(est.stages) - 1)]
     return int(stage.memory_bytes)
 
 
-def launch(spec: str, plan: ParallelPlan, *, nproc: int, steps: int, seed: int, timeout_s: float,
-           env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def launch(spec: str, plan: ParallelPlan | PlanFile, *, nproc: int, steps: int, seed: int, timeout_s: float,
+           env: dict[str, str] | None = None, cluster: str | None = None) -> list[dict[str, Any]]:
     """Train on `nproc` torchrun workers; each rank's report, or a ShardcError naming the failed rank.
 
-    The plan is compiled here, once, for the model built with `seed`; every worker loads it."""
+    The plan is compiled here, once, for the model built with `seed`; every worker loads it. A
+    plan file is compiled as `shardc.compile` does (its partitions priced on `cluster`, else the
+    one it records); the model's example batch must be the file's global batch, the batch the
+    workers train on."""
     import torch
 
     from shardc.api import compile as shardc_compile
@@ -103,7 +138,11 @@ def launch(spec: str, plan: ParallelPlan, *, nproc: int, steps: int, seed: int, 
 
     torch.manual_seed(seed)
     loaded = load_model(spec, device="cpu")
-    compiled = shardc_compile(loaded.model, tuple(loaded.example_inputs), plan=plan)
+    named: dict[str, Any] = {}
+    if isinstance(plan, PlanFile):  # traced under the spec's name and input names, as `shardc plan` traced it
+        _check_batch(spec, plan, loaded.example_inputs)
+        named = {"name": loaded.name, "input_names": loaded.input_names, "cluster": cluster}
+    compiled = shardc_compile(loaded.model, tuple(loaded.example_inputs), plan=plan, **named)
     with tempfile.TemporaryDirectory(prefix="shardc-run-") as tmp:
         out = Path(tmp)
         torch.save(compiled, out / "compiled.pt")
@@ -196,7 +235,7 @@ def _last_frame(traceback_text: str) -> str:
     return f"raised at {frames[-1]}" if frames else ""
 
 
-def summarize(spec: str, plan: ParallelPlan, reports: list[dict[str, Any]], est: Any, note: str) -> dict[str, Any]:
+def summarize(spec: str, plan: ParallelPlan | PlanFile, reports: list[dict[str, Any]], est: Any, note: str) -> dict[str, Any]:
     """The JSON `shardc run --json` prints."""
     ranks = []
     for r in reports:
@@ -204,7 +243,8 @@ def summarize(spec: str, plan: ParallelPlan, reports: list[dict[str, Any]], est:
                       "predicted_peak_memory_bytes": _predicted_memory(est, plan, r["rank"]),
                       "median_step_time_s": r["median_step_time_s"]})
     return {
-        "model": spec, "plan": str(plan), "nproc": len(reports), "backend": reports[0]["backend"],
+        "model": spec, "plan": str(_plan_of(plan)),
+        **({"plan_file": plan.path} if isinstance(plan, PlanFile) else {}), "nproc": len(reports), "backend": reports[0]["backend"],
         "losses": reports[0]["losses"],
         "measured_step_time_s": max(r["median_step_time_s"] for r in reports),
         "predicted_step_time_s": None if est is None else float(est.step_time_s),
@@ -236,14 +276,16 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
     console.print("losses: " + ", ".join(f"{v:.4f}" for v in summary["losses"]))
 
 
-def run_model(spec: str, *, nproc: int, steps: int, plan: str | None = None, cluster: str | None = None,
+def run_model(spec: str, *, nproc: int, steps: int, plan: str | os.PathLike[str] | None = None, cluster: str | None = None,
               seed: int = 0, json_out: bool = False, console: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
               env: dict[str, str] | None = None, flags: Flags | None = None) -> int:
     """`shardc run`: see the module docstring. Returns the exit code; failures raise ShardcError.
-    `flags` set the prediction's pipeline and what it prints."""
+    `plan` is plan text or a plan file (`shardc plan -o`). `flags` set the prediction's
+    pipeline and what it prints."""
     if steps < 1:
         raise ShardcError(f"--steps must be >= 1, got {steps}")
-    parsed = resolve_plan(plan, nproc)
+    file = resolve_file(plan, nproc)
+    parsed: ParallelPlan | PlanFile = file if file is not None else resolve_plan(plan, nproc)
     est, note = predict(spec, parsed, cluster, nproc, flags)
     reports = launch(spec, parsed, nproc=nproc, steps=steps, seed=seed, timeout_s=timeout_s, env=env)
     summary = summarize(spec, parsed, reports, est, note)

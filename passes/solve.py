@@ -1,4 +1,4 @@
-"""`solve{gbs=8,time-limit=30,seed=0,workers=1,memory-limit-gb=0,warm-start="",grid2d=false}`:
+"""`solve{gbs=8,time-limit=30,seed=0,workers=1,memory-limit-gb=0,warm-start="",grid2d=false,dtype=bf16}`:
 choose and write a plan into the IR.
 
 Rule: runs the outer search (`shardc.search.outer.search`: grid baseline, then one CP-SAT
@@ -6,7 +6,8 @@ model per mesh shape and micro-batch size) on `ctx.cluster` for a global batch o
 sequences within a per-device memory limit (`memory-limit-gb`, 0: the device's memory), then
 writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts,
 stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
-plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes. The
+plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes; `dtype`
+is the training precision the plan is priced (and written) for (fp32: what CPU processes run). The
 search result is left in `ctx.options["search"]`. Fails with a ShardcError when no plan fits.
 
 Candidates an `enumerate-candidates` pass enumerated earlier in the pipeline (its table in
@@ -31,11 +32,12 @@ from shardc.search.problem import GraphFacts, MeshShape, build_problem, graph_fa
 from shardc.search.report import no_fit_error
 
 
-def warm_hint(path: str, facts: GraphFacts, cluster: Cluster, gbs: int) -> tuple[MeshShape, int, Assignment]:
+def warm_hint(path: str, facts: GraphFacts, cluster: Cluster, gbs: int,
+              dtype: str = "bf16") -> tuple[MeshShape, int, Assignment]:
     """The plan file at `path` mapped onto this graph: (mesh shape, micro-batch size, assignment)."""
     file = PlanFile.load(path)
     shape, mb = MeshShape.of(file.plan, file.tq), file.plan.mb
-    return shape, mb, assignment_from_plan(file, build_problem(facts, cluster, shape, mb, gbs))
+    return shape, mb, assignment_from_plan(file, build_problem(facts, cluster, shape, mb, gbs, dtype))
 
 
 @register_pass
@@ -51,6 +53,7 @@ class Solve(Pass):
     memory_limit_gb: float = 0.0
     warm_start: str = ""
     grid2d: bool = False
+    dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.time_limit <= 0:
@@ -61,11 +64,11 @@ class Solve(Pass):
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
         cluster = ctx.the_cluster(self.name)
         limit = self.memory_limit_gb * 2**30 if self.memory_limit_gb else float(cluster.device.memory_bytes)
-        facts = graph_facts(graph, cluster, candidates=ctx.options.get("candidates"))
+        facts = graph_facts(graph, cluster, self.dtype, candidates=ctx.options.get("candidates"))
         ctx.options["candidates"] = facts.candidates
-        warm = warm_hint(self.warm_start, facts, cluster, self.gbs) if self.warm_start else None
+        warm = warm_hint(self.warm_start, facts, cluster, self.gbs, self.dtype) if self.warm_start else None
         result = search(facts, cluster, self.gbs, limit, self.time_limit, self.seed, self.workers, warm,
-                        grid2d=self.grid2d)
+                        dtype=self.dtype, grid2d=self.grid2d)
         ctx.options["search"] = result
         ctx.options["memory_limit"] = limit
         if result.best is None:
