@@ -27,9 +27,10 @@ from typing import Any
 
 from shardc.driver import Flags, estimate, plan_file_of
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.files import write_json_atomic
 from shardc.plan.file import PlanFile
 from shardc.plan.parallel import ParallelPlan
-from shardc.train import Hooks, TrainOptions, train
+from shardc.train import Hooks, Trainee, TrainOptions, parallelized, train
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -123,32 +124,39 @@ def _predicted_memory(est: Any, plan: ParallelPlan | PlanFile, rank: int) -> int
 
 
 def launch(spec: str, plan: ParallelPlan | PlanFile, *, nproc: int, steps: int, seed: int, timeout_s: float,
-           env: dict[str, str] | None = None, cluster: str | None = None) -> list[dict[str, Any]]:
+           env: dict[str, str] | None = None, cluster: str | None = None,
+           state_out: Path | None = None) -> list[dict[str, Any]]:
     """Train on `nproc` torchrun workers; each rank's report, or a ShardcError naming the failed rank.
 
     The plan is compiled here, once, for the model built with `seed`; every worker loads it. A
     plan file is compiled as `shardc.compile` does (its partitions priced on `cluster`, else the
     one it records); the model's example batch must be the file's global batch, the batch the
-    workers train on."""
+    workers train on. With `state_out`, rank 0 saves every parameter unsharded there after the
+    last step (`CompiledPlan.full_state_dict`; the memory-tracked step is the last update)."""
+    return launch_all([(spec, plan)], nproc=nproc, steps=steps, seed=seed, timeout_s=timeout_s, env=env,
+                      cluster=cluster, state_outs=None if state_out is None else [state_out])[0]
+
+
+def launch_all(runs: list[tuple[str, ParallelPlan | PlanFile]], *, nproc: int, steps: int, seed: int,
+               timeout_s: float, env: dict[str, str] | None = None, cluster: str | None = None,
+               state_outs: list[Path] | None = None) -> list[list[dict[str, Any]]]:
+    """`launch` for several (model spec, plan) runs in one torchrun: the workers start and join
+    the group once and train each run in turn, on a fresh model, optimizer and memory tracker.
+    Per run, each rank's report; `state_outs[i]` receives run i's final parameters."""
     import torch
 
-    from shardc.api import compile as shardc_compile
     from shardc.backends.torch.launch import torchrun
-    from shardc.frontend.spec import load_model
 
-    torch.manual_seed(seed)
-    loaded = load_model(spec, device="cpu")
-    named: dict[str, Any] = {}
-    if isinstance(plan, PlanFile):  # traced under the spec's name and input names, as `shardc plan` traced it
-        _check_batch(spec, plan, loaded.example_inputs)
-        named = {"name": loaded.name, "input_names": loaded.input_names, "cluster": cluster}
-    compiled = shardc_compile(loaded.model, tuple(loaded.example_inputs), plan=plan, **named)
     with tempfile.TemporaryDirectory(prefix="shardc-run-") as tmp:
         out = Path(tmp)
-        torch.save(compiled, out / "compiled.pt")
-        config = {"model": spec, "steps": steps, "seed": seed, "out_dir": str(out),
+        entries = []
+        for i, (spec, plan) in enumerate(runs):
+            torch.save(_compiled(spec, plan, seed, cluster), out / f"compiled{i}.pt")
+            entries.append({"model": spec, "compiled": f"compiled{i}.pt",
+                            "state_out": None if state_outs is None else str(state_outs[i])})
+        config = {"runs": entries, "steps": steps, "seed": seed, "out_dir": str(out),
                   "pg_timeout_s": min(60.0, timeout_s)}
-        (out / "config.json").write_text(json.dumps(config))
+        write_json_atomic(out / "config.json", config)
         code, log = torchrun(nproc, "shardc.run", [str(out / "config.json")],
                              timeout_s=timeout_s, log_dir=out, env=env)
         errors = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
@@ -164,18 +172,35 @@ def launch(spec: str, plan: ParallelPlan | PlanFile, *, nproc: int, steps: int, 
                 raise ShardcError(f"the run did not finish within {timeout_s:.0f} s and was killed",
                                   hint="raise the timeout or use fewer steps")
             raise ShardcError(f"torchrun failed with exit code {code}:\n{log[-3000:]}")
-        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return reports
+        per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return [[reports[i] for reports in per_rank] for i in range(len(runs))]
+
+
+def _compiled(spec: str, plan: ParallelPlan | PlanFile, seed: int, cluster: str | None) -> Any:
+    """`plan` compiled for the model `spec` builds with `seed` (real weights on the CPU)."""
+    import torch
+
+    from shardc.api import compile as shardc_compile
+    from shardc.frontend.spec import load_model
+
+    torch.manual_seed(seed)
+    loaded = load_model(spec, device="cpu")
+    named: dict[str, Any] = {}
+    if isinstance(plan, PlanFile):  # traced under the spec's name and input names, as `shardc plan` traced it
+        _check_batch(spec, plan, loaded.example_inputs)
+        named = {"name": loaded.name, "input_names": loaded.input_names, "cluster": cluster}
+    return shardc_compile(loaded.model, tuple(loaded.example_inputs), plan=plan, **named)
 
 
 def worker_main(config_path: str) -> int:
-    """One rank of `shardc run` under torchrun: join the group, train the compiled plan
-    (`shardc.train.train`, `steps` AdamW steps: the first untimed), write `rank<k>.json`;
-    a failure is written to `rank<k>.error` and re-raised, so torchrun stops the others."""
+    """One rank of `shardc run` under torchrun: join the group, train each compiled run in turn
+    (`shardc.train.train`, `steps` AdamW steps: the first untimed; its final parameters saved
+    unsharded by rank 0 when asked), write `rank<k>.json` (the reports, one per run); a failure
+    is written to `rank<k>.error` and re-raised, so torchrun stops the others."""
+    import gc
+
     import torch
     import torch.distributed as dist
-
-    from shardc.backends.torch.launch import write_json
 
     config = json.loads(Path(config_path).read_text())
     out_dir = Path(config["out_dir"])
@@ -183,20 +208,44 @@ def worker_main(config_path: str) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         device = _join_group(config)
-        compiled = torch.load(out_dir / "compiled.pt", weights_only=False)
         steps = config["steps"]
         options = TrainOptions(steps=max(1, steps - 1), warmup=min(1, steps - 1), lr=config.get("lr", 1e-3),
                                seed=config["seed"])
-        report = train(compiled, config["model"], options, device=device, hooks=_InjectedFailure(rank))
-        write_json(out_dir / f"rank{rank}.json", {
-            "rank": rank, "losses": list(report.losses), "step_times_s": list(report.step_times_s),
-            "median_step_time_s": report.median_step_s, "peak_memory_bytes": report.peak_memory_bytes,
-            "backend": report.backend, "device": report.device})
+        reports = []
+        for run in config["runs"]:
+            reports.append(_train_one(out_dir / run["compiled"], run["model"], options, device, rank,
+                                      run.get("state_out")))
+            gc.collect()  # the last run's module and optimizer state must not count in the next one's memory
+        write_json_atomic(out_dir / f"rank{rank}.json", reports)
         dist.destroy_process_group()
         return 0
     except BaseException as err:
         (out_dir / f"rank{rank}.error").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
         raise
+
+
+def _train_one(path: Path, spec: str, options: TrainOptions, device: Any, rank: int,
+               state_out: str | None) -> dict[str, Any]:
+    """Train one compiled plan on this rank; its report (and rank 0 saves its final state)."""
+    import torch
+
+    compiled = torch.load(path, weights_only=False)
+    built: list[Trainee] = []
+
+    def build(plan: Any, model: Any, on: Any) -> Trainee:  # keeps the module, for its final state
+        built.append(parallelized(plan, model, on))
+        return built[-1]
+
+    report = train(compiled, spec, options, device=device, build=build, hooks=_InjectedFailure(rank))
+    if state_out:
+        state = compiled.full_state_dict(built[-1].module)  # a collective: every rank takes part
+        if rank == 0:
+            tmp = Path(state_out + ".tmp")
+            torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, tmp)
+            os.replace(tmp, state_out)
+    return {"rank": rank, "losses": list(report.losses), "step_times_s": list(report.step_times_s),
+            "median_step_time_s": report.median_step_s, "peak_memory_bytes": report.peak_memory_bytes,
+            "backend": report.backend, "device": report.device}
 
 
 def _join_group(config: dict[str, Any]) -> Any:

@@ -84,6 +84,13 @@ class PipelinedModule(nn.Module):
                                      output_args=_examples(plan.stages[s].outputs, graph.mesh))
                        for m, s in zip(wrapped, stage_ids)]
         cls = schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
+        if cls.__name__ == "Schedule1F1B" and self.microbatches < self.num_stages:
+            # torch's 1F1B refuses fewer micro-batches than stages; with m < p every rank's
+            # warm-up holds all m forwards before any backward, which is GPipe's order (and what
+            # the cost model prices: min(p - i, m) in flight). The solver plans such pipelines.
+            from torch.distributed.pipelining import ScheduleGPipe
+
+            cls = ScheduleGPipe
         stages: Any = self.stages if len(self.stages) > 1 or cls.__name__.startswith("ScheduleInterleaved") \
             else self.stages[0]
         self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
