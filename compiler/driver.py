@@ -202,8 +202,22 @@ def transfer_partitions(src: Graph, dst: Graph) -> None:
         first = next((i for i, (a, b) in enumerate(zip(ops_src, ops_dst)) if a != b), min(len(ops_src), len(ops_dst)))
         raise ShardcError(f"graph @{src.name} traced for one micro-batch differs from the full batch at node {first} "
                           f"({len(ops_src)} vs {len(ops_dst)} nodes)", hint="use one micro-batch (gbs = dp*mb)")
+    from shardc.ops.registry import get_op
+
     dst.mesh, dst.layers, dst.attrs = src.mesh, dict(src.layers), dict(src.attrs)
     for a, b in zip(src_nodes, dst.nodes):
+        if a.partition is not None:
+            # A micro-batch of one sequence binds the batch as a broadcast dim: the iteration
+            # dims the full batch's partitions name may not exist there.
+            space = get_op(b.op).iteration_space([v.type for v in b.inputs], [v.type for v in b.outputs], b.attrs)
+            used = [d for _, d in a.partition.spatial] + [t.dim for t in a.partition.temporal]
+            missing = [d for d in used if d not in space.dims]
+            if missing:
+                raise ShardcError(f"graph @{src.name} traced for one micro-batch ({dst.inputs[0].type if dst.inputs else '?'}) "
+                                  f"has no dim {missing[0]!r} at node {b.op} @{b.layer}, which plan {src.attrs.get('plan')} "
+                                  f"partitions ({a.partition})",
+                                  hint="plan with micro-batches of at least 2 sequences per replica (a larger --gbs), "
+                                       "or one micro-batch (gbs = dp*mb)")
         b.partition, b.layer = a.partition, a.layer
         for va, vb in zip(a.outputs, b.outputs):
             vb.layout = va.layout
