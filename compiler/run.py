@@ -334,7 +334,7 @@ def run_model(spec: str, *, nproc: int, steps: int, plan: str | os.PathLike[str]
     if steps < 1:
         raise ShardcError(f"--steps must be >= 1, got {steps}")
     file = resolve_file(plan, nproc)
-    parsed: ParallelPlan | PlanFile = file if file is not None else resolve_plan(plan, nproc)
+    parsed: ParallelPlan | PlanFile = file if file is not None else resolve_plan(None if plan is None else str(plan), nproc)
     est, note = predict(spec, parsed, cluster, nproc, flags)
     reports = launch(spec, parsed, nproc=nproc, steps=steps, seed=seed, timeout_s=timeout_s, env=env)
     summary = summarize(spec, parsed, reports, est, note)

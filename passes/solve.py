@@ -7,7 +7,9 @@ sequences within a per-device memory limit (`memory-limit-gb`, 0: the device's m
 writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts,
 stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
 plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes; `dtype`
-is the training precision the plan is priced (and written) for (fp32: what CPU processes run). The
+is the training precision the plan is priced (and written) for (fp32: what CPU processes run);
+`wall-stop` is the multiple of the time limit after which an overloaded machine stops solving
+(`inf`: never, so that the plan depends on the seed and worker count only). The
 search result is left in `ctx.options["search"]`. Fails with a ShardcError when no plan fits.
 
 Candidates an `enumerate-candidates` pass enumerated earlier in the pipeline (its table in
@@ -26,7 +28,7 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.plan.file import PlanFile
 from shardc.search.evaluate import Assignment
-from shardc.search.outer import search
+from shardc.search.outer import WALL_STOP, search
 from shardc.search.planfile import annotate_graph, assignment_from_plan
 from shardc.search.problem import GraphFacts, MeshShape, build_problem, graph_facts
 from shardc.search.report import no_fit_error
@@ -54,6 +56,7 @@ class Solve(Pass):
     warm_start: str = ""
     grid2d: bool = False
     dtype: str = "bf16"
+    wall_stop: float = WALL_STOP
 
     def __post_init__(self) -> None:
         if self.time_limit <= 0:
@@ -68,7 +71,7 @@ class Solve(Pass):
         ctx.options["candidates"] = facts.candidates
         warm = warm_hint(self.warm_start, facts, cluster, self.gbs, self.dtype) if self.warm_start else None
         result = search(facts, cluster, self.gbs, limit, self.time_limit, self.seed, self.workers, warm,
-                        dtype=self.dtype, grid2d=self.grid2d)
+                        dtype=self.dtype, grid2d=self.grid2d, wall_stop=self.wall_stop)
         ctx.options["search"] = result
         ctx.options["memory_limit"] = limit
         if result.best is None:

@@ -11,6 +11,13 @@ parameters, and each rank's measured peak memory within 5% of the prediction for
 
 The local cluster is this machine's calibrated profile; the test writes a fixed one into a
 private cache (`SHARDC_CACHE_DIR`) instead of measuring: the plans depend on it, not on the load.
+All cases of one process count train in one torchrun (`shardc.run.launch_all`); a launch that
+fails is retried case by case, so that each failure lands on its case.
+
+Not covered yet: sequence chunks (`time s/4` without rotation). At no size or limit tried
+(GPT with vocabularies of 2-8k, Llama with a wide MLP, sequences of 64-512) did the solver
+choose them: the tight limits where they would pay hit the vocab-parallel embedding defect
+named at `gpt-rotate-sp` first.
 """
 
 from __future__ import annotations
@@ -71,19 +78,26 @@ CASES = [
     case("gpt-zero", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.003, "zero"),
     # Longer sequences on two devices: tensor parallel with rotating matmuls.
     case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.008, "rotate"),
-    # Tighter on four: rotating matmuls and sequence-parallel norms.
+    # Tighter on four: rotating matmuls and sequence-parallel norms. Fails in `shardc plan` (a
+    # defect, reported): the solver writes the embedding's vocab-parallel output as resolved
+    # (`{}`) while its partition `tp:v` gives `{tp:P(sum)}`, and the IR verifier refuses it.
     case("gpt-rotate-sp", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0015, "rotate", "sp", "zero"),
     # Llama (sdpa): pipeline stages that recompute their blocks in full.
     case("llama-pipeline-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.002, "pipeline",
          "recompute-full"),
     # One attention head: tensor parallelism cannot split heads, so attention runs as a ring.
+    # Fails in the run (a defect, reported): the plan has 2 micro-batches of one sequence, and
+    # the model traced at one sequence binds the batch as a broadcast dim the partitions name.
     case("llama-ring", "examples/llama.py:tiny?batch=2&seq=256&n_head=1&n_kv_head=1", 2, 2, 0.002,
          "ring-attention", "rotate", "sp", "zero", "recompute-full"),
     # transformers' GPT-2: four replicas, ZeRO and full recomputation.
     case("hf-gpt2-zero-full", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.003, "zero", "recompute-full"),
-    # BERT (an encoder): pipeline stages.
+    # BERT (an encoder): pipeline stages. Both BERT cases fail in the workers (a defect of the
+    # training loop, reported): `shardc.train.synthetic_batch` draws token_type_ids from
+    # [0, vocab), past BERT's two token types (IndexError in the type embedding).
     case("bert-pipeline", "examples/bert.py:tiny?batch=4&seq=128", 2, 4, 0.003, "pipeline"),
-    # BERT, a little more room: data parallel whose blocks recompute selectively.
+    # BERT, a little more room: data parallel whose blocks recompute selectively (what the
+    # backend runs for `selective` comes from the recompute engineer's branch).
     case("bert-selective", "examples/bert.py:tiny?batch=4&seq=128", 2, 4, 0.004, "recompute-selective"),
 ]
 

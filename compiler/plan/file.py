@@ -20,6 +20,7 @@ candidates and lives in `shardc.search.planfile`.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,7 @@ class PlanFile:
         write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> PlanFile:
+    def load(cls, path: str | os.PathLike[str]) -> PlanFile:
         """Read a plan file written by `save`."""
         if not Path(path).is_file():
             raise ShardcError(f"cannot read plan file {path}: it does not exist",
