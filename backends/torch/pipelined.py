@@ -85,9 +85,9 @@ class PipelinedModule(nn.Module):
                        for m, s in zip(wrapped, stage_ids)]
         cls = schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
         if cls.__name__ == "Schedule1F1B" and self.microbatches < self.num_stages:
-            # torch's 1F1B refuses fewer micro-batches than stages; with m < p every rank's
-            # warm-up holds all m forwards before any backward, which is GPipe's order (and what
-            # the cost model prices: min(p - i, m) in flight). The solver plans such pipelines.
+            # torch's 1F1B refuses fewer micro-batches than stages, and the solver plans such
+            # pipelines. With one micro-batch GPipe runs the same order (one in flight, as
+            # priced); with 1 < m < p the last p - m stages hold m where 1F1B would hold p - i.
             from torch.distributed.pipelining import ScheduleGPipe
 
             cls = ScheduleGPipe
