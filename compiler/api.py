@@ -172,9 +172,13 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     """Trace, partition by `plan` and lower, through `shardc.driver`; see the module docstring.
 
     `model` is an nn.Module (with `example_inputs`) or a model spec (`examples/gpt.py:tiny`,
-    `hf:gpt2?n_layer=2`). `plan` is a ParallelPlan, its text, None (one device), or an already
-    partitioned Graph of this model (what the solver writes, `shardc plan -o`), which is lowered
-    as it is. The model is traced at the batch the plan needs (`driver.batch_for`): the example
+    `hf:gpt2?n_layer=2`). `plan` is a ParallelPlan, its text, None (one device), a plan file
+    (`shardc plan -o FILE.plan`: its path as text or a Path, or a loaded `PlanFile`), or an
+    already partitioned Graph of this model (the `.ir` beside a plan file), which is lowered as
+    it is. A plan file is written onto the model traced at the batch the solver traced it at
+    (`driver.plan_file_graph`: the solver's partitions, stages and recomputation; `cluster`,
+    else the one the file records, prices the solver's problem) and lowered. Otherwise the model
+    is traced at the batch the plan needs (`driver.batch_for`): the example
     batch when the plan splits it, else dp*mb sequences (the inputs' rows repeated).
     `before_lower(graph)` may edit the partitioned graph in place before lowering (hand-written
     partitions: temporal splits, rotations). `pipeline` replaces the default
@@ -186,17 +190,25 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     from shardc import driver
     from shardc.passmanager import PassContext
 
+    file = None if isinstance(plan, Graph | ParallelPlan) else driver.plan_file_of(plan)
+    if file is not None and name is None and not isinstance(model, str):
+        name = file.model  # a module has no spec name; the file's fingerprint still checks the model
     if isinstance(model, str):
         source = driver.open_model(model, device=device)
         source = dataclasses.replace(source, name=name or source.name,
                                      input_names=input_names or source.input_names)
     else:
         source = driver.model_source(model, example_inputs, name=name, input_names=input_names)
-    parallel = _as_plan(plan)
     flags = driver.Flags(pipeline, print_after_all, time_passes)
     before, lowering = driver.split_at_lower(pipeline or driver.PIPELINES["compile"])
+    if file is not None:  # the solver's partitions, written into the graph as `shardc plan -o` did
+        traced, plan = driver.plan_file_graph(source, cluster, file, flags=flags)
+        cluster = cluster if cluster is not None else file.cluster
+    parallel = _as_plan(plan)
     ctx = PassContext(plan=parallel, seed=seed)
-    if isinstance(plan, Graph):
+    if file is not None:
+        graph = plan
+    elif isinstance(plan, Graph):
         graph = plan
         if graph.mesh is None:
             raise ShardcError(f"graph @{graph.name} given as the plan is not partitioned (it has no mesh)")

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="predict step time and memory of a plan on a cluster")
     _add_model(p)
     p.add_argument("--cluster", required=True, help="e.g. 8xA100-80GB, 64xH100, 2x8xH100, local")
-    p.add_argument("--plan", help="e.g. dp=8,tp=8,pp=16,mb=1,gbs=1536,recompute=full (none: the model is a "
-                                  "partitioned .ir file, as `shardc plan -o` writes)")
+    p.add_argument("--plan", help="e.g. dp=8,tp=8,pp=16,mb=1,gbs=1536,recompute=full, or a plan file FILE.plan "
+                                  "written by `shardc plan -o` (none: the model is a partitioned .ir file, as "
+                                  "`shardc plan -o` writes beside it)")
     p.add_argument("--memory-limit", type=float, metavar="GB",
                    help="usable memory per device in GiB, judged for fit (default: the device's memory less its "
                         "headroom: CUDA context, NCCL buffers, allocator fragmentation)")
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-start", metavar="PLAN", help="a plan file from an earlier run")
     p.add_argument("--grid2d", action="store_true",
                    help="also search tp x tq meshes with PrimePar's 2-D grids P(q x q) (more shapes to solve)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="training precision to plan for (fp32: what `shardc run` trains on CPU processes)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the chosen plan (and its IR) here")
     p.add_argument("--json", action="store_true")
     _add_pipeline(p, "group-layers,solve{gbs=...} with the options above")
@@ -94,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--plan")
+    group.add_argument("--plan", help="plan text (default: dp=NPROC) or a plan file FILE.plan written by "
+                                      "`shardc plan -o` for NPROC devices")
     group.add_argument("--cluster", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
@@ -212,7 +216,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     graph, ctx = solve(_source(args, device="meta"), args.cluster, args.gbs, flags=_flags(args), time_limit=args.time_limit,
                        seed=args.seed, workers=args.workers, memory_limit_gb=args.memory_limit,
-                       warm_start=args.warm_start, grid2d=args.grid2d)
+                       warm_start=args.warm_start, grid2d=args.grid2d, dtype=args.dtype)
     result = ctx.options["search"]
     if args.output:
         write_plan(args.output, graph, result.best, args.gbs)

@@ -16,13 +16,21 @@ predictions) and `shardc.compile` take this road, so that they agree on the same
    pass and nowhere else in this road.
 4. The result is the graph and what the passes left in the context: `ctx.options["estimate"]`
    (the `estimate` pass), `ctx.options["search"]` (the `solve` pass).
+
+A plan may also be a plan file (`shardc plan -o FILE.plan`, `plan_file_of`): then step 2
+traces at the batch the solver traced at (`solver_batch` of the file's global batch), step 3
+runs `group-layers` and writes the file's partitions, stages and recomputation into the graph
+(`plan_file_graph`, the solver's own conversion) in place of `validate-plan,apply-plan`, and
+everything after (estimate, lower) is the same as for a plan string.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from shardc.hardware import Cluster, parse_cluster
@@ -32,6 +40,7 @@ from shardc.passmanager import Pass, PassContext, parse_pipeline, run_pipeline
 
 if TYPE_CHECKING:  # both load torch (the registry); `shardc --help` should not wait for it
     from shardc.frontend import TraceResult
+    from shardc.plan.file import PlanFile
     from shardc.plan.parallel import ParallelPlan
 
 PIPELINES: dict[str, str] = {
@@ -193,8 +202,22 @@ def transfer_partitions(src: Graph, dst: Graph) -> None:
         first = next((i for i, (a, b) in enumerate(zip(ops_src, ops_dst)) if a != b), min(len(ops_src), len(ops_dst)))
         raise ShardcError(f"graph @{src.name} traced for one micro-batch differs from the full batch at node {first} "
                           f"({len(ops_src)} vs {len(ops_dst)} nodes)", hint="use one micro-batch (gbs = dp*mb)")
+    from shardc.ops.registry import get_op
+
     dst.mesh, dst.layers, dst.attrs = src.mesh, dict(src.layers), dict(src.attrs)
     for a, b in zip(src_nodes, dst.nodes):
+        if a.partition is not None:
+            # A micro-batch of one sequence binds the batch as a broadcast dim: the iteration
+            # dims the full batch's partitions name may not exist there.
+            space = get_op(b.op).iteration_space([v.type for v in b.inputs], [v.type for v in b.outputs], b.attrs)
+            used = [d for _, d in a.partition.spatial] + [t.dim for t in a.partition.temporal]
+            missing = [d for d in used if d not in space.dims]
+            if missing:
+                raise ShardcError(f"graph @{src.name} traced for one micro-batch ({dst.inputs[0].type if dst.inputs else '?'}) "
+                                  f"has no dim {missing[0]!r} at node {b.op} @{b.layer}, which plan {src.attrs.get('plan')} "
+                                  f"partitions ({a.partition})",
+                                  hint="plan with micro-batches of at least 2 sequences per replica (a larger --gbs), "
+                                       "or one micro-batch (gbs = dp*mb)")
         b.partition, b.layer = a.partition, a.layer
         for va, vb in zip(a.outputs, b.outputs):
             vb.layout = va.layout
@@ -240,27 +263,80 @@ def as_plan(plan: str | ParallelPlan | None) -> ParallelPlan | None:
     return None if plan is None else ParallelPlan.of(plan)
 
 
+PLAN_FILE_SUFFIXES = (".plan", ".json")
+
+
+def plan_file_of(plan: Any) -> PlanFile | None:
+    """The plan file `plan` names, loaded: a `PlanFile`, a `Path`, or text that is a file's path
+    (it ends in .plan or .json, or names an existing file; plan text is `key=value` pairs and
+    names no file). None for any other plan. A named file that is missing is a ShardcError."""
+    from shardc.plan.file import PlanFile
+
+    if isinstance(plan, PlanFile):
+        return plan
+    if isinstance(plan, os.PathLike) or (isinstance(plan, str) and (
+            plan.endswith(PLAN_FILE_SUFFIXES) or ("=" not in plan and Path(plan).is_file()))):
+        return PlanFile.load(plan)
+    return None
+
+
+def plan_file_graph(source: Source, cluster: str | Cluster | None, file: PlanFile, *,
+                    flags: Flags = Flags()) -> tuple[TraceResult, Graph]:
+    """(the trace, the partitioned graph) of plan file `file` on `source`: traced at the batch
+    the solver traced at, layers grouped, and partitioned as the file says
+    (`shardc.search.planfile.partitioned_graph`). The partitions are labels on the file's own
+    mesh: `cluster` (else the one the file records) only prices the solver's problem, and must
+    have the plan's device count. A file of another model is a ShardcError naming the file."""
+    from shardc.search.planfile import partitioned_graph
+
+    resolved = as_cluster(cluster if cluster is not None else file.cluster)
+    if resolved is None:
+        raise ShardcError(f"plan file {file.path} records no cluster", hint="give --cluster (the one it was planned on)")
+    if resolved.num_devices != file.plan.devices:
+        raise ShardcError(f"plan file {file.path} is a plan for {file.plan.devices} devices ({file.plan}), but cluster "
+                          f"{resolved} has {resolved.num_devices}",
+                          hint=f"use a cluster (or --nproc) of {file.plan.devices} devices, or plan again for this one")
+    batch = solver_batch(int(file.plan.global_batch()))
+    traced = source.trace(batch if source.resizable and batch != source.batch else None)
+    graph = run(traced.graph, "group-layers", PassContext(cluster=resolved), flags)
+    return traced, partitioned_graph(graph, resolved, file)
+
+
 def _traced(source: Source | str, cluster: str | Cluster | None,
-            plan: str | ParallelPlan | None) -> tuple[Graph, PassContext]:
-    """`source` traced at the batch `plan` needs, and the pass context holding the cluster and
-    the plan (None when there is none)."""
+            plan: str | ParallelPlan | PlanFile | os.PathLike[str] | None, flags: Flags = Flags(),
+            ) -> tuple[Graph, PassContext, bool]:
+    """`source` traced at the batch `plan` needs, the pass context holding the cluster and the
+    plan (None when there is none), and whether the graph is partitioned already (a plan file)."""
     source = open_model(source) if isinstance(source, str) else source
-    parsed = as_plan(plan)
-    return trace_for(source, parsed).graph, PassContext(cluster=as_cluster(cluster), plan=parsed)
+    file = plan_file_of(plan)
+    if file is not None:
+        graph = plan_file_graph(source, cluster, file, flags=flags)[1]
+        return graph, PassContext(cluster=as_cluster(cluster) if cluster is not None else None), True
+    parsed = as_plan(plan)  # type: ignore[arg-type]  # a PathLike is a plan file, handled above
+    return trace_for(source, parsed).graph, PassContext(cluster=as_cluster(cluster), plan=parsed), False
 
 
-def partition(source: Source | str, cluster: str | Cluster | None, plan: str | ParallelPlan, *,
+def partition(source: Source | str, cluster: str | Cluster | None,
+              plan: str | ParallelPlan | PlanFile | os.PathLike[str], *,
               flags: Flags = Flags(), pipeline: str | None = None) -> tuple[Graph, PassContext]:
-    """Trace at the plan's batch and run `group-layers,validate-plan,apply-plan` (or `pipeline`)."""
-    graph, ctx = _traced(source, cluster, plan)
+    """Trace at the plan's batch and run `group-layers,validate-plan,apply-plan` (or `pipeline`);
+    a plan file is written into the graph instead (`plan_file_graph`) and `pipeline` runs after."""
+    graph, ctx, partitioned = _traced(source, cluster, plan, flags)
+    if partitioned:
+        text = pipeline or flags.pipeline
+        return (run(graph, text, ctx, flags) if text else graph), ctx
     return run(graph, pipeline or flags.pipeline or PIPELINES["partition"], ctx, flags), ctx
 
 
-def estimate(source: Source | str, cluster: str | Cluster, plan: str | ParallelPlan | None, *,
+def estimate(source: Source | str, cluster: str | Cluster,
+             plan: str | ParallelPlan | PlanFile | os.PathLike[str] | None, *,
              flags: Flags = Flags(), pipeline: str | None = None) -> tuple[Any, Graph]:
     """(the Estimate, the partitioned graph) of `plan` on `cluster`: the `estimate` pipeline. A
-    printed IR that is already partitioned (`shardc plan -o`'s `.ir`) is only estimated."""
-    graph, ctx = _traced(source, cluster, plan)
+    printed IR that is already partitioned (`shardc plan -o`'s `.ir`) and a plan file's graph
+    (`plan_file_graph`) are only estimated."""
+    graph, ctx, partitioned = _traced(source, cluster, plan, flags)
+    if partitioned and pipeline is None and flags.pipeline is None:
+        pipeline = "estimate"
     if pipeline is None and flags.pipeline is None and ctx.plan is None:
         if graph.mesh is None:
             raise ShardcError(f"graph @{graph.name} is not partitioned; give a --plan",
@@ -275,12 +351,15 @@ def estimate(source: Source | str, cluster: str | Cluster, plan: str | ParallelP
 
 def solve_pipeline(gbs: int, *, time_limit: float = 30.0, seed: int = 0, workers: int = 1,
                    memory_limit_gb: float | None = None, warm_start: str | None = None,
-                   grid2d: bool = False) -> str:
-    """`shardc plan`'s default pipeline: `group-layers,solve{...}` with the command's options."""
+                   grid2d: bool = False, dtype: str = "bf16", wall_stop: float | None = None) -> str:
+    """`shardc plan`'s default pipeline: `group-layers,solve{...}` with the command's options
+    (`wall_stop`: the solve pass's `wall-stop`, None its default)."""
     from shardc.passes.solve import Solve
 
+    more = {} if wall_stop is None else {"wall_stop": wall_stop}
     solve = Solve(gbs=gbs, time_limit=time_limit, seed=seed, workers=workers,
-                  memory_limit_gb=memory_limit_gb or 0.0, warm_start=warm_start or "", grid2d=grid2d)
+                  memory_limit_gb=memory_limit_gb or 0.0, warm_start=warm_start or "", grid2d=grid2d, dtype=dtype,
+                  **more)
     return f"group-layers,{solve}"
 
 

@@ -1,4 +1,4 @@
-"""`solve{gbs=8,time-limit=30,seed=0,workers=1,memory-limit-gb=0,warm-start="",grid2d=false}`:
+"""`solve{gbs=8,time-limit=30,seed=0,workers=1,memory-limit-gb=0,warm-start="",grid2d=false,dtype=bf16}`:
 choose and write a plan into the IR.
 
 Rule: runs the outer search (`shardc.search.outer.search`: grid baseline, then one CP-SAT
@@ -7,7 +7,10 @@ sequences within a per-device memory limit (`memory-limit-gb`, 0: the device's u
 its capacity less its headroom, `DeviceSpec.usable_memory_bytes`), then
 writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts,
 stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
-plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes. The
+plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes; `dtype`
+is the training precision the plan is priced (and written) for (fp32: what CPU processes run);
+`wall-stop` is the multiple of the time limit after which an overloaded machine stops solving
+(`inf`: never, so that the plan depends on the seed and worker count only). The
 search result is left in `ctx.options["search"]`. Fails with a ShardcError when no plan fits.
 
 Candidates an `enumerate-candidates` pass enumerated earlier in the pipeline (its table in
@@ -26,17 +29,18 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.passmanager import Pass, PassContext, register_pass
 from shardc.plan.file import PlanFile
 from shardc.search.evaluate import Assignment
-from shardc.search.outer import search
+from shardc.search.outer import WALL_STOP, search
 from shardc.search.planfile import annotate_graph, assignment_from_plan
 from shardc.search.problem import GraphFacts, MeshShape, build_problem, graph_facts
 from shardc.search.report import no_fit_error
 
 
-def warm_hint(path: str, facts: GraphFacts, cluster: Cluster, gbs: int) -> tuple[MeshShape, int, Assignment]:
+def warm_hint(path: str, facts: GraphFacts, cluster: Cluster, gbs: int,
+              dtype: str = "bf16") -> tuple[MeshShape, int, Assignment]:
     """The plan file at `path` mapped onto this graph: (mesh shape, micro-batch size, assignment)."""
     file = PlanFile.load(path)
     shape, mb = MeshShape.of(file.plan, file.tq), file.plan.mb
-    return shape, mb, assignment_from_plan(file, build_problem(facts, cluster, shape, mb, gbs))
+    return shape, mb, assignment_from_plan(file, build_problem(facts, cluster, shape, mb, gbs, dtype))
 
 
 @register_pass
@@ -52,6 +56,8 @@ class Solve(Pass):
     memory_limit_gb: float = 0.0
     warm_start: str = ""
     grid2d: bool = False
+    dtype: str = "bf16"
+    wall_stop: float = WALL_STOP
 
     def __post_init__(self) -> None:
         if self.time_limit <= 0:
@@ -64,11 +70,11 @@ class Solve(Pass):
         if self.memory_limit_gb:  # replaces the device's headroom, for the plans' estimates too
             cluster = with_overrides(cluster, memory_limit_bytes=int(self.memory_limit_gb * 2**30))
         limit = float(cluster.device.usable_memory_bytes)
-        facts = graph_facts(graph, cluster, candidates=ctx.options.get("candidates"))
+        facts = graph_facts(graph, cluster, self.dtype, candidates=ctx.options.get("candidates"))
         ctx.options["candidates"] = facts.candidates
-        warm = warm_hint(self.warm_start, facts, cluster, self.gbs) if self.warm_start else None
+        warm = warm_hint(self.warm_start, facts, cluster, self.gbs, self.dtype) if self.warm_start else None
         result = search(facts, cluster, self.gbs, limit, self.time_limit, self.seed, self.workers, warm,
-                        grid2d=self.grid2d)
+                        dtype=self.dtype, grid2d=self.grid2d, wall_stop=self.wall_stop)
         ctx.options["search"] = result
         ctx.options["memory_limit"] = limit
         if result.best is None:

@@ -16,12 +16,12 @@ from shardc.train import synthetic_batch, vocab_of
 SPEC = "examples/gpt.py:tiny"
 
 
-def reference_losses(steps: int, seed: int) -> list[float]:
+def reference_losses(steps: int, seed: int, spec: str = SPEC) -> list[float]:
     """One process, the same seed, data and optimizer as the workers."""
     from shardc.frontend.spec import load_model
 
     torch.manual_seed(seed)
-    loaded = load_model(SPEC, device="cpu")
+    loaded = load_model(spec, device="cpu")
     model, example = loaded.model, list(loaded.example_inputs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
@@ -68,3 +68,33 @@ def test_world_size_must_match_the_plan() -> None:
 def test_cli_reports_bad_plan_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", SPEC, "--nproc", "2", "--plan", "tp=4"]) == 2
     assert "--nproc is 2" in capsys.readouterr().err
+
+
+def test_run_takes_the_plan_file_the_solver_wrote(tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`shardc plan -o FILE.plan` then `shardc run --plan FILE.plan`: the solver's plan trains as
+    one process does, and the prediction is `shardc estimate --plan FILE.plan`'s."""
+    from test_hardware import _profile
+
+    from shardc.calibration.profile import write_profile
+
+    monkeypatch.setenv("SHARDC_CACHE_DIR", str(tmp_path))  # a fixed profile of `local`: never calibrated here
+    write_profile(_profile(), tmp_path / "local-profile.json")
+    spec, path = f"{SPEC}?batch=4", tmp_path / "tiny.plan"
+    assert main(["plan", spec, "--cluster", "local2", "--gbs", "4", "--time-limit", "1", "--dtype", "fp32",
+                 "-o", str(path), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["estimate", spec, "--cluster", "local2", "--plan", str(path), "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert main(["run", spec, "--nproc", "2", "--steps", "2", "--plan", str(path), "--seed", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan_file"] == str(path) and out["plan"] == str(json_plan(path))
+    assert out["predicted_step_time_s"] == est["step_time_s"]
+    assert [r["predicted_peak_memory_bytes"] for r in out["ranks"]] == [est["stages"][0]["memory_bytes"]] * 2
+    for got, want in zip(out["losses"], reference_losses(2, 3, spec)):
+        assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def json_plan(path: object) -> object:
+    from shardc.plan.file import PlanFile
+
+    return PlanFile.load(str(path)).plan

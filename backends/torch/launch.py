@@ -10,7 +10,6 @@ with its elastic agent (no restarts), and process groups carry a timeout as a se
 from __future__ import annotations
 
 import io
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.files import write_json_atomic
 
 PG_TIMEOUT_S = 60.0
 
@@ -188,7 +188,5 @@ def torchrun(nproc: int, module: str, argv: Sequence[str], *, timeout_s: float, 
 
 def write_json(path: Path, data: Any, indent: int | None = None) -> None:
     """Write JSON atomically (temp file then rename), so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent))
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent)
 

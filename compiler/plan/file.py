@@ -7,7 +7,11 @@ each recomputation, and per node group its chosen partition by group key (layer,
 and candidate label, so that it loads back onto a freshly traced graph of the same model
 (`shardc.search.planfile.partitioned_graph`). When stages partition their blocks
 differently, `stage_groups` lists per stage the block groups' partitions (`groups` then holds
-the first stage's). The predicted step time and memory are kept for reference.
+the first stage's). The predicted step time and memory are kept for reference, with the
+cluster they were predicted on. `inputs` (each graph input's shape at the batch the solver
+traced, the global batch) and `params` (the parameter count) fingerprint the model, so that a
+file loaded onto another model's graph is refused by name rather than misread. `save` writes
+atomically (`shardc.ir.files`): a reader never sees half a plan.
 
 This module reads and writes the JSON; turning it into a partitioned graph needs the solver's
 candidates and lives in `shardc.search.planfile`.
@@ -16,12 +20,14 @@ candidates and lives in `shardc.search.planfile`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardc.ir import RECOMPUTE_CHOICES, Axis
+from shardc.ir import RECOMPUTE_CHOICES, Axis, Graph
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.files import write_text_atomic
 from shardc.plan.parallel import ParallelPlan
 
 FORMAT = "shardc-plan/1"
@@ -64,6 +70,11 @@ class PlanFile:
     tq: int = 1
     step_time_s: float = 0.0
     memory_per_device_bytes: float = 0.0
+    cluster: str | None = None
+    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    params: int | None = None
+    # where it was read from, for error messages (not part of the plan)
+    path: str = field(default="plan file", compare=False)
 
     def __post_init__(self) -> None:
         if self.plan.gbs is None:
@@ -85,6 +96,9 @@ class PlanFile:
                if self.stage_groups else {}),
             "step_time_s": self.step_time_s,
             "memory_per_device_bytes": self.memory_per_device_bytes,
+            **({"cluster": self.cluster} if self.cluster is not None else {}),
+            **({"inputs": {name: list(shape) for name, shape in self.inputs}} if self.inputs else {}),
+            **({"params": self.params} if self.params is not None else {}),
         }
 
     @classmethod
@@ -102,17 +116,46 @@ class PlanFile:
                        tuple(tuple(int(row[r]) for r in RECOMPUTE_CHOICES) for row in data["stages"]),
                        tuple(GroupChoice.from_json(g) for g in data["groups"]),
                        tuple(tuple(GroupChoice.from_json(g) for g in row) for row in data.get("stage_groups", ())),
-                       tq, float(data.get("step_time_s", 0.0)), float(data.get("memory_per_device_bytes", 0.0)))
+                       tq, float(data.get("step_time_s", 0.0)), float(data.get("memory_per_device_bytes", 0.0)),
+                       None if data.get("cluster") is None else str(data["cluster"]),
+                       tuple((str(k), tuple(int(d) for d in v)) for k, v in data.get("inputs", {}).items()),
+                       None if data.get("params") is None else int(data["params"]), source)
         except (KeyError, TypeError, ValueError) as e:
             raise ShardcError(f"{source} is a damaged plan file: {type(e).__name__} {e}",
                               hint="write it again with `shardc plan -o`") from e
 
+    @staticmethod
+    def fingerprint(graph: Graph) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], int]:
+        """(each input's name and shape, the parameter count) of `graph`: what `check` compares."""
+        return tuple((v.name, tuple(int(d) for d in v.type.shape)) for v in graph.inputs), graph.param_count()
+
+    def check(self, graph: Graph) -> None:
+        """A ShardcError naming the file unless `graph` is the model it was planned for: the same
+        name, and (when the file records them) the same input shapes and parameter count."""
+        hint = (f"run it with the model spec it was planned for (`shardc plan` traced it at --gbs {self.plan.gbs}), "
+                "or plan this model again with `shardc plan -o`")
+        if graph.name != self.model:
+            raise ShardcError(f"plan file {self.path} was planned for model @{self.model}, not @{graph.name}", hint=hint)
+        inputs, params = self.fingerprint(graph)
+        if self.inputs and dict(self.inputs) != dict(inputs):
+            want = ", ".join(f"{k}={list(v)}" for k, v in self.inputs)
+            got = ", ".join(f"{k}={list(v)}" for k, v in inputs)
+            raise ShardcError(f"plan file {self.path} was planned for inputs {want}; model @{graph.name} traced "
+                              f"at the plan's global batch has {got}", hint=hint)
+        if self.params is not None and self.params != params:
+            raise ShardcError(f"plan file {self.path} was planned for a model @{self.model} with {self.params:,} "
+                              f"parameters; this one has {params:,}", hint=hint)
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write the file atomically (a temporary sibling renamed over `path`)."""
+        write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> PlanFile:
+    def load(cls, path: str | os.PathLike[str]) -> PlanFile:
         """Read a plan file written by `save`."""
+        if not Path(path).is_file():
+            raise ShardcError(f"cannot read plan file {path}: it does not exist",
+                              hint="write it with `shardc plan MODEL --cluster C --gbs N -o FILE.plan`")
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:

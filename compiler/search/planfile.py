@@ -29,8 +29,10 @@ def plan_file(problem: Problem, a: Assignment, ev: Any, gbs: int) -> PlanFile:
     stage_groups = tuple(tuple(GroupChoice(v.key[0], v.key[1], v.cands[c].label)
                                for v, c in zip(problem.groups, a.at(st)) if v.section == "block")
                          for st in range(len(a.stages))) if a.stage_choice else ()
+    inputs, params = PlanFile.fingerprint(problem.facts.graph)
     return PlanFile(problem.facts.graph.name, s.plan(problem.mb, gbs, a.zero, problem.dtype), problem.micro_batches,
-                    a.stages, groups, stage_groups, s.tq, ev.step_time_s, ev.memory_per_device_bytes)
+                    a.stages, groups, stage_groups, s.tq, ev.step_time_s, ev.memory_per_device_bytes,
+                    str(problem.facts.ctx.cluster), inputs, params)
 
 
 def assignment_from_plan(file: PlanFile, problem: Problem) -> Assignment:
@@ -43,9 +45,14 @@ def assignment_from_plan(file: PlanFile, problem: Problem) -> Assignment:
         for v in problem.groups:
             label = by_key.get(v.key)
             labels = [c.label for c in v.cands]
+            if label is None:
+                raise ShardcError(f"plan file {file.path} has no partition for node group {v.group.name} "
+                                  f"(layer {v.key[0]}, position {v.key[1]}): it was planned for another model",
+                                  hint="plan this model again with `shardc plan -o`")
             if label not in labels:
-                raise ShardcError(f"plan file names partition {label!r} for group {v.group.name}, which is not a "
-                                  f"candidate on {problem.shape}", hint="re-plan without --warm-start")
+                raise ShardcError(f"plan file {file.path} names partition {label!r} for group {v.group.name}, which "
+                                  f"is not a candidate on {problem.shape}",
+                                  hint="plan this model again with `shardc plan -o` (without --warm-start)")
             choice.append(labels.index(label))
         return tuple(choice)
 
@@ -65,8 +72,10 @@ def plan_problem(graph: Graph, cluster: Cluster, file: PlanFile) -> Problem:
 
 
 def partitioned_graph(graph: Graph, cluster: Cluster, file: PlanFile) -> Graph:
-    """`graph` (the model the plan was made for, traced at the batch the solver traced it at)
-    partitioned as `file` says, in place: the graph `shardc plan -o` wrote beside the file."""
+    """`graph` (the model the plan was made for, traced at the batch the solver traced it at,
+    its layers grouped) partitioned as `file` says, in place: the graph `shardc plan -o` wrote
+    beside the file. A graph of another model is a ShardcError naming the file (`PlanFile.check`)."""
+    file.check(graph)
     problem = plan_problem(graph, cluster, file)
     return annotate_graph(graph, problem, assignment_from_plan(file, problem))
 

@@ -8,11 +8,11 @@ want of a rule), `write_plan` (the plan file and its partitioned IR), `no_fit_er
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from shardc.ir import RECOMPUTE_CHOICES, Graph
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.files import write_text_atomic
 from shardc.ops.registry import has_op
 from shardc.search.outer import Found, SearchResult
 from shardc.search.planfile import plan_file
@@ -47,7 +47,7 @@ def write_plan(out: str, graph: Graph, best: Found, gbs: int) -> None:
     est = best.estimate
     assert est is not None
     plan_file(best.problem, best.assignment, est, gbs).save(out)
-    Path(str(out) + ".ir").write_text(str(graph))
+    write_text_atomic(str(out) + ".ir", str(graph))
 
 
 def plan_summary(graph: Graph, result: SearchResult, gbs: int, total_time_s: float) -> dict[str, Any]:

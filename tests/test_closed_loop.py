@@ -1,0 +1,300 @@
+"""The closed loop: what the solver plans runs from its file, trains as one process does, and
+uses the memory the cost model predicted.
+
+Each case plans a tiny model with `shardc plan` (the driver's solve: fixed seed, one worker, a
+few seconds, fp32 as CPU processes train) on `local2`/`local4` under a memory limit chosen so
+that the plan must use one feature (pipeline stages, per-stage recomputation, ring attention,
+rotating partitions, sequence chunks, sequence parallelism, ZeRO), asserts from the partitioned
+graph that it does, then trains the plan file as `shardc run --plan FILE.plan` does (compiled
+once, torchrun over gloo) and checks every loss within 1e-5 relative of one process, the final
+parameters, and each rank's measured peak memory within 5% of the prediction for its stage.
+
+The local cluster is this machine's calibrated profile; the test writes a fixed one into a
+private cache (`SHARDC_CACHE_DIR`) instead of measuring: the plans depend on it, not on the load.
+All cases of one process count train in one torchrun (`shardc.run.launch_all`); a launch that
+fails is retried case by case, so that each failure lands on its case.
+
+Not covered yet: sequence chunks (`time s/4` without rotation). At no size or limit tried
+(GPT with vocabularies of 2-8k, Llama with a wide MLP, sequences of 64-512) did the solver
+choose them: the tight limits where they would pay end in the solve pass's own verification
+error first (a vocab-parallel embedding written with its resolved layout `{}` where its
+partition `tp:v` gives `{tp:P(sum)}`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_hardware import _profile
+
+import shardc
+from shardc import driver
+from shardc.cli import main
+from shardc.ir import Axis, Graph, Shard
+from shardc.ir.diagnostics import ShardcError
+from shardc.plan.file import PlanFile
+from shardc.run import launch, launch_all, predict, resolve_file, summarize
+from shardc.train import default_loss, synthetic_batch, vocab_of
+
+STEPS = 2  # one warm-up and one timed step; the memory-tracked step is one more update
+SEED = 5
+TIME_LIMIT_S = 3.0
+# AdamW moves a parameter by up to lr = 1e-3 per step whatever its gradient's size, so a
+# gradient near zero (attention's key bias, which softmax ignores; a weight element whose
+# gradient sums to almost nothing) turns rounding in another summation order into a visible
+# move. 1e-4 is a tenth of one step; a wrong gradient moves parameters by whole steps.
+ATOL = 1e-4
+HF_GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=128&n_positions=128&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, a cluster of `nproc` local processes, a global batch and a per-device memory
+    limit (GB) under which the solver's plan uses every feature in `features`."""
+
+    id: str
+    spec: str
+    nproc: int
+    gbs: int
+    limit_gb: float
+    features: frozenset[str]
+
+
+def case(id: str, spec: str, nproc: int, gbs: int, limit_gb: float, *features: str,
+         marks: tuple[pytest.MarkDecorator, ...] = ()) -> object:
+    return pytest.param(Case(id, spec, nproc, gbs, limit_gb, frozenset(features)), id=id, marks=marks)
+
+
+# Selective recomputation as the backend runs it comes from the recompute engineer's branch;
+# here the measured peak misses the prediction (gpt-selective -5.9%, hf-gpt2 -10.4% on rank 0).
+SELECTIVE = pytest.mark.xfail(strict=True, reason="selective recomputation: the backend's saved activations "
+                              "differ from what the cost model prices (peak memory off by more than 5%)")
+
+CASES = [
+    # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
+    case("gpt-pipeline", "examples/gpt.py:tiny?batch=4", 2, 4, 0.002, "pipeline"),
+    # Four data-parallel replicas whose Adam state no longer fits: ZeRO shards it.
+    case("gpt-zero", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.003, "zero"),
+    # Longer sequences on two devices: tensor parallel with rotating matmuls.
+    case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.008, "rotate"),
+    # Tighter on four: rotating matmuls, sequence-parallel norms, ZeRO.
+    case("gpt-rotate-sp", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0015, "rotate", "sp", "zero"),
+    # Between the two: the blocks keep only what selective recomputation keeps (what the backend
+    # runs for `selective` comes from the recompute engineer's branch).
+    case("gpt-selective", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.002, "recompute-selective", "rotate",
+         "zero", marks=(SELECTIVE,)),
+    # Llama (sdpa): tensor parallel over two whose blocks recompute in full.
+    case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.002, "recompute-full", "rotate", "zero"),
+    # One attention head: tensor parallelism cannot split heads, so attention runs as a ring.
+    # Fails in the run (a defect, reported): the plan has 2 micro-batches of one sequence, and
+    # the model traced at one sequence binds the batch as a broadcast dim the partitions name.
+    case("llama-ring", "examples/llama.py:tiny?batch=2&seq=256&n_head=1&n_kv_head=1", 2, 2, 0.002,
+         "ring-attention", "rotate", "sp", "zero", "recompute-full"),
+    # transformers' GPT-2 on four: rotating matmuls, ZeRO, selective recomputation.
+    case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.003, "rotate", "zero", "recompute-selective",
+         marks=(SELECTIVE,)),
+    # BERT (an encoder) on two. Fails in the workers (a defect of the training loop, reported):
+    # `shardc.train.synthetic_batch` draws token_type_ids from [0, vocab), past BERT's two types.
+    case("bert", "examples/bert.py:tiny?batch=4&seq=128", 2, 4, 0.003, "rotate", "zero", "recompute-selective"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fixed calibrated profile of `local` (no calibration here): plans do not vary with load."""
+    from shardc.calibration.profile import write_profile
+
+    cache = tmp_path_factory.mktemp("shardc-cache")
+    write_profile(_profile(), cache / "local-profile.json")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDC_CACHE_DIR", str(cache))
+        yield cache
+
+
+@dataclass
+class Outcome:
+    """One case's plan file, what `shardc plan --json` printed, `shardc run`'s prediction, and
+    the workers' reports with the final parameters (or the error that stopped them)."""
+
+    path: Path
+    planned: dict[str, Any]
+    est: Any = None
+    note: str = ""
+    reports: list[dict[str, Any]] | None = None
+    error: Exception | None = None
+
+
+def plan(c: Case, out: Path) -> Outcome:
+    """`shardc plan` for the case, its JSON summary kept; a failure is kept as the outcome's error."""
+    path = out / f"{c.id}.plan"
+    # `shardc plan --memory-limit L --time-limit 3 --seed 0 --workers 1 --dtype fp32`, never cut
+    # short by the wall clock (`wall-stop=inf`): the plan depends on the seed only, not the load
+    solve = driver.solve_pipeline(c.gbs, time_limit=TIME_LIMIT_S, seed=0, workers=1, memory_limit_gb=c.limit_gb,
+                                  dtype="fp32", wall_stop=float("inf"))
+    argv = ["plan", c.spec, "--cluster", f"local{c.nproc}", "--gbs", str(c.gbs), "--pipeline", solve,
+            "-o", str(path), "--json"]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    if code != 0:
+        return Outcome(path, {}, error=AssertionError(f"shardc {' '.join(argv)} failed: {stderr.getvalue()}"))
+    outcome = Outcome(path, json.loads(stdout.getvalue()))
+    outcome.est, outcome.note = predict(c.spec, PlanFile.load(path), None, c.nproc)  # `shardc run`'s prediction
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+    """Every case planned, then trained: one torchrun per process count for all its cases (the
+    workers start once); when that launch fails, each of its cases again alone, so that the
+    error lands on the case that has it."""
+    out = tmp_path_factory.mktemp("closed-loop")
+    cases = [p.values[0] for p in CASES]  # type: ignore[attr-defined]
+    done = {c.id: plan(c, out) for c in cases}
+    for c in cases:  # a plan that does not compile fails alone, before any launch
+        if done[c.id].error is None:
+            try:
+                shardc.compile(c.spec, plan=done[c.id].path, device="meta")
+            except ShardcError as err:
+                done[c.id].error = err
+    for nproc in sorted({c.nproc for c in cases}):
+        group = [c for c in cases if c.nproc == nproc and done[c.id].error is None]
+        runs = [(c.spec, PlanFile.load(done[c.id].path)) for c in group]
+        states = [out / f"{c.id}.state.pt" for c in group]
+        try:
+            for c, reports in zip(group, launch_all(runs, nproc=nproc, steps=STEPS, seed=SEED, timeout_s=400,
+                                                    state_outs=states)):
+                done[c.id].reports = reports
+        except ShardcError:
+            for c, run, state in zip(group, runs, states):
+                try:
+                    done[c.id].reports = launch(*run, nproc=nproc, steps=STEPS, seed=SEED, timeout_s=200,
+                                                state_out=state)
+                except ShardcError as err:
+                    done[c.id].error = err
+    return done
+
+
+def features(graph: Graph) -> set[str]:
+    """What a partitioned graph uses, read from its mesh, layer annotations and node partitions."""
+    assert graph.mesh is not None
+    found: set[str] = set()
+    if graph.mesh.axis_size(Axis.PP) > 1:
+        found.add("pipeline")
+    found |= {f"recompute-{layer.annotation.recompute}" for layer in graph.layers.values()
+              if layer.annotation.recompute != "none"}
+    if any(layer.annotation.zero > 0 for layer in graph.layers.values()):
+        found.add("zero")
+    for node in graph.nodes:
+        for split in node.partition.temporal if node.partition is not None else ():
+            if split.rotate is None:
+                found.add("chunks")
+            else:
+                found.add("ring-attention" if node.op == "scaled_dot_product_attention" else "rotate")
+        # sequence parallelism: a norm's output sharded along the sequence dim on the tensor axis
+        if node.op in ("layer_norm", "rms_norm") and any(
+                axis == Axis.TP and isinstance(p, Shard) and p.dim == 1
+                for v in node.outputs for axis, p in (v.layout.placements if v.layout else ())):
+            found.add("sp")
+    return found
+
+
+def reference(spec: str, graph: Graph, steps: int, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the same seed, data, loss and optimizer as `shardc run`'s workers: the
+    losses of steps 0..steps-1 and the parameters after the memory-tracked step (batch steps+1)."""
+    from shardc.frontend.spec import load_model
+
+    torch.manual_seed(seed)
+    loaded = load_model(spec, device="cpu")
+    model, example = loaded.model, list(loaded.example_inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    default = default_loss(graph)  # a model without its own loss trains on next-token cross entropy
+    losses = []
+    for step in [*range(steps), steps + 1]:
+        batch = synthetic_batch(example, vocab_of(model), seed, step)
+        loss = model(*batch)
+        if default is not None:
+            loss_fn, target_of = default
+            loss = loss_fn(getattr(loss, "logits", loss), target_of(batch))  # transformers: its output object
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses[:steps], {k: v.detach() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("c", CASES)
+def test_solver_plan_runs_from_its_file(c: Case, outcomes: dict[str, Outcome]) -> None:
+    got = outcomes[c.id]
+    if got.error is not None and got.reports is None and not got.planned:
+        raise got.error
+    file = resolve_file(str(got.path), c.nproc)
+    assert file is not None and file.plan.dtype == "fp32"
+    graph, _ = driver.partition(c.spec, None, got.path)  # the file on a fresh trace: what runs
+    used = features(graph)
+    assert c.features <= used, f"{c.id}: plan {file.plan} uses {sorted(used)}, not {sorted(c.features - used)}"
+    assert got.est is not None, got.note
+    assert got.est.step_time_s == pytest.approx(got.planned["step_time_s"], rel=1e-9)  # the graph the solver scored
+    if got.error is not None:
+        raise got.error
+    assert got.reports is not None
+    summary = summarize(c.spec, file, got.reports, got.est, got.note)
+    want_losses, want_state = reference(c.spec, graph, STEPS, SEED)
+    assert summary["losses"] == pytest.approx(want_losses, rel=1e-5), f"{c.id}: {summary['losses']} vs {want_losses}"
+    got_state = torch.load(got.path.with_name(f"{c.id}.state.pt"))
+    for name, want in want_state.items():
+        torch.testing.assert_close(got_state[name], want, rtol=1e-5, atol=ATOL, msg=lambda m, n=name: f"{c.id} {n}: {m}")
+    for r in summary["ranks"]:
+        measured, predicted = r["peak_memory_bytes"], r["predicted_peak_memory_bytes"]
+        assert measured == pytest.approx(predicted, rel=0.05), \
+            f"{c.id} rank {r['rank']}: measured {measured:,} B, predicted {predicted:,} B ({measured / predicted - 1:+.1%})"
+
+
+def _plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, nproc: int, gbs: int) -> Path:
+    path = tmp_path / "p.plan"
+    argv = ["plan", spec, "--cluster", f"local{nproc}", "--gbs", str(gbs), "--time-limit", "1", "--dtype", "fp32",
+            "-o", str(path), "--json"]
+    assert main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    return path
+
+
+def test_a_plan_file_for_another_model_or_device_count_is_refused(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    spec = "examples/gpt.py:tiny?batch=4"
+    path = _plan_file(tmp_path, capsys, spec, 2, 4)
+    with pytest.raises(shardc.ShardcError, match=rf"plan file {path} is a plan for 2 devices .* but --nproc is 4"):
+        resolve_file(str(path), 4)
+    for other, message in (("examples/llama.py:tiny?batch=4", "was planned for model @gpt_tiny, not @llama_tiny"),
+                           ("examples/gpt.py:tiny?batch=4&seq=8", r"was planned for inputs idx=\[4, 16\]"),
+                           ("examples/gpt.py:tiny?batch=4&n_embd=32", "with 109,312 parameters; this one has")):
+        with pytest.raises(shardc.ShardcError, match=message):
+            shardc.compile(other, plan=str(path), device="meta")
+    assert main(["run", "examples/gpt.py:tiny?batch=2", "--nproc", "2", "--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"plan file {path} was planned for a global batch of 4 sequences" in err and "?batch=4" in err
+    assert main(["run", spec, "--nproc", "2", "--plan", str(tmp_path / "missing.plan")]) == 2
+    assert f"cannot read plan file {tmp_path / 'missing.plan'}: it does not exist" in capsys.readouterr().err
+
+
+def test_estimate_and_compile_take_the_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`shardc estimate --plan FILE.plan` and `shardc.compile(plan=Path)` score the graph the
+    solver wrote beside the file, to its own figures."""
+    spec = "examples/gpt.py:tiny?batch=4"
+    path = _plan_file(tmp_path, capsys, spec, 2, 4)
+    written = PlanFile.load(path)
+    assert main(["estimate", spec, "--cluster", "local2", "--plan", str(path), "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    compiled = shardc.compile(spec, plan=path, device="meta")
+    assert compiled.plan == written.plan
+    again = compiled.estimate()
+    assert (cli["step_time_s"], cli["memory_per_device_bytes"]) == (written.step_time_s, written.memory_per_device_bytes)
+    assert (again.step_time_s, again.memory_per_device_bytes) == (written.step_time_s, written.memory_per_device_bytes)
