@@ -1,7 +1,8 @@
 """Scores one point of the search space with the analytical model: `shardc.cost.compose` over
 layer costs built from the chosen candidates' terms.
 
-A point (`Assignment`) is a candidate per group, per pipeline stage how many blocks it holds
+A point (`Assignment`) is a candidate per group, per pipeline stage (per virtual stage, pp*vpp
+of them, with interleaved stages: virtual stage s runs on device s % pp) how many blocks it holds
 under each recomputation (none, selective, full), and one ZeRO stage. Its layers are the
 prefix, every block copy and the suffix, each with a `LayerCost` from `finish_layer` (the
 cost model's recomputation rules) over the sum of its groups' `LayerTerms` and its edges: an
@@ -326,7 +327,7 @@ class _Layers:
 
     def _memory(self, tl: Timelines, kind: str, t: LayerTerms, recompute: str, stage: int,
                 names: dict[str, tuple[float, frozenset[str]]]) -> LayerMemory:
-        mine = self.earlier.setdefault(stage, set())
+        mine = self.earlier.setdefault(stage % self.problem.shape.pp, set())  # per device, as `estimate` ties
         tied = frozenset(n for n in names if n in mine)
         mine.update(names)
         return tl.get(kind, recompute, self.a.zero, tied, t)
