@@ -229,8 +229,9 @@ def _partial(problem: Problem, choice: tuple[int, ...], zero: int, limit: float
 def grid_points(problem: Problem, limit: float, recomputes: tuple[str, ...] = RECOMPUTE_CHOICES,
                 zeros: tuple[int, ...] = GRID_ZEROS) -> list[tuple[GridPoint, Assignment, Evaluation]]:
     """Every grid point of one (mesh shape with its vpp, micro-batch size) problem, evaluated
-    against `limit` bytes per device (see the module rule for partial recomputation)."""
-    if problem.shape.tq != 1 or not vpp_admissible(problem.layers, problem.shape.pp, problem.shape.vpp):
+    against `limit` bytes per device (see the module rule for partial recomputation). On a
+    tp x tq shape the points are the solver's warm starts, not grid points."""
+    if not vpp_admissible(problem.layers, problem.shape.pp, problem.shape.vpp):
         return []
     if problem.shape.vpp > 1 and problem.micro_batches % problem.shape.pp:
         return []  # interleaved 1F1B needs the micro-batches to be a multiple of pp
@@ -274,6 +275,8 @@ def best_grid(problems: list[Problem], limit: float) -> tuple[Problem, GridPoint
     """The fastest grid point that fits in `limit` bytes per device (None when none fits)."""
     best = None
     for problem in problems:
+        if problem.shape.tq != 1:  # a Megatron user has one tp axis (tq shapes get them as hints)
+            continue
         for point, a, ev in grid_points(problem, limit):
             if ev.fits and (best is None or ev.step_time_s < best[3].step_time_s):
                 best = (problem, point, a, ev)

@@ -6,7 +6,9 @@ Rules:
   dividing the global batch, pp at most the number of blocks, and cp > 1 only for sequences
   of 8192 tokens or more; with `grid2d`, a tp that is a square q*q is also offered as tp=q x
   tq=q, the two equal model axes PrimePar's 2-D grids run on (`shardc.search.candidates`;
-  opt-in: more shapes to price and solve in the same time limit). Micro-batch
+  opt-in: more shapes to price and solve in the same time limit); every shape with pp > 1 is
+  also offered interleaved, vpp = v > 1 model chunks per device wherever the blocks divide
+  into pp*v equal chunks (Megatron's rule, `shardc.search.grid.vpp_admissible`). Micro-batch
   sizes are the powers of two up to 8 that divide the per-replica batch.
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
@@ -20,6 +22,12 @@ Rules:
   points can be among the best. The best grid point is the incumbent, and
   each problem's best grid point its warm start (else the grid point best by the linearised
   objective, or a plan file's).
+- Interleaved shapes are priced as their shape without interleaving (the same pricing key) and
+  searched by `shardc.search.interleave` (the grid's layouts and the solver's vectors of the
+  shape without interleaving, the recomputation per device), after the CP-SAT solves, in
+  order of bound and while the wall clock allows; their `lower_bound` is the interleaved
+  schedule's ideal time on the cheapest blocks (no memory term), and it stays their floor in
+  the gap (the enumeration proves nothing).
 - Shapes are solved in order of their bound; a shape whose bound cannot beat the incumbent is
   pruned without solving, and the others are solved cut off at the incumbent (CP-SAT looks
   only for better plans; proving there is none bounds the shape by the incumbent). The solves share `SOLVE_SHARE` of the time limit in CP-SAT's
@@ -38,6 +46,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -52,7 +61,8 @@ from shardc.ir import ZERO_STAGES
 from shardc.ir.diagnostics import ShardcError
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
-from shardc.search.grid import GridPoint, grid_assignments
+from shardc.search.grid import GridPoint, grid_assignments, grid_points, layouts, vpp_admissible
+from shardc.search.interleave import interleaved
 from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
@@ -63,6 +73,7 @@ RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the e
 GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
 SOLVE_SHARE = 0.3  # of the time limit, in CP-SAT deterministic seconds, shared by the solves
 WALL_STOP = 1.5  # an overloaded machine stops solving at this multiple of the limit (not deterministic)
+INTERLEAVE_SHARE = 0.3  # of the time limit, on the wall clock, for the interleaved shapes' search
 
 
 @dataclass
@@ -99,9 +110,18 @@ class SearchResult:
     log: list[str] = field(default_factory=list)
 
 
+def annotate(graph, problem: Problem, a: Assignment):
+    """`annotate_graph`, and the interleaved schedule the plan records when vpp > 1 (the
+    graph attributes the backend's pipeline reads, as apply-plan writes them)."""
+    annotate_graph(graph, problem, a)
+    if problem.shape.vpp > 1:
+        graph.attrs.update({"schedule": "interleaved", "virtual_stages": problem.shape.vpp})
+    return graph
+
+
 def score(found: Found, cluster: Cluster) -> Found:
     """Annotate the graph with the plan and run `shardc.cost.estimate` on it (in place)."""
-    graph = annotate_graph(found.problem.facts.graph, found.problem, found.assignment)
+    graph = annotate(found.problem.facts.graph, found.problem, found.assignment)
     found.estimate = estimate(graph, cluster)
     return found
 
@@ -141,6 +161,8 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
                 if gbs % dp:
                     continue
                 out.append(MeshShape(pp, dp, cp, tp))
+                out += [MeshShape(pp, dp, cp, tp, 1, v) for v in range(2, layers // max(pp, 1) + 1)
+                        if pp > 1 and vpp_admissible(layers, pp, v)]
                 q = math.isqrt(tp)
                 if grid2d and q > 1 and q * q == tp:  # tp as a q x q grid (tp x tq) for PrimePar's P(q x q)
                     out.append(MeshShape(pp, dp, cp, q, q))
@@ -203,8 +225,11 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
             gather = co.zero3[0] + co.zero3[1] * co.w_elem * numel["block"]
             tl = np.maximum(tl, rest + max(compute[0], gather) + max(compute[1], gather))
         total = L * tl[0] + extra.sum()
-        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra))
         after = co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p
+        if problem.shape.vpp > 1:  # the interleaved schedule's ideal: bubble (p-1)/(v m) of the work
+            best = min(best, float(total / p * (m + (p - 1) / problem.shape.vpp) + after + co.tail[z]))
+            continue
+        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra))
         best = min(best, float(total + (m - 1) * slowest + after + co.tail[z]))
     return best
 
@@ -253,12 +278,13 @@ def _makespan(problem: Problem, limit: float, tl: np.ndarray, act: dict[str, np.
 
 
 def grid_bound(problem: Problem) -> float:
-    """The grid scan's bound: every group at its cheapest, edges free, stages perfectly balanced."""
+    """The grid scan's bound: every group at its cheapest, edges free, stages perfectly balanced
+    (interleaved: the bubble (p-1)/v micro-batches' chunk time instead of p-1)."""
     co = coefficients(problem)
     per_mb = sum(min(r["time"] for r in rows) * (problem.layers if v.section == "block" else 1)
                  for rows, v in zip(co.cand, problem.groups))
     p, m = problem.shape.pp, problem.micro_batches
-    return per_mb * (1 + (m - 1) / p)
+    return per_mb * (m + (p - 1) / problem.shape.vpp) / p
 
 
 def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit: float
@@ -273,13 +299,12 @@ def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit:
     for i in order:
         if bounds[i] > best * (1 + GRID_MARGIN):
             break
-        for point, a in grid_assignments(problems[i]):
-            ev = evaluate(problems[i], a, limit)
+        for point, a, ev in grid_points(problems[i], limit):
             found = Found(problems[i], a, ev, "grid", "grid", 0.0, point)
             if ev.fits and problems[i].shape.tq == 1:  # tp x tq points are only warm starts
                 grids.append(found)
                 best = min(best, ev.step_time_s)
-            if ev.fits:
+            if ev.fits and problems[i].shape.vpp == 1:
                 if i not in hints or ev.step_time_s < hints[i][1]:
                     hints[i] = (a, ev.step_time_s)
             if closest is None or ev.memory_per_device_bytes < closest.evaluation.memory_per_device_bytes:
@@ -330,7 +355,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
             if problem.shape == warm[0] and problem.mb == warm[1] and len(warm[2].choice) == len(problem.groups):
                 hints[i] = (warm[2], 0.0)
     incumbent = min((f.evaluation.step_time_s for f in grids), default=float("inf"))
-    order = sorted(by_bound, key=lambda i: (i not in hints or warm is None, bounds[i], i))
+    order = sorted((i for i in by_bound if problems[i].shape.vpp == 1),
+                   key=lambda i: (i not in hints or warm is None, bounds[i], i))
     solved = pruned = 0
     floor = dict(enumerate(bounds))  # per problem, the best proven lower bound
     log = []
@@ -360,6 +386,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         if ev.fits:
             founds.append(Found(problem, result.assignment, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
+    incumbent = _interleave(problems, by_bound, bounds, founds, incumbent, limit,
+                            min(start + wall_stop * time_limit, time.perf_counter() + INTERLEAVE_SHARE * time_limit))
     proven = min(floor.values(), default=float("inf"))
     gap = max(0.0, 1.0 - proven / incumbent) if incumbent < float("inf") else 1.0
     # The reported numbers are `estimate`'s, on the graph annotated with each plan.
@@ -368,5 +396,27 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     if grid is not None and (best is None or grid.step_time_s <= best.step_time_s):
         best = grid
     if best is not None:
-        annotate_graph(facts.graph, best.problem, best.assignment)
+        annotate(facts.graph, best.problem, best.assignment)
     return SearchResult(best, grid, closest, time.perf_counter() - start, gap, solved, pruned, log)
+
+
+def _interleave(problems: list[Problem], by_bound: list[int], bounds: list[float], founds: list[Found],
+                incumbent: float, limit: float, deadline: float) -> float:
+    """Search the interleaved problems whose bound beats the incumbent (module rule), adding
+    what fits to `founds`; the new incumbent."""
+    for i in by_bound:
+        problem = problems[i]
+        if problem.shape.vpp == 1 or bounds[i] >= incumbent or time.perf_counter() > deadline:
+            continue
+        if problem.micro_batches % problem.shape.pp or not vpp_admissible(problem.layers, problem.shape.pp,
+                                                                          problem.shape.vpp):
+            continue
+        flat = dataclasses.replace(problem.shape, vpp=1)
+        vectors = [choice for _, choice in layouts(problem)]
+        vectors += [f.assignment.choice for f in sorted(founds, key=lambda f: f.evaluation.step_time_s)
+                    if f.problem.shape == flat and f.problem.mb == problem.mb][:2]
+        got = interleaved(problem, vectors, limit, deadline=deadline)
+        if got is not None:
+            founds.append(Found(problem, got[0], got[1], "solver", "FEASIBLE", 0.0))
+            incumbent = min(incumbent, got[1].step_time_s)
+    return incumbent
