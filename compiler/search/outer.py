@@ -36,7 +36,9 @@ Rules:
   `WALL_STOP` times the limit (a machine too loaded to keep any promise; `wall_stop=inf`
   turns it off). The best plan found is returned with its proven gap: 1 - (the smallest lower
   bound over all shapes: the larger of CP-SAT's bound on the linearised objective and
-  `lower_bound` where solved, `lower_bound` elsewhere) / the best plan's evaluation.
+  `lower_bound` where solved, `lower_bound` elsewhere) / the best plan's evaluation. A
+  solved plan that overflows by evaluation (the linearised memory is an approximation) is
+  solved once more with the limit lowered by its overshoot.
 - Every grid point and every solver plan is evaluated with `shardc.search.evaluate` (the cost
   model's composition); the best few of each are then scored by `shardc.cost.estimate` on the
   graph annotated with the plan, the very function `shardc estimate` runs, and those are the
@@ -73,6 +75,7 @@ RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the e
 GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
 SOLVE_SHARE = 0.3  # of the time limit, in CP-SAT deterministic seconds, shared by the solves
 WALL_STOP = 1.5  # an overloaded machine stops solving at this multiple of the limit (not deterministic)
+RETRY_MARGIN = 1e-3  # a solve whose plan overflows by evaluation is retried this far below the overshoot
 INTERLEAVE_SHARE = 0.3  # of the time limit, on the wall clock, for the interleaved shapes' search
 
 
@@ -187,7 +190,10 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
     slowest stage is at least the smallest makespan of whole blocks over the stages (the prefix
     on the first, the suffix on the last, sends on every boundary) with each stage's blocks
     recomputed as little as its memory allows (model states at that ZeRO stage, activations of
-    its micro-batches in flight, every quantity at its smallest candidate: `_makespan`); plus
+    its micro-batches in flight, every quantity at its smallest candidate: `_makespan`); with
+    interleaved stages (vpp = v), at least the ideal interleaved schedule on the cheapest blocks
+    and m times the busiest device's work, a device's stage time as above with its chunks'
+    micro-batches in flight (`in_flight` / v in blocks' worth); plus
     the optimizer on an even share of the parameters and the last gradient bucket. Infinite
     when no split of the blocks fits `limit` at any ZeRO stage."""
     co = coefficients(problem)
@@ -226,23 +232,25 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
             tl = np.maximum(tl, rest + max(compute[0], gather) + max(compute[1], gather))
         total = L * tl[0] + extra.sum()
         after = co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p
-        if problem.shape.vpp > 1:  # the interleaved schedule's ideal: bubble (p-1)/(v m) of the work
-            best = min(best, float(total / p * (m + (p - 1) / problem.shape.vpp) + after + co.tail[z]))
+        v = problem.shape.vpp
+        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra, v))
+        if v > 1:  # interleaved: the ideal schedule (bubble (p-1)/(v m) of the work), the busiest device's work
+            best = min(best, float(max(total / p * (m + (p - 1) / v), m * slowest) + after + co.tail[z]))
             continue
-        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra))
         best = min(best, float(total + (m - 1) * slowest + after + co.tail[z]))
     return best
 
 
 def _makespan(problem: Problem, limit: float, tl: np.ndarray, act: dict[str, np.ndarray], numel: dict[str, float],
-              state: float, extra: np.ndarray) -> float:
+              state: float, extra: np.ndarray, virtual: int = 1) -> float:
     """The smallest T such that the stages hold the L blocks with none above T, a stage's time
     for n blocks being extra_s plus the cheapest mix of recomputations (an LP over the counts,
     its vertices enumerated) whose activations, times the micro-batches in flight, fit beside
     the model states (nondecreasing in n; infinite where nothing fits)."""
     L, p, m = problem.layers, problem.shape.pp, problem.micro_batches
     s = np.arange(p)
-    f = np.array([in_flight("1f1b", p, i, m) for i in range(p)], dtype=float)[:, None]
+    f = np.array([in_flight("interleaved", p, i, m, virtual) / virtual if virtual > 1 else in_flight("1f1b", p, i, m)
+                  for i in range(p)], dtype=float)[:, None]
     fixed = ((numel["pre"] * (s == 0) + numel["post"] * (s == p - 1)) * state
              + f[:, 0] * (act["pre"][0] * (s == 0) + act["post"][0] * (s == p - 1)))[:, None]
     n = np.arange(L + 1, dtype=float)[None, :]
@@ -383,6 +391,21 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         if result.assignment is None:
             continue
         ev = evaluate(problem, result.assignment, limit)
+        if not ev.fits and budget_left > 0:
+            # The linearised memory fell short of the evaluated one: once more with the limit
+            # lowered by the overshoot (the first solve's bound stands: the retry's is not one).
+            a = result.assignment
+            lin = objective(problem, a.choice, a.stages, a.zero, a.stage_choice)
+            over = max(e - l for e, l in zip(ev.memory_bytes, lin.memory_bytes))
+            retry = solve(problem, limit - max(over, RETRY_MARGIN * limit), budget / 2,
+                          seed, workers, hint[0] if hint else None,
+                          wall_limit=max(wall_stop * time_limit - (time.perf_counter() - start), 0.5),
+                          cutoff=incumbent if incumbent < float("inf") else None)
+            budget_left -= max(retry.deterministic_s, 0.01)
+            log.append(f"  retried below the evaluated memory: {retry.status} {retry.objective_s:.4g}s")
+            if retry.assignment is not None:
+                result = retry
+                ev = evaluate(problem, retry.assignment, limit)
         if ev.fits:
             founds.append(Found(problem, result.assignment, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
