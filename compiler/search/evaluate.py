@@ -317,7 +317,12 @@ class _Layers:
         across = prev if prev is not None and prev != cur else None  # only a stage boundary changes the layouts
         key = (across, cur)
         if key not in self.timelines:
-            self.timelines[key] = Timelines(self.problem, cur, {}, self.options, across)
+            # A timeline depends on the layouts only, so the problem keeps them for every
+            # assignment it evaluates (the grid's points share their vector).
+            shared = self.problem.__dict__.setdefault("_timelines", {})
+            if (key, self.options) not in shared:
+                shared[(key, self.options)] = Timelines(self.problem, cur, {}, self.options, across)
+            self.timelines[key] = shared[(key, self.options)]
         return self.timelines[key]
 
     def _cost(self, key: tuple[object, ...], t: LayerTerms, recompute: str) -> LayerCost:

@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardc.analysis.stages import stage_sizes
+from shardc.cost.compose import zero_group
 from shardc.ir import RECOMPUTE_CHOICES, Axis, Shard
 from shardc.ops.registry import get_op, has_op
 from shardc.plan.parallel import ParallelPlan
@@ -235,6 +236,8 @@ def grid_points(problem: Problem, limit: float, recomputes: tuple[str, ...] = RE
         return []
     if problem.shape.vpp > 1 and problem.micro_batches % problem.shape.pp:
         return []  # interleaved 1F1B needs the micro-batches to be a multiple of pp
+    if zero_group(problem.shape.mesh())[1] == 1:
+        zeros = zeros[:1]  # nothing to shard the optimizer over: ZeRO-1 is the same plan
     out = []
     for sp, choice in layouts(problem):
         for z in zeros:
