@@ -15,9 +15,10 @@ everything else replicated along tp, partial sums all-reduced, or with sp reduce
 the sequence (the norms and dropouts between follow it); the embedding and the head are not
 recomputed. Each point is an `Assignment` of the solver's own space, evaluated with
 `evaluate`; the outer search scores the best ones with `shardc.cost.estimate` on the
-annotated graph. Partial recomputation is pruned where it cannot help: only for a (layout,
-ZeRO) whose recompute=none does not fit, and only the smallest N that fits (more recomputed
-blocks only cost time).
+annotated graph. Dominated points are pruned: where recompute=none fits, no recomputation
+is evaluated (it only adds time); partial recomputation only for a (layout, ZeRO) whose
+recompute=none does not fit, and only the smallest N that fits (more recomputed blocks only
+cost time).
 """
 
 from __future__ import annotations
@@ -241,15 +242,15 @@ def grid_points(problem: Problem, limit: float, recomputes: tuple[str, ...] = RE
     out = []
     for sp, choice in layouts(problem):
         for z in zeros:
-            none_fits = True
+            none_fits = False
             for rc in recomputes:
                 stages = balanced_stages(problem.layers, problem.shape.stages, rc)
-                if stages is None:
-                    continue
+                if stages is None or none_fits:
+                    continue  # recomputation only adds time: dominated where none fits
                 a, ev = _fit(problem, choice, z, limit, stages)
                 out.append((GridPoint(problem.shape, problem.mb, rc, z, sp), a, ev))
-                none_fits = none_fits and (rc != "none" or ev.fits)
-            if not none_fits and "full" in recomputes:
+                none_fits = rc == "none" and ev.fits
+            if not none_fits and "none" in recomputes and "full" in recomputes:
                 part = _partial(problem, choice, z, limit)
                 if part is not None:
                     k, a, ev = part

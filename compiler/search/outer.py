@@ -7,8 +7,8 @@ Rules:
   of 8192 tokens or more; with `grid2d`, a tp that is a square q*q is also offered as tp=q x
   tq=q, the two equal model axes PrimePar's 2-D grids run on (`shardc.search.candidates`;
   opt-in: more shapes to price and solve in the same time limit); every shape with pp > 1 is
-  also offered interleaved, vpp = v > 1 model chunks per device wherever the blocks divide
-  into pp*v equal chunks (Megatron's rule, `shardc.search.grid.vpp_admissible`). Micro-batch
+  also offered interleaved, vpp = v in 2..`MAX_VPP` model chunks per device wherever the
+  blocks divide into pp*v equal chunks (Megatron's rule, `shardc.search.grid.vpp_admissible`). Micro-batch
   sizes are the powers of two up to 8 that divide the per-replica batch.
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
@@ -70,6 +70,7 @@ from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
 LONG_SEQUENCE = 8192
+MAX_VPP = 4  # model chunks per device offered (the interleaving depths Megatron users run; bounds the shapes)
 MICRO_BATCHES = (1, 2, 4, 8)
 RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the end
 GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
@@ -164,7 +165,7 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
                 if gbs % dp:
                     continue
                 out.append(MeshShape(pp, dp, cp, tp))
-                out += [MeshShape(pp, dp, cp, tp, 1, v) for v in range(2, layers // max(pp, 1) + 1)
+                out += [MeshShape(pp, dp, cp, tp, 1, v) for v in range(2, min(MAX_VPP, layers // max(pp, 1)) + 1)
                         if pp > 1 and vpp_admissible(layers, pp, v)]
                 q = math.isqrt(tp)
                 if grid2d and q > 1 and q * q == tp:  # tp as a q x q grid (tp x tq) for PrimePar's P(q x q)
@@ -232,10 +233,10 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
             tl = np.maximum(tl, rest + max(compute[0], gather) + max(compute[1], gather))
         total = L * tl[0] + extra.sum()
         after = co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p
-        v = problem.shape.vpp
-        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra, v))
-        if v > 1:  # interleaved: the ideal schedule (bubble (p-1)/(v m) of the work), the busiest device's work
-            best = min(best, float(max(total / p * (m + (p - 1) / v), m * slowest) + after + co.tail[z]))
+        vpp = problem.shape.vpp
+        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra, vpp))
+        if vpp > 1:  # interleaved: the ideal schedule (bubble (p-1)/(v m) of the work), the busiest device's work
+            best = min(best, float(max(total / p * (m + (p - 1) / vpp), m * slowest) + after + co.tail[z]))
             continue
         best = min(best, float(total + (m - 1) * slowest + after + co.tail[z]))
     return best
@@ -390,11 +391,11 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         floor[i] = max(floor[i], result.bound_s)
         if result.assignment is None:
             continue
-        ev = evaluate(problem, result.assignment, limit)
+        a = result.assignment
+        ev = evaluate(problem, a, limit)
         if not ev.fits and budget_left > 0:
             # The linearised memory fell short of the evaluated one: once more with the limit
             # lowered by the overshoot (the first solve's bound stands: the retry's is not one).
-            a = result.assignment
             lin = objective(problem, a.choice, a.stages, a.zero, a.stage_choice)
             over = max(e - l for e, l in zip(ev.memory_bytes, lin.memory_bytes))
             retry = solve(problem, limit - max(over, RETRY_MARGIN * limit), budget / 2,
@@ -404,10 +405,10 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
             budget_left -= max(retry.deterministic_s, 0.01)
             log.append(f"  retried below the evaluated memory: {retry.status} {retry.objective_s:.4g}s")
             if retry.assignment is not None:
-                result = retry
-                ev = evaluate(problem, retry.assignment, limit)
+                result, a = retry, retry.assignment
+                ev = evaluate(problem, a, limit)
         if ev.fits:
-            founds.append(Found(problem, result.assignment, ev, "solver", result.status, result.gap))
+            founds.append(Found(problem, a, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
     incumbent = _interleave(problems, by_bound, bounds, founds, incumbent, limit,
                             min(start + wall_stop * time_limit, time.perf_counter() + INTERLEAVE_SHARE * time_limit))
