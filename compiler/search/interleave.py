@@ -18,12 +18,16 @@ by the same `evaluate` as every plan. Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from shardc.analysis.stages import stage_sizes
 from shardc.ir import ZERO_STAGES
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
+from shardc.search.grid import layouts, vpp_admissible
 from shardc.search.problem import Problem
+
+SOLVED_VECTORS = 2  # the solver's best vectors of the shape without interleaving, tried per interleaved shape
 
 
 def mixes(n: int) -> list[tuple[int, int, int]]:
@@ -91,3 +95,30 @@ def interleaved(problem: Problem, vectors: list[tuple[int, ...]], limit: float,
                     a = Assignment(vec, stages, z)
                     keep(a, evaluate(problem, a, limit))
     return best
+
+
+def search_interleaved(problems: list[Problem], order: list[int], bounds: list[float],
+                       solved: list[tuple[Problem, Assignment, float]], incumbent: float, limit: float,
+                       deadline: float) -> list[tuple[int, Assignment, Evaluation]]:
+    """The interleaved problems among `problems`, visited in `order` while their bound beats the
+    best step time so far (from `incumbent`) and the clock is before `deadline`, each searched by
+    `interleaved` from the grid's layouts and the `SOLVED_VECTORS` fastest of `solved` (problem,
+    assignment, step time) on its shape without interleaving: (problem index, point, evaluation)
+    for every problem where a point fits."""
+    out = []
+    for i in order:
+        problem = problems[i]
+        if problem.shape.vpp == 1 or bounds[i] >= incumbent or time.perf_counter() > deadline:
+            continue
+        if problem.micro_batches % problem.shape.pp or not vpp_admissible(problem.layers, problem.shape.pp,
+                                                                          problem.shape.vpp):
+            continue
+        flat = dataclasses.replace(problem.shape, vpp=1)
+        vectors = [choice for _, choice in layouts(problem)]
+        vectors += [a.choice for p, a, _ in sorted(solved, key=lambda x: x[2])
+                    if p.shape == flat and p.mb == problem.mb][:SOLVED_VECTORS]
+        got = interleaved(problem, vectors, limit, deadline=deadline)
+        if got is not None:
+            out.append((i, got[0], got[1]))
+            incumbent = min(incumbent, got[1].step_time_s)
+    return out

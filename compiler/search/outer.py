@@ -48,7 +48,6 @@ Rules:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -63,8 +62,8 @@ from shardc.ir import ZERO_STAGES
 from shardc.ir.diagnostics import ShardcError
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
-from shardc.search.grid import GridPoint, grid_assignments, grid_points, layouts, vpp_admissible
-from shardc.search.interleave import interleaved
+from shardc.search.grid import GridPoint, grid_assignments, grid_points, vpp_admissible
+from shardc.search.interleave import search_interleaved
 from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
@@ -410,8 +409,11 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         if ev.fits:
             founds.append(Found(problem, a, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
-    incumbent = _interleave(problems, by_bound, bounds, founds, incumbent, limit,
-                            min(start + wall_stop * time_limit, time.perf_counter() + INTERLEAVE_SHARE * time_limit))
+    deadline = min(start + wall_stop * time_limit, time.perf_counter() + INTERLEAVE_SHARE * time_limit)
+    solved_plans = [(f.problem, f.assignment, f.evaluation.step_time_s) for f in founds]
+    for i, a, ev in search_interleaved(problems, by_bound, bounds, solved_plans, incumbent, limit, deadline):
+        founds.append(Found(problems[i], a, ev, "solver", "FEASIBLE", 0.0))
+        incumbent = min(incumbent, ev.step_time_s)
     proven = min(floor.values(), default=float("inf"))
     gap = max(0.0, 1.0 - proven / incumbent) if incumbent < float("inf") else 1.0
     # The reported numbers are `estimate`'s, on the graph annotated with each plan.
@@ -423,24 +425,3 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         annotate(facts.graph, best.problem, best.assignment)
     return SearchResult(best, grid, closest, time.perf_counter() - start, gap, solved, pruned, log)
 
-
-def _interleave(problems: list[Problem], by_bound: list[int], bounds: list[float], founds: list[Found],
-                incumbent: float, limit: float, deadline: float) -> float:
-    """Search the interleaved problems whose bound beats the incumbent (module rule), adding
-    what fits to `founds`; the new incumbent."""
-    for i in by_bound:
-        problem = problems[i]
-        if problem.shape.vpp == 1 or bounds[i] >= incumbent or time.perf_counter() > deadline:
-            continue
-        if problem.micro_batches % problem.shape.pp or not vpp_admissible(problem.layers, problem.shape.pp,
-                                                                          problem.shape.vpp):
-            continue
-        flat = dataclasses.replace(problem.shape, vpp=1)
-        vectors = [choice for _, choice in layouts(problem)]
-        vectors += [f.assignment.choice for f in sorted(founds, key=lambda f: f.evaluation.step_time_s)
-                    if f.problem.shape == flat and f.problem.mb == problem.mb][:2]
-        got = interleaved(problem, vectors, limit, deadline=deadline)
-        if got is not None:
-            founds.append(Found(problem, got[0], got[1], "solver", "FEASIBLE", 0.0))
-            incumbent = min(incumbent, got[1].step_time_s)
-    return incumbent
