@@ -1,5 +1,8 @@
 """Plan quality: the solver's plan against the best grid plan, on the cases of issue 4.
 
+The grid is every Megatron-LM configuration (`shardc.search.grid`: tp, pp, dp, vpp, cp, sp,
+micro-batch, recompute none/selective/full or the first N blocks of every chunk, ZeRO 0/1).
+
     .venv/bin/python benchmarks/plan_quality.py [--time-limit S] [--only NAME] [--markdown]
 
 For each case: predicted step time of the solver's plan and of the best grid plan, both by
@@ -60,7 +63,7 @@ def run_case(name, spec, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
     if spec == GPT3:
         problem = build_problem(facts, cluster, MeshShape(16, 8, 1, 8), 1, gbs)
         found = [Found(problem, a, evaluate(problem, a, limit), "grid", grid_point=p)
-                 for p, a in grid_assignments(problem) if p.recompute == "full" and p.zero == 0]
+                 for p, a in grid_assignments(problem) if p.recompute == "full" and p.zero == 0 and not p.sp]
         for f in found:
             score(f, cluster)
             if f.memory_per_device_bytes <= limit:

@@ -40,7 +40,7 @@ def test_grid_plans_of_a_synthetic_llama_7b_evaluate_as_estimated():
     for shape, mb in ((MeshShape(1, 8, 1, 1), 1), (MeshShape(2, 1, 1, 4), 2), (MeshShape(4, 2, 1, 1), 1)):
         problem = build_problem(facts, cluster, shape, mb, 64)
         points = grid_assignments(problem)
-        assert len(points) == 6
+        assert len(points) == (12 if shape.tp > 1 else 6)  # recompute x ZeRO (x sp with tp > 1)
         for _, a in points:
             _agree(graph, problem, a, cluster)
     # The estimate reads the plan it scores from the graph, as `shardc estimate` prints it.

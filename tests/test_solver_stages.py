@@ -16,8 +16,11 @@ from shardc.hardware import parse_cluster
 from shardc.plan.file import PlanFile
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import evaluate, per_stage
+from shardc.search.grid import grid_points, layouts
+from shardc.search.interleave import interleaved
 from shardc.search.linear import objective
-from shardc.search.planfile import annotate_graph, assignment_from_plan, plan_file
+from shardc.search.outer import Found, score
+from shardc.search.planfile import annotate_graph, assignment_from_plan, plan_file, plan_problem
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.sections import stage_classes
 
@@ -120,3 +123,30 @@ def test_stage_classes_bound_the_model():
     # A stage without blocks runs its neighbour's partitions (no boundary to price).
     a = per_stage(problem, (3, 0), [(3, 0), (0, 3)], ((0, 0, 0), (2, 0, 0)), 0)
     assert a.uniform and a.choice == (0, 3)
+
+
+def test_interleaved_shapes_recompute_per_device():
+    # pp=2 x vpp=2 with one block per model chunk at 80% of the roomy grid plan's memory: the
+    # last device holds the head's logits and must recompute fully; the first has room for
+    # selective recomputation. Megatron recomputes alike everywhere (its best here: full), the
+    # interleaved search chooses per device, and `estimate` agrees with its evaluation.
+    g = transformer_graph(dataclasses.replace(PRESETS["tiny"], layers=4, hidden=512, heads=8, seq=1024, vocab=8192))
+    cluster = parse_cluster("2x1xA100-40GB")
+    problem = build_problem(graph_facts(g, cluster), cluster, MeshShape(2, 1, 1, 1, 1, 2), 1, 4)
+    roomy = min((ev for _, _, ev in grid_points(problem, 80e9)), key=lambda ev: ev.step_time_s)
+    limit = 0.8 * roomy.memory_per_device_bytes
+    grid = min((ev.step_time_s, point.recompute) for point, _, ev in grid_points(problem, limit) if ev.fits)
+    assert grid[1] == "full"
+    got = interleaved(problem, [choice for _, choice in layouts(problem)], limit)
+    assert got is not None
+    a, ev = got
+    assert a.stages == ((0, 1, 0), (0, 0, 1), (0, 1, 0), (0, 0, 1))  # chunk s on device s % 2
+    assert ev.fits and ev.step_time_s < 0.995 * grid[0]
+    found = score(Found(problem, a, ev, "solver"), cluster)
+    assert found.estimate.step_time_s == pytest.approx(ev.step_time_s, rel=1e-9)
+    assert found.estimate.memory_per_device_bytes <= limit
+    # The plan file carries vpp and the four chunks' block counts, and reads back to the same point.
+    data = PlanFile.from_json(plan_file(problem, a, found.estimate, 4).to_json())
+    assert (data.plan.pp, data.plan.vpp, data.plan.schedule, data.stages) == (2, 2, "interleaved", a.stages)
+    back = plan_problem(g, cluster, data)
+    assert back.shape == problem.shape and assignment_from_plan(data, back) == a

@@ -1,7 +1,8 @@
 """Scores one point of the search space with the analytical model: `shardc.cost.compose` over
 layer costs built from the chosen candidates' terms.
 
-A point (`Assignment`) is a candidate per group, per pipeline stage how many blocks it holds
+A point (`Assignment`) is a candidate per group, per pipeline stage (per virtual stage, pp*vpp
+of them, with interleaved stages: virtual stage s runs on device s % pp) how many blocks it holds
 under each recomputation (none, selective, full), and one ZeRO stage. Its layers are the
 prefix, every block copy and the suffix, each with a `LayerCost` from `finish_layer` (the
 cost model's recomputation rules) over the sum of its groups' `LayerTerms` and its edges: an
@@ -316,7 +317,12 @@ class _Layers:
         across = prev if prev is not None and prev != cur else None  # only a stage boundary changes the layouts
         key = (across, cur)
         if key not in self.timelines:
-            self.timelines[key] = Timelines(self.problem, cur, {}, self.options, across)
+            # A timeline depends on the layouts only, so the problem keeps them for every
+            # assignment it evaluates (the grid's points share their vector).
+            shared = self.problem.__dict__.setdefault("_timelines", {})
+            if (key, self.options) not in shared:
+                shared[(key, self.options)] = Timelines(self.problem, cur, {}, self.options, across)
+            self.timelines[key] = shared[(key, self.options)]
         return self.timelines[key]
 
     def _cost(self, key: tuple[object, ...], t: LayerTerms, recompute: str) -> LayerCost:
@@ -326,7 +332,7 @@ class _Layers:
 
     def _memory(self, tl: Timelines, kind: str, t: LayerTerms, recompute: str, stage: int,
                 names: dict[str, tuple[float, frozenset[str]]]) -> LayerMemory:
-        mine = self.earlier.setdefault(stage, set())
+        mine = self.earlier.setdefault(stage % self.problem.shape.pp, set())  # per device, as `estimate` ties
         tied = frozenset(n for n in names if n in mine)
         mine.update(names)
         return tl.get(kind, recompute, self.a.zero, tied, t)

@@ -6,9 +6,11 @@ Rules:
   dividing the global batch, pp at most the number of blocks, and cp > 1 only for sequences
   of 8192 tokens or more; with `grid2d`, a tp that is a square q*q is also offered as tp=q x
   tq=q, the two equal model axes PrimePar's 2-D grids run on (`shardc.search.candidates`;
-  opt-in: more shapes to price and solve in the same time limit). Micro-batch
+  opt-in: more shapes to price and solve in the same time limit); every shape with pp > 1 is
+  also offered interleaved, vpp = v in 2..`MAX_VPP` model chunks per device wherever the
+  blocks divide into pp*v equal chunks (Megatron's rule, `shardc.search.grid.vpp_admissible`). Micro-batch
   sizes are the powers of two up to 8 that divide the per-replica batch and leave at least pp
-  micro-batches (the plans run 1F1B, which torch refuses with fewer micro-batches than stages).
+  micro-batches (torch's 1F1B refuses fewer micro-batches than stages).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
 - Every problem gets two lower bounds: `grid_bound` (every group at its cheapest candidate,
@@ -21,15 +23,23 @@ Rules:
   points can be among the best. The best grid point is the incumbent, and
   each problem's best grid point its warm start (else the grid point best by the linearised
   objective, or a plan file's).
+- Interleaved shapes are priced as their shape without interleaving (the same pricing key) and
+  searched by `shardc.search.interleave` (the grid's layouts and the solver's vectors of the
+  shape without interleaving, the recomputation per device), after the CP-SAT solves, in
+  order of bound and while the wall clock allows; their `lower_bound` is the interleaved
+  schedule's ideal time on the cheapest blocks (no memory term), and it stays their floor in
+  the gap (the enumeration proves nothing).
 - Shapes are solved in order of their bound; a shape whose bound cannot beat the incumbent is
   pruned without solving, and the others are solved cut off at the incumbent (CP-SAT looks
   only for better plans; proving there is none bounds the shape by the incumbent). The solves share `SOLVE_SHARE` of the time limit in CP-SAT's
   deterministic seconds (each gets a slice of what is left), so a fixed seed and worker count
-  give the same plan on a busy machine too; the wall clock stops the solves only past
-  `WALL_STOP` times the limit (a machine too loaded to keep any promise; `wall_stop=inf`
+  give the same plan on a busy machine too; the wall clock (started after the grid baseline,
+  whose scan is its own cost) stops the solves only past `WALL_STOP` times the limit (a machine too loaded to keep any promise; `wall_stop=inf`
   turns it off). The best plan found is returned with its proven gap: 1 - (the smallest lower
   bound over all shapes: the larger of CP-SAT's bound on the linearised objective and
-  `lower_bound` where solved, `lower_bound` elsewhere) / the best plan's evaluation.
+  `lower_bound` where solved, `lower_bound` elsewhere) / the best plan's evaluation. A
+  solved plan that overflows by evaluation (the linearised memory is an approximation) is
+  solved once more with the limit lowered by its overshoot.
 - Every grid point and every solver plan is evaluated with `shardc.search.evaluate` (the cost
   model's composition); the best few of each are then scored by `shardc.cost.estimate` on the
   graph annotated with the plan, the very function `shardc estimate` runs, and those are the
@@ -53,17 +63,21 @@ from shardc.ir import ZERO_STAGES
 from shardc.ir.diagnostics import ShardcError
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
-from shardc.search.grid import GridPoint, grid_assignments
+from shardc.search.grid import GridPoint, grid_assignments, grid_points, vpp_admissible
+from shardc.search.interleave import search_interleaved
 from shardc.search.linear import coefficients, objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
 LONG_SEQUENCE = 8192
+MAX_VPP = 4  # model chunks per device offered (the interleaving depths Megatron users run; bounds the shapes)
 MICRO_BATCHES = (1, 2, 4, 8)
 RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the end
 GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
 SOLVE_SHARE = 0.3  # of the time limit, in CP-SAT deterministic seconds, shared by the solves
 WALL_STOP = 1.5  # an overloaded machine stops solving at this multiple of the limit (not deterministic)
+RETRY_MARGIN = 1e-3  # a solve whose plan overflows by evaluation is retried this far below the overshoot
+INTERLEAVE_SHARE = 0.3  # of the time limit, on the wall clock, for the interleaved shapes' search
 
 
 @dataclass
@@ -100,9 +114,18 @@ class SearchResult:
     log: list[str] = field(default_factory=list)
 
 
+def annotate(graph, problem: Problem, a: Assignment):
+    """`annotate_graph`, and the interleaved schedule the plan records when vpp > 1 (the
+    graph attributes the backend's pipeline reads, as apply-plan writes them)."""
+    annotate_graph(graph, problem, a)
+    if problem.shape.vpp > 1:
+        graph.attrs.update({"schedule": "interleaved", "virtual_stages": problem.shape.vpp})
+    return graph
+
+
 def score(found: Found, cluster: Cluster) -> Found:
     """Annotate the graph with the plan and run `shardc.cost.estimate` on it (in place)."""
-    graph = annotate_graph(found.problem.facts.graph, found.problem, found.assignment)
+    graph = annotate(found.problem.facts.graph, found.problem, found.assignment)
     found.estimate = estimate(graph, cluster)
     return found
 
@@ -142,6 +165,8 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
                 if gbs % dp:
                     continue
                 out.append(MeshShape(pp, dp, cp, tp))
+                out += [MeshShape(pp, dp, cp, tp, 1, v) for v in range(2, min(MAX_VPP, layers // max(pp, 1)) + 1)
+                        if pp > 1 and vpp_admissible(layers, pp, v)]
                 q = math.isqrt(tp)
                 if grid2d and q > 1 and q * q == tp:  # tp as a q x q grid (tp x tq) for PrimePar's P(q x q)
                     out.append(MeshShape(pp, dp, cp, q, q))
@@ -166,7 +191,10 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
     slowest stage is at least the smallest makespan of whole blocks over the stages (the prefix
     on the first, the suffix on the last, sends on every boundary) with each stage's blocks
     recomputed as little as its memory allows (model states at that ZeRO stage, activations of
-    its micro-batches in flight, every quantity at its smallest candidate: `_makespan`); plus
+    its micro-batches in flight, every quantity at its smallest candidate: `_makespan`); with
+    interleaved stages (vpp = v), at least the ideal interleaved schedule on the cheapest blocks
+    and m times the busiest device's work, a device's stage time as above with its chunks'
+    micro-batches in flight (`in_flight` / v in blocks' worth); plus
     the optimizer on an even share of the parameters and the last gradient bucket. Infinite
     when no split of the blocks fits `limit` at any ZeRO stage."""
     co = coefficients(problem)
@@ -204,21 +232,26 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
             gather = co.zero3[0] + co.zero3[1] * co.w_elem * numel["block"]
             tl = np.maximum(tl, rest + max(compute[0], gather) + max(compute[1], gather))
         total = L * tl[0] + extra.sum()
-        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra))
         after = co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p
+        vpp = problem.shape.vpp
+        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra, vpp))
+        if vpp > 1:  # interleaved: the ideal schedule (bubble (p-1)/(v m) of the work), the busiest device's work
+            best = min(best, float(max(total / p * (m + (p - 1) / vpp), m * slowest) + after + co.tail[z]))
+            continue
         best = min(best, float(total + (m - 1) * slowest + after + co.tail[z]))
     return best
 
 
 def _makespan(problem: Problem, limit: float, tl: np.ndarray, act: dict[str, np.ndarray], numel: dict[str, float],
-              state: float, extra: np.ndarray) -> float:
+              state: float, extra: np.ndarray, virtual: int = 1) -> float:
     """The smallest T such that the stages hold the L blocks with none above T, a stage's time
     for n blocks being extra_s plus the cheapest mix of recomputations (an LP over the counts,
     its vertices enumerated) whose activations, times the micro-batches in flight, fit beside
     the model states (nondecreasing in n; infinite where nothing fits)."""
     L, p, m = problem.layers, problem.shape.pp, problem.micro_batches
     s = np.arange(p)
-    f = np.array([in_flight("1f1b", p, i, m) for i in range(p)], dtype=float)[:, None]
+    f = np.array([in_flight("interleaved", p, i, m, virtual) / virtual if virtual > 1 else in_flight("1f1b", p, i, m)
+                  for i in range(p)], dtype=float)[:, None]
     fixed = ((numel["pre"] * (s == 0) + numel["post"] * (s == p - 1)) * state
              + f[:, 0] * (act["pre"][0] * (s == 0) + act["post"][0] * (s == p - 1)))[:, None]
     n = np.arange(L + 1, dtype=float)[None, :]
@@ -254,12 +287,13 @@ def _makespan(problem: Problem, limit: float, tl: np.ndarray, act: dict[str, np.
 
 
 def grid_bound(problem: Problem) -> float:
-    """The grid scan's bound: every group at its cheapest, edges free, stages perfectly balanced."""
+    """The grid scan's bound: every group at its cheapest, edges free, stages perfectly balanced
+    (interleaved: the bubble (p-1)/v micro-batches' chunk time instead of p-1)."""
     co = coefficients(problem)
     per_mb = sum(min(r["time"] for r in rows) * (problem.layers if v.section == "block" else 1)
                  for rows, v in zip(co.cand, problem.groups))
     p, m = problem.shape.pp, problem.micro_batches
-    return per_mb * (1 + (m - 1) / p)
+    return per_mb * (m + (p - 1) / problem.shape.vpp) / p
 
 
 def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit: float
@@ -274,13 +308,12 @@ def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit:
     for i in order:
         if bounds[i] > best * (1 + GRID_MARGIN):
             break
-        for point, a in grid_assignments(problems[i]):
-            ev = evaluate(problems[i], a, limit)
+        for point, a, ev in grid_points(problems[i], limit):
             found = Found(problems[i], a, ev, "grid", "grid", 0.0, point)
             if ev.fits and problems[i].shape.tq == 1:  # tp x tq points are only warm starts
                 grids.append(found)
                 best = min(best, ev.step_time_s)
-            if ev.fits:
+            if ev.fits and problems[i].shape.vpp == 1:
                 if i not in hints or ev.step_time_s < hints[i][1]:
                     hints[i] = (a, ev.step_time_s)
             if closest is None or ev.memory_per_device_bytes < closest.evaluation.memory_per_device_bytes:
@@ -308,7 +341,7 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     plan depends on the seed and worker count only)."""
     if time_limit <= 0:
         raise ShardcError(f"time limit must be positive, got {time_limit} s", hint="pass --time-limit 30")
-    start = time.perf_counter()
+    began = time.perf_counter()
     seq = max((v.type.shape[1] for v in facts.graph.inputs if v.type.rank >= 2), default=1)
     shapes = shapes or mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, gbs, seq,
                                    grid2d)
@@ -336,12 +369,14 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
             if problem.shape == warm[0] and problem.mb == warm[1] and len(warm[2].choice) == len(problem.groups):
                 hints[i] = (warm[2], 0.0)
     incumbent = min((f.evaluation.step_time_s for f in grids), default=float("inf"))
-    order = sorted(by_bound, key=lambda i: (i not in hints or warm is None, bounds[i], i))
+    order = sorted((i for i in by_bound if problems[i].shape.vpp == 1),
+                   key=lambda i: (i not in hints or warm is None, bounds[i], i))
     solved = pruned = 0
     floor = dict(enumerate(bounds))  # per problem, the best proven lower bound
     log = []
     founds: list[Found] = []
     budget_left = SOLVE_SHARE * time_limit
+    start = time.perf_counter()  # the solves' wall clock starts after the baseline (its own cost)
     for n, i in enumerate(order):
         problem = problems[i]
         if bounds[i] >= incumbent:
@@ -362,10 +397,30 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         floor[i] = max(floor[i], result.bound_s)
         if result.assignment is None:
             continue
-        ev = evaluate(problem, result.assignment, limit)
+        a = result.assignment
+        ev = evaluate(problem, a, limit)
+        if not ev.fits and budget_left > 0:
+            # The linearised memory fell short of the evaluated one: once more with the limit
+            # lowered by the overshoot (the first solve's bound stands: the retry's is not one).
+            lin = objective(problem, a.choice, a.stages, a.zero, a.stage_choice)
+            over = max(e - l for e, l in zip(ev.memory_bytes, lin.memory_bytes))
+            retry = solve(problem, limit - max(over, RETRY_MARGIN * limit), budget / 2,
+                          seed, workers, hint[0] if hint else None,
+                          wall_limit=max(wall_stop * time_limit - (time.perf_counter() - start), 0.5),
+                          cutoff=incumbent if incumbent < float("inf") else None)
+            budget_left -= max(retry.deterministic_s, 0.01)
+            log.append(f"  retried below the evaluated memory: {retry.status} {retry.objective_s:.4g}s")
+            if retry.assignment is not None:
+                result, a = retry, retry.assignment
+                ev = evaluate(problem, a, limit)
         if ev.fits:
-            founds.append(Found(problem, result.assignment, ev, "solver", result.status, result.gap))
+            founds.append(Found(problem, a, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
+    deadline = min(start + wall_stop * time_limit, time.perf_counter() + INTERLEAVE_SHARE * time_limit)
+    solved_plans = [(f.problem, f.assignment, f.evaluation.step_time_s) for f in founds]
+    for i, a, ev in search_interleaved(problems, by_bound, bounds, solved_plans, incumbent, limit, deadline):
+        founds.append(Found(problems[i], a, ev, "solver", "FEASIBLE", 0.0))
+        incumbent = min(incumbent, ev.step_time_s)
     proven = min(floor.values(), default=float("inf"))
     gap = max(0.0, 1.0 - proven / incumbent) if incumbent < float("inf") else 1.0
     # The reported numbers are `estimate`'s, on the graph annotated with each plan.
@@ -374,5 +429,6 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     if grid is not None and (best is None or grid.step_time_s <= best.step_time_s):
         best = grid
     if best is not None:
-        annotate_graph(facts.graph, best.problem, best.assignment)
-    return SearchResult(best, grid, closest, time.perf_counter() - start, gap, solved, pruned, log)
+        annotate(facts.graph, best.problem, best.assignment)
+    return SearchResult(best, grid, closest, time.perf_counter() - began, gap, solved, pruned, log)
+

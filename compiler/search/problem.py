@@ -39,26 +39,34 @@ from shardc.search.table import CandidateTable
 class MeshShape:
     """The degrees of a `ParallelPlan` the solver varies: pipeline, data, context and tensor
     parallelism (outermost first); `tq` > 1 splits tensor parallelism over a second axis
-    (tp x tq), as PrimePar's grids need, which a plan writes as tp = tp*tq. `of` and `plan`
-    are the one conversion between the two; `mesh` is the plan's mesh with tq split off tp."""
+    (tp x tq), as PrimePar's grids need, which a plan writes as tp = tp*tq. `vpp` > 1 gives
+    every pipeline device that many model chunks (interleaved 1F1B: pp*vpp virtual stages,
+    virtual stage s on device s % pp); it is no mesh axis. `of` and `plan` are the one
+    conversion between the two; `mesh` is the plan's mesh with tq split off tp."""
 
     pp: int = 1
     dp: int = 1
     cp: int = 1
     tp: int = 1
     tq: int = 1
+    vpp: int = 1
 
     @classmethod
     def of(cls, plan: ParallelPlan, tq: int = 1) -> MeshShape:
         """`plan`'s degrees, `tq` of its tensor parallelism on the second tensor axis."""
         if plan.tp % tq:
             raise ShardcError(f"plan {plan}: tq={tq} does not divide tp={plan.tp}")
-        return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq)
+        return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq, plan.vpp)
 
     def plan(self, mb: int, gbs: int, zero: int = 0, dtype: str = "bf16") -> ParallelPlan:
-        """The plan with these degrees (tp*tq as tp) and the given micro-batch, batch and ZeRO."""
-        return ParallelPlan(dp=self.dp, tp=self.tp * self.tq, pp=self.pp, cp=self.cp, mb=mb, gbs=gbs, zero=zero,
-                            dtype=dtype)
+        """The plan with these degrees (tp*tq as tp, vpp) and the given micro-batch, batch and ZeRO."""
+        return ParallelPlan(dp=self.dp, tp=self.tp * self.tq, pp=self.pp, vpp=self.vpp, cp=self.cp, mb=mb, gbs=gbs,
+                            zero=zero, dtype=dtype)
+
+    @property
+    def stages(self) -> int:
+        """Virtual pipeline stages: pp * vpp."""
+        return self.pp * self.vpp
 
     @property
     def devices(self) -> int:
@@ -77,7 +85,8 @@ class MeshShape:
         return Mesh(tuple((a, s) for a, s in self.mesh().axes if s > 1 and a != Axis.PP))
 
     def __str__(self) -> str:
-        return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}" + (f", tq={self.tq}" if self.tq > 1 else "")
+        return (f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}" + (f", tq={self.tq}" if self.tq > 1 else "")
+                + (f", vpp={self.vpp}" if self.vpp > 1 else ""))
 
 
 @dataclass
