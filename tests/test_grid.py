@@ -94,7 +94,7 @@ def test_partial_recomputation_is_the_smallest_count_that_fits():
     assert len(partial) == 1
     point, a, ev = partial[0]
     assert point.recompute_layers == 2 and ev.fits and a.stages == ((2, 0, 2), (2, 0, 2))
-    assert point.plan_string(16).endswith("recompute=full,zero=0,dtype=bf16,offload=0,recompute_layers=2")
+    assert point.plan_string(16).endswith("recompute=full,recompute_layers=2,zero=0,dtype=bf16")
     full = next(e for p, _, e in tight if (p.recompute, p.recompute_layers, p.sp, p.zero) == ("full", 0, False, 0))
     assert ev.step_time_s < full.step_time_s  # cheaper than recomputing every block
     # Where none fits, no recomputation is evaluated at all (it could only be slower).

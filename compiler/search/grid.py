@@ -53,19 +53,13 @@ class GridPoint:
     recompute_layers: int = 0
 
     def plan(self, gbs: int) -> ParallelPlan:
-        """The point as a `ParallelPlan` (without `recompute_layers` while the plan has no such key)."""
+        """The point as a `ParallelPlan` (partial points with `recompute_layers=N`)."""
         plan = dataclasses.replace(self.shape.plan(self.mb, gbs, self.zero), recompute=self.recompute, sp=self.sp)
-        if self.recompute_layers and "recompute_layers" in {f.name for f in dataclasses.fields(ParallelPlan)}:
-            plan = dataclasses.replace(plan, recompute_layers=self.recompute_layers)  # type: ignore[call-arg]
-        return plan
+        return dataclasses.replace(plan, recompute_layers=self.recompute_layers or None)
 
     def plan_string(self, gbs: int) -> str:
-        """The same point in `ParallelPlan` syntax (what `shardc estimate --plan` takes), with
-        `recompute_layers=N` for a partial point."""
-        text = str(self.plan(gbs))
-        if self.recompute_layers and "recompute_layers=" not in text:
-            text += f",recompute_layers={self.recompute_layers}"
-        return text
+        """The same point in `ParallelPlan` syntax (what `shardc estimate --plan` takes)."""
+        return str(self.plan(gbs))
 
 
 def _resolves_sp(cand: Candidate) -> bool:

@@ -178,9 +178,11 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
     return out
 
 
-def micro_batch_sizes(gbs: int, dp: int) -> list[int]:
+def micro_batch_sizes(gbs: int, dp: int, pp: int = 1) -> list[int]:
+    """The micro-batch sizes a shape may use: those dividing the per-replica batch that leave at
+    least `pp` micro-batches (the solver's plans run 1F1B, which torch refuses with fewer)."""
     per = gbs // dp
-    return [mb for mb in MICRO_BATCHES if per % mb == 0]
+    return [mb for mb in MICRO_BATCHES if per % mb == 0 and per // mb >= pp]
 
 
 def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
@@ -350,8 +352,7 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     problems: list[Problem] = []
     cache: PricingCache = {}
     for shape in shapes:
-        for mb in (mbs or micro_batch_sizes(gbs, shape.dp)):
-            # The solver's plans run 1F1B: fewer micro-batches than stages is refused by torch.
+        for mb in (mbs or micro_batch_sizes(gbs, shape.dp, shape.pp)):
             if (gbs // shape.dp) % mb == 0 and gbs // (shape.dp * mb) >= shape.pp:
                 problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
     if not problems:
