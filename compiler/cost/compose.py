@@ -11,8 +11,11 @@ Rules:
   `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
   LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
   and its exposed sync, plus the slowest device's gather and optimizer step.
+- Bytes by dtype (`memory`): gradients are synchronised in fp32, weights gathered in the
+  compute dtype.
 - Memory per device at its peak (`peak.device_memory`): model states by ZeRO stage over the
-  data-parallel group (dp x cp), the saved activations of the micro-batches in flight on that
+  data-parallel group (dp x cp) (mixed precision: the compute-dtype weight copies of the
+  layers that do not recompute, once per parameter; none under FSDP2), the saved activations of the micro-batches in flight on that
   device (`in_flight`) stacked under the live timeline of the one in progress
   (`timeline.layer_memory`: saved, recomputed and gradient bytes op by op), and the runtime's
   buffers (DDP buckets, FSDP2's gathered parameters, pipeline receive buffers).
@@ -28,7 +31,14 @@ from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbou
 from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost
-from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
+from shardc.cost.memory import (
+    GRADIENT_BYTES,
+    buffer_bytes,
+    compute_bytes,
+    in_flight,
+    model_state_bytes,
+    weight_copy_bytes,
+)
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
 from shardc.cost.sync import DeviceSync, gradient_sync
@@ -153,7 +163,7 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     `Links` or a `CostContext`; `plan` gives pp, vpp, schedule, dtype and offload."""
     p = plan.pp
     zero_axes, shard = zero_group(links.mesh)
-    w_elem, g_elem, _ = state_bytes_per_param(plan.dtype)
+    w_elem, g_elem = compute_bytes(plan.dtype), GRADIENT_BYTES
     times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
     pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
@@ -195,7 +205,7 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
     micro-batch's forward and backward seconds (the layers' costs, textbook ZeRO-3's exposed
     weight gathers, the sends to the next stage and the gradients back)."""
     S = plan.pp * plan.vpp
-    w_elem = state_bytes_per_param(plan.dtype)[0]
+    w_elem = compute_bytes(plan.dtype)
     times = [dict[str, float]() for _ in range(S)]
     fwd, bwd = [0.0] * S, [0.0] * S
     for layer in layers:
@@ -222,6 +232,21 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
     return times, fwd, bwd
 
 
+def weight_copies(mine: Sequence[LayerWork], dtype: str, shard: int = 1) -> float:
+    """Bytes of the compute-dtype weight copies a device holds from forward to backward: each
+    parameter once, if a layer reading it does not recompute (a recomputing layer casts again in
+    backward and holds its copies only while it runs); `shard`: textbook ZeRO-3's sharding."""
+    per = weight_copy_bytes(dtype)
+    if not per:
+        return 0.0
+    held: dict[str, float] = {}
+    for layer in mine:
+        if layer.annotation.recompute == "none":
+            for name, (numel, _) in layer.params.items():
+                held[name] = numel
+    return sum(held.values()) * per / max(1, shard)
+
+
 def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: ParallelPlan, options: EstimateOptions, m: int,
                    flight: int, shard: int, w_elem: int, send_bytes: Sequence[float] | None,
                    output_bytes: float) -> dict[str, float]:
@@ -234,8 +259,10 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for numel, z in sync.params:
         for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
-                                          plan.offload).items():
+                                          plan.offload, copies=False).items():
             states[key] += val
+    if not sharded:
+        states["parameters"] += weight_copies(mine, plan.dtype, shard if zero >= 3 else 1)
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)

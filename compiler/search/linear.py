@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from shardc.cost.comm import collective_time
 from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
-from shardc.cost.memory import in_flight, state_bytes_per_param
+from shardc.cost.memory import compute_bytes, in_flight, state_bytes_per_param, weight_copy_bytes
 from shardc.cost.sync import ADAM_BYTES_PER_PARAM, fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
 from shardc.ir import ZERO_STAGES, Layout
 from shardc.ops.registry import get_op, has_op
@@ -90,7 +90,8 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     ctx = problem.pricer.ctx
     axes, shard = zero_group(ctx.mesh)
     levels = ctx.levels(axes)
-    w, g, o = state_bytes_per_param(problem.dtype)
+    w, g, o = state_bytes_per_param(problem.dtype)  # w: fp32 master + compute copy (`cost.memory`)
+    copy, w_elem = weight_copy_bytes(problem.dtype), compute_bytes(problem.dtype)  # gathers move compute bytes
     cand = _candidate_rows(problem, axes, g)
     edge_fwd = [[[e.fwd_s(a, b) + sum(e.regather[a][b].values()) for b in range(len(e.cons_grad))]
                  for a in range(len(e.prod_info))] for e in problem.edges]
@@ -105,7 +106,7 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     last = min(bucket, block_grad) if block_grad > 0 else bucket
     tail = tuple(collective_time(k, last, levels, ctx.algorithm) if shard > 1 else 0.0 for k in kinds)
     fsdp = tuple(fsdp2(options, z, shard) for z in ZERO_STAGES)
-    state = tuple(w / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
+    state = tuple((w - (copy if fsdp[z] else 0)) / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
                   + o / (shard if z >= 1 else 1) for z in ZERO_STAGES)
     optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZERO_STAGES)
     gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
@@ -114,11 +115,11 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZERO_STAGES)
     copy = fsdp_copy_time(1.0, shard, ctx.device)  # FSDP2's copies per byte around each collective
     serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZERO_STAGES, serial))
-    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w) if fsdp[z] else gather[z] for z in ZERO_STAGES)
+    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w_elem) if fsdp[z] else gather[z] for z in ZERO_STAGES)
     rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZERO_STAGES)
     tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZERO_STAGES)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
-                       2 * bucket if shard > 1 else 0.0, w, fsdp, serial, send_bytes, out_bytes, out_const,
+                       2 * bucket if shard > 1 else 0.0, w_elem, fsdp, serial, send_bytes, out_bytes, out_const,
                        options.pipeline_runtime == "torch" and problem.shape.pp > 1)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
