@@ -48,7 +48,13 @@ from shardc.backends.torch.parallelize import (
     mesh_groups,
     with_constants,
 )
-from shardc.backends.torch.precision import attach_scaler, compute_dtype, grad_scaler, mixed_precision_policy
+from shardc.backends.torch.precision import (
+    attach_scaler,
+    compute_dtype,
+    grad_scaler,
+    mixed_precision_policy,
+    runtime_dtype,
+)
 from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
 from shardc.ir import Axis, Graph, Layout, Shard
@@ -83,9 +89,10 @@ class PipelinedModule(nn.Module):
 
         group = dm.get_group(Axis.PP)
         assert graph.mesh is not None
+        compute = compute_dtype(graph)  # activations cross stages in the compute dtype
         self.stages = [PipelineStage(m, s, self.num_stages, device, group=group,
-                                     input_args=_examples(plan.stages[s].inputs, graph.mesh),
-                                     output_args=_examples(plan.stages[s].outputs, graph.mesh))
+                                     input_args=_examples(plan.stages[s].inputs, graph.mesh, compute),
+                                     output_args=_examples(plan.stages[s].outputs, graph.mesh, compute))
                        for m, s in zip(wrapped, stage_ids)]
         cls = schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
         stages: Any = self.stages if len(self.stages) > 1 or cls.__name__.startswith("ScheduleInterleaved") \
@@ -337,17 +344,16 @@ def _check_unshared(graph: Graph, modules: list[nn.Module]) -> None:
                                   "only between stages on different pipeline ranks")
 
 
-def _examples(values: list[Any], mesh: Any) -> tuple[torch.Tensor, ...]:
-    """Meta tensors with this rank's local shapes of `values`: a stage's static metadata.
+def _examples(values: list[Any], mesh: Any, compute: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Meta tensors with this rank's local shapes and run-time dtypes (`precision.runtime_dtype`)
+    of `values`: a stage's static metadata.
 
     Given inputs and outputs, torch's `PipelineStage` skips its first-step metadata inference,
     a real forward outside `no_sync` that would arm DDP's reducer before the schedule's own
     backwards (DDP then all-reduces every micro-batch and asserts when rebuilding buckets)."""
-    from shardc.ir.dtypes import torch_dtype
-
     out = []
     for v in values:
-        t = torch.empty(local_shape(v, mesh), dtype=torch_dtype(v.type.dtype), device="meta")
+        t = torch.empty(local_shape(v, mesh), dtype=runtime_dtype(v, compute), device="meta")
         out.append(t.requires_grad_(v.requires_grad and t.is_floating_point()))
     return tuple(out)
 

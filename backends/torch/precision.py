@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.ir import Graph
-from shardc.ir.dtypes import ir_dtype
+from shardc.ir import Graph, Value
+from shardc.ir.dtypes import ir_dtype, torch_dtype
+from shardc.ops.registry import get_op
 
 _COMPUTE = {"bf16": torch.bfloat16, "f16": torch.float16}
 SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -40,6 +41,16 @@ def compute_dtype(graph: Graph | None) -> torch.dtype | None:
         return None
     name = graph.attrs.get("dtype")
     return _COMPUTE.get(ir_dtype(str(name))) if name else None
+
+
+def runtime_dtype(v: Value, compute: torch.dtype | None) -> torch.dtype:
+    """The torch dtype value `v` has when the generated code runs: the compute dtype for a float
+    value, fp32 for a loss's output (the loss reads fp32), its own dtype for anything else."""
+    own = torch_dtype(v.type.dtype)
+    if compute is None or not v.type.is_float:
+        return own
+    producer = v.producer
+    return torch.float32 if producer is not None and get_op(producer.op).kind == "loss" else compute
 
 
 def cast(g: fx.Graph, node: fx.Node, dtype: torch.dtype, name: str) -> fx.Node:
@@ -61,7 +72,11 @@ def grad_scaler(dtype: torch.dtype | None, device: torch.device | str = "cpu",
     """A loss scaler for fp16 (torch's defaults: 2**16, halved on overflow, doubled every 2000 steps); None otherwise."""
     if dtype is not torch.float16:
         return None
-    return torch.amp.GradScaler(torch.device(device).type, init_scale=init_scale)
+    device = torch.device(device)
+    scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
+    # Make its scale now: a pipeline rank without the loss never scales one, yet steps with the others.
+    scaler.scale(torch.ones((), device=device))
+    return scaler
 
 
 def scaler_of(module: Any) -> torch.amp.GradScaler | None:

@@ -46,6 +46,7 @@ from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import DATA_AXES, Axis, LayerAnnotation, Mesh, Node
 from shardc.ir.diagnostics import ShardcError
+from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan
 
 
@@ -233,17 +234,27 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
 
 
 def weight_copies(mine: Sequence[LayerWork], dtype: str, shard: int = 1) -> float:
-    """Bytes of the compute-dtype weight copies a device holds from forward to backward: each
-    parameter once, if a layer reading it does not recompute (a recomputing layer casts again in
-    backward and holds its copies only while it runs); `shard`: textbook ZeRO-3's sharding."""
+    """Bytes of the compute-dtype weight copies one micro-batch holds from forward to backward
+    on a device: each parameter once, if an op of a layer that does not recompute saves it for
+    backward (the registry's `saved_for_backward`: a matmul's weight, not an embedding's table;
+    a recomputing layer casts again in backward and holds its copies only while it runs; a layer
+    without nodes, every parameter); `shard`: textbook ZeRO-3's sharding."""
     per = weight_copy_bytes(dtype)
     if not per:
         return 0.0
     held: dict[str, float] = {}
     for layer in mine:
-        if layer.annotation.recompute == "none":
-            for name, (numel, _) in layer.params.items():
-                held[name] = numel
+        if layer.annotation.recompute != "none":
+            continue
+        if not layer.nodes:  # the solver's layers carry no nodes: count every parameter
+            held.update((name, numel) for name, (numel, _) in layer.params.items())
+        for node in layer.nodes:
+            entries = get_op(node.op).saved_for_backward([v.type for v in node.inputs],
+                                                         [v.type for v in node.outputs], node.attrs)
+            for kind, i in entries:
+                name = node.inputs[i].name if kind == "in" and node.inputs[i].kind == "parameter" else None
+                if name in layer.params:
+                    held[name] = layer.params[name][0]
     return sum(held.values()) * per / max(1, shard)
 
 
@@ -261,13 +272,22 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
                                           plan.offload, copies=False).items():
             states[key] += val
-    if not sharded:
-        states["parameters"] += weight_copies(mine, plan.dtype, shard if zero >= 3 else 1)
+    if not sharded:  # every micro-batch in flight casts its own copies (chunks' worth when interleaved)
+        per_micro = weight_copies(mine, plan.dtype, shard if zero >= 3 else 1)
+        states["parameters"] += per_micro * flight / (v if plan.schedule == "interleaved" else 1)
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)
     if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
         buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
     by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
+    # FSDP2 once backward is over (measured, torch 2.13): the unsharded compute-dtype parameters
+    # and, in mixed precision, the unsharded compute-dtype gradients, the fp32 reduce-scatter
+    # input (every gradient, `reduce_dtype`) and its 1/shard output.
+    after = 0.0
+    if sharded:
+        unsharded_grads = local * w_elem if w_elem != GRADIENT_BYTES else 0.0
+        after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
-                         fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, regather=zero >= 3)
+                         fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
+                         regather=zero >= 3)
