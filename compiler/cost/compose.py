@@ -63,12 +63,18 @@ class EstimateOptions:
     zero_runtime: str = "fsdp2"
     # Pipeline buffers: "torch" (torch.distributed.pipelining's, see `peak`) or "none".
     pipeline_runtime: str = "torch"
+    # The dtype gradients are reduced in: "fp32" as the torch backend runs mixed precision (fp32
+    # gradients on the fp32 master weights; Megatron-LM's default for bf16), or "compute"
+    # (Megatron-LM's fp16 default, accumulate_allreduce_grads_in_fp32=False: reduced in fp16).
+    gradient_reduce: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.zero_runtime not in ("fsdp2", "zero"):
             raise ShardcError(f"zero_runtime={self.zero_runtime!r}: use fsdp2 (the torch backend) or zero")
         if self.pipeline_runtime not in ("torch", "none"):
             raise ShardcError(f"pipeline_runtime={self.pipeline_runtime!r}: use torch or none")
+        if self.gradient_reduce not in ("fp32", "compute"):
+            raise ShardcError(f"gradient_reduce={self.gradient_reduce!r}: use fp32 (the torch backend) or compute")
 
 
 @dataclass(slots=True)
@@ -164,7 +170,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     `Links` or a `CostContext`; `plan` gives pp, vpp, schedule, dtype and offload."""
     p = plan.pp
     zero_axes, shard = zero_group(links.mesh)
-    w_elem, g_elem = compute_bytes(plan.dtype), GRADIENT_BYTES
+    w_elem = compute_bytes(plan.dtype)
+    g_elem = GRADIENT_BYTES if options.gradient_reduce == "fp32" else w_elem
     times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
     pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
