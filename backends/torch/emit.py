@@ -83,8 +83,8 @@ class Emitter:
         op = get_op(node.op)
         name = node.outputs[0].name
         if op.kind == "loss" and self.compute is not None:  # the loss reads fp32 (`precision.py`)
-            args = [P.cast(self.g, a, torch.float32, f"{name}_in{k}") if v.type.is_float else a
-                    for k, (v, a) in enumerate(zip(node.inputs, args))]
+            args = [P.cast(self.g, a, torch.float32, py_name(v.name)) if v.type.is_float else a
+                    for v, a in zip(node.inputs, args)]
         if op.kind == "collective":
             if node.op in ("grad_sync", "send", "recv"):
                 return [args[0]]  # the data-parallel wrapper / pipeline runtime does these
