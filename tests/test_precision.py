@@ -8,6 +8,7 @@ same casts (the generated code's `.to(torch.bfloat16)`), on one process.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -52,10 +53,11 @@ def train_plans(rank: int, world: int, cases: list[tuple[Any, float | None]]) ->
                                       foreach=False)
         losses, scales, taken, dtypes = [], [], [], set()
         saved: dict[str, int] = {}
+        note = functools.partial(_note, saved)
         for step in range(STEPS):
             batch = synthetic_batch(loaded.example_inputs, vocab_of(loaded.model), 0, step)
             if step == 0:  # what backward holds: every float activation in the compute dtype but the loss's
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: _note(saved, t), lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
                     loss = trainee.step(batch).float().reshape(())
             else:
                 loss = trainee.step(batch).float().reshape(())
@@ -130,10 +132,9 @@ def test_mixed_precision_plan_matches_one_process_under_the_same_casts(mixed_run
     assert got["scales"] == ([2.0**16] * STEPS if dtype == "fp16" else [None] * STEPS)
 
 
-def test_mixed_precision_differs_from_fp32() -> None:
+def test_mixed_precision_differs_from_fp32(mixed_runs) -> None:
     """The same model, batches and seed on one process: bf16 and fp16 losses are not fp32's."""
-    one = [(compile_plan(f"dp=1,dtype={d}"), None) for d in ("bf16", "fp16", "fp32")]
-    bf16, fp16, fp32 = (r["losses"] for r in spawn(train_plans, 1, one, timeout_s=300)[0])
+    bf16, fp16, fp32 = (mixed_runs[1][d]["losses"] for d in ("bf16", "fp16", "fp32"))
     # Deterministic on one process; measured 5.5e-3 (bf16) and 1.1e-3 (fp16) at the last step.
     assert max(abs(a - b) for a, b in zip(bf16, fp32)) > 2e-3
     assert max(abs(a - b) for a, b in zip(fp16, fp32)) > 5e-4

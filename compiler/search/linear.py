@@ -91,7 +91,7 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     axes, shard = zero_group(ctx.mesh)
     levels = ctx.levels(axes)
     w, g, o = state_bytes_per_param(problem.dtype)  # w: fp32 master + compute copy (`cost.memory`)
-    copy, w_elem = weight_copy_bytes(problem.dtype), compute_bytes(problem.dtype)  # gathers move compute bytes
+    held_copy, w_elem = weight_copy_bytes(problem.dtype), compute_bytes(problem.dtype)  # gathers move compute bytes
     cand = _candidate_rows(problem, axes, g)
     edge_fwd = [[[e.fwd_s(a, b) + sum(e.regather[a][b].values()) for b in range(len(e.cons_grad))]
                  for a in range(len(e.prod_info))] for e in problem.edges]
@@ -106,7 +106,7 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     last = min(bucket, block_grad) if block_grad > 0 else bucket
     tail = tuple(collective_time(k, last, levels, ctx.algorithm) if shard > 1 else 0.0 for k in kinds)
     fsdp = tuple(fsdp2(options, z, shard) for z in ZERO_STAGES)
-    state = tuple((w - (copy if fsdp[z] else 0)) / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
+    state = tuple((w - (held_copy if fsdp[z] else 0)) / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
                   + o / (shard if z >= 1 else 1) for z in ZERO_STAGES)
     optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZERO_STAGES)
     gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
