@@ -46,7 +46,6 @@ from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import DATA_AXES, Axis, LayerAnnotation, Mesh, Node
 from shardc.ir.diagnostics import ShardcError
-from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan
 
 
@@ -242,26 +241,16 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
 
 def weight_copies(mine: Sequence[LayerWork], dtype: str, shard: int = 1) -> float:
     """Bytes of the compute-dtype weight copies one micro-batch holds from forward to backward
-    on a device: each parameter once, if an op of a layer that does not recompute saves it for
-    backward (the registry's `saved_for_backward`: a matmul's weight, not an embedding's table;
-    a recomputing layer casts again in backward and holds its copies only while it runs; a layer
-    without nodes, every parameter); `shard`: textbook ZeRO-3's sharding."""
+    on a device: each parameter of a layer that does not recompute, once (a recomputing layer
+    casts again in backward and holds its copies only while it runs). Every parameter counts,
+    as the solver's layers (which carry no nodes) count them: a copy no op saves (an embedding
+    table's, a bias's) is freed at once, which leaves the figure high by those few bytes.
+    `shard`: textbook ZeRO-3's sharding."""
     per = weight_copy_bytes(dtype)
     if not per:
         return 0.0
-    held: dict[str, float] = {}
-    for layer in mine:
-        if layer.annotation.recompute != "none":
-            continue
-        if not layer.nodes:  # the solver's layers carry no nodes: count every parameter
-            held.update((name, numel) for name, (numel, _) in layer.params.items())
-        for node in layer.nodes:
-            entries = get_op(node.op).saved_for_backward([v.type for v in node.inputs],
-                                                         [v.type for v in node.outputs], node.attrs)
-            for kind, i in entries:
-                name = node.inputs[i].name if kind == "in" and node.inputs[i].kind == "parameter" else None
-                if name in layer.params:
-                    held[name] = layer.params[name][0]
+    held = {name: numel for layer in mine if layer.annotation.recompute == "none"
+            for name, (numel, _) in layer.params.items()}
     return sum(held.values()) * per / max(1, shard)
 
 
