@@ -14,8 +14,8 @@ Rules:
 - Bytes by dtype (`memory`): gradients are synchronised in fp32, weights gathered in the
   compute dtype.
 - Memory per device at its peak (`peak.device_memory`): model states by ZeRO stage over the
-  data-parallel group (dp x cp) (mixed precision: the compute-dtype weight copies of the
-  layers that do not recompute, once per parameter; none under FSDP2), the saved activations of the micro-batches in flight on that
+  data-parallel group (dp x cp) (mixed precision: the compute-dtype weight copies, once per
+  parameter; under FSDP2 they are its unsharded parameters, a buffer), the saved activations of the micro-batches in flight on that
   device (`in_flight`) stacked under the live timeline of the one in progress
   (`timeline.layer_memory`: saved, recomputed and gradient bytes op by op), and the runtime's
   buffers (DDP buckets, FSDP2's gathered parameters, pipeline receive buffers).
@@ -37,7 +37,6 @@ from shardc.cost.memory import (
     compute_bytes,
     in_flight,
     model_state_bytes,
-    weight_copy_bytes,
 )
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
@@ -239,21 +238,6 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
     return times, fwd, bwd
 
 
-def weight_copies(mine: Sequence[LayerWork], dtype: str, shard: int = 1) -> float:
-    """Bytes of the compute-dtype weight copies one micro-batch holds from forward to backward
-    on a device: each parameter of a layer that does not recompute, once (a recomputing layer
-    casts again in backward and holds its copies only while it runs). Every parameter counts,
-    as the solver's layers (which carry no nodes) count them: a copy no op saves (an embedding
-    table's, a bias's) is freed at once, which leaves the figure high by those few bytes.
-    `shard`: textbook ZeRO-3's sharding."""
-    per = weight_copy_bytes(dtype)
-    if not per:
-        return 0.0
-    held = {name: numel for layer in mine if layer.annotation.recompute == "none"
-            for name, (numel, _) in layer.params.items()}
-    return sum(held.values()) * per / max(1, shard)
-
-
 def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: ParallelPlan, options: EstimateOptions, m: int,
                    flight: int, shard: int, w_elem: int, send_bytes: Sequence[float] | None,
                    output_bytes: float) -> dict[str, float]:
@@ -266,11 +250,8 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for numel, z in sync.params:
         for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
-                                          plan.offload, copies=False).items():
+                                          plan.offload, copies=not sharded).items():
             states[key] += val
-    if not sharded:  # every micro-batch in flight casts its own copies (chunks' worth when interleaved)
-        per_micro = weight_copies(mine, plan.dtype, shard if zero >= 3 else 1)
-        states["parameters"] += per_micro * flight / (v if plan.schedule == "interleaved" else 1)
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)

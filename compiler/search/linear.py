@@ -79,10 +79,7 @@ class Coefficients:
     out_bytes: list[list[float]] = field(default_factory=list)
     out_const: float = 0.0
     pipeline_buffers: bool = False
-    # Mixed precision (`cost.memory`): bytes per parameter of its compute-dtype copy (in `state`
-    # once; `objective` holds it per micro-batch in flight for blocks that do not recompute, as
-    # `compose` does), and FSDP2's bytes per local parameter once backward is over.
-    copy: float = 0.0
+    # FSDP2's bytes per local parameter once backward is over (`compose._device_memory`).
     fsdp_after: float = 0.0
 
 
@@ -125,7 +122,7 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZERO_STAGES)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
                        2 * bucket if shard > 1 else 0.0, w_elem, fsdp, serial, send_bytes, out_bytes, out_const,
-                       options.pipeline_runtime == "torch" and problem.shape.pp > 1, held_copy,
+                       options.pipeline_runtime == "torch" and problem.shape.pp > 1,
                        w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)))
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
@@ -372,9 +369,9 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         if co.pipeline_buffers:
             recv = sums[vecs[s - 1]]["block"]["sbytes"] if not first else 0.0
             buffers += m * recv + ((m + f) * blk["sbytes"] if not last else m * (post["obytes"] + co.out_const))
+        # Mixed precision's weight copies are in `state`, once per parameter, as the CP-SAT model
+        # has them (`compose` holds them per micro-batch in flight on a pipeline device: looser here).
         states = numel * co.state[zero]
-        if not co.fsdp[zero]:  # the copies: once in `state`, held per micro-batch in flight by non-recomputing blocks
-            states += co.copy * (f * (k[0] * blk["numel"] + pre["numel"] * first + post["numel"] * last) - numel)
         mem = states + f * saved + rw + work + buffers
         if co.fsdp[zero]:  # FSDP2 once backward is over (`compose._device_memory`)
             mem = max(mem, states + buffers - 2 * numel * co.w_elem + numel * co.fsdp_after)
