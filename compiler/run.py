@@ -48,13 +48,17 @@ def resolve_file(plan: str | os.PathLike[str] | PlanFile | None, nproc: int) -> 
     return file
 
 
-def resolve_plan(plan: str | None, nproc: int) -> ParallelPlan:
-    """The plan to run: `plan` (fp32 unless it names a dtype) or data parallel over `nproc`; checks the size."""
+def resolve_plan(plan: str | None, nproc: int, on_gpus: bool | None = None) -> ParallelPlan:
+    """The plan to run: `plan` or data parallel over `nproc`; checks the size. A dtype the plan
+    names is run as named (bf16/fp16 mixed precision on CPU processes too). A plan that names
+    none runs the plan default (bf16) on GPUs but fp32 on CPU processes (`on_gpus`; None: the
+    launcher's choice): the model is built in fp32 and CPU matmuls gain nothing from bf16, so
+    a CPU run is the fp32 model's unless asked otherwise. The prediction prices the same dtype."""
     if nproc < 1:
         raise ShardcError(f"--nproc must be >= 1, got {nproc}")
     parsed = ParallelPlan.parse(plan if plan else f"dp={nproc}")
-    if "dtype=" not in (plan or ""):
-        parsed = dataclasses.replace(parsed, dtype="fp32")  # CPU training runs in fp32; so must the prediction
+    if "dtype=" not in (plan or "") and not (_on_gpus() if on_gpus is None else on_gpus):
+        parsed = dataclasses.replace(parsed, dtype="fp32")
     if parsed.devices != nproc:
         raise ShardcError(f"plan {plan!r} uses dp*tp*pp*cp = {parsed.devices} devices but --nproc is {nproc}",
                           hint=f"run with --nproc {parsed.devices}, or change the plan's degrees to multiply to {nproc}")

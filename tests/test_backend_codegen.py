@@ -31,8 +31,10 @@ def test_code_is_readable_and_rank_specific(tp_plan: shardc.CompiledPlan) -> Non
     assert "x25_all_reduce = shardc_backends_torch_collectives_all_reduce(x25, mesh, 'tp', op = 'sum'" in code0
     assert "grad_all_reduce(x28, mesh, 'tp')" in code0
     # vocab-parallel loss: each rank's slice of the vocabulary is a literal of its own code
-    assert "vocab_parallel_cross_entropy(x65, x66, mesh, axis = 'tp', vocab_start = 0)" in code0
-    assert "vocab_parallel_cross_entropy(x65, x66, mesh, axis = 'tp', vocab_start = 64)" in code1
+    # (the plan's default bf16: the loss reads its logits in fp32, `backends/torch/precision.py`)
+    assert "x65_f32 = x65.to(torch.float32)" in code0
+    assert "vocab_parallel_cross_entropy(x65_f32, x66, mesh, axis = 'tp', vocab_start = 0)" in code0
+    assert "vocab_parallel_cross_entropy(x65_f32, x66, mesh, axis = 'tp', vocab_start = 64)" in code1
     assert "local_input(idx, mesh, name = 'idx', shape = (4, 16), shards = (('dp', 0, 1),))" in code0
 
 

@@ -100,7 +100,8 @@ def compile_case(spec: str, plan: str, edit: str) -> object:
     import shardc
 
     model, inputs, names = build(spec)
-    return shardc.compile(model, inputs, plan=plan, input_names=names, before_lower=EDITS.get(edit))
+    # fp32: compared with the fp32 model (a plan's default dtype is bf16, which the backend runs)
+    return shardc.compile(model, inputs, plan=f"{plan},dtype=fp32", input_names=names, before_lower=EDITS.get(edit))
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, object, str]]) -> list[tuple[list[float], dict] | str]:

@@ -59,7 +59,7 @@ def gpt_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_dp_and_tp_plans_match_onnxruntime_and_write_back(gpt_onnx: Path, tmp_path: Path) -> None:
     result = import_onnx(gpt_onnx)
     inputs = example_inputs(result.graph, seed=7)
-    plans = {text: shardc.compile(OnnxModule(result), inputs, plan=text) for text in PLANS}
+    plans = {text: shardc.compile(OnnxModule(result), inputs, plan=f"{text},dtype=fp32") for text in PLANS}  # fp32: exact
     per_rank = spawn(_worker, 2, str(gpt_onnx), plans, timeout_s=300)
 
     session = ort.InferenceSession(str(gpt_onnx))
@@ -122,7 +122,7 @@ def test_pipeline_plan_matches_onnxruntime_and_trains_like_one_process(dynamic_g
     gpt_onnx = dynamic_gpt_onnx
     result = import_onnx(gpt_onnx, input_shapes={"idx": (2, 16)})
     inputs = example_inputs(result.graph, seed=7)
-    plan = shardc.compile(OnnxModule(result), inputs, plan="pp=2")  # 2 micro-batches of one
+    plan = shardc.compile(OnnxModule(result), inputs, plan="pp=2,dtype=fp32")  # 2 micro-batches of one
     per_rank = spawn(_pipeline_worker, 2, str(gpt_onnx), plan, timeout_s=300)
 
     logits = ort.InferenceSession(str(gpt_onnx)).run(None, {result.graph.inputs[0].name: inputs[0].numpy()})[0]
@@ -152,7 +152,7 @@ def test_pipeline_plan_matches_onnxruntime_and_trains_like_one_process(dynamic_g
 def test_micro_batches_of_a_file_with_a_fixed_batch_are_refused(gpt_onnx: Path) -> None:
     result = import_onnx(gpt_onnx)
     with pytest.raises(shardc.ShardcError, match=r"fixes dim 0 to 2; it cannot be given as 1") as err:
-        shardc.compile(OnnxModule(result), example_inputs(result.graph), plan="tp=2")  # 2 micro-batches
+        shardc.compile(OnnxModule(result), example_inputs(result.graph), plan="tp=2,dtype=fp32")  # 2 micro-batches
     assert "dynamic_shapes" in str(err.value)
 
 

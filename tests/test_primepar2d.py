@@ -150,16 +150,16 @@ def test_mlps_on_a_2x2_grid_train_like_one_process() -> None:
     import shardc
 
     model, inputs, names = build(GPT)
-    compiled = shardc.compile(model, inputs, plan="tp=2", input_names=names, before_lower=grid_edit)
+    compiled = shardc.compile(model, inputs, plan="tp=2,dtype=fp32", input_names=names, before_lower=grid_edit)
     text = str(compiled)
     assert "partition<tp:e1, tq:n; time k/2 rotate (tp, tq)>" in text
     assert "fc1.weight : f32[256,64]{tp:S(1), tq:S(0)}" in text
     code = compiled.code(0)  # type: ignore[attr-defined]
     assert "grid_contraction" in code and "skew_start" in code  # weights skewed at the layer's start
-    mixed = shardc.compile(model, inputs, plan="tp=2", input_names=names, before_lower=mixed_grid_edit)
+    mixed = shardc.compile(model, inputs, plan="tp=2,dtype=fp32", input_names=names, before_lower=mixed_grid_edit)
     assert "fc2.weight : f32[64,256]{tp:S(0), tq:S(1)}" in str(mixed)
     model, inputs, names = build(HF_GPT2)
-    conv1d = shardc.compile(model, inputs, plan="tp=2", input_names=names, before_lower=conv1d_grid_edit)
+    conv1d = shardc.compile(model, inputs, plan="tp=2,dtype=fp32", input_names=names, before_lower=conv1d_grid_edit)
     cases = [(GPT, compiled, ""), (GPT, mixed, ""), (HF_GPT2, conv1d, "")]
     results = spawn(run_cases, 4, cases, timeout_s=400)[0]
     for (spec, _, _), name, result in zip(cases, ("rows on tp", "fc2 rows on tq", "Conv1D matmuls"), results):

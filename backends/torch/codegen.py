@@ -31,6 +31,7 @@ from shardc.backends.torch import collectives as C
 from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import ring as R
 from shardc.backends.torch.emit import Emitter, local_shape, py_name
+from shardc.backends.torch.precision import compute_dtype
 from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
 from shardc.ir.diagnostics import ShardcError
 
@@ -126,6 +127,7 @@ class _Rank:
     objects: dict[Value, torch.Tensor]
     home: dict[Value, str]
     last_read: dict[Value, int]
+    compute: torch.dtype | None = None  # mixed precision's compute dtype (`precision.py`)
 
     def state_path(self, v: Value) -> str:
         return f"{self.home[v]}.{_under(self.home[v], v.name)}" if v in self.home else v.name
@@ -192,14 +194,14 @@ def _layer_module(rank: _Rank, region: Region, k: int,
             sub_env[v] = sub.placeholder(py_name(v.name))
             region_inputs.append(v)
     sub_mesh = sub.get_attr("mesh")
-    emit = Emitter(sub, rank.mesh, rank.coords, sub_mesh)
+    emit = Emitter(sub, rank.mesh, rank.coords, sub_mesh, rank.compute)
     sub_attrs: dict[str, Any] = {"mesh": rank.groups}
 
     def arg(v: Value) -> fx.Node:
         if v not in sub_env:  # a parameter or buffer this layer holds
             rel = _under(path, v.name)
             assert rel is not None
-            sub_env[v] = sub.get_attr(rel)
+            sub_env[v] = emit.read(v, sub.get_attr(rel))
             sub_attrs[rel] = rank.objects[v]
         return sub_env[v]
 
@@ -261,24 +263,24 @@ class _Root:
         self.rank = rank
         self.graph = fx.Graph()
         self.mesh_node = self.graph.get_attr("mesh")
-        self.emit = Emitter(self.graph, rank.mesh, rank.coords, self.mesh_node)
+        self.emit = Emitter(self.graph, rank.mesh, rank.coords, self.mesh_node, rank.compute)
         self.env: dict[Value, fx.Node] = {}
 
     def inputs(self, values: list[Value], local_inputs: bool, device: str) -> None:
         for v in values:
             ph = self.graph.placeholder(py_name(v.name))
             if local_inputs:
-                self.env[v] = ph
+                self.env[v] = self.emit.read(v, ph)
                 continue
             shards = tuple((a, p.dim, p.interleave) + (("zigzag",) if p.zigzag else ())
                            for a, p in (v.layout or Layout()).placements if isinstance(p, Shard))
             kw = {"name": v.name, "shape": v.type.shape, "shards": shards} | ({"device": device} if device != "cpu" else {})
-            self.env[v] = self.emit.call(local_input, (ph, self.mesh_node), kw, f"{v.name}_local")
+            self.env[v] = self.emit.read(v, self.emit.call(local_input, (ph, self.mesh_node), kw, f"{v.name}_local"))
 
     def value(self, v: Value) -> fx.Node:
         """`v` in the root: a computed value, or a parameter or buffer read at its path."""
         if v in self.rank.kinds and v not in self.env:
-            self.env[v] = self.graph.get_attr(self.rank.state_path(v))
+            self.env[v] = self.emit.read(v, self.graph.get_attr(self.rank.state_path(v)))
         return self.env[v]
 
     def nodes(self, region: Region) -> None:
@@ -307,7 +309,9 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     """The module rank `rank` runs. `tensors` maps parameter/buffer names to this rank's local
     shards (meta tensors of the local shapes when None, e.g. to print code); an `nn.Parameter`
     there is used as it is (shared by the modules of several pipeline stages on one rank).
-    With `local_inputs` the inputs are this rank's pieces already (a pipeline stage's)."""
+    With `local_inputs` the inputs are this rank's pieces already (a pipeline stage's). Under mixed
+    precision (the graph's `dtype` attribute) float parameters, buffers and inputs are cast to the
+    compute dtype where read (`precision.py`)."""
     mesh = graph.mesh
     if mesh is None:
         raise ShardcError(f"graph @{graph.name} has no mesh; lower a partitioned graph before codegen")
@@ -315,7 +319,8 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     kinds, objects = _state(graph, mesh, tensors)
     regions = regions_of(graph)
     home, last_read = _placement(graph, regions, kinds)
-    ctx = _Rank(mesh, coords, groups or C.MeshGroups(dict(mesh.axes), coords), kinds, objects, home, last_read)
+    ctx = _Rank(mesh, coords, groups or C.MeshGroups(dict(mesh.axes), coords), kinds, objects, home, last_read,
+                compute_dtype(graph))
     cores = selective_cores(graph)
     root = _Root(ctx)
     root.inputs(graph.inputs, local_inputs, device)

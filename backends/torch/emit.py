@@ -18,11 +18,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from shardc.backends.torch import collectives as C
 from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import local_ops as L
+from shardc.backends.torch import precision as P
 from shardc.backends.torch import ring as R
 from shardc.backends.torch import temporal as T
 from shardc.ir import Layout, Mesh, Node, Shard, Value
@@ -59,9 +61,18 @@ def shard_offset(v: Value, dim: int, mesh: Mesh, coords: dict[str, int]) -> int:
 class Emitter:
     """Turns IR nodes into fx calls inside one region graph."""
 
-    def __init__(self, fxg: fx.Graph, mesh: Mesh, coords: dict[str, int], mesh_node: fx.Node) -> None:
+    def __init__(self, fxg: fx.Graph, mesh: Mesh, coords: dict[str, int], mesh_node: fx.Node,
+                 compute: torch.dtype | None = None) -> None:
         self.g, self.mesh, self.coords, self.mesh_node = fxg, mesh, coords, mesh_node
         self.skews: dict[Node, fx.Node] = {}  # grid node -> its weight's prefetched skew
+        self.compute = compute  # the plan's compute dtype (`precision.py`); None: fp32, no casts
+
+    def read(self, v: Value, node: fx.Node) -> fx.Node:
+        """A parameter, buffer or graph input as the IR's ops read it: float ones cast to the
+        compute dtype (mixed precision, `precision.py`), others as they are."""
+        if self.compute is None or not v.type.is_float:
+            return node
+        return P.cast(self.g, node, self.compute, py_name(v.name))
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> fx.Node:
         node = self.g.create_node("call_function", fn, _plain(args), _plain(kwargs), name=py_name(name))
@@ -73,6 +84,9 @@ class Emitter:
     def node(self, node: Node, args: list[fx.Node]) -> list[fx.Node]:
         op = get_op(node.op)
         name = node.outputs[0].name
+        if op.kind == "loss" and self.compute is not None:  # the loss reads fp32 (`precision.py`)
+            args = [P.cast(self.g, a, torch.float32, py_name(v.name)) if v.type.is_float else a
+                    for v, a in zip(node.inputs, args)]
         if op.kind == "collective":
             if node.op in ("grad_sync", "send", "recv"):
                 return [args[0]]  # the data-parallel wrapper / pipeline runtime does these

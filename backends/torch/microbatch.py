@@ -100,7 +100,9 @@ class Microbatched(nn.Module):
             with _sync(caller, last):
                 out = caller(*inputs, microbatch=j) if self.microbatches > 1 else caller(*inputs)
                 loss = self._loss(out, target, j)
-                (loss / self.microbatches if self.microbatches > 1 else loss).backward()
+                part = loss / self.microbatches if self.microbatches > 1 else loss
+                scaler = self.__dict__.get("grad_scaler")  # fp16's loss scaler (`precision.py`)
+                (scaler.scale(part) if scaler is not None else part).backward()
             total = total + loss.detach().float().cpu()
         return total / self.microbatches
 

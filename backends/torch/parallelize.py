@@ -12,7 +12,9 @@ generated module then gets the data axes' gradient averaging from torch:
                        state sharded (ZeRO-2 memory plus sharded parameters between steps)
     zero=3          -> FSDP2 fully_shard(reshard_after_forward=True)
 
-as the `grad_sync` nodes of the lowered IR say.
+as the `grad_sync` nodes of the lowered IR say. Under mixed precision (`precision.py`) FSDP2
+gathers compute-dtype weights and reduce-scatters fp32 gradients (`MixedPrecisionPolicy`), and
+an fp16 module carries its loss scaler (`grad_scaler`; `step` scales the loss).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 
 from shardc.backends.torch.codegen import generate, local_piece
 from shardc.backends.torch.collectives import MeshGroups
+from shardc.backends.torch.precision import attach_scaler, compute_dtype, grad_scaler, mixed_precision_policy
 from shardc.backends.torch.ring import gather
 from shardc.ir import Graph, Layout, Mesh, Shard
 from shardc.ir.diagnostics import ShardcError
@@ -158,6 +161,9 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
     micro = int(graph.attrs.get("microbatches", 1)) if micro_graph is not None else 1
     module = Microbatched(runner, micro, graph, runtime, loss_fn)
     describe_state(module, runtime, dm, model)
+    compute = compute_dtype(runtime)
+    scaler = grad_scaler(compute, device)
+    attach_scaler(scaler, module)
     axes, via, zero = data_parallel_info(runtime)
     if not axes:
         return module
@@ -165,13 +171,16 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
     if via == "fsdp" or zero > 0:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(module, mesh=sub, reshard_after_forward=zero >= 3)
+        policy = mixed_precision_policy(compute)
+        fully_shard(module, mesh=sub, reshard_after_forward=zero >= 3, **({"mp_policy": policy} if policy else {}))
         return module
     from shardc.backends.torch.microbatch import DataParallel
 
     # Every rank already holds its own pieces: no broadcast from rank 0 (buffers may be sharded
     # along cp, which this group spans).
-    return DataParallel(module, process_group=sub.get_group(), init_sync=False, forward_sync_buffers=False)
+    wrapped = DataParallel(module, process_group=sub.get_group(), init_sync=False, forward_sync_buffers=False)
+    attach_scaler(scaler, wrapped)
+    return wrapped
 
 
 def describe_state(module: nn.Module, graph: Graph, dm: Any, model: nn.Module) -> None:

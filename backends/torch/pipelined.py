@@ -21,7 +21,10 @@ that backward is still running). Stages get their input and output shapes up fro
 knows them), so torch skips the first-step metadata inference: that extra forward runs the
 DDP wrapper outside `no_sync` and would make it all-reduce every micro-batch. Then gradients
 are divided by the micro-batch count (the loss is a mean over micro-batches) and a parameter
-held on several pipeline ranks (a tied embedding and head) gets the sum of theirs.
+held on several pipeline ranks (a tied embedding and head) gets the sum of theirs. Mixed
+precision (`precision.py`): stage modules cast as generated, FSDP2 gathers compute-dtype weights
+and reduce-scatters fp32 gradients, and under fp16 the schedule's loss is scaled by the module's
+`grad_scaler` (the losses `step` returns are unscaled).
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ from shardc.backends.torch.parallelize import (
     local_tensors,
     mesh_groups,
     with_constants,
+)
+from shardc.backends.torch.precision import (
+    attach_scaler,
+    compute_dtype,
+    grad_scaler,
+    mixed_precision_policy,
+    runtime_dtype,
 )
 from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
@@ -79,9 +89,10 @@ class PipelinedModule(nn.Module):
 
         group = dm.get_group(Axis.PP)
         assert graph.mesh is not None
+        compute = compute_dtype(graph)  # activations cross stages in the compute dtype
         self.stages = [PipelineStage(m, s, self.num_stages, device, group=group,
-                                     input_args=_examples(plan.stages[s].inputs, graph.mesh),
-                                     output_args=_examples(plan.stages[s].outputs, graph.mesh))
+                                     input_args=_examples(plan.stages[s].inputs, graph.mesh, compute),
+                                     output_args=_examples(plan.stages[s].outputs, graph.mesh, compute))
                        for m, s in zip(wrapped, stage_ids)]
         cls = schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
         stages: Any = self.stages if len(self.stages) > 1 or cls.__name__.startswith("ScheduleInterleaved") \
@@ -126,6 +137,11 @@ class PipelinedModule(nn.Module):
     # ---- one training step ------------------------------------------------------------------
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        loss = self._unscaled_loss(output, target)
+        scaler = self.__dict__.get("grad_scaler")  # fp16's loss scaler: the schedule runs backward on this
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def _unscaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         outs = output if isinstance(output, tuple) else (output,)
         if self.loss_module is not None:
             return self.loss_module(*outs, target)
@@ -168,6 +184,9 @@ class PipelinedModule(nn.Module):
         self.schedule.step(*args, **kwargs)
         self._finish_gradients()
         loss = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros((), device=self.device)
+        scaler = self.__dict__.get("grad_scaler")
+        if scaler is not None and losses:
+            loss = loss / scaler.get_scale()
         group = self.dm.get_group(Axis.PP)
         dist.broadcast(loss, src=dist.get_global_rank(group, (self.num_stages - 1) % self.pp), group=group)
         return loss
@@ -261,15 +280,17 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        policy = mixed_precision_policy(compute_dtype(graph))
         for m in modules:
             if any(p.requires_grad for p in m.parameters()):
-                fully_shard(m, mesh=sub, reshard_after_forward=zero >= 3)
+                fully_shard(m, mesh=sub, reshard_after_forward=zero >= 3, **({"mp_policy": policy} if policy else {}))
     wrapped = list(modules)
     if sub is not None and not fsdp:
         wrapped = [_ddp(m, sub.get_group()) for m in modules]
         _check_unshared(graph, modules)
     full_inputs = [(v.name, tuple(v.type.shape)) for v in compiled.graph.inputs]
     module = PipelinedModule(graph, plan, stage_ids, modules, wrapped, loss_module, dm, full_inputs, loss_fn, dev)
+    attach_scaler(grad_scaler(compute_dtype(graph), dev), module)
     describe_state(module, graph, dm, model)
     return module
 
@@ -323,17 +344,16 @@ def _check_unshared(graph: Graph, modules: list[nn.Module]) -> None:
                                   "only between stages on different pipeline ranks")
 
 
-def _examples(values: list[Any], mesh: Any) -> tuple[torch.Tensor, ...]:
-    """Meta tensors with this rank's local shapes of `values`: a stage's static metadata.
+def _examples(values: list[Any], mesh: Any, compute: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Meta tensors with this rank's local shapes and run-time dtypes (`precision.runtime_dtype`)
+    of `values`: a stage's static metadata.
 
     Given inputs and outputs, torch's `PipelineStage` skips its first-step metadata inference,
     a real forward outside `no_sync` that would arm DDP's reducer before the schedule's own
     backwards (DDP then all-reduces every micro-batch and asserts when rebuilding buckets)."""
-    from shardc.ir.dtypes import torch_dtype
-
     out = []
     for v in values:
-        t = torch.empty(local_shape(v, mesh), dtype=torch_dtype(v.type.dtype), device="meta")
+        t = torch.empty(local_shape(v, mesh), dtype=runtime_dtype(v, compute), device="meta")
         out.append(t.requires_grad_(v.requires_grad and t.is_floating_point()))
     return tuple(out)
 

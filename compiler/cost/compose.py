@@ -11,8 +11,11 @@ Rules:
   `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
   LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
   and its exposed sync, plus the slowest device's gather and optimizer step.
+- Bytes by dtype (`memory`): gradients are synchronised in fp32, weights gathered in the
+  compute dtype.
 - Memory per device at its peak (`peak.device_memory`): model states by ZeRO stage over the
-  data-parallel group (dp x cp), the saved activations of the micro-batches in flight on that
+  data-parallel group (dp x cp) (mixed precision: the compute-dtype weight copies, once per
+  parameter; under FSDP2 they are its unsharded parameters, a buffer), the saved activations of the micro-batches in flight on that
   device (`in_flight`) stacked under the live timeline of the one in progress
   (`timeline.layer_memory`: saved, recomputed and gradient bytes op by op), and the runtime's
   buffers (DDP buckets, FSDP2's gathered parameters, pipeline receive buffers).
@@ -28,7 +31,13 @@ from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbou
 from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.layer import LayerCost
-from shardc.cost.memory import buffer_bytes, in_flight, model_state_bytes, state_bytes_per_param
+from shardc.cost.memory import (
+    GRADIENT_BYTES,
+    buffer_bytes,
+    compute_bytes,
+    in_flight,
+    model_state_bytes,
+)
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
 from shardc.cost.sync import DeviceSync, gradient_sync
@@ -51,12 +60,18 @@ class EstimateOptions:
     zero_runtime: str = "fsdp2"
     # Pipeline buffers: "torch" (torch.distributed.pipelining's, see `peak`) or "none".
     pipeline_runtime: str = "torch"
+    # The dtype gradients are reduced in: "fp32" as the torch backend runs mixed precision (fp32
+    # gradients on the fp32 master weights; Megatron-LM's default for bf16), or "compute"
+    # (Megatron-LM's fp16 default, accumulate_allreduce_grads_in_fp32=False: reduced in fp16).
+    gradient_reduce: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.zero_runtime not in ("fsdp2", "zero"):
             raise ShardcError(f"zero_runtime={self.zero_runtime!r}: use fsdp2 (the torch backend) or zero")
         if self.pipeline_runtime not in ("torch", "none"):
             raise ShardcError(f"pipeline_runtime={self.pipeline_runtime!r}: use torch or none")
+        if self.gradient_reduce not in ("fp32", "compute"):
+            raise ShardcError(f"gradient_reduce={self.gradient_reduce!r}: use fp32 (the torch backend) or compute")
 
 
 @dataclass(slots=True)
@@ -152,7 +167,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     `Links` or a `CostContext`; `plan` gives pp, vpp, schedule and dtype."""
     p = plan.pp
     zero_axes, shard = zero_group(links.mesh)
-    w_elem, g_elem, _ = state_bytes_per_param(plan.dtype)
+    w_elem = compute_bytes(plan.dtype)
+    g_elem = GRADIENT_BYTES if options.gradient_reduce == "fp32" else w_elem
     times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
     pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
@@ -194,7 +210,7 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
     micro-batch's forward and backward seconds (the layers' costs, textbook ZeRO-3's exposed
     weight gathers, the sends to the next stage and the gradients back)."""
     S = plan.pp * plan.vpp
-    w_elem = state_bytes_per_param(plan.dtype)[0]
+    w_elem = compute_bytes(plan.dtype)
     times = [dict[str, float]() for _ in range(S)]
     fwd, bwd = [0.0] * S, [0.0] * S
     for layer in layers:
@@ -232,7 +248,8 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     sharded = fsdp2(options, zero, shard)
     states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for numel, z in sync.params:
-        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard).items():
+        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
+                                          copies=not sharded).items():
             states[key] += val
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
@@ -240,5 +257,13 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
         buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
     by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
+    # FSDP2 once backward is over (measured, torch 2.13): the unsharded compute-dtype parameters
+    # and, in mixed precision, the unsharded compute-dtype gradients, the fp32 reduce-scatter
+    # input (every gradient, `reduce_dtype`) and its 1/shard output.
+    after = 0.0
+    if sharded:
+        unsharded_grads = local * w_elem if w_elem != GRADIENT_BYTES else 0.0
+        after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
-                         fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, regather=zero >= 3)
+                         fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
+                         regather=zero >= 3)

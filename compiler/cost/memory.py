@@ -1,10 +1,23 @@
 """Memory per device: model states by dtype and ZeRO stage, activations in flight, buffers.
 
 Rules:
-- Mixed precision (bf16/fp16): 2 bytes of weights + 2 of gradients + 12 of optimizer state
-  (fp32 master weights, Adam momentum and variance) per parameter; fp32: 4 + 4 + 8.
+- Model states as the torch backend holds them (`backends/torch/precision.py`). fp32: 4 bytes
+  of weights + 4 of gradients + 8 of Adam state (momentum, variance) per parameter. Mixed
+  precision (bf16/fp16), Megatron's 18: the fp32 master weights (4) and their compute-dtype
+  copies (2: cast where read, saved by the matmuls from forward to backward; the memory tracker
+  files them as `parameters` too) + fp32 gradients (4: autograd through the cast; DDP reduces
+  fp32) + Adam state (8), the copy counted once per parameter (as Megatron holds its bf16
+  weights, and as the solver's linearisation can). The torch backend casts per micro-batch, so
+  a pipeline device with k micro-batches in flight holds k copies of the weights the matmuls
+  saved, and a recomputing layer holds its copies only while it runs: there this figure is
+  low, resp. high, by those copies (known gap). Under FSDP2 the copies are FSDP2's unsharded
+  compute-dtype parameters (`peak`), so there the weights are the master weights alone
+  (`model_state_bytes(copies=False)`).
   ZeRO-1 divides the optimizer state by the sharding degree (the data-parallel group),
   ZeRO-2 the gradients too, ZeRO-3 the weights too.
+- Bytes on the wire: gradient sync in fp32 (`gradient_bytes`), weight gathers (ZeRO-3, FSDP2)
+  and every activation, tensor- and context-parallel collective in the compute dtype
+  (`compute_bytes`).
 - Activations: the bytes a micro-batch saves on a stage times the micro-batches in flight
   there at the peak (the one in progress by its timeline, `timeline` and `peak`): GPipe holds all m; 1F1B holds p - i on stage i (at most m); interleaved
   1F1B holds (p - i - 1) * 2 + (v - 1) * p + 1 model chunks' worth on device i (Megatron's
@@ -24,17 +37,39 @@ MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "rec
                      "buffers")
 
 
+MASTER_BYTES = 4  # fp32 master weights, whatever the compute dtype
+GRADIENT_BYTES = 4  # fp32 gradients on the master weights
+ADAM_STATE_BYTES = 8  # fp32 momentum and variance
+
+
+def mixed(dtype: str) -> bool:
+    """Whether plan dtype `dtype` trains in mixed precision (bf16 or fp16 compute, fp32 master weights)."""
+    return precision(dtype) in ("bf16", "fp16")
+
+
+def compute_bytes(dtype: str) -> int:
+    """Bytes of one element in the compute dtype: activations, gathered weights, tp/cp collectives."""
+    return 2 if mixed(dtype) else 4
+
+
+def weight_copy_bytes(dtype: str) -> int:
+    """Bytes per parameter of its compute-dtype copy (0 in fp32: the weights are read as they are)."""
+    return compute_bytes(dtype) if mixed(dtype) else 0
+
+
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer state) bytes per parameter for plan dtype `dtype`."""
-    if precision(dtype) in ("bf16", "fp16"):
-        return 2, 2, 12
-    return 4, 4, 8
+    """(weights, gradients, optimizer state) bytes per parameter for plan dtype `dtype`: (4 + 2,
+    4, 8) in mixed precision (master weights and their compute copies), (4, 4, 8) in fp32."""
+    return MASTER_BYTES + weight_copy_bytes(dtype), GRADIENT_BYTES, ADAM_STATE_BYTES
 
 
-def model_state_bytes(params: float, dtype: str, zero: int, shard: int) -> dict[str, float]:
+def model_state_bytes(params: float, dtype: str, zero: int, shard: int, copies: bool = True) -> dict[str, float]:
     """Weights, gradients and optimizer bytes on one device holding `params` local parameters,
-    with ZeRO stage `zero` sharding over `shard` data-parallel ranks."""
+    with ZeRO stage `zero` sharding over `shard` data-parallel ranks; `copies`: whether the
+    weights' compute-dtype copies are held from forward to backward (module rules)."""
     w, g, o = state_bytes_per_param(dtype)
+    if not copies:
+        w -= weight_copy_bytes(dtype)
     shard = max(1, shard)
     return {
         "parameters": params * w / (shard if zero >= 3 else 1),

@@ -1,6 +1,8 @@
 """Gradient synchronisation and the optimizer step, per pipeline device.
 
 Rules:
+- Gradients are fp32 (on the fp32 master weights, whatever the compute dtype: `memory`), so
+  `g_elem` is 4; weight gathers move the compute dtype (`w_elem`, 2 under bf16/fp16).
 - A parameter's gradient must be summed over every mesh axis on which it is `Partial`
   (see `edges.layer_params`). Over the data-parallel axes (dp, cp) that is the DP sync: all_reduce,
   or reduce_scatter when ZeRO shards the optimizer. It runs in buckets as torch DDP forms them

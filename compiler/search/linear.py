@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from shardc.cost.comm import collective_time
 from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
-from shardc.cost.memory import in_flight, state_bytes_per_param
+from shardc.cost.memory import compute_bytes, in_flight, state_bytes_per_param, weight_copy_bytes
 from shardc.cost.sync import ADAM_BYTES_PER_PARAM, fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
 from shardc.ir import ZERO_STAGES, Layout
 from shardc.ops.registry import get_op, has_op
@@ -79,6 +79,8 @@ class Coefficients:
     out_bytes: list[list[float]] = field(default_factory=list)
     out_const: float = 0.0
     pipeline_buffers: bool = False
+    # FSDP2's bytes per local parameter once backward is over (`compose._device_memory`).
+    fsdp_after: float = 0.0
 
 
 def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Coefficients:
@@ -90,7 +92,8 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     ctx = problem.pricer.ctx
     axes, shard = zero_group(ctx.mesh)
     levels = ctx.levels(axes)
-    w, g, o = state_bytes_per_param(problem.dtype)
+    w, g, o = state_bytes_per_param(problem.dtype)  # w: fp32 master + compute copy (`cost.memory`)
+    held_copy, w_elem = weight_copy_bytes(problem.dtype), compute_bytes(problem.dtype)  # gathers move compute bytes
     cand = _candidate_rows(problem, axes, g)
     edge_fwd = [[[e.fwd_s(a, b) + sum(e.regather[a][b].values()) for b in range(len(e.cons_grad))]
                  for a in range(len(e.prod_info))] for e in problem.edges]
@@ -105,7 +108,7 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     last = min(bucket, block_grad) if block_grad > 0 else bucket
     tail = tuple(collective_time(k, last, levels, ctx.algorithm) if shard > 1 else 0.0 for k in kinds)
     fsdp = tuple(fsdp2(options, z, shard) for z in ZERO_STAGES)
-    state = tuple(w / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
+    state = tuple((w - (held_copy if fsdp[z] else 0)) / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
                   + o / (shard if z >= 1 else 1) for z in ZERO_STAGES)
     optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZERO_STAGES)
     gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
@@ -114,12 +117,13 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZERO_STAGES)
     copy = fsdp_copy_time(1.0, shard, ctx.device)  # FSDP2's copies per byte around each collective
     serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZERO_STAGES, serial))
-    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w) if fsdp[z] else gather[z] for z in ZERO_STAGES)
+    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w_elem) if fsdp[z] else gather[z] for z in ZERO_STAGES)
     rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZERO_STAGES)
     tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZERO_STAGES)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
-                       2 * bucket if shard > 1 else 0.0, w, fsdp, serial, send_bytes, out_bytes, out_const,
-                       options.pipeline_runtime == "torch" and problem.shape.pp > 1)
+                       2 * bucket if shard > 1 else 0.0, w_elem, fsdp, serial, send_bytes, out_bytes, out_const,
+                       options.pipeline_runtime == "torch" and problem.shape.pp > 1,
+                       w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)))
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
 
@@ -365,6 +369,12 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         if co.pipeline_buffers:
             recv = sums[vecs[s - 1]]["block"]["sbytes"] if not first else 0.0
             buffers += m * recv + ((m + f) * blk["sbytes"] if not last else m * (post["obytes"] + co.out_const))
-        memory.append(numel * co.state[zero] + f * saved + rw + work + buffers)
+        # Mixed precision's weight copies are in `state`, once per parameter, as the CP-SAT model
+        # has them (`compose` holds them per micro-batch in flight on a pipeline device: looser here).
+        states = numel * co.state[zero]
+        mem = states + f * saved + rw + work + buffers
+        if co.fsdp[zero]:  # FSDP2 once backward is over (`compose._device_memory`)
+            mem = max(mem, states + buffers - 2 * numel * co.w_elem + numel * co.fsdp_after)
+        memory.append(mem)
     pipe = sum(stage_time) + (m - 1) * max(stage_time)
     return Linear(pipe + max(exposed) + max(after), tuple(memory))

@@ -10,7 +10,7 @@ included; a model that returns no loss trains on `default_loss`), then runs:
 - one more step under the memory tracker (`shardc.train.memory`): the peak and its breakdown by
   role, with the optimizer's state and the gradients in place as in every later step.
 A training step is forward and backward over the plan's micro-batches, AdamW `step()`
-(`foreach=False`), then `zero_grad(set_to_none=False)`: gradients stay allocated between steps,
+(`foreach=False`; under fp16 through the module's loss scaler, `precision.scaled_step`), then `zero_grad(set_to_none=False)`: gradients stay allocated between steps,
 as Megatron's gradient buffers do, so the peak holds them. The losses reported are each step's
 global mean (one all_reduce after the last step, averaged over the ranks: tensor and pipeline
 ranks agree, data ranks hold their share). The full model is dropped once this rank's module is
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shardc.backends.torch.precision import scaled_step, scaler_of
 from shardc.train.memory import ddp_bucket_bytes, track_memory
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class _Session:
         loss = self.trainee.step(batch)
         if tracker is not None:
             tracker.phase = "optimizer"
-        self.optimizer.step()
+        scaled_step(self.optimizer, scaler_of(self.trainee.module))
         self.optimizer.zero_grad(set_to_none=False)
         return loss.detach().reshape(()).to(torch.float32, copy=True)
 

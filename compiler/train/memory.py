@@ -11,7 +11,9 @@ measured peak, the difference filed as `allocator_extra`.
   leftovers). Each storage is counted once.
 - During the step a `TorchDispatchMode` sees every op the rank runs (backward included: the
   autograd engine carries the mode) and files each new output storage: saved for backward
-  (a `saved_tensors_hooks` pack hook marks it) -> `activations`; produced by or handed to a
+  (a `saved_tensors_hooks` pack hook marks it) -> `activations`, except a parameter's cast to
+  another dtype (mixed precision's compute-dtype weight copy, held from forward to backward by
+  the op that saved it) -> `parameters`; produced by or handed to a
   collective -> `buffers`; anything else (gradients of activations, temporaries of forward,
   backward and the optimizer step, recomputed forwards) -> `other`; the optimizer's state
   exists before the measured step (it follows the first step) and is counted as `optimizer`.
@@ -121,6 +123,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_breakdown: dict[str, float] = {}
         self.category_peaks: dict[str, float] = {}
         self.allocator: dict[str, float] | None = None  # CUDA: the allocator's view, set by `track_memory`
+        self.casts: set[int] = set()  # storages made by casting a parameter (mixed precision's weight copies)
         with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
@@ -149,6 +152,8 @@ class MemoryTracker(TorchDispatchMode):
         s = _storage(t)
         if s is not None and _key(s) in self._parameter_storages():
             self._reclassify(t, ("other",), "buffers")
+        elif s is not None and _key(s) in self.casts:
+            self._reclassify(t, ("other",), "parameters")
         else:
             self._reclassify(t, ("other", "buffers"), "activations")
 
@@ -192,6 +197,13 @@ class MemoryTracker(TorchDispatchMode):
             for t in _tensors(args):  # a buffer allocated before and filled by the collective
                 self._reclassify(t, ("other",), "buffers")
         cat = "buffers" if comm and self.phase != "optimizer" else "other"
+        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
+            source = _storage(args[0])
+            if source is not None and _key(source) in self._parameter_storages():
+                for made in (_storage(t) for t in _tensors(out)):
+                    if made is not None:  # forgotten when freed: a later storage may reuse the key
+                        self.casts.add(_key(made))
+                        weakref.finalize(made, self.casts.discard, _key(made))
         inputs = [_key(x) for x in _input_storages(args, kwargs)] if self.extra.get("buffers") else []
         for t in _tensors(out):
             s = _storage(t)
