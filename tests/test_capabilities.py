@@ -149,8 +149,8 @@ PIPELINES = Runs("test_pipeline_numerics.py", "test_pipelines_1f1b_gpipe_interle
 ZIGZAG = Runs("test_ring_numerics.py", "test_zigzag_context_parallel_two_processes_matches_one")
 GRID = Runs("test_primepar2d.py", "test_mlps_on_a_2x2_grid_train_like_one_process")
 MICRO = Runs("test_microbatch_numerics.py", "test_explicit_micro_batch_and_global_batch_accumulate_like_one_process")
-PRECISION = Runs("test_precision.py", sets="dtype")                     # coming: mixed precision
-RECOMPUTE = Runs("test_recompute.py", sets="recompute=selective")       # coming: selective recomputation
+PRECISION = Runs("test_precision.py", sets="dtype=bf16")                # mixed precision
+RECOMPUTE = Runs("test_recompute.py", sets="recompute=selective")       # selective recomputation
 
 KIND_TESTS: dict[str, tuple[Runs, ...]] = {
     "spatial-dp": (GPT_CASES,),
@@ -213,7 +213,7 @@ def _cases(module: Any, function: ast.FunctionDef) -> list[Case]:
     nodes = list(ast.walk(function))
     for name in [n.id for n in nodes if isinstance(n, ast.Name) and isinstance(getattr(module, n.id, None), list)]:
         out += [Case(*_case(module, item)) for item in getattr(module, name) if _case(module, item)]
-    for node in sorted((n for n in nodes if isinstance(n, (ast.Tuple, ast.Call))), key=lambda n: (n.lineno, n.col_offset)):
+    for node in sorted((n for n in nodes if isinstance(n, (ast.Tuple, ast.Call, ast.List))), key=lambda n: (n.lineno, n.col_offset)):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "build" and node.args:
             try:
                 spec = _value(module, node.args[0])
@@ -224,6 +224,9 @@ def _cases(module: Any, function: ast.FunctionDef) -> list[Case]:
             if "plan" in kw and spec is not None and isinstance(kw["plan"], ast.Constant):
                 edit = _value(module, kw["before_lower"]) if "before_lower" in kw else None
                 out.append(Case(spec, kw["plan"].value, edit))
+        elif isinstance(node, ast.List) and hasattr(module, "SPEC") and node.elts and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) and "=" in e.value for e in node.elts):
+            out += [Case(module.SPEC, e.value) for e in node.elts]  # a list of plans for the module's model
         elif isinstance(node, ast.Tuple) and len(node.elts) >= 2:
             try:
                 item = tuple(_value(module, e) for e in node.elts)
@@ -290,7 +293,7 @@ def _check(runs: Runs, kind: str | None, key: str | None) -> str | None:
 def test_the_coverage_tables_name_every_kind_and_key() -> None:
     assert set(KIND_TESTS) == set(all_kinds()), "a partition kind of shardc.ops.lowering has no entry in KIND_TESTS"
     assert len(set(all_kinds())) == len(all_kinds()), "two capability entries share a kind name"
-    missing = [k for k in PLAN_KEYS if k not in KEY_TESTS and k != "offload"]
+    missing = [k for k in PLAN_KEYS if k not in KEY_TESTS]
     assert missing == [], f"plan keys without a multi-process numerics test in KEY_TESTS: {missing}"
 
 
@@ -301,9 +304,7 @@ def test_every_partition_kind_is_trained_multi_process() -> None:
 
 
 def test_every_plan_key_is_trained_multi_process() -> None:
-    """Fails while a key's numerics test is missing: `dtype` (tests/test_precision.py) and
-    `recompute=selective` / `recompute_layers` (tests/test_recompute.py) are being written by
-    other engineers; `offload` has none (the backend does not offload; the key is being removed)."""
+    """Every key of `PLAN_KEYS` is set by a plan some multi-process numerics test trains."""
     failures = []
     for key in PLAN_KEYS:
         if key not in KEY_TESTS:

@@ -180,7 +180,7 @@ def _plan_file_graph(spec: str, tmp_path: Path):
 
     cluster = parse_cluster(CLUSTER)
     plan = ParallelPlan.parse("pp=2,mb=1,gbs=4,dtype=fp32")
-    problem = build_problem(graph_facts(load(spec, batch=4), cluster), cluster, MeshShape.of(plan), 1, 4)
+    problem = build_problem(graph_facts(load(spec, batch=4), cluster, "fp32"), cluster, MeshShape.of(plan), 1, 4, "fp32")
     labels = [[c.label for c in v.cands] for v in problem.groups]
     choice = tuple(lab.index("partition<>") for lab in labels)  # nothing split: pp only
 
@@ -196,7 +196,7 @@ def test_pipelines_with_per_layer_recomputation_match_single_process(tmp_path: P
     assert {n: layer.annotation.recompute for n, layer in graph.layers.items()} == {
         "embed": "none", "blocks.0": "selective", "blocks.1": "none", "blocks.2": "full", "blocks.3": "selective",
         "head": "none"}
-    cases = [(GPT, "pp=2,recompute=selective"), (GPT4, "pp=2,recompute=selective,recompute_layers=1"),
+    cases = [(GPT, "pp=2,recompute=selective,dtype=fp32"), (GPT4, "pp=2,recompute=selective,recompute_layers=1,dtype=fp32"),
              (GPT4, "plan file")]
     compiled = []
     for spec, plan in cases:
