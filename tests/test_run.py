@@ -11,22 +11,24 @@ import torch
 from shardc.cli import main
 from shardc.ir.diagnostics import ShardcError
 from shardc.run import resolve_plan, run_model
-from shardc.train import synthetic_batch, vocab_of
+from shardc.train import input_ranges, synthetic_batch, vocab_of
 
 SPEC = "examples/gpt.py:tiny"
 
 
 def reference_losses(steps: int, seed: int, spec: str = SPEC) -> list[float]:
     """One process, the same seed, data and optimizer as the workers."""
+    import shardc
     from shardc.frontend.spec import load_model
 
     torch.manual_seed(seed)
     loaded = load_model(spec, device="cpu")
     model, example = loaded.model, list(loaded.example_inputs)
+    ranges = input_ranges(shardc.compile(spec, plan="dp=1", device="meta").graph, loaded.input_names, vocab_of(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
-        loss = model(*synthetic_batch(example, vocab_of(model), seed, step))
+        loss = model(*synthetic_batch(example, ranges, seed, step))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -47,6 +49,24 @@ def test_run_json_on_two_processes_pipelined(capsys: pytest.CaptureFixture[str])
     for r in out["ranks"]:
         assert r["peak_memory_bytes"] > 0
         assert "predicted_peak_memory_bytes" in r
+
+
+def test_bert_trains_data_parallel_with_its_token_types_in_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """BERT's token_type_ids index a table of two rows: the workers' data stays inside it."""
+    spec = "examples/bert.py:tiny?batch=4"
+    assert main(["run", spec, "--nproc", "2", "--steps", "2", "--plan", "dp=2", "--seed", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["losses"] == pytest.approx(reference_losses(2, 1, spec), rel=1e-5)
+
+
+def test_input_ranges_follow_each_integer_input_to_its_embedding() -> None:
+    import shardc
+    from shardc.frontend.spec import load_model
+
+    loaded = load_model("examples/bert.py:tiny", device="meta")
+    graph = shardc.compile("examples/bert.py:tiny", plan="dp=1", device="meta").graph
+    assert loaded.input_names == ("input_ids", "token_type_ids", "attention_mask", "labels")
+    assert input_ranges(graph, loaded.input_names, 128) == (128, 2, 128, 128)
 
 
 def test_failing_rank_stops_the_others_in_bounded_time() -> None:

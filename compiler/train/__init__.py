@@ -138,13 +138,16 @@ def parallelized(compiled: CompiledPlan, model: torch.nn.Module, device: torch.d
     return Trainee(module, lambda batch: module.step(*batch, target=make_target(batch)))
 
 
-def synthetic_batch(example_inputs: Sequence[Any], vocab: int, seed: int, step: int) -> list[Any]:
-    """Step `step`'s batch: integer inputs uniform in [0, vocab), float inputs normal; fixed by seed and step."""
+def synthetic_batch(example_inputs: Sequence[Any], vocab: int | Sequence[int], seed: int, step: int) -> list[Any]:
+    """Step `step`'s batch: integer inputs uniform in [0, range), float inputs normal; fixed by
+    seed and step. `vocab` is one range for every integer input, or one per input
+    (`input_ranges`: a token-type id must stay below its embedding's rows)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ranges = [vocab] * len(example_inputs) if isinstance(vocab, int) else list(vocab)
     out: list[Any] = []
-    for x in example_inputs:
+    for x, high in zip(example_inputs, ranges, strict=True):
         if isinstance(x, torch.Tensor) and not x.is_floating_point():
-            out.append(torch.randint(0, vocab, tuple(x.shape), generator=g, dtype=x.dtype))
+            out.append(torch.randint(0, high, tuple(x.shape), generator=g, dtype=x.dtype))
         elif isinstance(x, torch.Tensor):
             out.append(torch.randn(tuple(x.shape), generator=g, dtype=x.dtype))
         else:
@@ -158,6 +161,29 @@ def vocab_of(model: torch.nn.Module) -> int:
         if isinstance(m, torch.nn.Embedding):
             return int(m.num_embeddings)
     return 2
+
+
+def input_ranges(graph: Any, input_names: Sequence[str], vocab: int) -> tuple[int, ...]:
+    """Per input (by name, in `input_names` order): the rows of the embedding table it indexes in
+    the traced `graph`, found from each `embedding` node's index operand back through the ops
+    with one integer operand (views, reshapes, collectives) to a graph input; the smallest when
+    it indexes several (BERT's token types: 2, its positions: max_positions); `vocab` for inputs
+    that index none (token ids of a model whose embedding is not traced as one, targets, masks)."""
+    rows: dict[str, int] = {}
+    inputs = {id(v): v.name for v in graph.inputs}
+    for node in graph.nodes:
+        if node.op != "embedding" or len(node.inputs) < 2:
+            continue
+        index, table = node.inputs[0], node.inputs[1]
+        while id(index) not in inputs and index.producer is not None:
+            integer = [v for v in index.producer.inputs if not v.type.is_float and v.kind != "param"]
+            if len(integer) != 1:
+                break  # computed from several integers (an arange plus an offset): not an input's range
+            index = integer[0]
+        if id(index) in inputs:
+            name = inputs[id(index)]
+            rows[name] = min(rows.get(name, table.type.shape[0]), int(table.type.shape[0]))
+    return tuple(rows.get(name, vocab) for name in input_names)
 
 
 def synchronize(device: torch.device) -> None:
@@ -175,7 +201,7 @@ class _Session:
     trainee: Trainee
     optimizer: torch.optim.Optimizer
     example: tuple[Any, ...]  # the inputs' shapes and dtypes, on the meta device: they hold no memory
-    vocab: int
+    vocab: tuple[int, ...]  # each input's range (`input_ranges`)
     seed: int
     device: torch.device
 
@@ -203,7 +229,8 @@ def _session(compiled: CompiledPlan, spec: str, options: TrainOptions, device: t
     params = [p for p in trainee.module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=options.lr, foreach=False)
     example = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in loaded.example_inputs)
-    return _Session(trainee, optimizer, example, vocab_of(loaded.model), options.seed, device)
+    ranges = input_ranges(compiled.graph, loaded.input_names, vocab_of(loaded.model))
+    return _Session(trainee, optimizer, example, ranges, options.seed, device)
 
 
 def train(compiled: CompiledPlan, spec: str, options: TrainOptions, *, device: torch.device | None = None,
