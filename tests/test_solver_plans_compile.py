@@ -167,10 +167,10 @@ def reference_losses(steps: int, seed: int) -> list[float]:
 
 def test_micro_batches_of_one_sequence_compile_and_train(tmp_path: Path) -> None:
     # pp=2 (the Megatron default of one sequence per micro-batch) and tp=2 whose row-parallel
-    # linears hold their sums reduced and whose loss reshape splits the flattened (batch seq)
-    # dim: `r1` on four sequences, `r0` on one.
+    # linears hold their sums reduce-scattered onto the sequence (or all-reduced) and whose loss
+    # reshape splits the flattened (batch seq) dim: `r1` on four sequences, `r0` on one.
     piped = _one_sequence_plan(tmp_path / "pp.plan", MeshShape(pp=2))
-    tensor = _one_sequence_plan(tmp_path / "tp.plan", MeshShape(tp=2), "->", "tp:")
+    tensor = _one_sequence_plan(tmp_path / "tp.plan", MeshShape(tp=2), "->{tp:S", "->", "tp:")
     runs: list[tuple[str, ParallelPlan | PlanFile]] = [(SPEC, piped), (SPEC, tensor),
                                                        (SPEC, ParallelPlan.of("pp=2,mb=1,gbs=4"))]
     for _, plan in runs:
@@ -180,6 +180,7 @@ def test_micro_batches_of_one_sequence_compile_and_train(tmp_path: Path) -> None
         verify(compiled.micro_graph, check_input_layouts=True)
     micro = shardc.compile(SPEC, plan=tensor, device="meta").micro_graph
     assert micro is not None
+    assert {"all_reduce", "reduce_scatter"} <= {n.op for n in micro.nodes}
     assert any(str(n.partition) == "partition<tp:r0>" for n in micro.nodes if n.op == "reshape")
     want = reference_losses(2, 3)
     for reports in launch_all(runs, nproc=2, steps=2, seed=3, timeout_s=300):
