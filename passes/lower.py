@@ -186,7 +186,7 @@ def resolve_partials(graph: Graph, resolved: dict[Value, Layout], data: tuple[st
             if v in resolved:
                 made = normalize(v.layout or Layout(), mesh)
                 steps = with_gradients(redistribute(made, normalize(resolved[v], mesh), v.type, mesh),
-                                        resolved[v], v, mesh, data, False, set())
+                                       resolved[v], v, mesh, data, False, set())
                 edge = Edge(v.name, made, resolved[v], ())
                 now[v] = emit.chain(v, edge, steps, node)
     graph.outputs = [now.get(v, v) for v in graph.outputs]
