@@ -4,8 +4,9 @@
   Replicate, or reduce_scatter onto the sequence): the graph holds the anchor's output so
   resolved, the verifier accepts it before lowering, and `lower` puts the reduction right after
   the node (strictly what the partition gives afterwards).
-- Tight memory limits on GPT, Llama and BERT `:tiny` plan such candidates; each plan verifies,
-  compiles from its file, and the compiled graph gives every consumer the layout it needs.
+- Tight memory limits on GPT, Llama, BERT `:tiny` and a tiny transformers GPT-2 plan such
+  candidates; each plan verifies, compiles from its file (with its micro-batch's own trace), and
+  the compiled graph gives every consumer the layout it needs.
 - Micro-batches of one sequence (dp*mb = 1, several micro-batches): the partitions the solver
   wrote for the traced batch are carried to the one-sequence trace by dim position, and a plan
   file and a plan string train on two processes as one process does.
@@ -96,16 +97,21 @@ def _resolved(graph: Graph) -> list[str]:
             for v, made in zip(n.outputs, io_layouts(n, graph.mesh)[1]) if resolves_partial(made, v.layout)]
 
 
+HF_GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=128&n_positions=128&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0"
+
 # Tight limits at which the solver picks row-parallel (and vocab-parallel) candidates that hold
 # their partial sums resolved; before the fix each failed the solve pass's own verification.
 TIGHT = [
     ("examples/gpt.py:tiny", 2, 0.002),
     ("examples/llama.py:tiny?seq=128", 2, 0.0015),  # micro-batches of one sequence as well (bert too)
     ("examples/bert.py:tiny?seq=128", 2, 0.002),
+    # dp=2, tp=2, one sequence per micro-batch: a Conv1D's sum reduce-scattered onto its flattened
+    # (batch seq) rows was followed by a reshape splitting the batch 4 ways, 2 in a micro-batch.
+    (f"{HF_GPT2}&seq=128", 4, 0.002),
 ]
 
 
-@pytest.mark.parametrize(("spec", "nproc", "limit"), TIGHT, ids=["gpt", "llama", "bert"])
+@pytest.mark.parametrize(("spec", "nproc", "limit"), TIGHT, ids=["gpt", "llama", "bert", "hf-gpt2"])
 def test_tight_solver_plans_verify_and_compile(spec: str, nproc: int, limit: float, tmp_path: Path) -> None:
     graph, ctx = driver.solve(spec, f"local{nproc}", 4, time_limit=3, seed=0, workers=1, memory_limit_gb=limit,
                               dtype="fp32", wall_stop=float("inf"))
