@@ -220,13 +220,13 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
         before_lower(graph)
     partitioned_ir = str(graph)
     micro = driver.micro_batch_trace(source, graph)
+    if micro is not None and isinstance(plan, Graph):  # the solver's partitions, node by node, before
+        driver.transfer_partitions(graph, micro.graph)  # lowering turns resolved partial sums into collectives
     graph = driver.run(graph, lowering, ctx, flags, allow_uneven=False)
     micro_graph, micro_constants = None, {}
     if micro is not None:
         micro_graph = micro.graph
-        if isinstance(plan, Graph):  # the solver's partitions, node by node
-            driver.transfer_partitions(graph, micro_graph)
-        else:  # the plan's rules again, on the micro-batch's shapes, for the same global batch
+        if not isinstance(plan, Graph):  # the plan's rules again, on the micro-batch's shapes, same global batch
             whole = dataclasses.replace(parallel, gbs=int(graph.attrs["global_batch"]))  # not gbs=auto: 1 micro-batch
             micro_graph = driver.run(micro_graph, before, dataclasses.replace(ctx, plan=whole), allow_uneven=False)
             micro_graph.attrs = dict(graph.attrs)

@@ -193,8 +193,15 @@ def micro_batch_trace(source: Source, partitioned: Graph) -> TraceResult | None:
 def transfer_partitions(src: Graph, dst: Graph) -> None:
     """Give `dst` (the same model traced at another batch) `src`'s mesh, layers, attributes,
     node partitions and the layouts of its inputs, parameters and buffers, node by node.
-    `src` may be lowered already: its collectives are skipped."""
+    Partitions are carried by dim position (`propagate.rename_partition`: a micro-batch of one
+    sequence binds the batch as a broadcast dim, and the dims' names shift), output layouts
+    are what the carried partition gives on `dst`'s shapes, with a partial sum `src` holds
+    resolved (`resolves_partial`) resolved alike. `src` may be lowered already: its
+    collectives are skipped."""
+    from shardc.analysis.propagate import dims_by_position, io_layouts, iteration_space, rename_partition
+    from shardc.ir import Layout, Partial
     from shardc.ops.collectives import COLLECTIVE_OPS
+    from shardc.ops.verifier import resolves_partial
 
     src_nodes = [n for n in src.nodes if n.op not in COLLECTIVE_OPS]
     ops_src, ops_dst = [n.op for n in src_nodes], [n.op for n in dst.nodes]
@@ -202,25 +209,27 @@ def transfer_partitions(src: Graph, dst: Graph) -> None:
         first = next((i for i, (a, b) in enumerate(zip(ops_src, ops_dst)) if a != b), min(len(ops_src), len(ops_dst)))
         raise ShardcError(f"graph @{src.name} traced for one micro-batch differs from the full batch at node {first} "
                           f"({len(ops_src)} vs {len(ops_dst)} nodes)", hint="use one micro-batch (gbs = dp*mb)")
-    from shardc.ops.registry import get_op
-
     dst.mesh, dst.layers, dst.attrs = src.mesh, dict(src.layers), dict(src.attrs)
     for a, b in zip(src_nodes, dst.nodes):
-        if a.partition is not None:
-            # A micro-batch of one sequence binds the batch as a broadcast dim: the iteration
-            # dims the full batch's partitions name may not exist there.
-            space = get_op(b.op).iteration_space([v.type for v in b.inputs], [v.type for v in b.outputs], b.attrs)
-            used = [d for _, d in a.partition.spatial] + [t.dim for t in a.partition.temporal]
-            missing = [d for d in used if d not in space.dims]
-            if missing:
-                raise ShardcError(f"graph @{src.name} traced for one micro-batch ({dst.inputs[0].type if dst.inputs else '?'}) "
-                                  f"has no dim {missing[0]!r} at node {b.op} @{b.layer}, which plan {src.attrs.get('plan')} "
-                                  f"partitions ({a.partition})",
-                                  hint="plan with micro-batches of at least 2 sequences per replica (a larger --gbs), "
-                                       "or one micro-batch (gbs = dp*mb)")
         b.partition, b.layer = a.partition, a.layer
-        for va, vb in zip(a.outputs, b.outputs):
-            vb.layout = va.layout
+        if a.partition is None or src.mesh is None or not (a.partition.spatial or a.partition.temporal):
+            for va, vb in zip(a.outputs, b.outputs):
+                vb.layout = va.layout
+            continue
+        try:
+            b.partition = rename_partition(a.partition, dims_by_position(iteration_space(a), iteration_space(b)))
+        except ValueError as err:
+            raise ShardcError(f"graph @{src.name} traced for one micro-batch ({dst.inputs[0].type if dst.inputs else '?'}"
+                              f") cannot take {a.partition} of plan {src.attrs.get('plan')} at node {b.op} @{b.layer}: "
+                              f"{err}", node=b, hint="plan with micro-batches of at least 2 sequences per replica "
+                              "(a larger --gbs), or one micro-batch (gbs = dp*mb)") from None
+        made_src, made_dst = io_layouts(a, src.mesh)[1], io_layouts(b, src.mesh)[1]
+        for va, vb, ms, md in zip(a.outputs, b.outputs, made_src, made_dst):
+            held = dict(md.placements)
+            if resolves_partial(ms, va.layout):  # reduced where made: on the partial axes as `src` holds it
+                for axis in (x for x, p in ms.placements if isinstance(p, Partial)):
+                    held[axis] = (va.layout or Layout()).on(axis)
+            vb.layout = Layout(tuple((x, held[x]) for x in src.mesh.names if x in held)).without_replicate()
     for group_src, group_dst in ((src.inputs, dst.inputs), (src.params, dst.params), (src.buffers, dst.buffers)):
         by_name = {v.name: v for v in group_src}
         for v in group_dst:

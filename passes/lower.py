@@ -9,6 +9,12 @@ ones the cost model charges, one mesh axis at a time:
     R -> S  chunk (local)     S(i) -> S(j)  all_to_all   R -> P  to_partial (local)
     S -> P  pad (local)       stage cut  send + recv
 
+A node whose output value holds its partial sum resolved (the solver's candidates: "all_reduce
+to Replicate or reduce_scatter onto a batch/sequence dim, inside the group";
+`shardc.ops.verifier.resolves_partial`) gets that reduction right after it, in its layer, and
+its readers read the reduced value: the same reduction the cost model charges where the value
+is made, then the edges from there.
+
 Gradients follow one convention per axis. On model axes (tp, ...) a replicated value's
 gradient is replicated, so where a replicated input that needs a gradient enters a node split
 along that axis, `grad_all_reduce` (identity forward, all_reduce backward) goes in front of it;
@@ -31,7 +37,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardc.analysis.propagate import io_layouts
-from shardc.analysis.resharding import Edge, ReshardStep, edge_steps, node_stage
+from shardc.analysis.resharding import (
+    Edge,
+    ReshardStep,
+    edge_steps,
+    node_stage,
+    normalize,
+    redistribute,
+    with_gradients,
+)
 from shardc.ir import (
     DATA_AXES,
     Axis,
@@ -46,6 +60,7 @@ from shardc.ir import (
     Value,
 )
 from shardc.ir.diagnostics import ShardcError
+from shardc.ops.verifier import resolves_partial
 from shardc.passmanager import Pass, PassContext, register_pass
 
 
@@ -134,19 +149,48 @@ class _Emit:
         return cur
 
 
-def hold_layouts(graph: Graph) -> None:
+def hold_layouts(graph: Graph) -> dict[Value, Layout]:
     """Outputs get what their partition produces; parameters, buffers and inputs without a layout
-    are held as their first reader needs them, never partial."""
+    are held as their first reader needs them, never partial. Returns the outputs that held
+    their partial sum resolved (`resolves_partial`), with that resolved layout."""
     assert graph.mesh is not None
+    resolved: dict[Value, Layout] = {}
     for node in graph.nodes:
         ins, outs = io_layouts(node, graph.mesh)
         for v, lay in zip(node.outputs, outs):
+            if node.partition is not None and v.layout is not None and resolves_partial(lay, v.layout):
+                resolved[v] = v.layout
             v.layout = lay
         for v, lay in zip(node.inputs, ins):
             if v.kind != "activation" and v.layout is None:
                 v.layout = Layout(tuple((a, p) for a, p in lay.placements if not isinstance(p, Partial)))
     for v in list(graph.inputs) + graph.params + graph.buffers:
         v.layout = v.layout or Layout()
+    return resolved
+
+
+def resolve_partials(graph: Graph, resolved: dict[Value, Layout], data: tuple[str, ...], emit: _Emit) -> None:
+    """Right after each node whose output held its partial sum resolved, the reduction
+    (`all_reduce` or `reduce_scatter`, backward identity or all_gather; on data axes the
+    partial-gradient conjugates), in the node's layer; every reader and the graph's outputs
+    then read the reduced value, so edges start from the layout the cost model priced."""
+    assert graph.mesh is not None
+    mesh = graph.mesh
+    nodes: list[Node] = []
+    emit.nodes = nodes
+    now: dict[Value, Value] = {}
+    for node in graph.nodes:
+        node.inputs = [now.get(v, v) for v in node.inputs]
+        nodes.append(node)
+        for v in node.outputs:
+            if v in resolved:
+                made = normalize(v.layout or Layout(), mesh)
+                steps = with_gradients(redistribute(made, normalize(resolved[v], mesh), v.type, mesh),
+                                       resolved[v], v, mesh, data, False, set())
+                edge = Edge(v.name, made, resolved[v], ())
+                now[v] = emit.chain(v, edge, steps, node)
+    graph.outputs = [now.get(v, v) for v in graph.outputs]
+    graph.nodes = nodes
 
 
 def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit) -> None:
@@ -180,11 +224,12 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
     if any(n.op == "grad_sync" for n in graph.nodes):
         return graph  # already lowered
     data = tuple(a for a in data_axes if a in mesh.names and mesh.axis_size(a) > 1)
-    hold_layouts(graph)
+    resolved = hold_layouts(graph)
     for node, flag in zip(graph.nodes, _grads(graph)):
         for v in node.outputs:
             v.requires_grad = v.requires_grad or flag
     emit = _Emit(graph, {v.name for v in graph.values()}, [])
+    resolve_partials(graph, resolved, data_axes, emit)
     insert_grad_sync(graph, data, emit)
     edges = edge_steps(graph, data_axes)
     by_name = {v.name: v for v in graph.values()}

@@ -6,12 +6,15 @@
 - `follow(...)`: the iteration dim (and stride) that makes a node take an input in the layout
   it already has on one mesh axis, so propagation moves no data.
 - `requires_grad(graph)`: trainable parameters and every float value computed from one.
+- `dims_by_position` / `rename_partition`: one node's partition carried to the same node
+  traced at another batch, its dims matched by operand position, not by name.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from shardc.ir import Graph, Layout, Mesh, Node, Partition, Placement, Shard, Value
 from shardc.ops.registry import IterationSpace, get_op, node_layouts, operand_layout
@@ -82,3 +85,42 @@ def derives_from_input(graph: Graph, value: Value) -> bool:
             return False
         seen = node.inputs[0]
     return True
+
+
+def dims_by_position(src: IterationSpace, dst: IterationSpace) -> dict[str, str | None]:
+    """Each iteration dim of `src` -> the dim of `dst` at the same operand positions, for one
+    node traced at two batches: dim names are positional and a batch of one is bound as a
+    broadcast dim (no name), so the names shift (`[1,16,128] -> [16,128]` names the sequence
+    `r0` where `[4,16,128] -> [64,128]` names it `r1`; a mask broadcast over a batch of four is
+    bound to the batch dim of one). Dims of `src` that `dst` folds into a broadcast map to None.
+    Raises ValueError when the operands do not line up."""
+    src_ops, dst_ops = src.inputs + src.outputs, dst.inputs + dst.outputs
+    if len(src_ops) != len(dst_ops) or any(len(a) != len(b) for a, b in zip(src_ops, dst_ops)):
+        raise ValueError("the operands have different ranks")
+    folded = {f for a, b in zip(src_ops, dst_ops) for fa, fb in zip(a, b) if not fb for f in fa}
+    out: dict[str, str | None] = dict.fromkeys(folded)
+    for a, b in zip(src_ops, dst_ops):
+        for fa, fb in zip(a, b):
+            if not fa and all(dst.size(g) == 1 for g in fb):
+                continue  # broadcast in `src`, bound to a dim of size 1 in `dst`
+            kept = [f for f in fa if f not in folded]
+            if len(kept) != len(fb):
+                raise ValueError(f"dims {fa} and {fb} at the same position do not line up")
+            for f, g in zip(kept, fb):
+                if out.setdefault(f, g) != g:
+                    raise ValueError(f"dim {f} lines up with both {out[f]} and {g}")
+    return out
+
+
+def rename_partition(partition: Partition, dims: dict[str, str | None]) -> Partition:
+    """`partition` with its iteration dims renamed by `dims` (`dims_by_position`); a dim it
+    splits that has no counterpart is a ValueError naming it."""
+    def rename(d: str) -> str:
+        new = dims.get(d)
+        if new is None:
+            raise ValueError(f"dim {d!r} has no counterpart (a broadcast of size 1)")
+        return new
+
+    return Partition(tuple((a, rename(d)) for a, d in partition.spatial),
+                     tuple(replace(t, dim=rename(t.dim)) for t in partition.temporal),
+                     partition.strides, partition.zigzag)

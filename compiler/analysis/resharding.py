@@ -322,22 +322,23 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
         if src_stage is not None and stage is not None and src_stage != stage:
             nbytes = local_bytes(v.type, src, mesh)
             steps.append(ReshardStep("send_recv", Axis.PP, src, src, nbytes, nbytes, 2, "send_recv"))
-        steps += _with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes,
-                                 grads.get(v, False), set().union(*(splits[i] for i, _ in consumers)))
+        steps += with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes,
+                                grads.get(v, False), set().union(*(splits[i] for i, _ in consumers)))
         if steps:
             out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
     for v in graph.outputs:
         src = normalize(v.layout or Layout(), mesh)
         need = Layout(tuple((a, p) for a, p in src.placements if a in data_axes))
-        steps = _with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, False, set())
+        steps = with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, False, set())
         if steps:
             out[Edge(v.name, src, need, (), stage_of.get(v), stage_of.get(v))] = steps
     return out
 
 
-def _with_gradients(steps: list[ReshardStep], need: Layout, value: Value, mesh: Mesh,
-                    data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> list[ReshardStep]:
-    """Set each step's backward kind and add the `identity` markers (see `edge_steps`)."""
+def with_gradients(steps: list[ReshardStep], need: Layout, value: Value, mesh: Mesh,
+                   data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> list[ReshardStep]:
+    """Set each step's backward kind and add the `identity` markers (see `edge_steps`): `trainable`
+    says whether `value` carries a gradient, `split_axes` the axes its readers split."""
     marked = {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1 and a in split_axes
               and trainable and isinstance(need.on(a), Replicate)}
     last_on = {s.axis: k for k, s in enumerate(steps)}

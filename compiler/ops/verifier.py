@@ -15,6 +15,12 @@ Rules (each violation is a `VerificationError` naming the node, value or layer):
   so do its inputs' when `check_input_layouts` (after lowering has inserted the collectives).
 - Layers: a node names only declared layers; pipeline stages are all set or all unset, number
   0..S-1 without gaps, never decrease along the graph, and S is a multiple of the `pp` axis.
+- Resolved partial sums: before lowering, a partitioned node's output may hold the `Partial`
+  its partition makes resolved (`resolves_partial`: reduced to Replicate, or reduce-scattered
+  onto a Shard, on the partial axes only), as the solver's candidates choose and the cost model
+  prices it (the reduction is charged where the value is made); `lower` inserts that reduction
+  right after the node, so a lowered graph (`check_input_layouts`) holds exactly what the
+  partition gives.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from shardc.ir import Axis, Graph, Layout, Mesh, Node, Replicate, Shard, TensorType, Value
+from shardc.ir import Axis, Graph, Layout, Mesh, Node, Partial, Replicate, Shard, TensorType, Value
 from shardc.ir.diagnostics import VerificationError
 from shardc.ir.dtypes import dtype_name, torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, get_op, has_op, node_layouts
@@ -91,6 +97,22 @@ def _placements(layout: Layout | None) -> dict[str, Any]:
 def layouts_agree(a: Layout | None, b: Layout | None) -> bool:
     """Equal up to replicated axes being named or left out (None is replicated everywhere)."""
     return _placements(a) == _placements(b)
+
+
+def resolves_partial(made: Layout, held: Layout | None) -> bool:
+    """`held` is `made` with its Partial sums resolved: on at least one axis where `made` is
+    Partial, `held` is Replicate (all_reduce) or a Shard (reduce_scatter); every other axis,
+    and every Partial left unresolved, agrees."""
+    want, have = _placements(made), _placements(held)
+    resolved = False
+    for axis in set(want) | set(have):
+        p, q = want.get(axis, Replicate()), have.get(axis, Replicate())
+        if p == q:
+            continue
+        if not (isinstance(p, Partial) and isinstance(q, Replicate | Shard)):
+            return False
+        resolved = True
+    return resolved
 
 
 class _Verifier:
@@ -224,8 +246,11 @@ class _Verifier:
         except ValueError as err:
             self.fail(f"{partition} cannot be applied: {err}", node)
         for i, (v, want) in enumerate(zip(node.outputs, out_layouts)):
-            if not layouts_agree(v.layout, want):
-                self.fail(f"output {i} %{v.name} has layout {v.layout or Layout()} but {partition} gives {want}", node)
+            if layouts_agree(v.layout, want) or (not self.check_input_layouts and resolves_partial(want, v.layout)):
+                continue
+            self.fail(f"output {i} %{v.name} has layout {v.layout or Layout()} but {partition} gives {want}"
+                      + ("" if self.check_input_layouts else ", nor its partial sum resolved"), node,
+                      "write what the partition gives (or, for a Partial, its all_reduce or reduce_scatter)")
         if self.check_input_layouts:
             for i, (v, want) in enumerate(zip(node.inputs, in_layouts)):
                 if not layouts_agree(v.layout, want):

@@ -27,7 +27,8 @@ Rules (one place):
   inherited is gathered first (an in-group all_gather, priced like any redistribution).
 - An op without a registry rule is kept replicated (one candidate) and reported.
 - Only what lowers: a candidate any of whose members' partitions the backend's capability table
-  (`shardc.ops.lowering`) refuses is never offered.
+  (`shardc.ops.lowering`) refuses is never offered, nor one whose members split a dim unevenly at
+  the micro-batch (batch dims scaled), which the micro-batch's own trace could not take.
 """
 
 from __future__ import annotations
@@ -237,9 +238,23 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
                 continue
             for resolved in _resolutions(group, outs, mesh, shapes, roles):
                 candidate = _complete(group, partition, ins, resolved, mesh)
-                if lowering_refusal(group, candidate, mesh, roles) is None:
+                if lowering_refusal(group, candidate, mesh, roles) is None and _fits_micro_batch(
+                        group, candidate, mesh, shapes):
                     out.append(candidate)
     return out or [_replicated(group, mesh)]
+
+
+def _fits_micro_batch(group: NodeGroup, candidate: Candidate, mesh: Mesh, shapes: Shapes) -> bool:
+    """Whether every member's split divides its dims at the micro-batch (batch dims scaled): a
+    follower inheriting a shard of a flattened (batch seq) dim splits the batch factor, which a
+    micro-batch of fewer sequences than the axes' product cannot take."""
+    for node, space, partition in zip(group.members, group.spaces, candidate.partitions):
+        if space is None or partition is None or not partition.spatial:
+            continue
+        sizes = _sizes(space, iteration_roles(node, space, shapes.roles), shapes.batch_scale)
+        if not _divisible(space, partition.spatial, mesh, sizes):
+            return False
+    return True
 
 
 def lowering_refusal(group: NodeGroup, candidate: Candidate, mesh: Mesh,

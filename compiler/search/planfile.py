@@ -85,7 +85,14 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
     (graph inputs, parameters and buffers as their readers need them, Partial held replicated;
     replicated on an axis where readers on differently partitioned stages disagree),
     per layer its stage, recomputation and ZeRO stage, and the plan in `graph.attrs` (as
-    apply-plan records it), so that `shardc.cost.estimate(graph, cluster)` scores it."""
+    apply-plan records it), so that `shardc.cost.estimate(graph, cluster)` scores it.
+
+    A candidate whose anchor splits a reduction resolves the Partial(sum) it makes inside its
+    group: the anchor's output value holds the resolved layout (Replicate, or the Shard its
+    reduce_scatter makes) under the partition that makes it partial. That is the form the cost
+    model prices (the reduction charged where the value is made, `cost.edges.resolves`), the
+    verifier accepts before lowering (`ops.verifier.resolves_partial`), and `lower` turns into
+    the collective right after the node."""
     facts = problem.facts
     graph.mesh = problem.shape.mesh()
     for v in graph.inputs + graph.params + graph.buffers:
