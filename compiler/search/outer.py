@@ -115,12 +115,8 @@ class SearchResult:
 
 
 def annotate(graph, problem: Problem, a: Assignment):
-    """`annotate_graph`, and the interleaved schedule the plan records when vpp > 1 (the
-    graph attributes the backend's pipeline reads, as apply-plan writes them)."""
-    annotate_graph(graph, problem, a)
-    if problem.shape.vpp > 1:
-        graph.attrs.update({"schedule": "interleaved", "virtual_stages": problem.shape.vpp})
-    return graph
+    """`annotate_graph` (it records the interleaved schedule when vpp > 1)."""
+    return annotate_graph(graph, problem, a)
 
 
 def score(found: Found, cluster: Cluster) -> Found:

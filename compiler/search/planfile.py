@@ -137,9 +137,11 @@ def annotate_graph(graph: Graph, problem: Problem, a: Assignment) -> Graph:
     for v in graph.params + graph.buffers:
         if v.layout is None:
             v.layout = Layout()
-    graph.attrs.update({
-        "plan": str(plan_for(problem, a.zero)), "microbatch_size": problem.mb, "microbatches": problem.micro_batches,
-        "global_batch": problem.gbs, "traced_batch": facts.batch, "schedule": "1f1b", "virtual_stages": 1,
+    plan = plan_for(problem, a.zero)
+    graph.attrs.update({  # the schedule as apply-plan records it: interleaved when vpp > 1
+        "plan": str(plan), "microbatch_size": problem.mb, "microbatches": problem.micro_batches,
+        "global_batch": problem.gbs, "traced_batch": facts.batch, "schedule": plan.schedule,
+        "virtual_stages": plan.vpp,
         "dtype": problem.pricer.ctx.dtype,
     })
     return graph
