@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
-from shardc.cost.layer import LayerTerms, SavedKey, attention_core
+from shardc.cost.layer import LayerTerms, SavedKey, attention_core, rotation
 from shardc.ir import Node, Value
 from shardc.ops.registry import get_op
 
@@ -138,6 +138,7 @@ def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> li
             node.inputs[i] if kind == "in" else node.outputs[i])
         if key in terms.saved_entries or key in terms.input_entries:
             keys.append(key)
+    keys += [k for k in terms.saved_entries if isinstance(k, tuple) and k[0] is node and k[1] < 0]
     return keys
 
 
@@ -160,6 +161,8 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
     for idx, node in enumerate(nodes):
         new = _new_outputs(ctx, node)
         total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node)
+        if rotation(ctx, node) is not None:  # the running sum, this step's partial product and their sum
+            total += 2 * sum(new.values())
         if total > peak:
             peak, at_saved = total, sum(saved.values())
         temp.update(new)
@@ -187,12 +190,15 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool) -> tuple[float, float, float, float, float]:
+    # Activation gradients by value, each with the storage it lives in: a gradient passed through
+    # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
+    owner: dict[Value, object] = {}
     for node in nodes:
         for v in node.outputs:
             users = ctx.users.get(v, [])
             if v in ctx.needs_grad and any(u not in inside for u in users):
-                grads[v] = ctx.local_bytes(v)
+                grads[v], owner[v] = ctx.local_bytes(v), v
     first_use: dict[str, int] = {}
     for idx, node in enumerate(nodes):
         for v in node.inputs:
@@ -207,10 +213,13 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         node = nodes[idx]
         if not any(o in ctx.needs_grad for o in node.outputs):
             continue
+        rot = rotation(ctx, node)
+        indexed = set(rot[2]) if rot is not None else set()
         if core_pending and node in core:
             core_pending = False
             recomputed.update({k: saved_all[k] for k in in_core})
         allocs: dict[Value, float] = {}
+        padding = 0.0
         new_params: dict[str, float] = {}
         passed: list[Value] = []
         for i, v in enumerate(node.inputs):
@@ -222,15 +231,21 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 passed.append(v)
             else:
                 allocs[v] = allocs.get(v, 0.0) + ctx.local_bytes(v)
-        live = (sum(saved.values()) + sum(recomputed.values()) + sum(grads.values()) + sum(held.values()))
-        total = live + sum(allocs.values()) + sum(new_params.values()) + _loss_extra(ctx, node)
+                if i in indexed:  # a rotation step's chunk gradient, padded with zeros to full size, then summed
+                    padding += ctx.local_bytes(v)
+        live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
+        total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node)
         if total > peak:
             peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
-        out_grad = max((grads.pop(o, 0.0) for o in node.outputs), default=0.0)
+        outs = [(grads.pop(o), owner.pop(o)) for o in node.outputs if o in grads]
+        out_grad, out_owner = max(outs, key=lambda g: g[0], default=(0.0, None))
         for key in passed:
-            grads[key] = max(grads.get(key, 0.0), out_grad)
+            if key in grads or out_owner is None:  # a second contribution: summed into a new storage
+                grads[key], owner[key] = max(grads.get(key, 0.0), out_grad), key
+            else:
+                grads[key], owner[key] = out_grad, out_owner
         for key, nbytes in allocs.items():
-            grads[key] = max(grads.get(key, 0.0), nbytes)
+            grads[key], owner[key] = max(grads.get(key, 0.0), nbytes), key
         for name, nbytes in new_params.items():
             param_grads += nbytes
             if hold or name in earlier or first_use.get(name, idx) < idx:
@@ -244,6 +259,14 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
     return peak, at_saved, at_recomputed, param_grads, tied
+
+
+def _grad_bytes(grads: dict[Value, float], owner: dict[Value, object]) -> float:
+    """Live activation-gradient bytes, each storage once."""
+    by_storage: dict[object, float] = {}
+    for v, nbytes in grads.items():
+        by_storage[owner[v]] = max(by_storage.get(owner[v], 0.0), nbytes)
+    return sum(by_storage.values())
 
 
 def _keys_of(savers: dict, idx: int) -> list[object]:
