@@ -38,7 +38,7 @@ from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
 from shardc.cost.layer import LayerTerms, SavedKey, attention_core, rotation
-from shardc.ir import Node, Value
+from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
 
 
@@ -108,7 +108,32 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         hold_param_grads)
     if recompute_peak > peak:
         peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
+    tail = default_loss_bytes(ctx, nodes)
+    if tail and sum(kept.values()) + tail > peak:  # everything this layer keeps is live while the loss runs
+        peak, at_saved, at_recomputed = sum(kept.values()) + tail, sum(kept.values()), 0.0
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held)
+
+
+def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
+    """Bytes a graph without its own loss (its first output not a scalar: `shardc.train.default_loss`)
+    holds in the training loop's loss at that loss's backward, when `nodes` make that output.
+    The runtime hands the loss the output gathered to the data-parallel share (every other mesh
+    axis gathered: G bytes); next-token cross entropy on logits over token ids holds G, its fp32
+    log-probabilities (saved), the gradient of the negative log-likelihood and of the
+    log-softmax (three fp32 copies); a mean square holds G, its fp32 square and that gradient."""
+    graph = ctx.graph
+    if not graph.outputs or graph.outputs[0].type.rank == 0:
+        return 0.0
+    out = graph.outputs[0]
+    if out.producer is None or out.producer not in set(nodes):
+        return 0.0
+    kept = Layout(tuple((a, p) for a, p in ctx.layout(out).placements if a == Axis.DP))
+    gathered = ctx.local_bytes(out, kept)
+    fp32 = gathered / max(1, ctx.elem_bytes(out)) * 4
+    first = graph.inputs[0].type if graph.inputs else None
+    tokens = (out.type.is_float and out.type.rank >= 2 and first is not None and not first.is_float
+              and tuple(first.shape) == tuple(out.type.shape[:-1]))
+    return gathered + (3 if tokens else 2) * fp32
 
 
 def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[SavedKey, float]:
