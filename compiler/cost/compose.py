@@ -241,4 +241,5 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
     by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
-                         fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, regather=zero >= 3)
+                         fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, regather=zero >= 3,
+                         accumulate=m > 1 and p == 1)
