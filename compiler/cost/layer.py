@@ -19,7 +19,9 @@ Rules, node by node over the layer's partitioned IR:
   Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
-  layout. Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  layout; an input all-gathered on its way in (sequence or context parallelism) as the gathered
+  copy (`gathered_source`); a rotating node also keeps the shards it received
+  (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
   from the QK^T product to the PV product; none for a fused attention node) saves of its own
   tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
@@ -334,15 +336,49 @@ def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, in
     return {i: (steps - 1) * local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in moving if i in saved}
 
 
+GATHERED = -1000  # (node, GATHERED - i): the copy of node's input i all-gathered on its edge
+
+
+def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
+    """Where the tensor `node` saves as its input `idx` was all-gathered, when it was: (the node
+    on whose input edge the gather runs, that input's index, the gathered local bytes). Eager
+    autograd saves the tensor the op read; when that edge (or an edge of the views it was read
+    through) gathers a sharded value (sequence parallelism, context parallelism's keys and
+    values), the saved tensor is the gathered copy, a new storage, not the shard."""
+    if ctx.mesh is None:
+        return None
+    while True:
+        v = node.inputs[idx]
+        if v.kind != "activation":
+            return None
+        local = ctx.local(node)
+        required = local.in_layouts[idx]
+        if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), required)):
+            return node, idx, ctx.local_bytes(v, required)
+        producer = v.producer
+        if producer is None or ctx.root(v) is v or not producer.inputs:
+            return None
+        node, idx = producer, 0  # a view: read through to the value it aliases
+
+
 def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]], in_core: bool,
                         core: Collection[Node], produced: Collection[Value], internal_only: bool,
                         t: LayerTerms) -> None:
     """Saved for backward, each storage once (raw bytes keyed by (node, k)), parameters and
     buffers excluded, with whether selective recomputation drops it; a rotating node's received
     shards keyed by (node, -1 - input index) (`received_entries`)."""
+    heads = {n for n in core if n.inputs and not any(
+        v.producer in core for v in n.inputs if v.producer is not None)}
     for i, nbytes in received_entries(ctx, node, saves).items():
         t.saved_entries[(node, -1 - i)] = (nbytes, in_core)
     for k, (kind, idx, nbytes) in enumerate(saves):
+        found = gathered_source(ctx, node, idx) if kind == "in" else None
+        if found is not None:  # the gathered copy, a storage of its own: dropped with the core it is made in
+            where, i, nbytes = found
+            # lowering emits the gather right before its consumer: inside the core unless that
+            # consumer opens it (QK^T's keys are gathered before the core, PV's values inside)
+            t.saved_entries[(where, GATHERED - i)] = (nbytes, in_core and where in core and where not in heads)
+            continue
         if kind == "bytes":
             t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)
             continue

@@ -25,6 +25,12 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
   the layer's forward again first (its saved tensors come back as recomputed); selective
   recomputation regenerates the attention core's saved tensors when backward reaches it.
+- Rotations (`rotating_loop`): a forward step holds the running sum, its partial product and
+  their sum (three outputs); in backward each step's gradient of an indexed input is its
+  chunk padded with zeros to full size (twice the input while it is made). Gradients an op
+  passes through (views, adds) share the output gradient's storage: counted once.
+- A graph without its own loss: the layer making its output also holds the training loop's
+  loss on the gathered output (`default_loss_bytes`) on top of what it keeps.
 The result is each phase's peak and what is live at it, which `compose` stacks on the layers
 before (their saved activations) and the model states.
 """
@@ -36,8 +42,7 @@ from dataclasses import dataclass
 
 from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
-from shardc.cost.edges import input_steps
-from shardc.cost.layer import LayerTerms, SavedKey, attention_core, rotation
+from shardc.cost.layer import GATHERED, LayerTerms, SavedKey, attention_core, gathered_source, rotation
 from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
 
@@ -69,9 +74,8 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     layer's `layer_terms` (its saved entries); `earlier_params`: parameters earlier layers on the
     same device also read (their gradients are held here until that layer's backward)."""
     inside = set(nodes)
-    gathered = _gathered_saves(ctx, nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else frozenset()
-    saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
+    saved_all = {k: b for k, (b, _) in terms.saved_entries.items()}
     in_core = [k for k, (_, c) in terms.saved_entries.items() if c]  # a list: recomputed in saved order
     kept: dict[SavedKey, float]
     if recompute == "full":
@@ -136,34 +140,17 @@ def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
     return gathered + (3 if tokens else 2) * fp32
 
 
-def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[SavedKey, float]:
-    """Saved inputs that arrive sharded and are all-gathered for the op (sequence parallelism):
-    eager autograd saves the gathered tensor the op read, not the shard (Megatron re-gathers)."""
-    out: dict[SavedKey, float] = {}
-    if ctx.mesh is None:
-        return out
-    for node in nodes:
-        local = ctx.local(node)
-        for kind, i in local.op.saved_for_backward(local.in_types, local.out_types, node.attrs):
-            if kind != "in" or node.inputs[i].kind != "activation":
-                continue
-            v = node.inputs[i]
-            if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i])):
-                key = ctx.root(v)
-                out[key] = max(out.get(key, 0.0), ctx.local_bytes(v, local.in_layouts[i]))
-    return out
-
-
 def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> list[object]:
     """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes)."""
     local = ctx.local(node)
     keys: list[object] = []
     for k, (kind, i) in enumerate(local.op.saved_for_backward(local.in_types, local.out_types, node.attrs)):
-        key: object = (node, k) if kind == "bytes" else ctx.root(
+        found = gathered_source(ctx, node, i) if kind == "in" else None
+        key: object = (node, k) if kind == "bytes" else (found[0], GATHERED - found[1]) if found else ctx.root(
             node.inputs[i] if kind == "in" else node.outputs[i])
         if key in terms.saved_entries or key in terms.input_entries:
             keys.append(key)
-    keys += [k for k in terms.saved_entries if isinstance(k, tuple) and k[0] is node and k[1] < 0]
+    keys += [k for k in terms.saved_entries if isinstance(k, tuple) and k[0] is node and GATHERED < k[1] < 0]
     return keys
 
 
