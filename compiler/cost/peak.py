@@ -25,6 +25,8 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
   its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
   the step ends; with data parallelism each stage module is a DDP module (buckets as above).
+- Model buffers (registered buffers, constants the trace folded) live all step at their local
+  layout, each once per device; they are filed under buffers.
 Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
 the micro-batches in flight plus the largest recomputation and transient working sets.
 """
@@ -54,6 +56,15 @@ def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool) -> tuple[dict[str, floa
             bwd = {"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed,
                    "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}
     return fwd, bwd, sum(kept)
+
+
+def _model_buffers(by_stage: Sequence[Sequence[Any]]) -> float:
+    """The model buffers the device's layers read (a causal mask, a folded constant), each once."""
+    found: dict[str, float] = {}
+    for stage in by_stage:
+        for layer in stage:
+            found.update(getattr(getattr(layer, "memory", None), "buffers", ()))
+    return sum(found.values())
 
 
 def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, send_bytes: Sequence[float],
@@ -90,6 +101,7 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                 "working": max((c.transient_bytes for c in costs), default=0.0),
                 "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
     accumulate = accumulate and fsdp
+    buffers += _model_buffers(by_stage)
     splits = [_stage_peaks(stage, fsdp and not accumulate) for stage in by_stage if stage]
     unsharded_grads = local_param_bytes if accumulate else 0.0
     kept = sum(k for _, _, k in splits)

@@ -56,7 +56,8 @@ class LayerMemory:
     freed) + `bwd_recomputed` (recomputed ones) + working (activation and weight gradients,
     a loss's log-probability gradient). `param_grads`: the weight gradients the layer computes
     (what FSDP2 keeps unsharded until the end of backward); `held`: tied weights' gradients
-    it leaves held for an earlier layer. `kept`: what it saves per micro-batch."""
+    it leaves held for an earlier layer. `kept`: what it saves per micro-batch. `buffers`: the
+    model buffers it reads (name, local bytes), resident all step."""
 
     fwd_peak: float
     fwd_saved: float
@@ -66,6 +67,7 @@ class LayerMemory:
     kept: float
     param_grads: float = 0.0
     held: float = 0.0
+    buffers: tuple[tuple[str, float], ...] = ()
 
 
 def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
@@ -115,7 +117,9 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     tail = default_loss_bytes(ctx, nodes)
     if tail and sum(kept.values()) + tail > peak:  # everything this layer keeps is live while the loss runs
         peak, at_saved, at_recomputed = sum(kept.values()) + tail, sum(kept.values()), 0.0
-    return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held)
+    buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
+    return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
+                       tuple(sorted(buffers.items())))
 
 
 def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
