@@ -19,9 +19,9 @@ Rules, node by node over the layer's partitioned IR:
   Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
-  layout; an input all-gathered on its way in (sequence or context parallelism) as the gathered
-  copy (`gathered_source`); a rotating node also keeps the shards it received
-  (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  layout (an input all-gathered on its way in is counted sharded, as Megatron, which gathers
+  it again in backward; the timeline counts the gathered copy eager autograd keeps:
+  `gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
   from the QK^T product to the PV product; none for a fused attention node) saves of its own
   tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
@@ -367,18 +367,9 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
     """Saved for backward, each storage once (raw bytes keyed by (node, k)), parameters and
     buffers excluded, with whether selective recomputation drops it; a rotating node's received
     shards keyed by (node, -1 - input index) (`received_entries`)."""
-    heads = {n for n in core if n.inputs and not any(
-        v.producer in core for v in n.inputs if v.producer is not None)}
     for i, nbytes in received_entries(ctx, node, saves).items():
         t.saved_entries[(node, -1 - i)] = (nbytes, in_core)
     for k, (kind, idx, nbytes) in enumerate(saves):
-        found = gathered_source(ctx, node, idx) if kind == "in" else None
-        if found is not None:  # the gathered copy, a storage of its own: dropped with the core it is made in
-            where, i, nbytes = found
-            # lowering emits the gather right before its consumer: inside the core unless that
-            # consumer opens it (QK^T's keys are gathered before the core, PV's values inside)
-            t.saved_entries[(where, GATHERED - i)] = (nbytes, in_core and where in core and where not in heads)
-            continue
         if kind == "bytes":
             t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)
             continue

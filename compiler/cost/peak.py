@@ -26,7 +26,7 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
   the step ends; with data parallelism each stage module is a DDP module (buckets as above).
 - Model buffers (registered buffers, constants the trace folded) live all step at their local
-  layout, each once per device; they are filed under buffers.
+  layout, each once per device (`model_buffers`).
 Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
 the micro-batches in flight plus the largest recomputation and transient working sets.
 """
@@ -92,6 +92,7 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     several micro-batches without syncing (every one but the last), so the unsharded gradients of
     the whole device stay from the first micro-batch's backward to the step's end and the later
     micro-batches run on top of them (working memory: the device's local parameter bytes)."""
+    states = {**states, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
     if not all(getattr(l, "memory", None) is not None for stage in by_stage for l in stage):
         saved = sum(c.saved_bytes for c in costs)
@@ -101,7 +102,6 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                 "working": max((c.transient_bytes for c in costs), default=0.0),
                 "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
     accumulate = accumulate and fsdp
-    buffers += _model_buffers(by_stage)
     splits = [_stage_peaks(stage, fsdp and not accumulate) for stage in by_stage if stage]
     unsharded_grads = local_param_bytes if accumulate else 0.0
     kept = sum(k for _, _, k in splits)

@@ -77,8 +77,12 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     same device also read (their gradients are held here until that layer's backward)."""
     inside = set(nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else frozenset()
-    saved_all = {k: b for k, (b, _) in terms.saved_entries.items()}
-    in_core = [k for k, (_, c) in terms.saved_entries.items() if c]  # a list: recomputed in saved order
+    copies, direct = _gathered_copies(ctx, nodes)
+    shards = {root for _, _, root in copies.values()} - direct  # saved only as their gathered copies
+    entries = {k: e for k, e in terms.saved_entries.items() if not (isinstance(k, Value) and k in shards)}
+    entries.update({k: (b, c) for k, (b, c, _) in copies.items()})
+    saved_all = {k: b for k, (b, _) in entries.items()}
+    in_core = [k for k, (_, c) in entries.items() if c]  # a list: recomputed in saved order
     kept: dict[SavedKey, float]
     if recompute == "full":
         kept = dict(terms.input_entries.items())
@@ -120,6 +124,34 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
                        tuple(sorted(buffers.items())))
+
+
+def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[SavedKey, tuple[float, bool, Value]],
+                                                                        set[Value]]:
+    """Saved inputs all-gathered on their way in (sequence parallelism, context parallelism's
+    keys and values): eager autograd saves the gathered copy the op read, a storage of its own
+    (`gathered_source`), not the shard. Lowering emits the gather right before its consumer,
+    so the copy is inside an attention core (recomputed under selective) unless that consumer
+    opens the core (QK^T's keys are gathered before it, PV's values inside). Returns the copies
+    ((where, GATHERED - i) -> (bytes, inside a core, the shard's storage)) and the storages some
+    op saves directly."""
+    core = attention_core(ctx, nodes)
+    heads = {n for n in core if not any(v.producer in core for v in n.inputs if v.producer is not None)}
+    copies: dict[SavedKey, tuple[float, bool, Value]] = {}
+    direct: set[Value] = set()
+    for node in nodes:
+        local = ctx.local(node)
+        for kind, i in local.op.saved_for_backward(local.in_types, local.out_types, node.attrs):
+            if kind == "bytes":
+                continue
+            root = ctx.root(node.inputs[i] if kind == "in" else node.outputs[i])
+            found = gathered_source(ctx, node, i) if kind == "in" else None
+            if found is None:
+                direct.add(root)
+                continue
+            where, j, nbytes = found
+            copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in heads, root)
+    return copies, direct
 
 
 def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
