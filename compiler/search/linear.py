@@ -79,6 +79,9 @@ class Coefficients:
     out_bytes: list[list[float]] = field(default_factory=list)
     out_const: float = 0.0
     pipeline_buffers: bool = False
+    # FSDP2's buffers per local weight byte: the unsharded weights and their all-gather buffer,
+    # and the unsharded gradients when micro-batches accumulate without syncing (`peak.device_memory`)
+    fsdp_buf: float = 2.0
 
 
 def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Coefficients:
@@ -119,7 +122,8 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZERO_STAGES)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
                        2 * bucket if shard > 1 else 0.0, w, fsdp, serial, send_bytes, out_bytes, out_const,
-                       options.pipeline_runtime == "torch" and problem.shape.pp > 1)
+                       options.pipeline_runtime == "torch" and problem.shape.pp > 1,
+                       3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
 
@@ -359,7 +363,7 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         work = max(blk["transient"], pre["transient"] * first, post["transient"] * last)
         buffers = (grad if zero == 0 else min(co.buffer_cap, 2 * grad)) if co.buffer_cap else 0.0
         if co.fsdp[zero]:
-            buffers = 2 * numel * co.w_elem
+            buffers = co.fsdp_buf * numel * co.w_elem
         elif zero >= 3 and co.buffer_cap:
             buffers += 2 * max(blk["pbytes"], pre["pbytes"] * first, post["pbytes"] * last)
         if co.pipeline_buffers:
