@@ -21,7 +21,7 @@ Rules, node by node over the layer's partitioned IR:
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
   layout (an input all-gathered on its way in is counted sharded, as Megatron, which gathers
   it again in backward; the timeline counts the gathered copy eager autograd keeps:
-  `gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  `timeline.gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
   from the QK^T product to the PV product; none for a fused attention node) saves of its own
   tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
@@ -334,31 +334,6 @@ def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, in
     local = ctx.local(node)
     saved = {idx for kind, idx, _ in saves if kind == "in"}
     return {i: (steps - 1) * local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in moving if i in saved}
-
-
-GATHERED = -1000  # (node, GATHERED - i): the copy of node's input i all-gathered on its edge
-
-
-def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
-    """Where the tensor `node` saves as its input `idx` was all-gathered, when it was: (the node
-    on whose input edge the gather runs, that input's index, the gathered local bytes). Eager
-    autograd saves the tensor the op read; when that edge (or an edge of the views it was read
-    through) gathers a sharded value (sequence parallelism, context parallelism's keys and
-    values), the saved tensor is the gathered copy, a new storage, not the shard."""
-    if ctx.mesh is None:
-        return None
-    while True:
-        v = node.inputs[idx]
-        if v.kind != "activation":
-            return None
-        local = ctx.local(node)
-        required = local.in_layouts[idx]
-        if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), required)):
-            return node, idx, ctx.local_bytes(v, required)
-        producer = v.producer
-        if producer is None or ctx.root(v) is v or not producer.inputs:
-            return None
-        node, idx = producer, 0  # a view: read through to the value it aliases
 
 
 def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]], in_core: bool,

@@ -42,9 +42,34 @@ from dataclasses import dataclass
 
 from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
-from shardc.cost.layer import GATHERED, LayerTerms, SavedKey, attention_core, gathered_source, rotation
+from shardc.cost.edges import input_steps
+from shardc.cost.layer import LayerTerms, SavedKey, attention_core, rotation
 from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
+
+GATHERED = -1000  # (node, GATHERED - i): the copy of node's input i all-gathered on its edge
+
+
+def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
+    """Where the tensor `node` saves as its input `idx` was all-gathered, when it was: (the node
+    on whose input edge the gather runs, that input's index, the gathered local bytes). Eager
+    autograd saves the tensor the op read; when that edge (or an edge of the views it was read
+    through) gathers a sharded value (sequence parallelism, context parallelism's keys and
+    values), the saved tensor is the gathered copy, a new storage, not the shard."""
+    if ctx.mesh is None:
+        return None
+    while True:
+        v = node.inputs[idx]
+        if v.kind != "activation":
+            return None
+        local = ctx.local(node)
+        required = local.in_layouts[idx]
+        if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), required)):
+            return node, idx, ctx.local_bytes(v, required)
+        producer = v.producer
+        if producer is None or ctx.root(v) is v or not producer.inputs:
+            return None
+        node, idx = producer, 0  # a view: read through to the value it aliases
 
 
 @dataclass(frozen=True, slots=True)
