@@ -27,7 +27,9 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   recomputation regenerates the attention core's saved tensors when backward reaches it.
 - Rotations (`rotating_loop`): a forward step holds the running sum, its partial product and
   their sum (three outputs); in backward each step's gradient of an indexed input is its
-  chunk padded with zeros to full size (twice the input while it is made). Gradients an op
+  chunk padded with zeros to full size and added to the steps' running sum: twice the input
+  at the first step, three times at the later ones, where over two steps the last one has
+  already freed the input itself (twice again). Gradients an op
   passes through (views, adds) share the output gradient's storage: counted once.
 - A graph without its own loss: the layer making its output also holds the training loop's
   loss on the gathered output (`default_loss_bytes`) on top of what it keeps.
@@ -304,8 +306,8 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 passed.append(v)
             else:
                 allocs[v] = allocs.get(v, 0.0) + ctx.local_bytes(v)
-                if i in indexed:  # a rotation step's chunk gradient, padded with zeros to full size, then summed
-                    padding += ctx.local_bytes(v)
+                if i in indexed:  # a rotation step's chunk gradient padded to full size, beside the running sum
+                    padding += ctx.local_bytes(v) * (2.0 if rot is not None and rot[0] > 2 else 1.0)
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
         total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node)
         if total > peak:
