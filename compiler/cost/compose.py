@@ -266,4 +266,4 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
-                         regather=zero >= 3)
+                         regather=zero >= 3, accumulate=m > 1 and p == 1)

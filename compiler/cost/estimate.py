@@ -13,7 +13,7 @@ from shardc.plan.parallel import ParallelPlan
 TIME_CATEGORIES = ("compute_fwd", "compute_bwd", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
                    "bubble", "optimizer")
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "working",
-                     "buffers")
+                     "buffers", "model_buffers")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,9 @@ Rules, node by node over the layer's partitioned IR:
   Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
-  layout. Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  layout (an input all-gathered on its way in is counted sharded, as Megatron, which gathers
+  it again in backward; the timeline counts the gathered copy eager autograd keeps:
+  `timeline.gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
   from the QK^T product to the PV product; none for a fused attention node) saves of its own
   tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
@@ -304,11 +306,44 @@ def _output_gradients(ctx: CostContext, node: Node, inside: Collection[Node], in
             t.collectives.append(("bwd", step))
 
 
+def rotation(ctx: CostContext, node: Node) -> tuple[int, list[int], list[int]] | None:
+    """(steps, rotating inputs, indexed inputs) of a node whose temporal split rotates an operand
+    along a mesh axis as `rotating_loop` runs it (not attention's ring, not a grid); else None.
+    Rotating inputs hold their shard of the rotated dim and move; indexed ones hold it whole."""
+    local, part = ctx.local(node), ctx.partition(node)
+    if part is None or local.space is None or local.op.kind == "attention":
+        return None
+    for split in part.temporal:
+        if split.rotate is not None and split.grid is None and split.steps > 1:
+            moving = rotating_operands(local.space, part, split)
+            holding = [i for i, operand in enumerate(local.space.inputs)
+                       if any(f and f[0] == split.dim for f in operand)]
+            return split.steps, moving, [i for i in holding if i not in moving]
+    return None
+
+
+def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]]) -> dict[int, float]:
+    """Input index -> bytes of the rotated shards a rotating node saves for backward: each step
+    receives its operand's next shard into a new buffer, and an op that saves that operand saves
+    the buffer, so the `steps - 1` received shards stay until the node's backward (the first
+    shard is the input itself, counted where it is made)."""
+    rot = rotation(ctx, node)
+    if rot is None:
+        return {}
+    steps, moving, _ = rot
+    local = ctx.local(node)
+    saved = {idx for kind, idx, _ in saves if kind == "in"}
+    return {i: (steps - 1) * local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in moving if i in saved}
+
+
 def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]], in_core: bool,
                         core: Collection[Node], produced: Collection[Value], internal_only: bool,
                         t: LayerTerms) -> None:
     """Saved for backward, each storage once (raw bytes keyed by (node, k)), parameters and
-    buffers excluded, with whether selective recomputation drops it."""
+    buffers excluded, with whether selective recomputation drops it; a rotating node's received
+    shards keyed by (node, -1 - input index) (`received_entries`)."""
+    for i, nbytes in received_entries(ctx, node, saves).items():
+        t.saved_entries[(node, -1 - i)] = (nbytes, in_core)
     for k, (kind, idx, nbytes) in enumerate(saves):
         if kind == "bytes":
             t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)

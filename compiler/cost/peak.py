@@ -17,12 +17,16 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   FSDP2 on the whole module holds its unsharded parameters from the start of forward to the
   end of backward, and during forward also the flat all-gather buffer they were copied out
   of (both the local parameter bytes); for ZeRO-3 it frees both after forward and gathers
-  again for backward (the buffer and the parameters once more). Textbook ZeRO-3: the largest layer's gathered weights
+  again for backward (the buffer and the parameters once more). Accumulating micro-batches
+  without syncing (all but the last), FSDP2 keeps every unsharded gradient from the first
+  micro-batch's backward to the end of the step. Textbook ZeRO-3: the largest layer's gathered weights
   twice (the current and the prefetched one). torch.distributed.pipelining
   (`pipeline_runtime="torch"`) preallocates a receive buffer per micro-batch for a stage's
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
   its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
   the step ends; with data parallelism each stage module is a DDP module (buckets as above).
+- Model buffers (registered buffers, constants the trace folded) live all step at their local
+  layout, each once per device (`model_buffers`).
 Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
 the micro-batches in flight plus the largest recomputation and transient working sets.
 """
@@ -54,6 +58,15 @@ def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool) -> tuple[dict[str, floa
     return fwd, bwd, sum(kept)
 
 
+def _model_buffers(by_stage: Sequence[Sequence[Any]]) -> float:
+    """The model buffers the device's layers read (a causal mask, a folded constant), each once."""
+    found: dict[str, float] = {}
+    for stage in by_stage:
+        for layer in stage:
+            found.update(getattr(getattr(layer, "memory", None), "buffers", ()))
+    return sum(found.values())
+
+
 def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, send_bytes: Sequence[float],
                      output_bytes: float) -> float:
     """torch.distributed.pipelining's buffers on a device holding virtual `stages` of `total`."""
@@ -70,12 +83,16 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
 
 def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *, flight: int, virtual: int,
                   interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float,
-                  after_backward: float = 0.0, regather: bool = False) -> dict[str, float]:
+                  after_backward: float = 0.0, regather: bool = False, accumulate: bool = False) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
     `after_backward`: a transient buffer once backward is over (a flat gradient copy);
     `regather`: FSDP2 frees the unsharded parameters after forward and gathers them again for
-    backward (ZeRO-3), through the all-gather buffer again."""
+    backward (ZeRO-3), through the all-gather buffer again; `accumulate`: FSDP2 accumulates
+    several micro-batches without syncing (every one but the last), so the unsharded gradients of
+    the whole device stay from the first micro-batch's backward to the step's end and the later
+    micro-batches run on top of them (working memory: the device's local parameter bytes)."""
+    states = {**states, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
     if not all(getattr(l, "memory", None) is not None for stage in by_stage for l in stage):
         saved = sum(c.saved_bytes for c in costs)
@@ -84,7 +101,9 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                 "recompute_working": max((c.working_bytes for c in costs), default=0.0),
                 "working": max((c.transient_bytes for c in costs), default=0.0),
                 "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
-    splits = [_stage_peaks(stage, fsdp) for stage in by_stage if stage]
+    accumulate = accumulate and fsdp
+    splits = [_stage_peaks(stage, fsdp and not accumulate) for stage in by_stage if stage]
+    unsharded_grads = local_param_bytes if accumulate else 0.0
     kept = sum(k for _, _, k in splits)
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
     best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
@@ -94,7 +113,7 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
         for fwd, bwd, _ in splits:
             part = bwd if phase else fwd
             candidate = {**states, "activations": others + part["activations"],
-                         "recompute_working": part["recompute_working"], "working": part["working"],
+                         "recompute_working": part["recompute_working"], "working": part["working"] + unsharded_grads,
                          "buffers": buffers + extra}
             if sum(candidate.values()) > sum(best.values()):
                 best = candidate

@@ -25,6 +25,14 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
   the layer's forward again first (its saved tensors come back as recomputed); selective
   recomputation regenerates the attention core's saved tensors when backward reaches it.
+- Rotations (`rotating_loop`): a forward step holds the running sum, its partial product and
+  their sum (three outputs); in backward each step's gradient of an indexed input is its
+  chunk padded with zeros to full size and added to the steps' running sum: twice the input
+  at the first step, three times at the later ones, where over two steps the last one has
+  already freed the input itself (twice again). Gradients an op
+  passes through (views, adds) share the output gradient's storage: counted once.
+- A graph without its own loss: the layer making its output also holds the training loop's
+  loss on the gathered output (`default_loss_bytes`) on top of what it keeps.
 The result is each phase's peak and what is live at it, which `compose` stacks on the layers
 before (their saved activations) and the model states.
 """
@@ -37,9 +45,33 @@ from dataclasses import dataclass
 from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
 from shardc.cost.edges import input_steps
-from shardc.cost.layer import LayerTerms, SavedKey, attention_core
-from shardc.ir import Node, Value
+from shardc.cost.layer import LayerTerms, SavedKey, attention_core, rotation
+from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
+
+GATHERED = -1000  # (node, GATHERED - i): the copy of node's input i all-gathered on its edge
+
+
+def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
+    """Where the tensor `node` saves as its input `idx` was all-gathered, when it was: (the node
+    on whose input edge the gather runs, that input's index, the gathered local bytes). Eager
+    autograd saves the tensor the op read; when that edge (or an edge of the views it was read
+    through) gathers a sharded value (sequence parallelism, context parallelism's keys and
+    values), the saved tensor is the gathered copy, a new storage, not the shard."""
+    if ctx.mesh is None:
+        return None
+    while True:
+        v = node.inputs[idx]
+        if v.kind != "activation":
+            return None
+        local = ctx.local(node)
+        required = local.in_layouts[idx]
+        if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), required)):
+            return node, idx, ctx.local_bytes(v, required)
+        producer = v.producer
+        if producer is None or ctx.root(v) is v or not producer.inputs:
+            return None
+        node, idx = producer, 0  # a view: read through to the value it aliases
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +83,8 @@ class LayerMemory:
     freed) + `bwd_recomputed` (recomputed ones) + working (activation and weight gradients,
     a loss's log-probability gradient). `param_grads`: the weight gradients the layer computes
     (what FSDP2 keeps unsharded until the end of backward); `held`: tied weights' gradients
-    it leaves held for an earlier layer. `kept`: what it saves per micro-batch."""
+    it leaves held for an earlier layer. `kept`: what it saves per micro-batch. `buffers`: the
+    model buffers it reads (name, local bytes), resident all step."""
 
     fwd_peak: float
     fwd_saved: float
@@ -61,6 +94,7 @@ class LayerMemory:
     kept: float
     param_grads: float = 0.0
     held: float = 0.0
+    buffers: tuple[tuple[str, float], ...] = ()
 
 
 def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
@@ -69,10 +103,13 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     layer's `layer_terms` (its saved entries); `earlier_params`: parameters earlier layers on the
     same device also read (their gradients are held here until that layer's backward)."""
     inside = set(nodes)
-    gathered = _gathered_saves(ctx, nodes)
     core = attention_core(ctx, nodes) if recompute == "selective" else frozenset()
-    saved_all = {k: max(b, gathered.get(k, 0.0)) for k, (b, _) in terms.saved_entries.items()}
-    in_core = [k for k, (_, c) in terms.saved_entries.items() if c]  # a list: recomputed in saved order
+    copies, direct = _gathered_copies(ctx, nodes)
+    shards = {root for _, _, root in copies.values()} - direct  # saved only as their gathered copies
+    entries = {k: e for k, e in terms.saved_entries.items() if not (isinstance(k, Value) and k in shards)}
+    entries.update({k: (b, c) for k, (b, c, _) in copies.items()})
+    saved_all = {k: b for k, (b, _) in entries.items()}
+    in_core = [k for k, (_, c) in entries.items() if c]  # a list: recomputed in saved order
     kept: dict[SavedKey, float]
     if recompute == "full":
         kept = dict(terms.input_entries.items())
@@ -108,25 +145,62 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         hold_param_grads)
     if recompute_peak > peak:
         peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
-    return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held)
+    tail = default_loss_bytes(ctx, nodes)
+    if tail and sum(kept.values()) + tail > peak:  # everything this layer keeps is live while the loss runs
+        peak, at_saved, at_recomputed = sum(kept.values()) + tail, sum(kept.values()), 0.0
+    buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
+    return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
+                       tuple(sorted(buffers.items())))
 
 
-def _gathered_saves(ctx: CostContext, nodes: Sequence[Node]) -> dict[SavedKey, float]:
-    """Saved inputs that arrive sharded and are all-gathered for the op (sequence parallelism):
-    eager autograd saves the gathered tensor the op read, not the shard (Megatron re-gathers)."""
-    out: dict[SavedKey, float] = {}
-    if ctx.mesh is None:
-        return out
+def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[SavedKey, tuple[float, bool, Value]],
+                                                                        set[Value]]:
+    """Saved inputs all-gathered on their way in (sequence parallelism, context parallelism's
+    keys and values): eager autograd saves the gathered copy the op read, a storage of its own
+    (`gathered_source`), not the shard. Lowering emits the gather right before its consumer,
+    so the copy is inside an attention core (recomputed under selective) unless that consumer
+    opens the core (QK^T's keys are gathered before it, PV's values inside). Returns the copies
+    ((where, GATHERED - i) -> (bytes, inside a core, the shard's storage)) and the storages some
+    op saves directly."""
+    core = attention_core(ctx, nodes)
+    heads = {n for n in core if not any(v.producer in core for v in n.inputs if v.producer is not None)}
+    copies: dict[SavedKey, tuple[float, bool, Value]] = {}
+    direct: set[Value] = set()
     for node in nodes:
         local = ctx.local(node)
         for kind, i in local.op.saved_for_backward(local.in_types, local.out_types, node.attrs):
-            if kind != "in" or node.inputs[i].kind != "activation":
+            if kind == "bytes":
                 continue
-            v = node.inputs[i]
-            if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i])):
-                key = ctx.root(v)
-                out[key] = max(out.get(key, 0.0), ctx.local_bytes(v, local.in_layouts[i]))
-    return out
+            root = ctx.root(node.inputs[i] if kind == "in" else node.outputs[i])
+            found = gathered_source(ctx, node, i) if kind == "in" else None
+            if found is None:
+                direct.add(root)
+                continue
+            where, j, nbytes = found
+            copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in heads, root)
+    return copies, direct
+
+
+def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
+    """Bytes a graph without its own loss (its first output not a scalar: `shardc.train.default_loss`)
+    holds in the training loop's loss at that loss's backward, when `nodes` make that output.
+    The runtime hands the loss the output gathered to the data-parallel share (every other mesh
+    axis gathered: G bytes); next-token cross entropy on logits over token ids holds G, its fp32
+    log-probabilities (saved), the gradient of the negative log-likelihood and of the
+    log-softmax (three fp32 copies); a mean square holds G, its fp32 square and that gradient."""
+    graph = ctx.graph
+    if not graph.outputs or graph.outputs[0].type.rank == 0:
+        return 0.0
+    out = graph.outputs[0]
+    if out.producer is None or out.producer not in set(nodes):
+        return 0.0
+    kept = Layout(tuple((a, p) for a, p in ctx.layout(out).placements if a == Axis.DP))
+    gathered = ctx.local_bytes(out, kept)
+    fp32 = gathered / max(1, ctx.elem_bytes(out)) * 4
+    first = graph.inputs[0].type if graph.inputs else None
+    tokens = (out.type.is_float and out.type.rank >= 2 and first is not None and not first.is_float
+              and tuple(first.shape) == tuple(out.type.shape[:-1]))
+    return gathered + (3 if tokens else 2) * fp32
 
 
 def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> list[object]:
@@ -134,10 +208,12 @@ def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> li
     local = ctx.local(node)
     keys: list[object] = []
     for k, (kind, i) in enumerate(local.op.saved_for_backward(local.in_types, local.out_types, node.attrs)):
-        key: object = (node, k) if kind == "bytes" else ctx.root(
+        found = gathered_source(ctx, node, i) if kind == "in" else None
+        key: object = (node, k) if kind == "bytes" else (found[0], GATHERED - found[1]) if found else ctx.root(
             node.inputs[i] if kind == "in" else node.outputs[i])
         if key in terms.saved_entries or key in terms.input_entries:
             keys.append(key)
+    keys += [k for k in terms.saved_entries if isinstance(k, tuple) and k[0] is node and GATHERED < k[1] < 0]
     return keys
 
 
@@ -160,6 +236,8 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
     for idx, node in enumerate(nodes):
         new = _new_outputs(ctx, node)
         total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node)
+        if rotation(ctx, node) is not None:  # the running sum, this step's partial product and their sum
+            total += 2 * sum(new.values())
         if total > peak:
             peak, at_saved = total, sum(saved.values())
         temp.update(new)
@@ -187,12 +265,15 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool) -> tuple[float, float, float, float, float]:
+    # Activation gradients by value, each with the storage it lives in: a gradient passed through
+    # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
+    owner: dict[Value, object] = {}
     for node in nodes:
         for v in node.outputs:
             users = ctx.users.get(v, [])
             if v in ctx.needs_grad and any(u not in inside for u in users):
-                grads[v] = ctx.local_bytes(v)
+                grads[v], owner[v] = ctx.local_bytes(v), v
     first_use: dict[str, int] = {}
     for idx, node in enumerate(nodes):
         for v in node.inputs:
@@ -207,10 +288,13 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         node = nodes[idx]
         if not any(o in ctx.needs_grad for o in node.outputs):
             continue
+        rot = rotation(ctx, node)
+        indexed = set(rot[2]) if rot is not None else set()
         if core_pending and node in core:
             core_pending = False
             recomputed.update({k: saved_all[k] for k in in_core})
         allocs: dict[Value, float] = {}
+        padding = 0.0
         new_params: dict[str, float] = {}
         passed: list[Value] = []
         for i, v in enumerate(node.inputs):
@@ -222,15 +306,21 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 passed.append(v)
             else:
                 allocs[v] = allocs.get(v, 0.0) + ctx.local_bytes(v)
-        live = (sum(saved.values()) + sum(recomputed.values()) + sum(grads.values()) + sum(held.values()))
-        total = live + sum(allocs.values()) + sum(new_params.values()) + _loss_extra(ctx, node)
+                if i in indexed:  # a rotation step's chunk gradient padded to full size, beside the running sum
+                    padding += ctx.local_bytes(v) * (2.0 if rot is not None and rot[0] > 2 else 1.0)
+        live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
+        total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node)
         if total > peak:
             peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
-        out_grad = max((grads.pop(o, 0.0) for o in node.outputs), default=0.0)
+        outs = [(grads.pop(o), owner.pop(o)) for o in node.outputs if o in grads]
+        out_grad, out_owner = max(outs, key=lambda g: g[0], default=(0.0, None))
         for key in passed:
-            grads[key] = max(grads.get(key, 0.0), out_grad)
+            if key in grads or out_owner is None:  # a second contribution: summed into a new storage
+                grads[key], owner[key] = max(grads.get(key, 0.0), out_grad), key
+            else:
+                grads[key], owner[key] = out_grad, out_owner
         for key, nbytes in allocs.items():
-            grads[key] = max(grads.get(key, 0.0), nbytes)
+            grads[key], owner[key] = max(grads.get(key, 0.0), nbytes), key
         for name, nbytes in new_params.items():
             param_grads += nbytes
             if hold or name in earlier or first_use.get(name, idx) < idx:
@@ -244,6 +334,14 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
     return peak, at_saved, at_recomputed, param_grads, tied
+
+
+def _grad_bytes(grads: dict[Value, float], owner: dict[Value, object]) -> float:
+    """Live activation-gradient bytes, each storage once."""
+    by_storage: dict[object, float] = {}
+    for v, nbytes in grads.items():
+        by_storage[owner[v]] = max(by_storage.get(owner[v], 0.0), nbytes)
+    return sum(by_storage.values())
 
 
 def _keys_of(savers: dict, idx: int) -> list[object]:

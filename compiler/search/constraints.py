@@ -109,7 +109,7 @@ class Builder:
                         M.low("block", lambda r: to_m(r["inputs"]))]
         self.low_fwd = M.low("block", lambda r: to_t(r["fwd"]))
         self.low_state = min(M.low("block", partial(_state_units, M, co.state[z])) for z in zeros)
-        self.low_buf = M.low("block", lambda r: to_m(2 * r["numel"] * co.w_elem))
+        self.low_buf = M.low("block", lambda r: to_m(co.fsdp_buf * r["numel"] * co.w_elem))
         self.low_grad = M.low("block", lambda r: to_m(r["gbytes"]))
 
         def sync(z: int, r: dict[str, float]) -> int:

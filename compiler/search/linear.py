@@ -81,6 +81,9 @@ class Coefficients:
     pipeline_buffers: bool = False
     # FSDP2's bytes per local parameter once backward is over (`compose._device_memory`).
     fsdp_after: float = 0.0
+    # FSDP2's buffers per local weight byte: the unsharded weights and their all-gather buffer,
+    # and the unsharded gradients when micro-batches accumulate without syncing (`peak.device_memory`)
+    fsdp_buf: float = 2.0
 
 
 def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Coefficients:
@@ -123,7 +126,8 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
                        2 * bucket if shard > 1 else 0.0, w_elem, fsdp, serial, send_bytes, out_bytes, out_const,
                        options.pipeline_runtime == "torch" and problem.shape.pp > 1,
-                       w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)))
+                       w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)),
+                       3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
 
@@ -363,7 +367,7 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         work = max(blk["transient"], pre["transient"] * first, post["transient"] * last)
         buffers = (grad if zero == 0 else min(co.buffer_cap, 2 * grad)) if co.buffer_cap else 0.0
         if co.fsdp[zero]:
-            buffers = 2 * numel * co.w_elem
+            buffers = co.fsdp_buf * numel * co.w_elem
         elif zero >= 3 and co.buffer_cap:
             buffers += 2 * max(blk["pbytes"], pre["pbytes"] * first, post["pbytes"] * last)
         if co.pipeline_buffers:
@@ -374,7 +378,7 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         states = numel * co.state[zero]
         mem = states + f * saved + rw + work + buffers
         if co.fsdp[zero]:  # FSDP2 once backward is over (`compose._device_memory`)
-            mem = max(mem, states + buffers - 2 * numel * co.w_elem + numel * co.fsdp_after)
+            mem = max(mem, states + buffers - co.fsdp_buf * numel * co.w_elem + numel * co.fsdp_after)
         memory.append(mem)
     pipe = sum(stage_time) + (m - 1) * max(stage_time)
     return Linear(pipe + max(exposed) + max(after), tuple(memory))

@@ -240,9 +240,11 @@ def section(M: Model, name: str, k: int, sec: dict[str, list], ub_t: int, zeros:
     d["state"], d["state_ub"] = M.by_zero(name, "state", lambda r, z: M.m(co.state[z] * r["numel"]), k)
     d["after"], d["after_ub"] = M.by_zero(
         name, "after", lambda r, z: M.t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)), k)
-    d["buf"], d["buf_ub"] = M.lin(name, "numel", lambda v: M.m(2 * v * co.w_elem), k)
+    d["buf"], d["buf_ub"] = M.lin(name, "numel", lambda v: M.m(co.fsdp_buf * v * co.w_elem), k)
     d["gmem"], d["gmem_ub"] = M.lin(name, "gbytes", M.m, k)
     d["pbytes"], d["pbytes_ub"] = d["buf"], d["buf_ub"]  # twice a layer's weights, in memory units
+    if co.fsdp_buf != 2:
+        d["pbytes"], d["pbytes_ub"] = M.lin(name, "numel", lambda v: M.m(2 * v * co.w_elem), k)
     numel_ub = sum(max(r["numel"] for r in co.cand[g]) for g in mine)
     ag_ub = M.t(co.zero3[0]) + M.t(co.zero3[1] * co.w_elem * numel_ub) + 1
     d["z3_ub"] = 2 * ag_ub
