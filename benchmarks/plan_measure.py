@@ -193,14 +193,18 @@ def print_table(table_rows: list[dict[str, Any]], steps: int, repeats: int) -> N
     console.print(table)
 
 
-def main_measure(names: list[str] | None, steps: int, repeats: int, time_limit: float,
-                 timeout_s: float = 1200.0) -> list[dict[str, Any]]:
-    """`plan_quality.py --measure`: solve, write, predict and train every chosen case; print the
-    table and the load average before and after; return the rows."""
-    cases = [c for c in MEASURE_CASES if not names or c.name in names]
+def select(names: list[str] | None) -> list[MeasureCase]:
+    """The cases named (all when none are); an unknown name is an error naming the cases."""
     unknown = set(names or ()) - {c.name for c in MEASURE_CASES}
     if unknown:
         raise SystemExit(f"unknown case(s) {sorted(unknown)}; the cases are {[c.name for c in MEASURE_CASES]}")
+    return [c for c in MEASURE_CASES if not names or c.name in names]
+
+
+def main_measure(cases: list[MeasureCase], steps: int, repeats: int, time_limit: float,
+                 timeout_s: float = 1200.0) -> list[dict[str, Any]]:
+    """`plan_quality.py --measure`: solve, write, predict and train every case; print the table
+    and the load average before and after each case's training; return the table's rows."""
     if steps < 2 or repeats < 1:
         raise SystemExit(f"--steps must be >= 2 (one warm-up) and --repeats >= 1, got {steps} and {repeats}")
     table_rows: list[dict[str, Any]] = []
