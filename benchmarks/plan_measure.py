@@ -51,12 +51,17 @@ class MeasureCase:
 
 
 MEASURE_CASES = [
+    # Limits found by trying (`shardc plan --cluster local4 --memory-limit ...`): at each the best
+    # grid plan pipelines and fully recomputes every block.
+    MeasureCase("gpt-4l", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0035,
+                "the grid pipelines over two stages (dp=2) and fully recomputes all four blocks; the solver "
+                "pipelines over four and recomputes per stage as its micro-batches in flight need (neither uses ZeRO)"),
+    MeasureCase("gpt-4l-zero", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.003,
+                "tighter: the grid also needs ZeRO-1 (its Adam state sharded over dp=2); the solver still "
+                "pipelines over four without ZeRO"),
     MeasureCase("llama-2l", "examples/llama.py:tiny?batch=4&seq=128", 4, 0.002,
-                "the grid must pipeline and fully recompute both blocks; the solver recomputes only the "
-                "first stage's block (it holds two micro-batches in flight, the last stage one)"),
-    MeasureCase("gpt-4l", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.003,
-                "the grid must pipeline and fully recompute every block; the solver pipelines deeper and "
-                "recomputes per stage as each stage's micro-batches in flight need"),
+                "the grid must pipeline and fully recompute both blocks; the solver recomputes only the first "
+                "stage's block (two micro-batches in flight there, one on the last) and pays with ZeRO-1"),
 ]
 
 
