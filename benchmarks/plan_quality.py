@@ -114,7 +114,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="with --measure: runs of each plan, interleaved")
     args = ap.parse_args()
     if args.measure:
-        from plan_measure import main_measure, select  # beside this file: the script's directory is on sys.path
+        # beside this file: the script's directory is on sys.path
+        from plan_measure import main_measure, select
 
         main_measure(select(args.cases), args.steps, args.repeats, args.time_limit or 3.0)
         return
