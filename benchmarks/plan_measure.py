@@ -8,12 +8,12 @@ seed, not on the load); the solver's plan and the best grid plan are written as 
 (`shardc.search.planfile.plan_file`: the grid point as a plan file too), so that both run
 through the one path `shardc run --plan FILE.plan` takes. Both are predicted as `shardc run`
 predicts them (`shardc.run.predict`, the graph the file partitions, on `local4`) and trained in
-one torchrun (`shardc.run.launch_all`), alternating solver, grid, solver, grid... `repeats`
-times, so that drift in the machine's load hits both alike. Per run, the measured step time is
-the slowest rank's median over the timed steps (the first step is a warm-up) and the peak
-memory the largest rank's; per plan, the figures are medians over the repeats, with their
-spread (min..max). A case whose best plan is the grid point runs it twice: its ratio is the
-noise floor.
+one torchrun (`shardc.run.launch_all`): one discarded warm-up run of each, then `repeats` of
+each, alternating solver, grid, grid, solver, solver, grid..., so that drift in the machine's
+load hits both alike. Per run, the measured step time is the slowest rank's median over the
+timed steps (the first step is a warm-up) and the peak memory the largest rank's; per plan, the
+figures are medians over the repeats, with their spread (min..max). A case whose best plan is
+the grid point runs it twice: its ratio is the noise floor.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ MEASURE_CASES = [
     MeasureCase("llama-2l", "examples/llama.py:tiny?batch=4&seq=128", 4, 0.002,
                 "the grid must pipeline and fully recompute both blocks; the solver recomputes only the first "
                 "stage's block (two micro-batches in flight there, one on the last) and pays with ZeRO-1"),
+    MeasureCase("gpt-4l-tie", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0045,
+                "control: the solver's best plan is the grid's (dp=4, ZeRO-1, 3 of 4 blocks recomputed); the "
+                "same plan twice, so its ratio is the measurement's noise"),
 ]
 
 
@@ -136,14 +139,18 @@ def _plan_run(case: MeasureCase, label: str, found: Found, path: Path) -> PlanRu
 
 def measure(case: MeasureCase, plans: tuple[PlanRun, PlanRun], steps: int, repeats: int,
             timeout_s: float) -> list[Measured]:
-    """Train the two plans alternately `repeats` times each in one torchrun; their figures."""
-    runs = [(case.spec, p.file) for _ in range(repeats) for p in plans]
+    """Train the two plans alternately `repeats` times each in one torchrun; their figures. The
+    launch opens with one discarded run of each plan (the workers' first run pays their own
+    warm-up: thread pools, gloo's first connections), and the order alternates solver-grid,
+    grid-solver, ... so that a trend in the load over the launch falls on both alike."""
+    order = [0, 1] + [i if r % 2 == 0 else 1 - i for r in range(repeats) for i in (0, 1)]
+    runs = [(case.spec, plans[i].file) for i in order]
     results = launch_all(runs, nproc=NPROC, steps=steps, seed=SEED, timeout_s=timeout_s, cluster=CLUSTER)
     out = [Measured(p, [], []) for p in plans]
-    for i, reports in enumerate(results):
-        summary = summarize(case.spec, plans[i % 2].file, reports, None, "")
-        out[i % 2].step_s.append(float(summary["measured_step_time_s"]))
-        out[i % 2].peak_bytes.append(max(int(r["peak_memory_bytes"]) for r in summary["ranks"]))
+    for i, reports in list(zip(order, results))[2:]:
+        summary = summarize(case.spec, plans[i].file, reports, None, "")
+        out[i].step_s.append(float(summary["measured_step_time_s"]))
+        out[i].peak_bytes.append(max(int(r["peak_memory_bytes"]) for r in summary["ranks"]))
     return out
 
 

@@ -48,5 +48,5 @@ def test_measure_trains_both_plans_and_prints_the_ratio(capsys: pytest.CaptureFi
 
 
 def test_an_unknown_case_is_named() -> None:
-    with pytest.raises(SystemExit, match=r"unknown case\(s\) \['nope'\]; the cases are \['llama-2l'"):
+    with pytest.raises(SystemExit, match=r"unknown case\(s\) \['nope'\]; the cases are \['gpt-4l', 'gpt-4l-zero'"):
         plan_measure.select(["nope"])
