@@ -38,7 +38,7 @@ CLUSTER = f"local{NPROC}"
 SEED = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MeasureCase:
     """A model spec (its batch is the global batch), the global batch, the per-device memory
     limit in GiB, and why the limit is tight (what the grid must do under it)."""
@@ -51,8 +51,8 @@ class MeasureCase:
 
 
 MEASURE_CASES = [
-    # Limits found by trying (`shardc plan --cluster local4 --memory-limit ...`): at each the best
-    # grid plan pipelines and fully recomputes every block.
+    # Limits found by trying (`shardc plan --cluster local4 --memory-limit ...`): in the first three
+    # the best grid plan pipelines and fully recomputes every block; the last is the control.
     MeasureCase("gpt-4l", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0035,
                 "the grid pipelines over two stages (dp=2) and fully recomputes all four blocks; the solver "
                 "pipelines over four and recomputes per stage as its micro-batches in flight need (neither uses ZeRO)"),
@@ -68,7 +68,7 @@ MEASURE_CASES = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PlanRun:
     """One plan of a case: its label, plan file, a short description and `shardc run`'s prediction."""
 
