@@ -4,6 +4,7 @@ The grid is every Megatron-LM configuration (`shardc.search.grid`: tp, pp, dp, v
 micro-batch, recompute none/selective/full or the first N blocks of every chunk, ZeRO 0/1).
 
     .venv/bin/python benchmarks/plan_quality.py [--time-limit S] [--only NAME] [--markdown]
+    .venv/bin/python benchmarks/plan_quality.py --measure [--cases NAME ...] [--steps N] [--repeats R]
 
 For each case: predicted step time of the solver's plan and of the best grid plan, both by
 `shardc.cost.estimate` on the graph annotated with the plan (the numbers `shardc plan`
@@ -11,6 +12,9 @@ prints), their ratio, memory per device, and wall-clock solve time on this machi
 the example specs traced on the meta device, as `shardc plan SPEC` traces them (tracing is in
 the total time, not in the solve time). GPT-3 175B (vocabulary padded to 51200 as Megatron's)
 is also compared with Megatron's published configuration (t=8, p=16, d=8, full recomputation).
+
+With `--measure`, small memory-tight cases on `local4` instead: both plans trained for real,
+interleaved, measured beside their predictions (`plan_measure.py` beside this file).
 """
 
 from __future__ import annotations
@@ -99,15 +103,27 @@ def one_shape(time_limit: float = 10.0) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="solver time limit in seconds (default 30; with --measure 3, the closed-loop tests' limit)")
     ap.add_argument("--only", default=None, help="run the cases whose name contains this text")
     ap.add_argument("--grid2d", action="store_true", help="also search tp x tq meshes (PrimePar's 2-D grids)")
+    ap.add_argument("--measure", action="store_true",
+                    help="train the solver's and the best grid plan on local4 and compare measured with predicted")
+    ap.add_argument("--cases", nargs="*", default=None, help="with --measure: the cases to run (default: all)")
+    ap.add_argument("--steps", type=int, default=6, help="with --measure: training steps per run, the first untimed")
+    ap.add_argument("--repeats", type=int, default=5, help="with --measure: runs of each plan, interleaved")
     args = ap.parse_args()
+    if args.measure:
+        # beside this file: the script's directory is on sys.path
+        from plan_measure import main_measure, select
+
+        main_measure(select(args.cases), args.steps, args.repeats, args.time_limit or 3.0)
+        return
     rows = []
     for case in CASES:
         if args.only and args.only.lower() not in case[0].lower():
             continue
-        row = run_case(*case, args.time_limit, args.grid2d)
+        row = run_case(*case, args.time_limit or 30.0, args.grid2d)
         rows.append(row)
         print(row, flush=True)
     print()
