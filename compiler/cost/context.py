@@ -14,7 +14,6 @@ from shardc.cost.comm import LinkLevels, group_levels
 from shardc.cost.compute import LocalNode, localize
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import Axis, Graph, Layout, Mesh, Node, Partition, Value
-from shardc.ops.registry import get_op
 
 AXIS_CATEGORY: dict[str, str] = {Axis.TP: "tp_comm", Axis.CP: "cp_comm", Axis.DP: "dp_comm", Axis.PP: "pp_comm"}
 
@@ -136,7 +135,3 @@ class CostContext:
             n *= d
         return n * self.elem_bytes(value) * self.scale_of(value)
 
-    def is_matmul_of_activations(self, node: Node) -> bool:
-        """A contraction of two batched operands: the QK^T and PV products of attention."""
-        return (get_op(node.op).kind == "contraction" and len(node.inputs) >= 2
-                and node.inputs[0] in self.batched and node.inputs[1] in self.batched)
