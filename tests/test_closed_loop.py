@@ -94,18 +94,9 @@ def case(id: str, spec: str, nproc: int, gbs: int, limit_gb: float, *features: s
     return pytest.param(Case(id, spec, nproc, gbs, limit_gb, frozenset(features), dtype), id=id, marks=marks)
 
 
-# Strict xfails: defects other engineers are fixing on their branches now, each named. When a fix
-# merges, its cases pass and the mark must go (strict: an unexpected pass fails).
-ROTATING = pytest.mark.xfail(strict=True, reason="`memacc` branch: rotating matmuls' peak memory above the "
-                             "prediction (gpt-rotate rank 0: +6.7%)")
-SEQUENCE_PARALLEL = pytest.mark.xfail(strict=True, reason="`memacc` branch: sequence-parallel plans' peak memory above "
-                                      "the prediction (gpt-rotate-sp: +27.6%)")
-SELECTIVE = pytest.mark.xfail(strict=True, reason="`memacc` branch: selective recomputation's saved activations differ "
-                              "from what the cost model prices (gpt-selective -5.9%, hf-gpt2 -10.4% on rank 0)")
-
 CASES = [
     # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
-    case("gpt-pipeline", "examples/gpt.py:tiny?batch=4", 2, 4, 0.002, "pipeline"),
+    case("gpt-pipeline", "examples/gpt.py:tiny?batch=4", 2, 4, 0.0014, "pipeline"),
     # Four blocks in two pipeline stages, each recomputing its blocks in full.
     case("gpt-pipeline-recompute", "examples/gpt.py:tiny?batch=8&n_layer=4&seq=64", 2, 8, 0.0025, "pipeline",
          "recompute-full"),
@@ -116,24 +107,25 @@ CASES = [
     # Four data-parallel replicas whose Adam state no longer fits: ZeRO shards it.
     case("gpt-zero", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.003, "zero"),
     # Longer sequences on two devices: tensor parallel with rotating matmuls.
-    case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.008, "rotate", marks=(ROTATING,)),
+    case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.008, "rotate", "zero"),
     # Tighter on four: rotating matmuls, sequence-parallel norms.
-    case("gpt-rotate-sp", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0015, "rotate", "sp",
-         marks=(SEQUENCE_PARALLEL,)),
-    # Between the two: the blocks keep only what selective recomputation keeps.
-    case("gpt-selective", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.002, "recompute-selective", "rotate",
-         "zero", marks=(SELECTIVE,)),
+    case("gpt-rotate-sp", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0016, "rotate", "sp"),
+    # Roomier on four: the blocks keep only what selective recomputation keeps.
+    case("gpt-selective", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0022, "recompute-selective", "rotate",
+         "zero"),
     # Llama (sdpa): tensor parallel over two whose blocks recompute in full.
-    case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.002, "recompute-full", "rotate", "zero"),
+    case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.0019, "recompute-full", "rotate", "zero"),
     # One attention head: tensor parallelism cannot split heads, so attention runs as a ring (the
     # plan has 2 micro-batches of one sequence).
     case("llama-ring", "examples/llama.py:tiny?batch=2&seq=256&n_head=1&n_kv_head=1", 2, 2, 0.002,
          "ring-attention", "rotate", "sp", "zero", "recompute-full"),
-    # transformers' GPT-2 on four: rotating matmuls, ZeRO, selective recomputation.
-    case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.003, "rotate", "zero", "recompute-selective",
-         marks=(SELECTIVE,)),
+    # transformers' GPT-2 on four, tight: two stages of two tensor-parallel devices (rotating
+    # matmuls, sequence-parallel norms, ZeRO-3), the first stage's block recomputing in full, the
+    # last's selectively.
+    case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.0016, "pipeline", "rotate", "sp", "zero",
+         "recompute-selective", "recompute-full", "stages-differ"),
     # BERT (an encoder, token types in [0, 2): `shardc.train.input_ranges`) on two.
-    case("bert", "examples/bert.py:tiny?batch=4&seq=128", 2, 4, 0.003, "rotate", "zero", "recompute-selective"),
+    case("bert", "examples/bert.py:tiny?batch=4&seq=128", 2, 4, 0.0032, "rotate", "zero", "recompute-selective"),
     # Mixed precision: a bf16 solve (weights cast to bf16 where read, fp32 master weights and
     # loss), trained in bf16 against one process running the 1-device bf16 plan.
     case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16"),
@@ -316,10 +308,10 @@ def test_solver_plan_runs_from_its_file(c: Case, outcomes: dict[str, Outcome]) -
     got_state = torch.load(got.path.with_name(f"{c.id}.state.pt"))
     for name, want in want_state.items():
         torch.testing.assert_close(got_state[name], want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{c.id} {n}: {m}")
-    for r in summary["ranks"]:
-        measured, predicted = r["peak_memory_bytes"], r["predicted_peak_memory_bytes"]
-        assert measured == pytest.approx(predicted, rel=0.05), \
-            f"{c.id} rank {r['rank']}: measured {measured:,} B, predicted {predicted:,} B ({measured / predicted - 1:+.1%})"
+    # every rank's figures in one message, so that a failure shows the whole plan's error
+    peaks = [(r["rank"], r["peak_memory_bytes"], r["predicted_peak_memory_bytes"]) for r in summary["ranks"]]
+    assert all(measured == pytest.approx(predicted, rel=0.05) for _, measured, predicted in peaks), f"{c.id}: " + \
+        "; ".join(f"rank {rank} measured {m:,} B, predicted {p:,} B ({m / p - 1:+.1%})" for rank, m, p in peaks)
 
 
 def _plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, nproc: int, gbs: int) -> Path:
