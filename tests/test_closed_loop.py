@@ -94,6 +94,21 @@ def case(id: str, spec: str, nproc: int, gbs: int, limit_gb: float, *features: s
     return pytest.param(Case(id, spec, nproc, gbs, limit_gb, frozenset(features), dtype), id=id, marks=marks)
 
 
+# Strict xfails: defects the retuned corpus measures (the limits merged on `corpus2`), each with its
+# figures. When a fix merges, its case passes and the mark must go (strict: an unexpected pass fails).
+# the three plans with sequence-parallel norms, and only they, measure above their prediction (which
+# part of them the cost model misprices is not isolated yet); the per-rank peak varies by ~3% run to run.
+SP_MEMORY = "sequence-parallel plans' peak memory above the prediction"
+SEQUENCE_PARALLEL = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (gpt-rotate-sp, tp=4 mb=2: ranks +2.8% to "
+                                      "+5.8%, 1,749,928 B measured against 1,654,272 B)")
+RING = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (llama-ring, tp=2 ring attention zero=3: rank 1 +8.4%, "
+                         "2,255,992 B against 2,081,280 B; rank 0 +2.1%)")
+PIPELINED_SP = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (hf-gpt2, pp=2 tp=2 zero=3: stage 0 +11.9%, "
+                                 "1,632,356 B against 1,458,176 B; stage 1 +14.3%, 1,928,828 B against 1,687,040 B)")
+BF16_NUMERICS = pytest.mark.xfail(strict=True, reason="gpt-bf16 (tp=2 rotate, zero=2, bf16): wte.weight differs from "
+                                  "the 1-device bf16 run in 14 of 8192 elements by up to 2.05e-3 (two AdamW steps; "
+                                  "the tolerance allows one, 1e-3); the losses match")
+
 CASES = [
     # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
     case("gpt-pipeline", "examples/gpt.py:tiny?batch=4", 2, 4, 0.0014, "pipeline"),
@@ -109,7 +124,8 @@ CASES = [
     # Longer sequences on two devices: tensor parallel with rotating matmuls.
     case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.008, "rotate", "zero"),
     # Tighter on four: rotating matmuls, sequence-parallel norms.
-    case("gpt-rotate-sp", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0016, "rotate", "sp"),
+    case("gpt-rotate-sp", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0016, "rotate", "sp",
+         marks=(SEQUENCE_PARALLEL,)),
     # Roomier on four: the blocks keep only what selective recomputation keeps.
     case("gpt-selective", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0022, "recompute-selective", "rotate",
          "zero"),
@@ -118,17 +134,18 @@ CASES = [
     # One attention head: tensor parallelism cannot split heads, so attention runs as a ring (the
     # plan has 2 micro-batches of one sequence).
     case("llama-ring", "examples/llama.py:tiny?batch=2&seq=256&n_head=1&n_kv_head=1", 2, 2, 0.002,
-         "ring-attention", "rotate", "sp", "zero", "recompute-full"),
+         "ring-attention", "rotate", "sp", "zero", "recompute-full", marks=(RING,)),
     # transformers' GPT-2 on four, tight: two stages of two tensor-parallel devices (rotating
     # matmuls, sequence-parallel norms, ZeRO-3), the first stage's block recomputing in full, the
     # last's selectively.
     case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.0016, "pipeline", "rotate", "sp", "zero",
-         "recompute-selective", "recompute-full", "stages-differ"),
+         "recompute-selective", "recompute-full", "stages-differ", marks=(PIPELINED_SP,)),
     # BERT (an encoder, token types in [0, 2): `shardc.train.input_ranges`) on two.
     case("bert", "examples/bert.py:tiny?batch=4&seq=128", 2, 4, 0.0032, "rotate", "zero", "recompute-selective"),
     # Mixed precision: a bf16 solve (weights cast to bf16 where read, fp32 master weights and
     # loss), trained in bf16 against one process running the 1-device bf16 plan.
-    case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16"),
+    case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16",
+         marks=(BF16_NUMERICS,)),
 ]
 
 
