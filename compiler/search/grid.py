@@ -52,14 +52,15 @@ class GridPoint:
     sp: bool = False
     recompute_layers: int = 0
 
-    def plan(self, gbs: int) -> ParallelPlan:
-        """The point as a `ParallelPlan` (partial points with `recompute_layers=N`)."""
-        plan = dataclasses.replace(self.shape.plan(self.mb, gbs, self.zero), recompute=self.recompute, sp=self.sp)
+    def plan(self, gbs: int, dtype: str = "bf16") -> ParallelPlan:
+        """The point as a `ParallelPlan` at `dtype` (partial points with `recompute_layers=N`)."""
+        plan = dataclasses.replace(self.shape.plan(self.mb, gbs, self.zero, dtype), recompute=self.recompute,
+                                   sp=self.sp)
         return dataclasses.replace(plan, recompute_layers=self.recompute_layers or None)
 
-    def plan_string(self, gbs: int) -> str:
+    def plan_string(self, gbs: int, dtype: str = "bf16") -> str:
         """The same point in `ParallelPlan` syntax (what `shardc estimate --plan` takes)."""
-        return str(self.plan(gbs))
+        return str(self.plan(gbs, dtype))
 
 
 def _resolves_sp(cand: Candidate) -> bool:

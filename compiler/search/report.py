@@ -62,7 +62,7 @@ def plan_summary(graph: Graph, result: SearchResult, gbs: int, total_time_s: flo
         "source": best.source,
         "grid_best_step_time_s": grid.step_time_s if grid else None,
         "grid_best_memory_per_device_bytes": grid.memory_per_device_bytes if grid else None,
-        "grid_best_plan": grid.grid_point.plan_string(gbs) if grid and grid.grid_point else None,
+        "grid_best_plan": grid.grid_point.plan_string(gbs, grid.problem.dtype) if grid and grid.grid_point else None,
         "speedup_over_grid": grid.step_time_s / est.step_time_s if grid else None,
         "solver_evaluation_step_time_s": best.evaluation.step_time_s,
         "solve_time_s": result.solve_time_s,
@@ -105,7 +105,7 @@ def print_plan(console: Any, best: Found, grid: Found | None, summary: dict[str,
         p.add_row(f"{v.key[0]}#{v.key[1]} {v.group.name}", c_text)
     console.print(p)
     if grid is not None:
-        console.print(f"best grid plan: {grid.grid_point.plan_string(gbs) if grid.grid_point else ''} -> "
+        console.print(f"best grid plan: {grid.grid_point.plan_string(gbs, grid.problem.dtype) if grid.grid_point else ''} -> "
                       f"{grid.step_time_s:.4g} s, {grid.memory_per_device_bytes / 2**30:.2f} GiB; "
                       f"solver / grid speedup {grid.step_time_s / est.step_time_s:.3f}x (both by estimate)")
     else:
