@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 from rich.console import Console
@@ -15,6 +14,7 @@ from shardc.calibration.gloo import COLLECTIVES
 from shardc.calibration.local import load_profile, run_calibration
 from shardc.calibration.profile import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile, write_profile
 from shardc.hardware import local_cluster, parse_cluster
+from shardc.ir import files
 from shardc.ir.diagnostics import ShardcError
 
 
@@ -130,11 +130,10 @@ def test_write_is_atomic(tmp_path, monkeypatch) -> None:
     write_profile(_profile(), target)
     before = target.read_text()
 
-    def broken_dump(obj, f, **kw):  # half a file, then the process "dies"
-        f.write(json.dumps(obj)[:20])
+    def dies(fd):  # the temporary file written but not yet synced and renamed: the process "dies"
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profile_file.json, "dump", broken_dump)
+    monkeypatch.setattr(files.os, "fsync", dies)
     with pytest.raises(KeyboardInterrupt):
         write_profile(_profile(), target)
     assert target.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["local-profile.json"]

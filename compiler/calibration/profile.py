@@ -33,12 +33,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.files import write_json_atomic
 from shardc.ops.collectives import ring_traffic
 
 PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
@@ -267,15 +267,6 @@ def read_profile(path: str | Path | None = None) -> LocalProfile:
 
 
 def write_profile(profile: LocalProfile, path: Path) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, then rename over `path`."""
+    """Write atomically (`shardc.ir.files`: a temporary file in the same folder, fsync, rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(profile.to_json(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, profile.to_json(), indent=1)
