@@ -47,7 +47,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_hardware import _profile
+from test_hardware import fixed_local_profile
 
 import shardc
 from shardc import driver
@@ -151,12 +151,7 @@ CASES = [
 @pytest.fixture(scope="module", autouse=True)
 def local_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fixed calibrated profile of `local` (no calibration here): plans do not vary with load."""
-    from shardc.calibration.profile import write_profile
-
-    cache = tmp_path_factory.mktemp("shardc-cache")
-    write_profile(_profile(), cache / "local-profile.json")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SHARDC_CACHE_DIR", str(cache))
+    with fixed_local_profile(tmp_path_factory.mktemp("shardc-cache")) as cache:
         yield cache
 
 

@@ -30,6 +30,20 @@ def _loss(model, idx, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+def reference_losses(path: str, steps: int = 3) -> list[float]:
+    """The ejected file's model trained plain on one process, as `ejected_worker` trains each rank."""
+    model, (idx, targets) = _load(path).build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for _ in range(steps):
+        loss = _loss(model, idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
 def ejected_worker(rank: int, world: int, path: str) -> list[float]:
     import torch.distributed as dist
 
@@ -58,15 +72,7 @@ def test_ejected_dp_tp_code_runs_on_gloo_and_matches_reference(tmp_path: Path) -
     path = tmp_path / "ejected.py"
     path.write_text(code)
     results = spawn(ejected_worker, 4, str(path))
-    model, (idx, targets) = _load(str(path)).build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reference = []
-    for _ in range(3):
-        loss = _loss(model, idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        reference.append(loss.item())
+    reference = reference_losses(str(path))
     for losses in results:
         for got, want in zip(losses, reference):
             assert abs(got - want) <= 1e-5 * abs(want), (losses, reference)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 
 from shardc.calibration.profile import AlphaBeta, CollectiveFit, LocalProfile, write_profile
@@ -129,6 +133,16 @@ def _profile() -> LocalProfile:
                  for n in (2, 4) for op in ("all_reduce", "all_gather"))
     return LocalProfile(1, "now", "test-cpu", 2, 16 * GiB, "x", True, ((256, 5e10),), 1e11, 1e6,
                         (("bf16", 2.0), ("fp16", 0.5)), 2e10, 2e-6, ((2, 5e10, 1e10), (4, 2.5e10, 5e9)), fits)
+
+
+@contextmanager
+def fixed_local_profile(folder: Path) -> Iterator[Path]:
+    """`_profile()` as this machine's cached `local` profile in `folder` (SHARDC_CACHE_DIR set while
+    inside): tests plan and predict on it without calibrating, so plans do not vary with load."""
+    write_profile(_profile(), folder / "local-profile.json")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDC_CACHE_DIR", str(folder))
+        yield folder
 
 
 def test_local_cluster_from_the_cached_profile(tmp_path, monkeypatch) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_hardware import _profile
+from test_hardware import fixed_local_profile
 
 from shardc import driver
 from shardc.cli import main
@@ -51,12 +51,7 @@ PLANS = {  # kind -> (model, plan string; None: the solver's plan under the memo
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fixed calibrated profile of `local` (no calibration here): the solver's plan does not vary with load."""
-    from shardc.calibration.profile import write_profile
-
-    out = tmp_path_factory.mktemp("shardc-cache")
-    write_profile(_profile(), out / "local-profile.json")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SHARDC_CACHE_DIR", str(out))
+    with fixed_local_profile(tmp_path_factory.mktemp("shardc-cache")) as out:
         yield out
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_hardware import _profile
+from test_hardware import fixed_local_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import plan_measure  # noqa: E402  (a script's helper beside it, not a package)
@@ -23,12 +23,8 @@ import plan_measure  # noqa: E402  (a script's helper beside it, not a package)
 
 @pytest.fixture(autouse=True)
 def local_profile(tmp_path: Path) -> Iterator[Path]:
-    from shardc.calibration.profile import write_profile
-
-    write_profile(_profile(), tmp_path / "local-profile.json")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SHARDC_CACHE_DIR", str(tmp_path))
-        yield tmp_path
+    with fixed_local_profile(tmp_path) as folder:
+        yield folder
 
 
 def test_measure_trains_both_plans_and_prints_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_backend_numerics import GPT, HF_GPT2, LLAMA, build, check
 from test_backend_numerics import run_and_check as run_flat
-from test_eject import _load, _loss, ejected_worker
+from test_eject import ejected_worker, reference_losses
 from test_pipeline_numerics import step_cases
 
 import shardc
@@ -246,14 +246,6 @@ def test_ejected_full_recomputation_runs_and_matches(tmp_path: Path) -> None:
     path = tmp_path / "ejected.py"
     path.write_text(result.code)
     results = spawn(ejected_worker, 2, str(path))
-    model, (idx, targets) = _load(str(path)).build_model()  # the reference: plain, one process
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reference = []
-    for _ in range(3):
-        loss = _loss(model, idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        reference.append(loss.item())
+    reference = reference_losses(str(path))  # plain, one process
     for losses in results:
         assert losses == pytest.approx(reference, rel=1e-5)
