@@ -114,14 +114,9 @@ class SearchResult:
     log: list[str] = field(default_factory=list)
 
 
-def annotate(graph, problem: Problem, a: Assignment):
-    """`annotate_graph` (it records the interleaved schedule when vpp > 1)."""
-    return annotate_graph(graph, problem, a)
-
-
 def score(found: Found, cluster: Cluster) -> Found:
     """Annotate the graph with the plan and run `shardc.cost.estimate` on it (in place)."""
-    graph = annotate(found.problem.facts.graph, found.problem, found.assignment)
+    graph = annotate_graph(found.problem.facts.graph, found.problem, found.assignment)
     found.estimate = estimate(graph, cluster)
     return found
 
@@ -426,6 +421,6 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     if grid is not None and (best is None or grid.step_time_s <= best.step_time_s):
         best = grid
     if best is not None:
-        annotate(facts.graph, best.problem, best.assignment)
+        annotate_graph(facts.graph, best.problem, best.assignment)
     return SearchResult(best, grid, closest, time.perf_counter() - began, gap, solved, pruned, log)
 
