@@ -121,6 +121,8 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     state = tuple((w - (held_copy if fsdp[z] else 0)) / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
                   + o / (shard if z >= 1 else 1) for z in ZERO_STAGES)
     optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZERO_STAGES)
+    if ctx.device.eager is not None:  # measured eager optimizer (`compute.optimizer_step_time`), per element
+        optimizer = tuple(_eager_optimizer(problem, z, shard, fsdp2(options, z, shard)) for z in ZERO_STAGES)
     gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
                    else (0.0, 0.0) for z in ZERO_STAGES)
     zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 and not fsdp[3] else (0.0, 0.0)
@@ -232,6 +234,17 @@ def _affine(kind: str, levels, algorithm: str, size: float = 256 * 2**20) -> tup
 class Linear:
     step_time_s: float
     memory_bytes: tuple[float, ...]
+
+
+def _eager_optimizer(problem: Problem, zero: int, shard: int, dtensors: bool) -> float:
+    """Seconds per local parameter element of the measured eager optimizer step
+    (`compute.optimizer_step_time`): its per-tensor cost spread over the model's elements."""
+    eager = problem.pricer.ctx.device.eager
+    assert eager is not None
+    sharded = zero >= 1 and shard > 1
+    per_tensor, per_element = eager.optimizer(sharded and dtensors)
+    tensors, numel = _fsdp_unit(problem)
+    return (per_tensor * tensors / numel if numel > 0 else 0.0) + per_element / (shard if sharded else 1)
 
 
 def _fsdp_unit(problem: Problem) -> tuple[float, float]:
