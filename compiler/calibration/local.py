@@ -215,8 +215,8 @@ def profile_tables(profile: LocalProfile) -> list[Any]:
         fsdp = Table(title="FSDP2 synchronising step beyond the same step unsharded (wall time, cores shared)")
         for col in ("processes", "group", "per step (us)", "per tensor (us)", "per element (ns)"):
             fsdp.add_column(col, justify="right")
-        for n, g, c, a, b in profile.fsdp_steps:
-            fsdp.add_row(str(n), str(g), f"{c * 1e6:.1f}", f"{a * 1e6:.1f}", f"{b * 1e9:.2f}")
+        for count, group, step, tensor, element in profile.fsdp_steps:
+            fsdp.add_row(str(count), str(group), f"{step * 1e6:.1f}", f"{tensor * 1e6:.1f}", f"{element * 1e9:.2f}")
         tables.append(fsdp)
     if profile.eager is not None:
         eager = Table(title="eager ops, 1 process: call (us) + per unit (ns per byte; per 1000 FLOPs for matmul)")
