@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 from traced import gpt_graph
 
+from shardc.calibration.fit import fit_three_terms
 from shardc.calibration.gloo import run_workers
 from shardc.calibration.profile import EagerCosts, KernelFit, eager_from_json
 from shardc.cost import estimate
@@ -76,3 +77,85 @@ def test_fsdp_work_is_measured_with_two_gloo_processes() -> None:
     per_tensor, per_element = run_workers(2, {}, timeout=120, entry="_fsdp_worker")["fsdp_overhead"]
     # hooks and bookkeeping per tensor (microseconds to a millisecond), copies per element (sub-ns to tens)
     assert 0 <= per_tensor < 1e-3 and 0 <= per_element < 1e-7 and per_tensor + per_element > 0
+
+
+# ---- a whole synchronising step, measured (wall time, the processes sharing the cores) ----------
+
+STEP = dataclasses.replace(MEASURED, fsdp_step=((2, 4e-3, 100e-6, 10e-9), (4, 6e-3, 150e-6, 20e-9)))
+
+
+def test_three_term_fit_recovers_a_line_and_keeps_costs_non_negative() -> None:
+    exact = [(n, e, 2e-3 + 1e-4 * n + 1e-8 * e) for n, e in ((2, 512), (48, 24576), (12, 196608), (3, 393216))]
+    assert fit_three_terms(exact) == pytest.approx((2e-3, 1e-4, 1e-8), rel=1e-6)
+    # A falling per-tensor trend is noise: the fit keeps it at 0 and fits the rest.
+    c, a, b = fit_three_terms([(2, 1000, 5e-3), (48, 1000, 4e-3), (12, 10000, 6e-3)])
+    assert a == 0 and c > 0 and b >= 0
+
+
+def test_step_figure_by_group_size_nearest_measured_and_scaled_with_speed() -> None:
+    assert STEP.fsdp_step_time(2, 10, 1e6) == pytest.approx(4e-3 + 10 * 100e-6 + 1e6 * 10e-9)
+    assert STEP.fsdp_step_time(8, 0, 0) == pytest.approx(6e-3)  # nearest measured group: 4
+    assert STEP.fsdp_step_time(3, 0, 0) == pytest.approx(6e-3)  # ties go to the larger group
+    assert MEASURED.fsdp_step_time(2, 10, 1e6) is None
+    assert STEP.scaled(2.0).fsdp_step_time(2, 0, 0) == pytest.approx(8e-3)
+    assert eager_from_json(dataclasses.asdict(STEP)) == STEP
+
+
+def test_local_cluster_carries_the_steps_measured_with_its_process_count_unscaled(tmp_path, monkeypatch) -> None:
+    from test_hardware import _profile
+
+    from shardc.calibration.profile import LocalProfile, write_profile
+    from shardc.hardware import local_cluster
+
+    prof = dataclasses.replace(_profile(), eager=EAGER,
+                               fsdp_steps=((2, 2, 1e-3, 0.0, 1e-9), (4, 2, 3e-3, 0.0, 2e-9), (4, 4, 5e-3, 0.0, 3e-9)))
+    write_profile(prof, tmp_path / "p.json")
+    assert LocalProfile.from_json(dataclasses.asdict(prof)) == prof
+    four = local_cluster(4, prof).device.eager
+    assert four is not None and four.fsdp_step == ((2, 3e-3, 0.0, 2e-9), (4, 5e-3, 0.0, 3e-9))
+    two = local_cluster(2, prof).device.eager
+    assert two is not None and two.fsdp_step == ((2, 1e-3, 0.0, 1e-9),)
+    assert local_cluster(8, prof).device.eager.fsdp_step == four.fsdp_step  # nearest count measured
+    old = dataclasses.asdict(prof)
+    old.pop("fsdp_steps")
+    assert LocalProfile.from_json(old).fsdp_step_fits(4) == ()
+
+
+def _sync(eager: EagerCosts, plan: str):
+    graph = gpt_graph(layers=2, hidden=128, heads=4, vocab=512, seq=64, batch=8, dropout=0.0, dtype="f32", dp=2,
+                      zero=1)
+    base = parse_cluster("2xH100")
+    cluster = dataclasses.replace(base, device=dataclasses.replace(CPU, eager=eager))
+    return estimate(graph, cluster, ParallelPlan.parse(plan))
+
+
+def test_measured_step_replaces_the_reduce_scatter_and_first_gather() -> None:
+    one, four = "dp=2,mb=4,gbs=8,dtype=fp32,zero=1", "dp=2,mb=4,gbs=32,dtype=fp32,zero=1"
+
+    def comm(eager: EagerCosts, plan: str = one) -> float:
+        return _sync(eager, plan).stages[0].time["dp_comm"]
+
+    def fit(c: float, a: float, b: float) -> EagerCosts:
+        return dataclasses.replace(MEASURED, fsdp_step=((2, c, a, b),))
+
+    # dp_comm is the measured step, term by term: per step, per parameter tensor, per element
+    base = comm(fit(1e-3, 0.0, 0.0))
+    assert base == pytest.approx(1e-3, rel=1e-9)
+    tensors = (comm(fit(1e-3, 1e-6, 0.0)) - base) / 1e-6
+    elements = (comm(fit(1e-3, 0.0, 1e-12)) - base) / 1e-12
+    graph = gpt_graph(layers=2, hidden=128, heads=4, vocab=512, seq=64, batch=8, dropout=0.0, dtype="f32")
+    assert tensors == pytest.approx(len(graph.params), rel=1e-6)
+    assert elements == pytest.approx(sum(p.type.numel for p in graph.params), rel=1e-6)
+    # Without the figure, the reduce-scatter and its copies are priced instead.
+    assert comm(MEASURED) != pytest.approx(base)
+    # Every further micro-batch gathers again (flat runtime): the same extra as without the figure.
+    extra = _sync(STEP, four).step_time_s - _sync(STEP, one).step_time_s
+    assert extra == pytest.approx(_sync(MEASURED, four).step_time_s - _sync(MEASURED, one).step_time_s, rel=1e-6)
+
+
+def test_fsdp_step_is_measured_with_two_gloo_processes() -> None:
+    fits = run_workers(2, {}, timeout=120, entry="_fsdp_step_worker")["fsdp_step"]
+    assert [f[0] for f in fits] == [2]
+    _, per_step, per_tensor, per_element = fits[0]
+    assert min(per_step, per_tensor, per_element) >= 0 and per_step + per_tensor + per_element > 0
+    assert per_step < 0.5 and per_tensor < 1e-2 and per_element < 1e-6

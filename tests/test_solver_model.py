@@ -139,3 +139,25 @@ def test_estimate_agrees_when_a_model_axis_cuts_the_batch() -> None:
     evaluation = evaluate(problem, assignment, 1e12)
     found = score(Found(problem, assignment, evaluation, "solver"), cluster)
     assert found.step_time_s == pytest.approx(evaluation.step_time_s, rel=0.01)
+
+
+def test_measured_fsdp2_step_is_priced_alike_by_the_linearisation() -> None:
+    # A device whose profile measured FSDP2's whole synchronising step and the eager optimizer (the
+    # local CPU processes): the CP-SAT coefficients charge both as `estimate` does, flat and
+    # pipelined, ZeRO-0, 1 and 3.
+    from shardc.calibration.profile import EagerCosts, KernelFit
+    from shardc.hardware import Cluster, DeviceSpec
+
+    eager = EagerCosts((("elementwise", KernelFit(3e-6, 3e-11, 8e-6, 1e-11)),), 50e-6, 4e-9, 200e-6, 6e-9,
+                       20e-6, 5e-9, ((2, 4e-3, 100e-6, 10e-9), (4, 6e-3, 150e-6, 20e-9)))
+    base = parse_cluster("4xH100")
+    cluster = dataclasses.replace(base, device=DeviceSpec("cpu", (("fp32", 1e11), ("bf16", 2e11)), 8 << 30, 5e9, eager=eager))
+    assert isinstance(cluster, Cluster)
+    graph = load("examples/llama.py:tiny?n_layer=4&dim=256&n_head=8&n_kv_head=4&ffn_hidden=512&seq=128", batch=2)
+    facts = graph_facts(graph, cluster)
+    for shape, mb in ((MeshShape(2, 2, 1, 1), 1), (MeshShape(1, 4, 1, 1), 2)):
+        problem = build_problem(facts, cluster, shape, mb, 16)
+        for _, plan in grid_assignments(problem)[:2]:
+            for zero in (0, 1, 3):
+                a = Assignment(plan.choice, plan.stages, zero)
+                _agree(graph, problem, a, cluster, linear_tol=0.005)

@@ -78,3 +78,36 @@ def fit_two_terms(samples: Sequence[tuple[float, float, float]]) -> tuple[float,
     `((a x + b y - t) / t) ** 2` is that line's squared error weighted `(x / t) ** 2`."""
     return fit_nonnegative([y / x for x, y, _ in samples], [t / x for x, _, t in samples],
                            [(x / t) ** 2 for x, _, t in samples])
+
+
+def fit_three_terms(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(c, a, b) >= 0 of `t = c + a * x + b * y` over (x, y, t) samples, in relative error (rows
+    weighted `1 / t`): the free least-squares fit when every coefficient comes out >= 0, else the
+    best, in the same error, of the fits with the negative ones held at 0 (the constrained optimum
+    of a convex problem lies on that boundary)."""
+    if len(samples) < 3:
+        raise ValueError("fit_three_terms needs at least three samples")
+    x = np.asarray([(1.0, a, b) for a, b, _ in samples], dtype=float)
+    t = np.asarray([s[2] for s in samples], dtype=float)
+    rows, target = x / t[:, None], np.ones_like(t)
+    best: tuple[float, np.ndarray] | None = None
+    for keep in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+        cols = list(keep)
+        design = rows[:, cols]
+        norms = np.linalg.norm(design, axis=0)
+        norms[norms == 0] = 1.0
+        solution, _, rank, _ = np.linalg.lstsq(design / norms, target, rcond=None)
+        if rank < len(cols):
+            continue
+        coef = np.zeros(3)
+        coef[cols] = solution / norms
+        if (coef < 0).any():
+            continue
+        error = float(np.sum((rows @ coef - target) ** 2))
+        if best is None or error < best[0]:
+            best = (error, coef)
+            if len(cols) == 3:  # the free fit is non-negative: it is the optimum
+                break
+    if best is None:
+        return 0.0, 0.0, 0.0
+    return float(best[1][0]), float(best[1][1]), float(best[1][2])

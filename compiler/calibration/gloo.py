@@ -5,8 +5,9 @@ while all run together (`_window_rate`: work done over wall time, so the time a 
 for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast and send/recv
 by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
-parameters sharded over all of them (FSDP2's optimizer step) and FSDP2's own work per
-micro-batch (`_fsdp_overhead`). `shardc.calibration.local` fits and caches the results.
+parameters sharded over all of them (FSDP2's optimizer step), FSDP2's own work per
+micro-batch (`_fsdp_overhead`) and a whole FSDP2 synchronising step per data-parallel group size
+(`_fsdp_step`). `shardc.calibration.local` fits and caches the results.
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def _fsdp_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> N
         dist.destroy_process_group()
 
 
+def _fsdp_step_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes measuring only `_fsdp_step` (rank 0 writes it; `cfg` unused)."""
+    import torch.distributed as dist
+
+    _init(rank, nprocs, workdir)
+    try:
+        fits = _fsdp_step(nprocs)
+        if rank == 0:
+            Path(workdir, "result.json").write_text(json.dumps({"fsdp_step": fits}))
+    finally:
+        dist.destroy_process_group()
+
+
 def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     """One of `nprocs` processes: concurrent matmul and copy rates, then gloo collectives."""
     import torch
@@ -110,6 +124,8 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank) * _scale_now(speed)
         results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"], speed)
         results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in _fsdp_overhead(nprocs))
+        scale = _scale_now(speed)
+        results["fsdp_step"] = [(g, *(x * scale for x in fit)) for g, *fit in _fsdp_step(nprocs)]
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
     finally:
@@ -204,6 +220,59 @@ def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
             times.append(sorted(spent[2:])[FSDP_REPS // 2])
         samples.append((count, count * numel, max(times[1] - times[0], 1e-7)))
     return fit_two_terms(samples)
+
+
+FSDP_STEP_CASES = ((2, 256), (48, 512), (12, 16384), (3, 131072))  # (parameter tensors, elements each)
+FSDP_STEP_TRIALS = 9  # steps timed per case and variant, alternating sharded and plain
+
+
+def _fsdp_step(nprocs: int) -> list[tuple[int, float, float, float]]:
+    """(group size, seconds per step, per parameter tensor, per element) that one synchronising
+    FSDP2 step adds to the same step unsharded, for every data-parallel group size g dividing
+    `nprocs` (g >= 2), all `nprocs` processes running at once in `nprocs / g` groups as a plan's
+    mesh runs them: the forward's all-gather with its copies, FSDP2's hooks, the backward's
+    reduce-scatter (on gloo an all_reduce of the whole buffer) with its copies, and every rank
+    waiting for the slowest. That is a pipeline stage's whole FSDP2 step, and a flat step's with one
+    micro-batch. Wall time, the slowest rank's, median of `FSDP_STEP_TRIALS` sharded and plain
+    steps taken alternately (so that load drifting hits both), over `FSDP_STEP_CASES` of a unit
+    using each parameter in one elementwise op; fitted by `fit.fit_three_terms`. On this kind of
+    machine the whole is several times what its collectives cost alone (a process waiting on a
+    peer that waits for a core), so it is measured whole."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardc.calibration.fit import fit_three_terms
+
+    class Unit(torch.nn.Module):
+        def __init__(self, count: int, numel: int) -> None:
+            super().__init__()
+            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel)) for _ in range(count))
+
+        def forward(self, x: Any) -> Any:
+            return sum((p * x).sum() for p in self.ps)
+
+    x = torch.ones(())
+    out = []
+    for group in (g for g in range(2, nprocs + 1) if nprocs % g == 0):
+        mesh = init_device_mesh("cpu", (nprocs // group, group), mesh_dim_names=("other", "dp"))["dp"]
+        samples = []
+        for count, numel in FSDP_STEP_CASES:
+            plain, sharded = Unit(count, numel), Unit(count, numel)
+            fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+            trials = torch.zeros(2, FSDP_STEP_TRIALS + 2, dtype=torch.float64)
+            for i in range(FSDP_STEP_TRIALS + 2):
+                for j, unit in enumerate((sharded, plain)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    unit(x).backward()
+                    trials[j, i] = time.perf_counter() - t0
+            dist.all_reduce(trials, op=dist.ReduceOp.MAX)
+            medians = trials[:, 2:].median(dim=1).values
+            samples.append((count, count * numel, max(float(medians[0] - medians[1]), 1e-7)))
+        out.append((group, *fit_three_terms(samples)))
+    return out
 
 
 def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], None]:

@@ -124,8 +124,9 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
         eager = replace(eager, sharded_optimizer_per_tensor=res["sharded_optimizer"][0],
                         sharded_optimizer_per_param=res["sharded_optimizer"][1],
                         fsdp_per_tensor=res["fsdp_overhead"][0], fsdp_per_param=res["fsdp_overhead"][1])
+    steps = tuple((nprocs, int(g), float(c), float(a), float(b)) for g, c, a, b in res.get("fsdp_step", ()))
     return {"concurrent": (nprocs, res["flops"], res["bandwidth"]), "collectives": fits,
-            "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager}
+            "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "fsdp_steps": steps}
 
 
 def run_calibration(path: str | Path | None = None, *, quick: bool = False, nprocs: Sequence[int] = (2, 4),
@@ -148,19 +149,21 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
         alone = _measure_alone(cfg, lambda what: progress.update(task, description=what),
                                lambda: progress.advance(task))
         eager: EagerCosts = alone.pop("eager")
-        concurrent, fits, overhead = [], [], []
+        concurrent, fits, overhead, fsdp_steps = [], [], [], []
         for n in nprocs:
             progress.update(task, description=f"{n} processes: matmul, copy, gloo collectives")
             together = _measure_together(n, cfg, eager)
             concurrent.append(together["concurrent"])
             fits += together["collectives"]
             overhead.append(together["wrapper_overhead"])
+            fsdp_steps += together["fsdp_steps"]
             eager = together["eager"]
             progress.advance(task)
     profile = LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(), os.cpu_count() or 1,
         _machine_memory(), torch.__version__, quick, concurrent=tuple(concurrent), collectives=tuple(fits),
-        eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead), **alone)
+        eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead),
+        fsdp_steps=tuple(fsdp_steps), **alone)
     write_profile(profile, target)
     if summary:
         print_profile(profile, console, path=target)
@@ -208,6 +211,13 @@ def profile_tables(profile: LocalProfile) -> list[Any]:
     for n, t in profile.wrapper_overhead:
         comm.add_row("shardc wrapper (extra per call)", str(n), f"{t * 1e6:.1f}", "-", "-", "-")
     tables = [compute, comm]
+    if profile.fsdp_steps:
+        fsdp = Table(title="FSDP2 synchronising step beyond the same step unsharded (wall time, cores shared)")
+        for col in ("processes", "group", "per step (us)", "per tensor (us)", "per element (ns)"):
+            fsdp.add_column(col, justify="right")
+        for count, group, step, tensor, element in profile.fsdp_steps:
+            fsdp.add_row(str(count), str(group), f"{step * 1e6:.1f}", f"{tensor * 1e6:.1f}", f"{element * 1e9:.2f}")
+        tables.append(fsdp)
     if profile.eager is not None:
         eager = Table(title="eager ops, 1 process: call (us) + per unit (ns per byte; per 1000 FLOPs for matmul)")
         for col in ("class", "forward call", "forward per unit", "backward call", "backward per unit"):

@@ -10,8 +10,9 @@ intra-op thread per process, as the gloo tests run):
 - eager costs per op class, forward and backward, and of the AdamW step (`EagerCosts`: what the
   cost model charges a CPU with, in place of the roofline);
 - per process count N measured: the per-process matmul rate and copy bandwidth while N run
-  together, gloo collective times by message size with their `alpha + beta * bytes` fits, and
-  the extra cost of shardc's collective wrapper per call.
+  together, gloo collective times by message size with their `alpha + beta * bytes` fits, the
+  extra cost of shardc's collective wrapper per call, and what a whole FSDP2 synchronising step
+  adds per data-parallel group size among the N (`fsdp_steps`: wall time, sharing included).
 
 Every figure is at one reference speed (`shardc.calibration.speed`); `at_speed` gives the profile
 on the machine running some factor slower.
@@ -118,6 +119,11 @@ class EagerCosts:
     # unsharded, s per parameter tensor and per element of the unit (0: not measured)
     fsdp_per_tensor: float = 0.0
     fsdp_per_param: float = 0.0
+    # A whole synchronising FSDP2 step beyond the same step unsharded (gather, hooks, reduce, copies,
+    # waits), measured in wall time with the processes sharing the cores as the cluster runs them:
+    # (group size, s per step, s per parameter tensor, s per element); () when not measured.
+    # `hardware.local_cluster` fills it for its process count; it is not scaled by the sharing factor.
+    fsdp_step: tuple[tuple[int, float, float, float], ...] = ()
 
     def fit(self, *keys: str) -> KernelFit:
         """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
@@ -129,7 +135,17 @@ class EagerCosts:
         return EagerCosts(tuple((k, f.scaled(factor)) for k, f in self.kinds), self.optimizer_per_tensor * factor,
                           self.optimizer_per_param * factor, self.sharded_optimizer_per_tensor * factor,
                           self.sharded_optimizer_per_param * factor, self.fsdp_per_tensor * factor,
-                          self.fsdp_per_param * factor)
+                          self.fsdp_per_param * factor,
+                          tuple((g, c * factor, a * factor, b * factor) for g, c, a, b in self.fsdp_step))
+
+    def fsdp_step_time(self, group: int, tensors: float, elements: float) -> float | None:
+        """Seconds a whole synchronising FSDP2 step adds for a unit of `tensors` parameter tensors
+        and `elements` elements sharded over `group` processes (the measured group size nearest,
+        ties to the larger), or None when not measured."""
+        if not self.fsdp_step:
+            return None
+        _, c, a, b = min(self.fsdp_step, key=lambda f: (abs(f[0] - group), -f[0]))
+        return c + a * tensors + b * elements
 
     def fsdp_measured(self) -> bool:
         """Whether FSDP2's per-micro-batch work was measured (profiles before it: no)."""
@@ -150,7 +166,8 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
     return EagerCosts(kinds, float(data["optimizer_per_tensor"]), float(data["optimizer_per_param"]),
                       float(data.get("sharded_optimizer_per_tensor", 0.0)),
                       float(data.get("sharded_optimizer_per_param", 0.0)),
-                      float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)))
+                      float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)),
+                      tuple((int(g), float(c), float(a), float(b)) for g, c, a, b in data.get("fsdp_step", ())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +193,17 @@ class LocalProfile:
     concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
     probe_alone_rate: float = 0.0                     # 1 / the reference speed's probe seconds (`shardc.calibration.speed`)
     wrapper_overhead: tuple[tuple[int, float], ...] = ()  # (nprocs, s per collective wrapper call)
+    # (nprocs running, group size, s per step, s per tensor, s per element): `EagerCosts.fsdp_step` per count
+    fsdp_steps: tuple[tuple[int, int, float, float, float], ...] = ()
+
+    def fsdp_step_fits(self, nproc: int) -> tuple[tuple[int, float, float, float], ...]:
+        """The FSDP2 step fits measured with `nproc` processes running (else with the nearest
+        count measured, ties to the larger), per group size; () for profiles without them."""
+        counts = {n for n, *_ in self.fsdp_steps}
+        if not counts:
+            return ()
+        near = min(counts, key=lambda n: (abs(n - nproc), -n))
+        return tuple((g, c, a, b) for n, g, c, a, b in self.fsdp_steps if n == near)
 
     def call_overhead(self, nproc: int) -> float:
         """Seconds a shardc collective wrapper adds per call over `nproc` processes, from the
@@ -225,6 +253,8 @@ class LocalProfile:
         for k in ("matmul_points", "dtype_ratio", "concurrent"):
             kwargs[k] = tuple(tuple(x) for x in data[k])
         kwargs["wrapper_overhead"] = tuple((int(n), float(t)) for n, t in data.get("wrapper_overhead", ()))
+        kwargs["fsdp_steps"] = tuple((int(n), int(g), float(c), float(a), float(b))
+                                     for n, g, c, a, b in data.get("fsdp_steps", ()))
         return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
 
@@ -242,7 +272,8 @@ def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
         memory_bandwidth=profile.memory_bandwidth / f, kernel_latency=profile.kernel_latency * f,
         concurrent=tuple((n, fl / f, bw / f) for n, fl, bw in profile.concurrent), collectives=fits,
         eager=profile.eager.scaled(f) if profile.eager is not None else None,
-        wrapper_overhead=tuple((n, t * f) for n, t in profile.wrapper_overhead))
+        wrapper_overhead=tuple((n, t * f) for n, t in profile.wrapper_overhead),
+        fsdp_steps=tuple((n, g, c * f, a * f, b * f) for n, g, c, a, b in profile.fsdp_steps))
 
 
 # ---- the file ----------------------------------------------------------------------------------

@@ -28,8 +28,12 @@ Rules:
   the gathered buffer out to the parameters, and the reduce-scatter copies the gradients in and
   the shard out, at the device's copy bandwidth (`fsdp_copy_time`). Where FSDP2's work per
   micro-batch was measured (the local profile), that figure, per parameter tensor and element,
-  replaces the copies of the forward gathers (`fsdp_microbatch_time`). The optimizer step
-  reads and writes 28 bytes per local parameter at memory bandwidth.
+  replaces the copies of the forward gathers (`fsdp_microbatch_time`). Where a whole
+  synchronising FSDP2 step was measured for the data-parallel group size (the local profile:
+  wall time with the processes sharing the cores, `EagerCosts.fsdp_step`), that figure is the
+  price of the step's first gather, its micro-batch work and the reduce-scatter with their
+  copies and waits (`fsdp_measured_step`); further gathers and micro-batches come on top as
+  above. The optimizer step reads and writes 28 bytes per local parameter at memory bandwidth.
 """
 
 from __future__ import annotations
@@ -125,7 +129,24 @@ def fsdp_microbatch_time(device, tensors: float, elements: float, zero: int, pp:
     if eager is None or not eager.fsdp_measured():
         return gathers * copy
     forward = 1 if pp > 1 else max(1, microbatches)
-    return forward * (tensors * eager.fsdp_per_tensor + elements * eager.fsdp_per_param) + (gathers - forward) * copy
+    return forward * fsdp_forward_work(device, tensors, elements, nbytes, shard) + (gathers - forward) * copy
+
+
+def fsdp_forward_work(device, tensors: float, elements: float, nbytes: float, shard: int) -> float:
+    """Seconds of FSDP2's own work in one forward-gathering micro-batch (module rules): the measured
+    per-micro-batch figure where there is one, else the copies of one gather."""
+    eager = device.eager
+    if eager is None or not eager.fsdp_measured():
+        return fsdp_copy_time(nbytes, shard, device)
+    return tensors * eager.fsdp_per_tensor + elements * eager.fsdp_per_param
+
+
+def fsdp_measured_step(device, tensors: float, elements: float, shard: int) -> float | None:
+    """Seconds a whole synchronising FSDP2 step adds on a device where it was measured for groups
+    of `shard` (module rules; None elsewhere): the first gather, one micro-batch's work, the
+    reduce-scatter, their copies and waits, for `tensors` parameter tensors of `elements` in all."""
+    eager = device.eager
+    return eager.fsdp_step_time(shard, tensors, elements) if eager is not None and shard > 1 else None
 
 
 def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
@@ -168,8 +189,12 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         zero = max((l.annotation.zero for l in mine), default=0)
         kind = "reduce_scatter" if zero >= 1 else "all_reduce"
         fsdp = options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
+        local = sum(n for n, _ in params)
+        measured = fsdp_measured_step(device, len(params), local, shard) if fsdp else None
         if shard <= 1:
             tail = 0.0
+        elif measured is not None:  # the whole step as measured: its first gather and the reduce-scatter
+            tail = measured
         elif fsdp:  # one collective over every gradient once backward is over
             total = sum(b for _, b in ready)
             tail = collective_time(kind, total, levels, ctx.algorithm) + fsdp_copy_time(total, shard, device)
@@ -177,13 +202,13 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
             tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm)
         tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
         grad_bytes = sum(b for _, b in ready)
-        local = sum(n for n, _ in params)
         gather = 0.0
-        if fsdp:  # before each forward (and ZeRO-3: each backward)
-            gather = (fsdp_gathers(zero, p, microbatches) * collective_time("all_gather", local * w_elem, levels,
-                                                                            ctx.algorithm)
-                      + fsdp_microbatch_time(device, len(params), local, zero, p, microbatches, local * w_elem,
-                                             shard))
+        if fsdp:  # before each forward (and ZeRO-3: each backward); a measured step holds the first
+            count = fsdp_gathers(zero, p, microbatches) - (measured is not None)
+            work = fsdp_microbatch_time(device, len(params), local, zero, p, microbatches, local * w_elem, shard)
+            if measured is not None:
+                work -= fsdp_forward_work(device, len(params), local, local * w_elem, shard)
+            gather = count * collective_time("all_gather", local * w_elem, levels, ctx.algorithm) + work
         elif shard > 1 and zero in (1, 2):  # ZeRO-1/2: after the optimizer
             gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)

@@ -40,7 +40,14 @@ from dataclasses import dataclass, field
 from shardc.cost.comm import collective_time
 from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
 from shardc.cost.memory import compute_bytes, in_flight, state_bytes_per_param, weight_copy_bytes
-from shardc.cost.sync import ADAM_BYTES_PER_PARAM, fsdp_copy_time, fsdp_gathers, fsdp_microbatch_time
+from shardc.cost.sync import (
+    ADAM_BYTES_PER_PARAM,
+    fsdp_copy_time,
+    fsdp_forward_work,
+    fsdp_gathers,
+    fsdp_measured_step,
+    fsdp_microbatch_time,
+)
 from shardc.ir import ZERO_STAGES, Layout
 from shardc.ops.registry import get_op, has_op
 from shardc.search.problem import Problem
@@ -114,13 +121,22 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     state = tuple((w - (held_copy if fsdp[z] else 0)) / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
                   + o / (shard if z >= 1 else 1) for z in ZERO_STAGES)
     optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZERO_STAGES)
+    if ctx.device.eager is not None:  # measured eager optimizer (`compute.optimizer_step_time`), per element
+        optimizer = tuple(_eager_optimizer(problem, z, shard, fsdp2(options, z, shard)) for z in ZERO_STAGES)
     gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
                    else (0.0, 0.0) for z in ZERO_STAGES)
     zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 and not fsdp[3] else (0.0, 0.0)
     serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZERO_STAGES)
     copy = fsdp_copy_time(1.0, shard, ctx.device)  # FSDP2's copies per byte around each collective
     serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZERO_STAGES, serial))
-    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w_elem) if fsdp[z] else gather[z] for z in ZERO_STAGES)
+    tensors, numel = _fsdp_unit(problem)
+    step = fsdp_measured_step(ctx.device, tensors, numel, shard) if numel > 0 else None
+    if step is not None:  # the whole measured step (`sync.fsdp_measured_step`) replaces the reduce-scatter
+        whole = fsdp_measured_step(ctx.device, 0, 0, shard) or 0.0
+        serial = tuple((whole, (step - whole) / (numel * g)) if fsdp[z] else (a, b)
+                       for z, (a, b) in zip(ZERO_STAGES, serial))
+    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w_elem, step is not None) if fsdp[z] else gather[z]
+                   for z in ZERO_STAGES)
     rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZERO_STAGES)
     tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZERO_STAGES)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
@@ -220,22 +236,43 @@ class Linear:
     memory_bytes: tuple[float, ...]
 
 
-def _fsdp_gather(problem: Problem, zero: int, affine: tuple[float, float], shard: int,
-                 w_elem: int) -> tuple[float, float]:
-    """(seconds, seconds per byte) of FSDP2's gathers per step with their copies and its
-    per-micro-batch work (`sync.fsdp_gathers`, `sync.fsdp_microbatch_time`): the per-tensor part
-    spread over the model's elements (exact on one stage, the whole model)."""
-    pp, m = problem.shape.pp, problem.micro_batches
+def _eager_optimizer(problem: Problem, zero: int, shard: int, dtensors: bool) -> float:
+    """Seconds per local parameter element of the measured eager optimizer step
+    (`compute.optimizer_step_time`): its per-tensor cost spread over the model's elements."""
+    eager = problem.pricer.ctx.device.eager
+    assert eager is not None
+    sharded = zero >= 1 and shard > 1
+    per_tensor, per_element = eager.optimizer(sharded and dtensors)
+    tensors, numel = _fsdp_unit(problem)
+    return (per_tensor * tensors / numel if numel > 0 else 0.0) + per_element / (shard if sharded else 1)
+
+
+def _fsdp_unit(problem: Problem) -> tuple[float, float]:
+    """(parameter tensors, elements) of the whole model as FSDP2 wraps it (one block's groups
+    stand for every block)."""
     blocks = problem.facts.layering.count
-    weight = lambda var: blocks if var.section == "block" else 1  # noqa: E731 (one block's groups stand for all)
+    weight = lambda var: blocks if var.section == "block" else 1  # noqa: E731
     tensors = sum(weight(var) * len(var.costs[0].params) for var in problem.groups if var.costs)
     numel = sum(weight(var) * n for var in problem.groups if var.costs for _, n, _ in var.costs[0].params)
-    count = fsdp_gathers(zero, pp, m)
+    return tensors, numel
+
+
+def _fsdp_gather(problem: Problem, zero: int, affine: tuple[float, float], shard: int,
+                 w_elem: int, measured: bool = False) -> tuple[float, float]:
+    """(seconds, seconds per byte) of FSDP2's gathers per step with their copies and its
+    per-micro-batch work (`sync.fsdp_gathers`, `sync.fsdp_microbatch_time`): the per-tensor part
+    spread over the model's elements (exact on one stage, the whole model). `measured`: a
+    measured whole step (priced with the reduce-scatter) holds the first gather and its work."""
+    pp, m = problem.shape.pp, problem.micro_batches
+    tensors, numel = _fsdp_unit(problem)
+    count = fsdp_gathers(zero, pp, m) - measured
     if numel <= 0:
         return count * affine[0], count * affine[1]
-    per_byte = fsdp_microbatch_time(problem.pricer.ctx.device, tensors, numel, zero, pp, m, numel * w_elem,
-                                    shard) / (numel * w_elem)
-    return count * affine[0], count * affine[1] + per_byte
+    device = problem.pricer.ctx.device
+    work = fsdp_microbatch_time(device, tensors, numel, zero, pp, m, numel * w_elem, shard)
+    if measured:
+        work -= fsdp_forward_work(device, tensors, numel, numel * w_elem, shard)
+    return count * affine[0], count * affine[1] + work / (numel * w_elem)
 
 
 def section_sums(problem: Problem, choice: tuple[int, ...]) -> dict[str, dict[str, float]]:
