@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this machine and cache the local profile")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--out", metavar="FILE", help="where to write the profile (default: the cache)")
+    p.add_argument("--allow-busy", action="store_true",
+                   help="measure even when other processes keep the machine busy (the profile records it, and "
+                        "every command using it warns); default: wait up to --wait seconds for quiet, then refuse")
+    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="how long to wait for the machine to go quiet before measuring (default 60)")
     return parser
 
 
@@ -255,7 +260,8 @@ def cmd_study(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from shardc.calibration.local import print_profile, run_calibration
 
-    profile = run_calibration(args.out, quick=args.quick)
+    profile = run_calibration(args.out, quick=args.quick, busy="record" if args.allow_busy else "refuse",
+                              wait_s=args.wait)
     print_profile(profile, _console())
     return 0
 

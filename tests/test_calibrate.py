@@ -22,8 +22,9 @@ from shardc.ir.diagnostics import ShardcError
 def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalProfile, object, str]:
     folder = tmp_path_factory.mktemp("cache")
     out = io.StringIO()
+    # busy="record": this test measures whatever else runs (CI: nothing); the refusal is tested apart
     profile = run_calibration(folder / "local-profile.json", quick=True, nprocs=(2,),
-                              console=Console(file=out, width=120), summary=True)
+                              console=Console(file=out, width=120), summary=True, busy="record", wait_s=5.0)
     return profile, folder, out.getvalue()
 
 
@@ -33,6 +34,8 @@ def test_quick_calibration_writes_a_profile_that_loads_back(measured) -> None:
     assert load_profile(folder / "local-profile.json", calibrate_if_missing=False) == profile
     assert "local profile" in printed and "gloo collectives" in printed and "all_reduce" in printed
     assert profile.quick and profile.cores >= 1 and profile.memory_bytes > 0
+    seen = profile.conditions  # how busy the machine was, recorded
+    assert seen is not None and seen.cores == profile.cores and seen.others_before >= 0 and seen.attempts >= 1
 
 
 def test_measured_numbers_are_positive_and_fits_sane(measured) -> None:
@@ -167,3 +170,67 @@ def test_missing_profile_is_measured_once(tmp_path, monkeypatch) -> None:
     target = tmp_path / "sub" / "local-profile.json"
     assert load_profile(target) == _profile() and calls == [target]
     assert load_profile(target) == _profile() and calls == [target]  # cached now
+
+
+# ---- a busy machine: waited for, measured again, refused, or recorded and reported ---------------
+
+def _busy_world(monkeypatch, looks: list[float]) -> list[str]:
+    """`conditions.look` returns `looks` in turn (other processes' cores), the measurement is a
+    stand-in (`_profile()`); returns what was measured, one entry per measurement."""
+    measured: list[str] = []
+    seq = iter(looks)
+    monkeypatch.setattr(calibrate.conditions, "look", lambda window=1.0: (next(seq), 3.0))
+    monkeypatch.setattr(calibrate, "_measure", lambda *a, **k: measured.append("profile") or _profile())
+    return measured
+
+
+def test_a_busy_machine_is_refused_and_nothing_is_written(tmp_path, monkeypatch) -> None:
+    measured = _busy_world(monkeypatch, [1.5, 1.5, 1.5])
+    target = tmp_path / "local-profile.json"
+    with pytest.raises(ShardcError, match=r"(?s)busy: other processes used 1\.5 cores.*--allow-busy"):
+        run_calibration(target, wait_s=0.0, show=False)
+    assert measured == [] and not target.exists()
+
+
+def test_busy_during_the_measurement_measures_again_then_refuses(tmp_path, monkeypatch) -> None:
+    target = tmp_path / "local-profile.json"
+    measured = _busy_world(monkeypatch, [0.0, 1.0, 0.1, 0.0])  # quiet, busy after; quiet, quiet after
+    out = io.StringIO()
+    profile = run_calibration(target, wait_s=0.0, show=False, console=Console(file=out, width=200))
+    assert measured == ["profile", "profile"] and "measuring again" in out.getvalue()
+    assert profile.conditions is not None and profile.conditions.attempts == 2 and not profile.busy
+    assert LocalProfile.from_json(profile.to_json()) == profile
+    measured = _busy_world(monkeypatch, [0.0, 1.0, 0.0, 1.2])
+    with pytest.raises(ShardcError, match="while it was measured, twice"):
+        run_calibration(tmp_path / "other.json", wait_s=0.0, show=False, console=Console(file=io.StringIO()))
+    assert measured == ["profile", "profile"] and not (tmp_path / "other.json").exists()
+
+
+def test_a_recorded_busy_profile_is_reported_and_measured_again_once_quiet(tmp_path, monkeypatch) -> None:
+    target = tmp_path / "local-profile.json"
+    measured = _busy_world(monkeypatch, [1.5, 1.5])
+    out = io.StringIO()
+    profile = run_calibration(target, wait_s=0.0, show=False, busy="record", console=Console(file=out, width=200))
+    assert profile.busy and "measured on a busy machine" in out.getvalue()
+    assert load_profile(target, calibrate_if_missing=False).conditions == profile.conditions
+    # Used while still busy: a warning, the profile as it is; once quiet: measured again.
+    measured = _busy_world(monkeypatch, [1.4])
+    with monkeypatch.context() as m:
+        warned = io.StringIO()
+        m.setattr("rich.console.Console", lambda **kw: Console(file=warned, width=200))
+        assert load_profile(target) == profile and "warning" in warned.getvalue() and measured == []
+    measured = _busy_world(monkeypatch, [0.0, 0.0, 0.0])
+    again = load_profile(target)
+    assert measured == ["profile"] and not again.busy and load_profile(target) == again
+
+
+def test_other_processes_cpu_is_the_machines_busy_time_less_our_own(monkeypatch) -> None:
+    from shardc.calibration import conditions
+
+    busy, own = iter([100.0, 101.5]), iter([10.0, 10.5])
+    monkeypatch.setattr(conditions, "_busy_seconds", lambda: next(busy))
+    monkeypatch.setattr(conditions, "_own_seconds", lambda: next(own))
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(conditions.time, "perf_counter", lambda: next(clock))
+    assert conditions.others_busy(1.0, sleep=lambda _: None) == pytest.approx(1.0)  # 1.5 busy - 0.5 ours
+    assert conditions._busy_seconds is not None

@@ -23,9 +23,11 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from shardc.calibration import conditions
 from shardc.calibration.fit import fit_affine
 from shardc.calibration.gloo import COLLECTIVES, run_workers
 from shardc.calibration.ops import measure_eager
@@ -129,61 +131,119 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
             "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "fsdp_steps": steps}
 
 
+BUSY_CHOICES = ("refuse", "record")
+
+
 def run_calibration(path: str | Path | None = None, *, quick: bool = False, nprocs: Sequence[int] = (2, 4),
-                    console: Any = None, show: bool = True, summary: bool = False) -> LocalProfile:
+                    console: Any = None, show: bool = True, summary: bool = False, busy: str = "refuse",
+                    wait_s: float = 60.0) -> LocalProfile:
     """Measure this machine (see the module doc) and write the profile to `path` atomically.
 
     Takes about 40 s on an idle 2-core machine (`quick=True`: about 15 s per process count, fewer sizes and
     repetitions). `console` is a rich Console (default: stderr) for the progress bar (`show`)
     and, with `summary=True`, the `profile_tables` once done (else call `print_profile`).
+
+    Quiet first (`shardc.calibration.conditions`): it waits up to `wait_s` seconds for other
+    processes to go quiet, and looks again after measuring; a machine that became busy meanwhile
+    is measured once more. `busy="refuse"`: a busy machine (before, or after both attempts) is a
+    ShardcError and nothing is written; `"record"`: the profile is measured anyway and records
+    how busy the machine was (`LocalProfile.conditions`), which every command using it reports.
     """
-    import torch
+    if busy not in BUSY_CHOICES:
+        raise ValueError(f"busy={busy!r}: expected one of {BUSY_CHOICES}")
     from rich.console import Console
     from rich.progress import Progress
 
     console = console or Console(stderr=True)
     target = Path(path) if path is not None else default_profile_path()
-    cfg = _settings(quick)
-    with Progress(console=console, transient=True, disable=not show) as progress:
-        task = progress.add_task("calibrating", total=5 + len(nprocs))
-        alone = _measure_alone(cfg, lambda what: progress.update(task, description=what),
-                               lambda: progress.advance(task))
-        eager: EagerCosts = alone.pop("eager")
-        concurrent, fits, overhead, fsdp_steps = [], [], [], []
-        for n in nprocs:
-            progress.update(task, description=f"{n} processes: matmul, copy, gloo collectives")
-            together = _measure_together(n, cfg, eager)
-            concurrent.append(together["concurrent"])
-            fits += together["collectives"]
-            overhead.append(together["wrapper_overhead"])
-            fsdp_steps += together["fsdp_steps"]
-            eager = together["eager"]
-            progress.advance(task)
-    profile = LocalProfile(
-        PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(), os.cpu_count() or 1,
-        _machine_memory(), torch.__version__, quick, concurrent=tuple(concurrent), collectives=tuple(fits),
-        eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead),
-        fsdp_steps=tuple(fsdp_steps), **alone)
+    for attempt in (1, 2):
+        with Progress(console=console, transient=True, disable=not show) as progress:
+            task = progress.add_task("calibrating", total=5 + len(nprocs))
+            say = partial(_describe, progress, task)
+            before = conditions.wait_for_quiet(wait_s, say)
+            if before[0] > conditions.BUSY_CORES and busy == "refuse":
+                raise _busy_error(before, f"for {wait_s:.0f} s")
+            profile = _measure(quick, nprocs, say, partial(progress.advance, task))
+        after = conditions.look()
+        seen = conditions.conditions(before, after, attempt)
+        profile = replace(profile, conditions=seen)
+        if not seen.busy or busy == "record":
+            break
+        if attempt == 2:
+            raise _busy_error(after, "while it was measured, twice")
+        console.print(f"the machine became busy while it was measured ({seen.describe()}); measuring again")
     write_profile(profile, target)
+    if seen.busy:
+        console.print(f"[yellow]warning:[/] this profile was measured on a busy machine: {seen.describe()}; "
+                      "rerun `shardc calibrate` when the machine is quiet")
     if summary:
         print_profile(profile, console, path=target)
     return profile
 
 
+def _describe(progress: Any, task: Any, what: str) -> None:
+    progress.update(task, description=what)
+
+
+def _busy_error(seen: tuple[float, float], when: str) -> ShardcError:
+    return ShardcError(f"this machine is busy: other processes used {seen[0]:.1f} cores ({when}; load average "
+                       f"{seen[1]:.1f}), and a profile measured now would price every plan for a slower machine",
+                       hint="stop what else runs and rerun `shardc calibrate`, or pass --allow-busy to measure "
+                            "anyway (the profile records it and every command using it says so)")
+
+
+def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], step: Callable[[], None]
+             ) -> LocalProfile:
+    """One measurement of everything (module doc), `say` naming the step running."""
+    import torch
+
+    cfg = _settings(quick)
+    alone = _measure_alone(cfg, say, step)
+    eager: EagerCosts = alone.pop("eager")
+    concurrent, fits, overhead, fsdp_steps = [], [], [], []
+    for n in nprocs:
+        say(f"{n} processes: matmul, copy, gloo collectives")
+        together = _measure_together(n, cfg, eager)
+        concurrent.append(together["concurrent"])
+        fits += together["collectives"]
+        overhead.append(together["wrapper_overhead"])
+        fsdp_steps += together["fsdp_steps"]
+        eager = together["eager"]
+        step()
+    return LocalProfile(
+        PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(), os.cpu_count() or 1,
+        _machine_memory(), torch.__version__, quick, concurrent=tuple(concurrent), collectives=tuple(fits),
+        eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead),
+        fsdp_steps=tuple(fsdp_steps), **alone)
+
+
 def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool = True) -> LocalProfile:
     """The cached profile (`profile.read_profile`); measured (and cached) when it is missing or
-    from another version, unless `calibrate_if_missing=False` (then the ShardcError stands)."""
-    try:
-        return read_profile(path)
-    except ShardcError as err:
-        if not calibrate_if_missing:
-            raise
-        problem = err.message
+    from another version, unless `calibrate_if_missing=False` (then the ShardcError stands).
+
+    A profile measured on a busy machine is not used silently: when the machine is quiet now it
+    is measured again (and cached), else a warning names how busy it was. Measuring here waits
+    less for quiet than `shardc calibrate` and records a busy machine rather than refusing."""
     from rich.console import Console
 
     console = Console(stderr=True)
-    console.print(f"{problem}; measuring this machine once (`shardc calibrate` redoes it)")
-    return run_calibration(path, console=console)
+    try:
+        profile = read_profile(path)
+    except ShardcError as err:
+        if not calibrate_if_missing:
+            raise
+        console.print(f"{err.message}; measuring this machine once (`shardc calibrate` redoes it)")
+        return run_calibration(path, console=console, busy="record", wait_s=20.0)
+    if not profile.busy or profile.conditions is None:
+        return profile
+    if calibrate_if_missing and conditions.look()[0] <= conditions.BUSY_CORES:
+        console.print(f"the local profile was measured on a busy machine ({profile.conditions.describe()}); "
+                      "the machine is quiet now, measuring it again")
+        return run_calibration(path, console=console, busy="record", wait_s=0.0)
+    console.print(f"[yellow]warning:[/] the local profile was measured on a busy machine "
+                  f"({profile.conditions.describe()}); predictions for `local` clusters are off by as much; "
+                  "rerun `shardc calibrate` when the machine is quiet")
+    return profile
 
 
 def profile_tables(profile: LocalProfile) -> list[Any]:

@@ -171,6 +171,30 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Conditions:
+    """What the machine was doing while it was measured (`shardc.calibration.conditions`): other
+    processes' CPU in cores before and after the measurements, the one-minute load average then,
+    the core count, the busy threshold and how many times it was measured."""
+
+    others_before: float
+    others_after: float
+    load_before: float
+    load_after: float
+    cores: int
+    threshold: float
+    attempts: int = 1
+
+    @property
+    def busy(self) -> bool:
+        return max(self.others_before, self.others_after) > self.threshold
+
+    def describe(self) -> str:
+        """One line: how busy the machine was while measured."""
+        return (f"other processes used {self.others_before:.1f} of {self.cores} cores before and "
+                f"{self.others_after:.1f} after (load average {self.load_before:.1f} -> {self.load_after:.1f})")
+
+
+@dataclass(frozen=True, slots=True)
 class LocalProfile:
     """This machine, measured. Rates per process; `concurrent` is keyed by process count."""
 
@@ -195,6 +219,12 @@ class LocalProfile:
     wrapper_overhead: tuple[tuple[int, float], ...] = ()  # (nprocs, s per collective wrapper call)
     # (nprocs running, group size, s per step, s per tensor, s per element): `EagerCosts.fsdp_step` per count
     fsdp_steps: tuple[tuple[int, int, float, float, float], ...] = ()
+    conditions: Conditions | None = None  # how busy the machine was while measured (None: not recorded)
+
+    @property
+    def busy(self) -> bool:
+        """Whether it was measured on a busy machine (`Conditions.busy`; unrecorded: no)."""
+        return self.conditions is not None and self.conditions.busy
 
     def fsdp_step_fits(self, nproc: int) -> tuple[tuple[int, float, float, float], ...]:
         """The FSDP2 step fits measured with `nproc` processes running (else with the nearest
@@ -255,6 +285,7 @@ class LocalProfile:
         kwargs["wrapper_overhead"] = tuple((int(n), float(t)) for n, t in data.get("wrapper_overhead", ()))
         kwargs["fsdp_steps"] = tuple((int(n), int(g), float(c), float(a), float(b))
                                      for n, g, c, a, b in data.get("fsdp_steps", ()))
+        kwargs["conditions"] = Conditions(**data["conditions"]) if data.get("conditions") else None
         return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
 
