@@ -215,10 +215,13 @@ def test_a_recorded_busy_profile_is_reported_and_measured_again_once_quiet(tmp_p
     assert load_profile(target, calibrate_if_missing=False).conditions == profile.conditions
     # Used while still busy: a warning, the profile as it is; once quiet: measured again.
     measured = _busy_world(monkeypatch, [1.4])
+    monkeypatch.setattr(calibrate, "_WARNED", {})
     with monkeypatch.context() as m:
         warned = io.StringIO()
         m.setattr("rich.console.Console", lambda **kw: Console(file=warned, width=200))
         assert load_profile(target) == profile and "warning" in warned.getvalue() and measured == []
+        assert load_profile(target) == profile and warned.getvalue().count("warning") == 1  # once per process
+    monkeypatch.setattr(calibrate, "_WARNED", {})
     measured = _busy_world(monkeypatch, [0.0, 0.0, 0.0])
     again = load_profile(target)
     assert measured == ["profile"] and not again.busy and load_profile(target) == again

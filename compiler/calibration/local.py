@@ -132,6 +132,7 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
 
 
 BUSY_CHOICES = ("refuse", "record")
+_WARNED: dict[str, str] = {}  # profile path -> the `created` of the busy profile already reported
 
 
 def run_calibration(path: str | Path | None = None, *, quick: bool = False, nprocs: Sequence[int] = (2, 4),
@@ -234,8 +235,9 @@ def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool =
             raise
         console.print(f"{err.message}; measuring this machine once (`shardc calibrate` redoes it)")
         return run_calibration(path, console=console, busy="record", wait_s=20.0)
-    if not profile.busy or profile.conditions is None:
+    if not profile.busy or profile.conditions is None or _WARNED.get(str(path)) == profile.created:
         return profile
+    _WARNED[str(path)] = profile.created  # look and warn once per process and profile, not per command step
     if calibrate_if_missing and conditions.look()[0] <= conditions.BUSY_CORES:
         console.print(f"the local profile was measured on a busy machine ({profile.conditions.describe()}); "
                       "the machine is quiet now, measuring it again")
