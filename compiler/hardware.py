@@ -400,7 +400,7 @@ def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
     memory = prof.memory_bytes // nproc
     eager = prof.eager.scaled(max(1.0, prof.eager_slowdown(nproc))) if prof.eager is not None else None
     if eager is not None:  # measured with the processes sharing the cores already: not scaled again
-        eager = replace(eager, fsdp_step=prof.fsdp_step_fits(nproc))
+        eager = replace(eager, sync_step=prof.sync_step_fits(nproc))
     # No headroom: gloo's buffers are a few MiB of host memory, and what the process holds
     # besides tensors is measured by the tracker `shardc run` compares against (its baseline).
     device = DeviceSpec(f"local-cpu/{nproc}", peaks, memory, bandwidth, 1.0, prof.matmul_half_flops / slow,

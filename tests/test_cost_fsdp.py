@@ -81,7 +81,8 @@ def test_fsdp_work_is_measured_with_two_gloo_processes() -> None:
 
 # ---- a whole synchronising step, measured (wall time, the processes sharing the cores) ----------
 
-STEP = dataclasses.replace(MEASURED, fsdp_step=((2, 4e-3, 100e-6, 10e-9), (4, 6e-3, 150e-6, 20e-9)))
+STEP = dataclasses.replace(MEASURED, sync_step=(("fsdp2", 2, 4e-3, 100e-6, 10e-9), ("fsdp2", 4, 6e-3, 150e-6, 20e-9),
+                                                ("ddp", 2, 1e-3, 30e-6, 2e-9)))
 
 
 def test_three_term_fit_recovers_a_line_and_keeps_costs_non_negative() -> None:
@@ -93,11 +94,12 @@ def test_three_term_fit_recovers_a_line_and_keeps_costs_non_negative() -> None:
 
 
 def test_step_figure_by_group_size_nearest_measured_and_scaled_with_speed() -> None:
-    assert STEP.fsdp_step_time(2, 10, 1e6) == pytest.approx(4e-3 + 10 * 100e-6 + 1e6 * 10e-9)
-    assert STEP.fsdp_step_time(8, 0, 0) == pytest.approx(6e-3)  # nearest measured group: 4
-    assert STEP.fsdp_step_time(3, 0, 0) == pytest.approx(6e-3)  # ties go to the larger group
-    assert MEASURED.fsdp_step_time(2, 10, 1e6) is None
-    assert STEP.scaled(2.0).fsdp_step_time(2, 0, 0) == pytest.approx(8e-3)
+    assert STEP.sync_step_time("fsdp2", 2, 10, 1e6) == pytest.approx(4e-3 + 10 * 100e-6 + 1e6 * 10e-9)
+    assert STEP.sync_step_time("fsdp2", 8, 0, 0) == pytest.approx(6e-3)  # nearest measured group: 4
+    assert STEP.sync_step_time("fsdp2", 3, 0, 0) == pytest.approx(6e-3)  # ties go to the larger group
+    assert STEP.sync_step_time("ddp", 4, 10, 1e6) == pytest.approx(1e-3 + 10 * 30e-6 + 1e6 * 2e-9)  # its own fits
+    assert MEASURED.sync_step_time("fsdp2", 2, 10, 1e6) is None
+    assert STEP.scaled(2.0).sync_step_time("fsdp2", 2, 0, 0) == pytest.approx(8e-3)
     assert eager_from_json(dataclasses.asdict(STEP)) == STEP
 
 
@@ -108,22 +110,24 @@ def test_local_cluster_carries_the_steps_measured_with_its_process_count_unscale
     from shardc.hardware import local_cluster
 
     prof = dataclasses.replace(_profile(), eager=EAGER,
-                               fsdp_steps=((2, 2, 1e-3, 0.0, 1e-9), (4, 2, 3e-3, 0.0, 2e-9), (4, 4, 5e-3, 0.0, 3e-9)))
+                               sync_steps=(("fsdp2", 2, 2, 1e-3, 0.0, 1e-9), ("fsdp2", 4, 2, 3e-3, 0.0, 2e-9),
+                                           ("ddp", 4, 4, 5e-3, 0.0, 3e-9)))
     write_profile(prof, tmp_path / "p.json")
     assert LocalProfile.from_json(dataclasses.asdict(prof)) == prof
     four = local_cluster(4, prof).device.eager
-    assert four is not None and four.fsdp_step == ((2, 3e-3, 0.0, 2e-9), (4, 5e-3, 0.0, 3e-9))
+    assert four is not None and four.sync_step == (("fsdp2", 2, 3e-3, 0.0, 2e-9), ("ddp", 4, 5e-3, 0.0, 3e-9))
     two = local_cluster(2, prof).device.eager
-    assert two is not None and two.fsdp_step == ((2, 1e-3, 0.0, 1e-9),)
-    assert local_cluster(8, prof).device.eager.fsdp_step == four.fsdp_step  # nearest count measured
+    assert two is not None and two.sync_step == (("fsdp2", 2, 1e-3, 0.0, 1e-9),)
+    assert local_cluster(8, prof).device.eager.sync_step == four.sync_step  # nearest count measured
     old = dataclasses.asdict(prof)
-    old.pop("fsdp_steps")
-    assert LocalProfile.from_json(old).fsdp_step_fits(4) == ()
+    old.pop("sync_steps")
+    assert LocalProfile.from_json(old).sync_step_fits(4) == ()
 
 
 def _sync(eager: EagerCosts, plan: str):
+    zero = ParallelPlan.parse(plan).zero
     graph = gpt_graph(layers=2, hidden=128, heads=4, vocab=512, seq=64, batch=8, dropout=0.0, dtype="f32", dp=2,
-                      zero=1)
+                      zero=zero)
     base = parse_cluster("2xH100")
     cluster = dataclasses.replace(base, device=dataclasses.replace(CPU, eager=eager))
     return estimate(graph, cluster, ParallelPlan.parse(plan))
@@ -136,7 +140,7 @@ def test_measured_step_replaces_the_reduce_scatter_and_first_gather() -> None:
         return _sync(eager, plan).stages[0].time["dp_comm"]
 
     def fit(c: float, a: float, b: float) -> EagerCosts:
-        return dataclasses.replace(MEASURED, fsdp_step=((2, c, a, b),))
+        return dataclasses.replace(MEASURED, sync_step=(("fsdp2", 2, c, a, b),))
 
     # dp_comm is the measured step, term by term: per step, per parameter tensor, per element
     base = comm(fit(1e-3, 0.0, 0.0))
@@ -153,9 +157,25 @@ def test_measured_step_replaces_the_reduce_scatter_and_first_gather() -> None:
     assert extra == pytest.approx(_sync(MEASURED, four).step_time_s - _sync(MEASURED, one).step_time_s, rel=1e-6)
 
 
-def test_fsdp_step_is_measured_with_two_gloo_processes() -> None:
-    fits = run_workers(2, {}, timeout=120, entry="_fsdp_step_worker")["fsdp_step"]
-    assert [f[0] for f in fits] == [2]
-    _, per_step, per_tensor, per_element = fits[0]
-    assert min(per_step, per_tensor, per_element) >= 0 and per_step + per_tensor + per_element > 0
-    assert per_step < 0.5 and per_tensor < 1e-2 and per_element < 1e-6
+def test_measured_ddp_step_is_its_exposed_sync() -> None:
+    # DDP (ZeRO-0) where its step was measured: the figure, exposed, in place of the buckets.
+    plan = "dp=2,mb=4,gbs=8,dtype=fp32,zero=0"
+
+    def comm(c: float, a: float, b: float) -> float:
+        eager = dataclasses.replace(MEASURED, sync_step=(("ddp", 2, c, a, b),))
+        return _sync(eager, plan).stages[0].time["dp_comm"]
+
+    graph = gpt_graph(layers=2, hidden=128, heads=4, vocab=512, seq=64, batch=8, dropout=0.0, dtype="f32")
+    base = comm(0.0, 0.0, 0.0)  # what else the layers charge to dp_comm
+    assert comm(2e-3, 0.0, 0.0) - base == pytest.approx(2e-3, rel=1e-6)
+    assert comm(0.0, 1e-6, 0.0) - base == pytest.approx(1e-6 * len(graph.params), rel=1e-6)
+    assert comm(0.0, 0.0, 1e-12) - base == pytest.approx(1e-12 * sum(p.type.numel for p in graph.params), rel=1e-6)
+    assert _sync(MEASURED, plan).stages[0].time["dp_comm"] != pytest.approx(base)  # buckets without it
+
+
+def test_sync_steps_are_measured_with_two_gloo_processes() -> None:
+    fits = run_workers(2, {}, timeout=120, entry="_sync_step_worker")["sync_steps"]
+    assert [(f[0], f[1]) for f in fits] == [("fsdp2", 2), ("ddp", 2)]
+    for _, _, per_step, per_tensor, per_element in fits:
+        assert min(per_step, per_tensor, per_element) >= 0 and per_step + per_tensor + per_element > 0
+        assert per_step < 0.5 and per_tensor < 1e-2 and per_element < 1e-6

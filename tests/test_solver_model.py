@@ -141,15 +141,16 @@ def test_estimate_agrees_when_a_model_axis_cuts_the_batch() -> None:
     assert found.step_time_s == pytest.approx(evaluation.step_time_s, rel=0.01)
 
 
-def test_measured_fsdp2_step_is_priced_alike_by_the_linearisation() -> None:
-    # A device whose profile measured FSDP2's whole synchronising step and the eager optimizer (the
-    # local CPU processes): the CP-SAT coefficients charge both as `estimate` does, flat and
-    # pipelined, ZeRO-0, 1 and 3.
+def test_measured_sync_steps_are_priced_alike_by_the_linearisation() -> None:
+    # A device whose profile measured the whole synchronising step under FSDP2 and DDP and the eager
+    # optimizer (the local CPU processes): the CP-SAT coefficients charge them as `estimate` does,
+    # flat and pipelined, ZeRO-0 (DDP), 1 and 3 (FSDP2).
     from shardc.calibration.profile import EagerCosts, KernelFit
     from shardc.hardware import Cluster, DeviceSpec
 
     eager = EagerCosts((("elementwise", KernelFit(3e-6, 3e-11, 8e-6, 1e-11)),), 50e-6, 4e-9, 200e-6, 6e-9,
-                       20e-6, 5e-9, ((2, 4e-3, 100e-6, 10e-9), (4, 6e-3, 150e-6, 20e-9)))
+                       20e-6, 5e-9, (("fsdp2", 2, 4e-3, 100e-6, 10e-9), ("fsdp2", 4, 6e-3, 150e-6, 20e-9),
+                                     ("ddp", 2, 1e-3, 30e-6, 2e-9), ("ddp", 4, 2e-3, 40e-6, 3e-9)))
     base = parse_cluster("4xH100")
     cluster = dataclasses.replace(base, device=DeviceSpec("cpu", (("fp32", 1e11), ("bf16", 2e11)), 8 << 30, 5e9, eager=eager))
     assert isinstance(cluster, Cluster)

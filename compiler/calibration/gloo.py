@@ -6,8 +6,8 @@ for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast 
 by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step), FSDP2's own work per
-micro-batch (`_fsdp_overhead`) and a whole FSDP2 synchronising step per data-parallel group size
-(`_fsdp_step`). `shardc.calibration.local` fits and caches the results.
+micro-batch (`_fsdp_overhead`) and a whole synchronising FSDP2 and DDP step per data-parallel group
+size (`_sync_steps`). `shardc.calibration.local` fits and caches the results.
 """
 
 from __future__ import annotations
@@ -84,15 +84,15 @@ def _fsdp_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> N
         dist.destroy_process_group()
 
 
-def _fsdp_step_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes measuring only `_fsdp_step` (rank 0 writes it; `cfg` unused)."""
+def _sync_step_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes measuring only `_sync_steps` (rank 0 writes it; `cfg` unused)."""
     import torch.distributed as dist
 
     _init(rank, nprocs, workdir)
     try:
-        fits = _fsdp_step(nprocs)
+        fits = _sync_steps(nprocs)
         if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps({"fsdp_step": fits}))
+            Path(workdir, "result.json").write_text(json.dumps({"sync_steps": fits}))
     finally:
         dist.destroy_process_group()
 
@@ -125,7 +125,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["sharded_optimizer"] = _sharded_optimizer(nprocs, cfg["window"], speed)
         results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in _fsdp_overhead(nprocs))
         scale = _scale_now(speed)
-        results["fsdp_step"] = [(g, *(x * scale for x in fit)) for g, *fit in _fsdp_step(nprocs)]
+        results["sync_steps"] = [(w, g, *(x * scale for x in fit)) for w, g, *fit in _sync_steps(nprocs)]
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
     finally:
@@ -222,26 +222,31 @@ def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
     return fit_two_terms(samples)
 
 
-FSDP_STEP_CASES = ((2, 256), (48, 512), (12, 16384), (3, 131072))  # (parameter tensors, elements each)
-FSDP_STEP_TRIALS = 9  # steps timed per case and variant, alternating sharded and plain
+SYNC_STEP_CASES = ((2, 256), (48, 512), (12, 16384), (3, 131072))  # (parameter tensors, elements each)
+SYNC_STEP_TRIALS = 9  # steps timed per case and variant, the variants taken in turn
+SYNC_WRAPPERS = ("fsdp2", "ddp")
 
 
-def _fsdp_step(nprocs: int) -> list[tuple[int, float, float, float]]:
-    """(group size, seconds per step, per parameter tensor, per element) that one synchronising
-    FSDP2 step adds to the same step unsharded, for every data-parallel group size g dividing
-    `nprocs` (g >= 2), all `nprocs` processes running at once in `nprocs / g` groups as a plan's
-    mesh runs them: the forward's all-gather with its copies, FSDP2's hooks, the backward's
-    reduce-scatter (on gloo an all_reduce of the whole buffer) with its copies, and every rank
-    waiting for the slowest. That is a pipeline stage's whole FSDP2 step, and a flat step's with one
-    micro-batch. Wall time, the slowest rank's, median of `FSDP_STEP_TRIALS` sharded and plain
-    steps taken alternately (so that load drifting hits both), over `FSDP_STEP_CASES` of a unit
-    using each parameter in one elementwise op; fitted by `fit.fit_three_terms`. On this kind of
-    machine the whole is several times what its collectives cost alone (a process waiting on a
-    peer that waits for a core), so it is measured whole."""
+def _sync_steps(nprocs: int) -> list[tuple[str, int, float, float, float]]:
+    """(wrapper, group size, seconds per step, per parameter tensor, per element) that one
+    synchronising step adds to the same step without data parallelism, for FSDP2 as the torch
+    backend runs ZeRO (`fully_shard(reshard_after_forward=False)`) and DDP as it runs ZeRO-0, for
+    every data-parallel group size g dividing `nprocs` (g >= 2), all `nprocs` processes running at
+    once in `nprocs / g` groups as a plan's mesh runs them. FSDP2: the forward's all-gather with
+    its copies, its hooks, the backward's reduce-scatter (on gloo an all_reduce of the whole
+    buffer) with its copies; DDP: its hooks, bucketing and all-reduces; for both every rank
+    waiting for the slowest. That is a pipeline stage's whole step, and a flat step's with one
+    micro-batch. Wall time, the slowest rank's, median of `SYNC_STEP_TRIALS` steps of each variant
+    taken in turn (so that load drifting hits all alike), over `SYNC_STEP_CASES` of a unit using
+    each parameter in one elementwise op (so backward is short: the sync is all exposed, as it is
+    when the processes fill the cores); fitted by `fit.fit_three_terms`. On this kind of machine
+    the whole is several times what its collectives cost alone (a process waiting on a peer that
+    waits for a core), so it is measured whole."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
     from shardc.calibration.fit import fit_three_terms
 
@@ -257,21 +262,25 @@ def _fsdp_step(nprocs: int) -> list[tuple[int, float, float, float]]:
     out = []
     for group in (g for g in range(2, nprocs + 1) if nprocs % g == 0):
         mesh = init_device_mesh("cpu", (nprocs // group, group), mesh_dim_names=("other", "dp"))["dp"]
-        samples = []
-        for count, numel in FSDP_STEP_CASES:
-            plain, sharded = Unit(count, numel), Unit(count, numel)
+        samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in SYNC_WRAPPERS}
+        for count, numel in SYNC_STEP_CASES:
+            sharded = Unit(count, numel)
             fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
-            trials = torch.zeros(2, FSDP_STEP_TRIALS + 2, dtype=torch.float64)
-            for i in range(FSDP_STEP_TRIALS + 2):
-                for j, unit in enumerate((sharded, plain)):
+            ddp = DistributedDataParallel(Unit(count, numel), process_group=mesh.get_group(), init_sync=False,
+                                          broadcast_buffers=False)
+            units = (Unit(count, numel), sharded, ddp)
+            trials = torch.zeros(len(units), SYNC_STEP_TRIALS + 2, dtype=torch.float64)
+            for i in range(SYNC_STEP_TRIALS + 2):
+                for j, unit in enumerate(units):
                     dist.barrier()
                     t0 = time.perf_counter()
                     unit(x).backward()
                     trials[j, i] = time.perf_counter() - t0
             dist.all_reduce(trials, op=dist.ReduceOp.MAX)
             medians = trials[:, 2:].median(dim=1).values
-            samples.append((count, count * numel, max(float(medians[0] - medians[1]), 1e-7)))
-        out.append((group, *fit_three_terms(samples)))
+            for j, wrapper in enumerate(SYNC_WRAPPERS, start=1):
+                samples[wrapper].append((count, count * numel, max(float(medians[j] - medians[0]), 1e-7)))
+        out += [(w, group, *fit_three_terms(samples[w])) for w in SYNC_WRAPPERS]
     return out
 
 

@@ -126,9 +126,9 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
         eager = replace(eager, sharded_optimizer_per_tensor=res["sharded_optimizer"][0],
                         sharded_optimizer_per_param=res["sharded_optimizer"][1],
                         fsdp_per_tensor=res["fsdp_overhead"][0], fsdp_per_param=res["fsdp_overhead"][1])
-    steps = tuple((nprocs, int(g), float(c), float(a), float(b)) for g, c, a, b in res.get("fsdp_step", ()))
+    steps = tuple((str(w), nprocs, int(g), float(c), float(a), float(b)) for w, g, c, a, b in res.get("sync_steps", ()))
     return {"concurrent": (nprocs, res["flops"], res["bandwidth"]), "collectives": fits,
-            "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "fsdp_steps": steps}
+            "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "sync_steps": steps}
 
 
 BUSY_CHOICES = ("refuse", "record")
@@ -201,21 +201,21 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
     cfg = _settings(quick)
     alone = _measure_alone(cfg, say, step)
     eager: EagerCosts = alone.pop("eager")
-    concurrent, fits, overhead, fsdp_steps = [], [], [], []
+    concurrent, fits, overhead, sync_steps = [], [], [], []
     for n in nprocs:
         say(f"{n} processes: matmul, copy, gloo collectives")
         together = _measure_together(n, cfg, eager)
         concurrent.append(together["concurrent"])
         fits += together["collectives"]
         overhead.append(together["wrapper_overhead"])
-        fsdp_steps += together["fsdp_steps"]
+        sync_steps += together["sync_steps"]
         eager = together["eager"]
         step()
     return LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(), os.cpu_count() or 1,
         _machine_memory(), torch.__version__, quick, concurrent=tuple(concurrent), collectives=tuple(fits),
         eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead),
-        fsdp_steps=tuple(fsdp_steps), **alone)
+        sync_steps=tuple(sync_steps), **alone)
 
 
 def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool = True) -> LocalProfile:
@@ -273,13 +273,15 @@ def profile_tables(profile: LocalProfile) -> list[Any]:
     for n, t in profile.wrapper_overhead:
         comm.add_row("shardc wrapper (extra per call)", str(n), f"{t * 1e6:.1f}", "-", "-", "-")
     tables = [compute, comm]
-    if profile.fsdp_steps:
-        fsdp = Table(title="FSDP2 synchronising step beyond the same step unsharded (wall time, cores shared)")
-        for col in ("processes", "group", "per step (us)", "per tensor (us)", "per element (ns)"):
-            fsdp.add_column(col, justify="right")
-        for count, group, step, tensor, element in profile.fsdp_steps:
-            fsdp.add_row(str(count), str(group), f"{step * 1e6:.1f}", f"{tensor * 1e6:.1f}", f"{element * 1e9:.2f}")
-        tables.append(fsdp)
+    if profile.sync_steps:
+        sync = Table(title="a synchronising step beyond the same step without data parallelism (wall time, "
+                           "cores shared)")
+        for col in ("wrapper", "processes", "group", "per step (us)", "per tensor (us)", "per element (ns)"):
+            sync.add_column(col, justify="right")
+        for wrapper, count, group, step, tensor, element in profile.sync_steps:
+            sync.add_row(wrapper, str(count), str(group), f"{step * 1e6:.1f}", f"{tensor * 1e6:.1f}",
+                         f"{element * 1e9:.2f}")
+        tables.append(sync)
     if profile.eager is not None:
         eager = Table(title="eager ops, 1 process: call (us) + per unit (ns per byte; per 1000 FLOPs for matmul)")
         for col in ("class", "forward call", "forward per unit", "backward call", "backward per unit"):

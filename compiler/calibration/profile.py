@@ -11,8 +11,9 @@ intra-op thread per process, as the gloo tests run):
   cost model charges a CPU with, in place of the roofline);
 - per process count N measured: the per-process matmul rate and copy bandwidth while N run
   together, gloo collective times by message size with their `alpha + beta * bytes` fits, the
-  extra cost of shardc's collective wrapper per call, and what a whole FSDP2 synchronising step
-  adds per data-parallel group size among the N (`fsdp_steps`: wall time, sharing included).
+  extra cost of shardc's collective wrapper per call, and what a whole synchronising step adds
+  under FSDP2 and under DDP per data-parallel group size among the N (`sync_steps`: wall time,
+  sharing included).
 
 Every figure is at one reference speed (`shardc.calibration.speed`); `at_speed` gives the profile
 on the machine running some factor slower.
@@ -119,11 +120,12 @@ class EagerCosts:
     # unsharded, s per parameter tensor and per element of the unit (0: not measured)
     fsdp_per_tensor: float = 0.0
     fsdp_per_param: float = 0.0
-    # A whole synchronising FSDP2 step beyond the same step unsharded (gather, hooks, reduce, copies,
-    # waits), measured in wall time with the processes sharing the cores as the cluster runs them:
-    # (group size, s per step, s per parameter tensor, s per element); () when not measured.
+    # A whole synchronising step beyond the same step without data parallelism, under FSDP2 (gather,
+    # hooks, reduce, copies, waits) or DDP (hooks, buckets, all-reduce, waits), measured in wall time
+    # with the processes sharing the cores as the cluster runs them: (wrapper "fsdp2" or "ddp", group
+    # size, s per step, s per parameter tensor, s per element); () when not measured.
     # `hardware.local_cluster` fills it for its process count; it is not scaled by the sharing factor.
-    fsdp_step: tuple[tuple[int, float, float, float], ...] = ()
+    sync_step: tuple[tuple[str, int, float, float, float], ...] = ()
 
     def fit(self, *keys: str) -> KernelFit:
         """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
@@ -136,15 +138,16 @@ class EagerCosts:
                           self.optimizer_per_param * factor, self.sharded_optimizer_per_tensor * factor,
                           self.sharded_optimizer_per_param * factor, self.fsdp_per_tensor * factor,
                           self.fsdp_per_param * factor,
-                          tuple((g, c * factor, a * factor, b * factor) for g, c, a, b in self.fsdp_step))
+                          tuple((w, g, c * factor, a * factor, b * factor) for w, g, c, a, b in self.sync_step))
 
-    def fsdp_step_time(self, group: int, tensors: float, elements: float) -> float | None:
-        """Seconds a whole synchronising FSDP2 step adds for a unit of `tensors` parameter tensors
-        and `elements` elements sharded over `group` processes (the measured group size nearest,
-        ties to the larger), or None when not measured."""
-        if not self.fsdp_step:
+    def sync_step_time(self, wrapper: str, group: int, tensors: float, elements: float) -> float | None:
+        """Seconds a whole synchronising step under `wrapper` ("fsdp2" or "ddp") adds for a unit of
+        `tensors` parameter tensors and `elements` elements over `group` processes (the measured
+        group size nearest, ties to the larger), or None when not measured."""
+        fits = [f for f in self.sync_step if f[0] == wrapper]
+        if not fits:
             return None
-        _, c, a, b = min(self.fsdp_step, key=lambda f: (abs(f[0] - group), -f[0]))
+        _, _, c, a, b = min(fits, key=lambda f: (abs(f[1] - group), -f[1]))
         return c + a * tensors + b * elements
 
     def fsdp_measured(self) -> bool:
@@ -167,7 +170,8 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
                       float(data.get("sharded_optimizer_per_tensor", 0.0)),
                       float(data.get("sharded_optimizer_per_param", 0.0)),
                       float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)),
-                      tuple((int(g), float(c), float(a), float(b)) for g, c, a, b in data.get("fsdp_step", ())))
+                      tuple((str(w), int(g), float(c), float(a), float(b))
+                            for w, g, c, a, b in data.get("sync_step", ())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +221,8 @@ class LocalProfile:
     concurrent_matmul_n: int = 0                      # size of the concurrent matmul benchmark
     probe_alone_rate: float = 0.0                     # 1 / the reference speed's probe seconds (`shardc.calibration.speed`)
     wrapper_overhead: tuple[tuple[int, float], ...] = ()  # (nprocs, s per collective wrapper call)
-    # (nprocs running, group size, s per step, s per tensor, s per element): `EagerCosts.fsdp_step` per count
-    fsdp_steps: tuple[tuple[int, int, float, float, float], ...] = ()
+    # (wrapper, nprocs running, group size, s per step, s per tensor, s per element): `EagerCosts.sync_step`
+    sync_steps: tuple[tuple[str, int, int, float, float, float], ...] = ()
     conditions: Conditions | None = None  # how busy the machine was while measured (None: not recorded)
 
     @property
@@ -226,14 +230,15 @@ class LocalProfile:
         """Whether it was measured on a busy machine (`Conditions.busy`; unrecorded: no)."""
         return self.conditions is not None and self.conditions.busy
 
-    def fsdp_step_fits(self, nproc: int) -> tuple[tuple[int, float, float, float], ...]:
-        """The FSDP2 step fits measured with `nproc` processes running (else with the nearest
-        count measured, ties to the larger), per group size; () for profiles without them."""
-        counts = {n for n, *_ in self.fsdp_steps}
+    def sync_step_fits(self, nproc: int) -> tuple[tuple[str, int, float, float, float], ...]:
+        """The synchronising-step fits measured with `nproc` processes running (else with the
+        nearest count measured, ties to the larger), per wrapper and group size; () for profiles
+        without them."""
+        counts = {n for _, n, *_ in self.sync_steps}
         if not counts:
             return ()
         near = min(counts, key=lambda n: (abs(n - nproc), -n))
-        return tuple((g, c, a, b) for n, g, c, a, b in self.fsdp_steps if n == near)
+        return tuple((w, g, c, a, b) for w, n, g, c, a, b in self.sync_steps if n == near)
 
     def call_overhead(self, nproc: int) -> float:
         """Seconds a shardc collective wrapper adds per call over `nproc` processes, from the
@@ -283,8 +288,8 @@ class LocalProfile:
         for k in ("matmul_points", "dtype_ratio", "concurrent"):
             kwargs[k] = tuple(tuple(x) for x in data[k])
         kwargs["wrapper_overhead"] = tuple((int(n), float(t)) for n, t in data.get("wrapper_overhead", ()))
-        kwargs["fsdp_steps"] = tuple((int(n), int(g), float(c), float(a), float(b))
-                                     for n, g, c, a, b in data.get("fsdp_steps", ()))
+        kwargs["sync_steps"] = tuple((str(w), int(n), int(g), float(c), float(a), float(b))
+                                     for w, n, g, c, a, b in data.get("sync_steps", ()))
         kwargs["conditions"] = Conditions(**data["conditions"]) if data.get("conditions") else None
         return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
@@ -304,7 +309,7 @@ def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
         concurrent=tuple((n, fl / f, bw / f) for n, fl, bw in profile.concurrent), collectives=fits,
         eager=profile.eager.scaled(f) if profile.eager is not None else None,
         wrapper_overhead=tuple((n, t * f) for n, t in profile.wrapper_overhead),
-        fsdp_steps=tuple((n, g, c * f, a * f, b * f) for n, g, c, a, b in profile.fsdp_steps))
+        sync_steps=tuple((w, n, g, c * f, a * f, b * f) for w, n, g, c, a, b in profile.sync_steps))
 
 
 # ---- the file ----------------------------------------------------------------------------------

@@ -28,12 +28,16 @@ Rules:
   the gathered buffer out to the parameters, and the reduce-scatter copies the gradients in and
   the shard out, at the device's copy bandwidth (`fsdp_copy_time`). Where FSDP2's work per
   micro-batch was measured (the local profile), that figure, per parameter tensor and element,
-  replaces the copies of the forward gathers (`fsdp_microbatch_time`). Where a whole
-  synchronising FSDP2 step was measured for the data-parallel group size (the local profile:
-  wall time with the processes sharing the cores, `EagerCosts.fsdp_step`), that figure is the
-  price of the step's first gather, its micro-batch work and the reduce-scatter with their
-  copies and waits (`fsdp_measured_step`); further gathers and micro-batches come on top as
-  above. The optimizer step reads and writes 28 bytes per local parameter at memory bandwidth.
+  replaces the copies of the forward gathers (`fsdp_microbatch_time`). The optimizer step
+  reads and writes 28 bytes per local parameter at memory bandwidth.
+- Where a whole synchronising step was measured for the wrapper and the data-parallel group
+  size (the local profile: wall time with the processes sharing the cores,
+  `EagerCosts.sync_step`), that figure prices the sync (`measured_sync_step`): under FSDP2 the
+  step's first gather, its micro-batch work and the reduce-scatter with their copies and waits
+  (further gathers and micro-batches come on top as above); under DDP its hooks, buckets and
+  all-reduces, exposed after the last backward, nothing overlapped: the local processes fill
+  the machine's cores, so no core is idle to overlap the sync on, and the figure was measured
+  exposed.
 """
 
 from __future__ import annotations
@@ -141,12 +145,12 @@ def fsdp_forward_work(device, tensors: float, elements: float, nbytes: float, sh
     return tensors * eager.fsdp_per_tensor + elements * eager.fsdp_per_param
 
 
-def fsdp_measured_step(device, tensors: float, elements: float, shard: int) -> float | None:
-    """Seconds a whole synchronising FSDP2 step adds on a device where it was measured for groups
-    of `shard` (module rules; None elsewhere): the first gather, one micro-batch's work, the
-    reduce-scatter, their copies and waits, for `tensors` parameter tensors of `elements` in all."""
+def measured_sync_step(device, wrapper: str, tensors: float, elements: float, shard: int) -> float | None:
+    """Seconds a whole synchronising step under `wrapper` ("fsdp2" or "ddp") adds on a device
+    where it was measured for groups of `shard` (module rules; None elsewhere), for `tensors`
+    parameter tensors of `elements` in all."""
     eager = device.eager
-    return eager.fsdp_step_time(shard, tensors, elements) if eager is not None and shard > 1 else None
+    return eager.sync_step_time(wrapper, shard, tensors, elements) if eager is not None and shard > 1 else None
 
 
 def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
@@ -190,11 +194,15 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         kind = "reduce_scatter" if zero >= 1 else "all_reduce"
         fsdp = options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
         local = sum(n for n, _ in params)
-        measured = fsdp_measured_step(device, len(params), local, shard) if fsdp else None
+        measured = measured_sync_step(device, "fsdp2", len(params), local, shard) if fsdp else None
+        ddp = (measured_sync_step(device, "ddp", len(ready), sum(b for _, b in ready) / g_elem, shard)
+               if zero == 0 and shard > 1 and ready else None)
         if shard <= 1:
             tail = 0.0
         elif measured is not None:  # the whole step as measured: its first gather and the reduce-scatter
             tail = measured
+        elif ddp is not None:  # DDP's sync as measured, exposed
+            tail = ddp
         elif fsdp:  # one collective over every gradient once backward is over
             total = sum(b for _, b in ready)
             tail = collective_time(kind, total, levels, ctx.algorithm) + fsdp_copy_time(total, shard, device)

@@ -113,7 +113,7 @@ class Builder:
         self.low_grad = M.low("block", lambda r: to_m(r["gbytes"]))
 
         def sync(z: int, r: dict[str, float]) -> int:
-            return to_t((co.serial[z][1] if co.fsdp[z] else co.rate[z]) * r["gbytes"])
+            return to_t((co.serial[z][1] if co.serial_sync[z] else co.rate[z]) * r["gbytes"])
 
         def after(z: int, r: dict[str, float]) -> int:
             return to_t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem))
@@ -130,8 +130,8 @@ class Builder:
             md.add(self.tail == M.t(co.tail[z])).OnlyEnforceIf(M.z[z])
         self.gather_alpha = sum(M.t(co.gather[z][0]) * M.z[z] for z in ZERO_STAGES if co.gather[z][0])
         self.serial = md.new_bool_var("fsdp")
-        md.add(self.serial == sum(M.z[z] for z in ZERO_STAGES if co.fsdp[z]))
-        self.serial_alpha = sum(M.t(co.serial[z][0]) * M.z[z] for z in ZERO_STAGES if co.fsdp[z])
+        md.add(self.serial == sum(M.z[z] for z in ZERO_STAGES if co.serial_sync[z]))
+        self.serial_alpha = sum(M.t(co.serial[z][0]) * M.z[z] for z in ZERO_STAGES if co.serial_sync[z])
         self.bucketed = md.new_bool_var("bucketed")
         md.add(self.bucketed == sum(M.z[z] for z in ZERO_STAGES if z >= 1 and not co.fsdp[z]))
 

@@ -45,8 +45,8 @@ from shardc.cost.sync import (
     fsdp_copy_time,
     fsdp_forward_work,
     fsdp_gathers,
-    fsdp_measured_step,
     fsdp_microbatch_time,
+    measured_sync_step,
 )
 from shardc.ir import ZERO_STAGES, Layout
 from shardc.ops.registry import get_op, has_op
@@ -91,6 +91,14 @@ class Coefficients:
     # FSDP2's buffers per local weight byte: the unsharded weights and their all-gather buffer,
     # and the unsharded gradients when micro-batches accumulate without syncing (`peak.device_memory`)
     fsdp_buf: float = 2.0
+    # Per ZeRO stage: whether the gradient sync is one exposed piece after backward priced by
+    # `serial` (FSDP2; DDP where its whole step was measured, `sync.measured_sync_step`) rather
+    # than buckets overlapping backward (`rate`, `tail`). Empty: as `fsdp`.
+    serial_sync: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.serial_sync:
+            self.serial_sync = self.fsdp
 
 
 def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Coefficients:
@@ -130,20 +138,19 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     copy = fsdp_copy_time(1.0, shard, ctx.device)  # FSDP2's copies per byte around each collective
     serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZERO_STAGES, serial))
     tensors, numel = _fsdp_unit(problem)
-    step = fsdp_measured_step(ctx.device, tensors, numel, shard) if numel > 0 else None
-    if step is not None:  # the whole measured step (`sync.fsdp_measured_step`) replaces the reduce-scatter
-        whole = fsdp_measured_step(ctx.device, 0, 0, shard) or 0.0
-        serial = tuple((whole, (step - whole) / (numel * g)) if fsdp[z] else (a, b)
-                       for z, (a, b) in zip(ZERO_STAGES, serial))
-    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w_elem, step is not None) if fsdp[z] else gather[z]
-                   for z in ZERO_STAGES)
-    rate = tuple(0.0 if fsdp[z] else rate[z] for z in ZERO_STAGES)
-    tail = tuple(0.0 if fsdp[z] else tail[z] for z in ZERO_STAGES)
+    measured = tuple(_measured_serial(problem, "fsdp2" if fsdp[z] else "ddp", tensors, numel, shard, g)
+                     if fsdp[z] or z == 0 else None for z in ZERO_STAGES)
+    serial = tuple(m or s for m, s in zip(measured, serial))  # a measured whole step replaces the collective
+    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w_elem, measured[z] is not None) if fsdp[z]
+                   else gather[z] for z in ZERO_STAGES)
+    serial_sync = tuple(fsdp[z] or measured[z] is not None for z in ZERO_STAGES)
+    rate = tuple(0.0 if serial_sync[z] else rate[z] for z in ZERO_STAGES)
+    tail = tuple(0.0 if serial_sync[z] else tail[z] for z in ZERO_STAGES)
     out = Coefficients(cand, edge_fwd, edge_grad, send, rate, tail, state, optimizer, gather, zero3,
                        2 * bucket if shard > 1 else 0.0, w_elem, fsdp, serial, send_bytes, out_bytes, out_const,
                        options.pipeline_runtime == "torch" and problem.shape.pp > 1,
                        w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)),
-                       3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0)
+                       3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0, serial_sync)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
 
@@ -245,6 +252,19 @@ def _eager_optimizer(problem: Problem, zero: int, shard: int, dtensors: bool) ->
     per_tensor, per_element = eager.optimizer(sharded and dtensors)
     tensors, numel = _fsdp_unit(problem)
     return (per_tensor * tensors / numel if numel > 0 else 0.0) + per_element / (shard if sharded else 1)
+
+
+def _measured_serial(problem: Problem, wrapper: str, tensors: float, numel: float, shard: int,
+                     grad_bytes: float) -> tuple[float, float] | None:
+    """(seconds, seconds per gradient byte) of a synchronising step under `wrapper` where it was
+    measured (`sync.measured_sync_step`), its per-tensor part spread over the model's elements;
+    None where it was not."""
+    device = problem.pricer.ctx.device
+    step = measured_sync_step(device, wrapper, tensors, numel, shard) if numel > 0 else None
+    if step is None:
+        return None
+    fixed = measured_sync_step(device, wrapper, 0, 0, shard) or 0.0
+    return fixed, (step - fixed) / (numel * grad_bytes)
 
 
 def _fsdp_unit(problem: Problem) -> tuple[float, float]:
@@ -391,7 +411,7 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         grad = n * blk["gbytes"] + pre["gbytes"] * first + post["gbytes"] * last
         floor = co.tail[zero] + (co.rate[zero] * pre["gbytes"] if first else 0.0)
         other = n * blk["other"] + pre["other"] * first + post["other"] * last
-        if co.fsdp[zero]:
+        if co.serial_sync[zero]:
             exposed.append(co.serial[zero][0] + co.serial[zero][1] * grad + other)
         else:
             exposed.append(max(co.rate[zero] * grad - window, floor) + other)

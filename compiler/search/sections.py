@@ -236,7 +236,7 @@ def section(M: Model, name: str, k: int, sec: dict[str, list], ub_t: int, zeros:
         md.add(work >= sum(M.m(r["transient"]) * xx for r, xx in zip(co.cand[g], x[g])))
     d["work"] = work
     d["sync"], d["sync_ub"] = M.by_zero(
-        name, "sync", lambda r, z: M.t((co.serial[z][1] if co.fsdp[z] else co.rate[z]) * r["gbytes"]), k)
+        name, "sync", lambda r, z: M.t((co.serial[z][1] if co.serial_sync[z] else co.rate[z]) * r["gbytes"]), k)
     d["state"], d["state_ub"] = M.by_zero(name, "state", lambda r, z: M.m(co.state[z] * r["numel"]), k)
     d["after"], d["after_ub"] = M.by_zero(
         name, "after", lambda r, z: M.t(r["numel"] * (co.optimizer[z] + co.gather[z][1] * co.w_elem)), k)
