@@ -160,33 +160,39 @@ class FlipMLP(nn.Module):
     """An MLP whose hidden activations pass through ops without registry entries: under tp=2 the
     flip and the pad run on column-parallel shards (torch's strategies split the hidden dim)."""
 
-    def __init__(self, vocab: int = 128, hidden: int = 32) -> None:
+    def __init__(self, vocab: int = 128, hidden: int = 32, ops: str = "ln,flip,pad,max") -> None:
         super().__init__()
+        self.ops = ops.split(",")
         self.wte = nn.Embedding(vocab, hidden)
+        self.ln = nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
-        h = torch.flip(self.fc1(x), dims=(1,))
-        h = F.pad(h, (0, 0, 1, 0))[:, :-1]  # shift the sequence by one
+        h = self.fc1(self.ln(x)) if "ln" in self.ops else self.fc1(x)
+        if "flip" in self.ops:
+            h = torch.flip(h, dims=(1,))
+        if "pad" in self.ops:
+            h = F.pad(h, (0, 0, 1, 0))[:, :-1]  # shift the sequence by one
         x = x + self.fc2(F.gelu(h))
-        x = x + torch.max(x, dim=-1, keepdim=True).values
+        if "max" in self.ops:
+            x = x + torch.max(x, dim=-1, keepdim=True).values
         logits = self.head(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def flip_mlp(batch: int = 4, seq: int = 16) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def flip_mlp(batch: int = 4, seq: int = 16, ops: str = "ln,flip,pad,max") -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     ids = torch.randint(0, 128, (batch, seq))
-    return FlipMLP(), (ids, ids.roll(-1, 1))
+    return FlipMLP(ops=ops), (ids, ids.roll(-1, 1))
 
 
 def test_fallback_ops_train_under_tp2_like_one_process() -> None:
     from test_backend_numerics import compile_case, run_and_check
 
     compiled = compile_case(FLIP_MLP, "tp=2", "")
-    ir = str(compiled.partitioned_ir())  # type: ignore[attr-defined]
+    ir = compiled.partitioned_ir  # type: ignore[attr-defined]
     flip = next(line for line in ir.splitlines() if "aten.flip" in line)
     assert "partition<tp:s" in flip and "{tp:S(2)}" in flip, flip  # the flip runs on hidden shards
     assert run_and_check(2, [(FLIP_MLP, "tp=2", ""), (GPTJ, "tp=2", "")]) == []
