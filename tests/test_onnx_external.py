@@ -1,0 +1,143 @@
+"""A transformers decoder exported by torch.onnx (dynamo=True) with its weights in an external
+data file: it imports from any working directory (the data file is found beside the model), the
+ops the exporter emits (IsNaN guarding attention) import as aten fallback nodes, the import
+computes what onnxruntime and the torch original compute, and under tp=2 on 2 gloo processes it
+trains like the torch original does in one process."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardc
+from shardc.backends.torch.launch import spawn
+from shardc.frontend.onnx import OnnxModule, import_onnx
+from shardc.frontend.spec import load_model
+from shardc.ir.diagnostics import ShardcError
+
+QWEN2 = ("hf:qwen2?num_hidden_layers=1&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+         "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64&seq=16&batch=2")
+STEPS = 3
+LR = 1e-3
+
+
+class Logits(torch.nn.Module):
+    """The causal LM's logits: what the ONNX file computes."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.m(ids).logits
+
+
+def original() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The torch model (seeded; norm weights drawn too, so the exporter shares no initializer)."""
+    torch.manual_seed(0)
+    loaded = load_model(QWEN2, device="cpu")
+    model = Logits(loaded.model).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model, loaded.example_inputs[0]
+
+
+def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.roll(-1, 1).reshape(-1))
+
+
+def train(module: torch.nn.Module, ids: torch.Tensor) -> list[float]:
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=1e-4)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = loss_of(module(ids), ids)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, ids = original()
+    path = tmp_path_factory.mktemp("export") / "qwen2.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (ids,), dynamo=True, verbose=False).save(str(path), external_data=True)
+    assert (path.parent / "qwen2.onnx.data").is_file()
+    return path
+
+
+def test_external_data_is_found_beside_the_model_from_another_directory(
+        exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing named qwen2.onnx.data here
+    result = import_onnx(exported)
+    isnan = [n for n in result.graph.nodes if n.op == "aten"]
+    assert [n.attrs["target"] for n in isnan] == ["torch.ops.aten.isnan.default"]
+    assert isnan[0].location.module_path == "m.model.layers.0.self_attn"
+    # Exporter-folded rotary tables and masks are buffers; the (transposed) weights are parameters.
+    kinds = {v.name: v.kind for v in result.graph.params + result.graph.buffers}
+    assert kinds["m.model.embed_tokens.weight"] == "parameter"
+    assert sum(v.type.numel for v in result.graph.params) == sum(
+        p.numel() for p in original()[0].parameters())
+    assert all(v.type.rank == 4 for v in result.graph.buffers if v.type.is_float)  # cos, sin, mask
+
+    model, ids = original()
+    with torch.no_grad():
+        ours = OnnxModule(result)(ids)
+        want = model(ids)
+    ref = ort.InferenceSession(str(exported)).run(None, {result.graph.inputs[0].name: ids.numpy()})[0]
+    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=0)
+    assert load_model(os.path.relpath(exported, tmp_path)).model is not None  # the spec path too
+
+
+def test_missing_external_data_names_the_file_and_folder(exported: Path, tmp_path: Path) -> None:
+    lonely = tmp_path / "qwen2.onnx"
+    lonely.write_bytes(exported.read_bytes())  # the model without its data file
+    with pytest.raises(ShardcError) as info:
+        import_onnx(lonely)
+    assert "qwen2.onnx.data" in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def _worker(rank: int, world: int, path: str, plan: object, ids: torch.Tensor) -> dict[str, object]:
+    torch.use_deterministic_algorithms(True)
+    module = plan.parallelize(OnnxModule(import_onnx(path)))  # type: ignore[attr-defined]
+    losses = train(module, ids)
+    return {"losses": losses, "state": plan.full_state_dict(module)}  # type: ignore[attr-defined]
+
+
+def test_onnx_export_trains_under_tp2_like_its_torch_original(exported: Path) -> None:
+    result = import_onnx(exported)
+    model, ids = original()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    plan = shardc.compile(OnnxModule(result), (ids,), plan="tp=2,dtype=fp32")
+    text = plan.partitioned_ir
+    assert "{tp:S(" in text  # weights are split, not all replicated
+    per_rank = spawn(_worker, 2, str(exported), plan, ids, timeout_s=300)
+
+    torch.use_deterministic_algorithms(True)
+    want = train(model, ids)
+    assert per_rank[0]["losses"] == pytest.approx(want, rel=1e-5)
+    # Every trained ONNX weight is a torch weight (the exporter folds some transposed): compare.
+    trained = dict(model.named_parameters())
+    for name, got in per_rank[0]["state"].items():
+        start = result.state[name]
+        match = [(k, t) for k, t in initial.items() if t.shape == start.shape and torch.equal(t, start)] + \
+                [(k, t.T) for k, t in initial.items() if t.dim() == 2 and t.T.shape == start.shape
+                 and torch.equal(t.T, start)]
+        assert match, f"ONNX weight {name} is no torch weight"
+        key, _ = match[0]
+        final = trained[key].detach()
+        torch.testing.assert_close(got, final if final.shape == got.shape else final.T, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
