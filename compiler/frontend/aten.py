@@ -9,7 +9,8 @@ Rule. A call the rule tables cannot lower is lowered as the aten ops torch runs 
   one (views, arithmetic) and as an `aten` node otherwise, so `x[idx]`, `torch.max(x, 1)` and
   `F.pad` become `index.Tensor`, `max.dim` and `constant_pad_nd` nodes.
 A call it cannot express either (a tensor made inside the call that no op produced, an argument
-with no IR form, an op that writes into a view of another tensor) raises `Unsupported`, which
+with no IR form, an in-place write into a view of another tensor, which SSA cannot carry back to
+the base) raises `Unsupported`, which
 the frontend reports (or keeps opaque with `allow_opaque`).
 """
 
@@ -114,10 +115,13 @@ def lower_by_dispatch(e: Emitter, fn: Any, args: Any, kwargs: dict[str, Any], re
             got = fn(*margs, **mkwargs)
     except Exception as err:
         raise Unsupported(f"torch cannot run it under a dispatch recorder ({type(err).__name__}: {err})") from err
+    views: set[int] = set()  # tensors that alias another: a write into one would reach its base
     for func, cargs, ckwargs, out in recorder.calls:
         if func._schema.name in _SKIP:
             _alias(known, keep, out, cargs)
             continue
+        if writes_first_argument(func) and isinstance(cargs[0], torch.Tensor) and id(cargs[0]) in views:
+            raise Unsupported(f"{func} writes in place into a view of another tensor")
 
         def value(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
@@ -133,6 +137,8 @@ def lower_by_dispatch(e: Emitter, fn: Any, args: Any, kwargs: dict[str, Any], re
             if isinstance(t, torch.Tensor) and isinstance(v, Value):
                 known[id(t)] = v
                 keep.append(t)
+                if is_view(func):
+                    views.add(id(t))
 
     def result(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
