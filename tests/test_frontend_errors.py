@@ -15,7 +15,6 @@ from shardc.ir.equality import assert_graphs_equal
 from shardc.ir.parser import parse
 from shardc.ir.printer import print_graph
 
-
 _NOISE = torch.linspace(0.0, 1.0, 8)
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardc.frontend.emit import Emitter, Unsupported
 from shardc.frontend.rules import ATEN, target_name
@@ -123,13 +123,9 @@ def lower_by_dispatch(e: Emitter, fn: Any, args: Any, kwargs: dict[str, Any], re
         if writes_first_argument(func) and isinstance(cargs[0], torch.Tensor) and id(cargs[0]) in views:
             raise Unsupported(f"{func} writes in place into a view of another tensor")
 
-        def value(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                if id(x) not in known:
-                    raise Unsupported(f"{func} reads a tensor made inside the call that no op produced")
-                return known[id(x)]
-            return x
-        vargs, vkwargs = pytree.tree_map(value, (cargs, ckwargs))
+        if any(isinstance(t, torch.Tensor) and id(t) not in known for t in pytree.tree_leaves((cargs, ckwargs))):
+            raise Unsupported(f"{func} reads a tensor made inside the call that no op produced")
+        vargs, vkwargs = pytree.tree_map(lambda x: known[id(x)] if isinstance(x, torch.Tensor) else x, (cargs, ckwargs))
         lowered = lower_aten(e, func, vargs, vkwargs, out)
         if writes_first_argument(func) and isinstance(cargs[0], torch.Tensor):
             known[id(cargs[0])] = lowered if isinstance(lowered, Value) else lowered[0]

@@ -79,7 +79,7 @@ def _external_files(model: Any) -> set[str]:
     (`torch.onnx.export(..., dynamo=True).save(path)` writes `model.onnx.data`)."""
     from onnx.external_data_helper import uses_external_data
 
-    files = set()
+    files: set[str] = set()
     for init in model.graph.initializer:
         if uses_external_data(init):
             files.update(e.value for e in init.external_data if e.key == "location")

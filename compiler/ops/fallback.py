@@ -156,8 +156,9 @@ def torch_rows(op: Any, args: Any, kwargs: dict[str, Any], n_out: int) -> list[R
     if not isinstance(result, OpStrategy):
         return rows  # a tuple of strategies (list outputs): left replicated
     for spec in result.strategies:
-        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
-        if spec.input_specs is None or any(o is None for o in outs):
+        given = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        outs = [o for o in given if o is not None]
+        if spec.input_specs is None or len(outs) != len(given):
             continue
         rows.append((tuple(_place(o.placements[0]) for o in outs),
                      tuple(_place(i.placements[0]) for i in spec.input_specs)))
