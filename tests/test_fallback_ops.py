@@ -83,6 +83,25 @@ def test_tail_ops_lower_to_aten_nodes_that_compute_what_torch_computes() -> None
     torch.testing.assert_close(grad_got, grad_want)
 
 
+class Shift(nn.Module):
+    """In-place writes into slices and selects (BART's shift_tokens_right writes so)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = x.clone()
+        z[:, 1:] = y[:, :-1]
+        z[:, 0] = 0.5
+        return z * 2
+
+
+def test_in_place_writes_into_views_are_written_back_to_their_base() -> None:
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    result = trace_with_state(Shift(), (x, y))
+    targets = [str(n.attrs["target"]).split(".")[-2] for n in result.graph.nodes if n.op == "aten"]
+    assert targets == ["copy", "slice_scatter", "fill", "select_scatter"]
+    got = run_graph(result.graph, [x, y], model_state(Shift(), result.graph, result.constants))[0]
+    torch.testing.assert_close(got, Shift()(x, y))
+
+
 def _space(target: str, ins: list[TensorType], outs: list[TensorType], args: tuple) -> Any:
     return get_op("aten").iteration_space(ins, outs, {"target": target, "args": args})
 

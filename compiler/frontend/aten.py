@@ -3,7 +3,8 @@
 Rule. A call the rule tables cannot lower is lowered as the aten ops torch runs for it:
 - an aten op (torch.export's graphs) becomes one `aten[target=...]` node (`shardc.ops.fallback`),
   an in-place op its out-of-place twin (`copy_` -> `copy`), whose result the frontend binds to
-  the written tensor;
+  the written tensor, and through `slice_scatter`/`select_scatter` to the tensor a written slice
+  or select was taken from (`write_back`);
 - a torch function or tensor method (torch.fx's graphs) runs once on fresh meta tensors under a
   dispatch recorder; each aten op it dispatches is lowered by its own rule when the tables have
   one (views, arithmetic) and as an `aten` node otherwise, so `x[idx]`, `torch.max(x, 1)` and
@@ -166,3 +167,32 @@ def lower_aten(e: Emitter, op: Any, args: Any, kwargs: dict[str, Any], res: Any)
         except Unsupported:
             pass
     return emit_aten(e, op, args, kwargs, res)
+
+
+def write_back(e: Emitter, env: dict[Any, Any], written: Any, value: Value) -> None:
+    """An in-place write (an aten op in torch.export's graph) made `value` the new content of the
+    fx node `written` in the lowering's `env`: later reads of it see `value`, and when it is a
+    slice or a select of another tensor (`x[:, 1:] = y`), that base is rebuilt around it
+    (`slice_scatter`, `select_scatter`), up the chain of views. Views of the base taken before
+    the write keep the old values (SSA: they are not derived again)."""
+    while True:
+        env[written] = value
+        target = written.target
+        if not (isinstance(target, torch._ops.OpOverload) and is_view(target)):
+            return
+        base_node = written.args[0]
+        base = env.get(base_node) if isinstance(base_node, torch.fx.Node) else None
+        if not isinstance(base, Value):
+            raise Unsupported(f"it writes in place into a view ({target}) of something that is not a tensor")
+        packet, rest = target.overloadpacket, list(written.args[1:])
+        if packet is torch.ops.aten.slice:
+            dim, start, end, step = (rest + [0, None, None, 1][len(rest):])[:4]
+            scatter, extra = torch.ops.aten.slice_scatter.default, (dim, start, end, step)
+        elif packet is torch.ops.aten.select:
+            scatter, extra = torch.ops.aten.select_scatter.default, tuple(rest[:2])
+        else:
+            raise Unsupported(f"it writes in place into a view ({target}) of another tensor; only slices and "
+                              "selects are written back")
+        value = emit_aten(e, scatter, (base, value, *extra), {}, e.meta(base))
+        written = base_node
+

@@ -24,7 +24,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from shardc.frontend import creation, normalize, views  # noqa: F401  (fill the rule tables)
-from shardc.frontend.aten import emit_aten, is_view, lower_by_dispatch, writes_first_argument
+from shardc.frontend.aten import emit_aten, lower_by_dispatch, write_back, writes_first_argument
 from shardc.frontend.capture import Captured, capture, module_path_of, source_of
 from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta, typed_key
 from shardc.frontend.rules import ATEN, FUNCTIONS, METHODS, Rule, target_name
@@ -353,12 +353,9 @@ class _Lowering:
         try:
             if isinstance(target, torch._ops.OpOverload):
                 written = node.args[0] if writes_first_argument(target) and node.args else None
-                if isinstance(written, torch.fx.Node) and isinstance(written.target, torch._ops.OpOverload) \
-                        and is_view(written.target):
-                    raise Unsupported(f"it writes in place into a view ({written.target}) of another tensor")
                 out = emit_aten(self.e, target, args, kwargs, res)
                 if isinstance(written, torch.fx.Node) and isinstance(out, Value):
-                    self.env[written] = out  # later reads of the written tensor see the new value
+                    write_back(self.e, self.env, written, out)
                 return out
             if node.op == "call_method":
                 name = str(target)

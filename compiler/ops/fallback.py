@@ -60,6 +60,12 @@ def functional_variant(op: Any) -> Any:
     return twin
 
 
+def _in_place_twin(op: Any) -> Any:
+    """`aten.copy.default` -> `aten.copy_.default` (same arguments, writes its first), or None."""
+    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1] + "_", None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
 def _decode(x: Any, tensors: Sequence[Any], device: Any) -> Any:
     if isinstance(x, tuple):
         return [_decode(y, tensors, device) for y in x]
@@ -140,6 +146,8 @@ def torch_rows(op: Any, args: Any, kwargs: dict[str, Any], n_out: int) -> list[R
     from torch.distributed.tensor._op_schema import OpStrategy
 
     prop = DTensor._op_dispatcher.sharding_propagator
+    if op not in prop.op_single_dim_strategy_funcs and op not in prop.op_strategy_funcs:
+        op = _in_place_twin(op) or op  # torch registers `copy_`'s strategies, not `copy`'s
     tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     schema = _schema(op, args, kwargs, tensors)
     rows: list[Row] = []
