@@ -64,7 +64,7 @@ def train(module: torch.nn.Module, ids: torch.Tensor) -> list[float]:
         loss = loss_of(module(ids), ids)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -101,6 +101,22 @@ def test_external_data_is_found_beside_the_model_from_another_directory(
     np.testing.assert_allclose(ours.numpy(), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours, want, atol=1e-5, rtol=0)
     assert load_model(os.path.relpath(exported, tmp_path)).model is not None  # the spec path too
+
+
+def test_unoptimised_export_keeps_weights_trainable_behind_their_transposes(tmp_path: Path) -> None:
+    """`optimize=False` leaves `Transpose(W)`, `CastLike` and `GatherND` (mask building) in the
+    file: the weights stay parameters under their torch names, the rotary `inv_freq` a buffer."""
+    model, ids = original()
+    path = tmp_path / "raw.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (ids,), dynamo=True, verbose=False, optimize=False).save(str(path), external_data=True)
+    result = import_onnx(path)
+    params = {v.name for v in result.graph.params}
+    assert params == {name for name, _ in model.named_parameters()}
+    assert "m.model.rotary_emb.inv_freq" not in params
+    with torch.no_grad():
+        torch.testing.assert_close(OnnxModule(result)(ids), model(ids), atol=1e-5, rtol=0)
 
 
 def test_missing_external_data_names_the_file_and_folder(exported: Path, tmp_path: Path) -> None:
