@@ -1,6 +1,7 @@
 """A transformers decoder exported by torch.onnx (dynamo=True) with its weights in an external
 data file: it imports from any working directory (the data file is found beside the model), the
-ops the exporter emits (IsNaN guarding attention) import as aten fallback nodes, the import
+ops the exporter emits (IsNaN guarding attention, and the rest of the long tail, checked against
+onnxruntime on a hand-made graph) import as aten fallback nodes, the import
 computes what onnxruntime and the torch original compute, and under tp=2 on 2 gloo processes it
 trains like the torch original does in one process."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -159,3 +161,60 @@ def test_onnx_export_trains_under_tp2_like_its_torch_original(exported: Path) ->
         final = trained[key].detach()
         torch.testing.assert_close(got, final.T if transposed else final, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _tail_model(path: Path) -> None:
+    """A hand-made ONNX graph of the exporters' long-tail ops, each feeding an output."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def const(name: str, value: np.ndarray) -> Any:
+        return numpy_helper.from_array(value, name)
+
+    nodes = [
+        helper.make_node("IsNaN", ["x"], ["nan"]), helper.make_node("Where", ["nan", "zero", "x"], ["y0"]),
+        helper.make_node("IsInf", ["x"], ["inf"], detect_negative=0), helper.make_node("Cast", ["inf"], ["y1"], to=1),
+        helper.make_node("Sign", ["x"], ["s"]), helper.make_node("Floor", ["x"], ["f"]),
+        helper.make_node("Ceil", ["x"], ["c"]), helper.make_node("Round", ["x"], ["r"]),
+        helper.make_node("Add", ["s", "f"], ["sf"]),
+        helper.make_node("Add", ["c", "r"], ["cr"]), helper.make_node("Add", ["sf", "cr"], ["y2"]),
+        helper.make_node("Mod", ["x", "three"], ["y3"], fmod=1),
+        helper.make_node("Clip", ["x", "lo", "hi"], ["y4"]),
+        helper.make_node("Tile", ["x", "reps"], ["y5"]),
+        helper.make_node("ArgMax", ["x"], ["y6"], axis=2, keepdims=0),
+        helper.make_node("TopK", ["x", "k"], ["y7", "y8"], axis=-1),
+        helper.make_node("Pad", ["x", "pads", "half"], ["y9"], mode="constant"),
+        helper.make_node("GatherElements", ["x", "picks"], ["y10"], axis=2),
+        helper.make_node("Gather", ["x", "idx"], ["y11"], axis=1),
+        helper.make_node("CumSum", ["x", "one"], ["y12"]),
+        helper.make_node("Softplus", ["x"], ["y13"]),
+    ]
+    inits = [const("zero", np.array(0.0, np.float32)), const("three", np.array([3.0], np.float32)),
+             const("lo", np.array(-0.5, np.float32)), const("hi", np.array(0.5, np.float32)),
+             const("reps", np.array([1, 2, 1], np.int64)), const("k", np.array([2], np.int64)),
+             const("pads", np.array([0, 1, 0, 0, 2, 1], np.int64)), const("half", np.array(0.5, np.float32)),
+             const("picks", np.array([[[0, 5]] * 4] * 2, np.int64)), const("one", np.array(1, np.int64))]
+    outs = [("y0", 1, [2, 4, 6]), ("y1", 1, [2, 4, 6]), ("y2", 1, [2, 4, 6]), ("y3", 1, [2, 4, 6]), ("y4", 1, [2, 4, 6]),
+            ("y5", 1, [2, 8, 6]), ("y6", 7, [2, 4]), ("y7", 1, [2, 4, 2]), ("y8", 7, [2, 4, 2]), ("y9", 1, [2, 7, 7]),
+            ("y10", 1, [2, 4, 2]), ("y11", 1, [2, 3, 6]), ("y12", 1, [2, 4, 6]), ("y13", 1, [2, 4, 6])]
+    graph = helper.make_graph(
+        nodes, "tail", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 6]),
+                        helper.make_tensor_value_info("idx", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+
+
+def test_exporter_tail_ops_import_as_aten_nodes_and_match_onnxruntime(tmp_path: Path) -> None:
+    path = tmp_path / "tail.onnx"
+    _tail_model(path)
+    result = import_onnx(path)
+    x = torch.randn(2, 4, 6) * 3
+    x[0, 0, 0], x[1, 1, 1] = float("nan"), float("inf")
+    idx = torch.tensor([3, 0, 2])
+    with torch.no_grad():
+        ours = OnnxModule(result)(x, idx)
+    want = ort.InferenceSession(str(path)).run(None, {"x": x.numpy(), "idx": idx.numpy()})
+    assert len(ours) == len(want) == 14
+    for k, (got, ref) in enumerate(zip(ours, want)):
+        np.testing.assert_allclose(got.numpy(), ref, atol=1e-6, rtol=1e-6, err_msg=f"y{k}")
