@@ -159,8 +159,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     pipeline = PIPELINES["inspect"] if args.pipeline is None else args.pipeline
     if pipeline:
         graph = run(graph, pipeline, PassContext(), _flags(args))
+    from shardc.frontend import coverage
+
     rows = cost_table(graph)
     opaque = [n for n in graph.nodes if n.op == "opaque"]
+    report = coverage(graph)
     if args.json:
         out = {
             "name": graph.name,
@@ -169,6 +172,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "saved_activation_bytes": sum(int(r.saved_bytes) for r in rows),
             "nodes": len(graph.nodes),
             "opaque_ops": sorted({str(n.attrs.get("target", "?")) for n in opaque}),
+            "fallback_ops": [op.target for op in report.fallback],
+            "replicated_ops": [op.target for op in report.replicated],
             "layers": [r.to_json() for r in rows],
         }
         print(json.dumps(out, indent=2))
@@ -183,10 +188,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for r in rows:
         table.add_row(r.layer, r.block, str(r.nodes), f"{r.params:,}", f"{r.flops:.3e}", f"{r.saved_bytes:,}")
     console.print(table)
-    if opaque:
-        from shardc.frontend import coverage
-
-        console.print(str(coverage(graph)))
+    if not report.complete:
+        console.print(str(report))
     return 0
 
 

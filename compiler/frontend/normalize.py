@@ -405,6 +405,10 @@ def _gather(e: Emitter, res: Any, x: Value, dim: int, index: Value, *_: Any, **_
 
 @rule(torch.cumsum, "cumsum", aten("cumsum"))
 def _cumsum(e: Emitter, res: Any, x: Value, dim: int, *, dtype: Any = None, **_: Any) -> Value:
+    if dtype is not None and not dtype.is_floating_point and dtype != torch.int64:
+        # the registry's cumsum widens integers to i64 as torch does without a dtype; a narrower
+        # integer result is the aten op's own (the fallback)
+        raise Unsupported(f"cumsum accumulating in {dtype}")
     if dtype is not None:
         x = e.emit("cast", [x], dtype=dtype_name(dtype))
     return e.emit("cumsum", [x], dim=_dim(dim, x.type.rank))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import shardc.frontend.onnx_ops  # noqa: F401  (fills the handler table)
+import shardc.frontend.onnx_tail  # noqa: F401  (the exporters' long tail, as aten fallback nodes)
 from shardc.frontend.onnx_import import Importer, OnnxImport, onnx_torch_dtype
 from shardc.ir import Graph, Value
 from shardc.ir.diagnostics import ShardcError
@@ -43,11 +44,19 @@ def _read_model(path: str) -> Any:
     if not model.HasField("graph") or not model.graph.node:
         raise ShardcError(f"{path} holds no ONNX graph (is it truncated or another protobuf file?)",
                           hint="re-export the model; the file should contain a graph with nodes")
+    external = _external_files(model)
     try:
-        onnx.checker.check_model(model)
+        # By path when weights sit in files beside it: the checker resolves them from the model's
+        # directory, not the working directory (and a model over 2 GiB is only checkable so).
+        onnx.checker.check_model(path if external else model)
     except Exception as err:
         raise ShardcError(f"{path} is not a valid ONNX model: {str(err).splitlines()[0]}",
-                          hint="the file may be truncated; re-export it") from None
+                          hint="the file may be truncated, or its external data files "
+                          f"({', '.join(sorted(external)) or 'none'}) missing from {_folder(path)}; re-export it") from None
+    if external:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(model, _folder(path))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
         raise ShardcError(
@@ -59,6 +68,22 @@ def _read_model(path: str) -> Any:
 
         model = inliner.inline_local_functions(model)
     return model
+
+
+def _folder(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
+
+
+def _external_files(model: Any) -> set[str]:
+    """The files (relative to the model's folder) its initializers keep their data in
+    (`torch.onnx.export(..., dynamo=True).save(path)` writes `model.onnx.data`)."""
+    from onnx.external_data_helper import uses_external_data
+
+    files: set[str] = set()
+    for init in model.graph.initializer:
+        if uses_external_data(init):
+            files.update(e.value for e in init.external_data if e.key == "location")
+    return files
 
 
 def import_onnx(path: str | os.PathLike[str], *, input_shapes: dict[str, tuple[int, ...]] | None = None,

@@ -62,9 +62,13 @@ class Importer:
         self.env: dict[str, Operand] = {}
         self.names: set[str] = set()
         self.initializers: dict[str, torch.Tensor] = {}
+        self.held = held_names(model)
+        self.weights: dict[int, str] = {}  # id of a trainable initializer's tensor -> its name
         for init in model.graph.initializer:
             t = torch.from_numpy(numpy_helper.to_array(init).copy())
             self.initializers[init.name] = t
+            if t.is_floating_point() and t.numel() > 1 and init.name not in self.held:
+                self.weights[id(t)] = init.name
             self.env[init.name] = t
         unknown = set(input_shapes) - {i.name for i in model.graph.input}
         if unknown:
@@ -130,7 +134,7 @@ class Importer:
         if isinstance(cached, Value):
             return cached
         dtype = dtype_name(operand.dtype)
-        trainable = bool(init_name) and operand.is_floating_point() and operand.numel() > 1
+        trainable = bool(init_name) and id(operand) in self.weights
         name = self._unique(init_name or hint_name)
         v = Value(name, TensorType(tuple(operand.shape), dtype), "parameter" if trainable else "buffer",
                   requires_grad=trainable)
@@ -148,7 +152,8 @@ class Importer:
         a one-element constant operand of a binary op becomes the `other` attribute."""
         attrs = dict(attrs or {})
         opdef = get_op(op)
-        if all(isinstance(o, torch.Tensor) for o in operands):
+        # Constants fold, but not a weight: `Transpose(W)` stays a node, so W itself is trained.
+        if all(isinstance(o, torch.Tensor) and id(o) not in self.weights for o in operands):
             result = opdef.impl(*operands, **attrs)
             return list(result) if isinstance(result, tuple | list) else [result]
         ops = list(operands)
@@ -204,6 +209,28 @@ class Importer:
             where=self.path,
             hint="add a handler to shardc.frontend.onnx_ops mapping it to registry ops (opaque nodes are "
             "not supported for ONNX: shardc could not execute them)")
+
+
+_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+_HELD = re.compile(r"^\w+: (?:BUFFER|CONSTANT_TENSOR) target='([^']+)'", re.M)
+
+
+_PARAMETER = re.compile(r"^\w+: PARAMETER target='([^']+)'", re.M)
+
+
+def held_names(model: Any) -> set[str]:
+    """Float initializers that are not trained. Without a torch graph signature: none (every
+    float initializer of more than one element is a weight). With the signature torch.onnx's
+    exporter keeps in the graph's metadata: the torch model's buffers and constants (a rotary
+    `inv_freq`), and initializers its optimiser folded from them (rotary tables, masks), told
+    from folded weights (`Transpose(W)` folded) in that no MatMul or Gemm reads them."""
+    text = next((p.value for p in model.graph.metadata_props if p.key == _SIGNATURE), "")
+    if not text:
+        return set()
+    params = set(_PARAMETER.findall(text))
+    multiplied = {name for node in model.graph.node if node.op_type in ("MatMul", "Gemm") for name in node.input}
+    return set(_HELD.findall(text)) | {i.name for i in model.graph.initializer
+                                       if i.name not in params and i.name not in multiplied}
 
 
 def onnx_torch_dtype(elem_type: int) -> torch.dtype:

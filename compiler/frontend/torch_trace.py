@@ -24,6 +24,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from shardc.frontend import creation, normalize, views  # noqa: F401  (fill the rule tables)
+from shardc.frontend.aten import emit_aten, lower_by_dispatch, write_back, writes_first_argument
 from shardc.frontend.capture import Captured, capture, module_path_of, source_of
 from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta, typed_key
 from shardc.frontend.rules import ATEN, FUNCTIONS, METHODS, Rule, target_name
@@ -126,6 +127,8 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 def _map(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, tuple) and hasattr(tree, "n_fields"):  # torch.return_types.max and friends
+        return type(tree)(tuple(_map(x, fn) for x in tree))
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
         return tuple(_map(x, fn) for x in tree)
     if isinstance(tree, list):
@@ -338,11 +341,31 @@ class _Lowering:
         except Unsupported as why:
             if strict:
                 raise
-            if not self.allow_opaque:
-                raise self.error(node, str(why)) from None
-            out = self.opaque(node, args, kwargs, res, str(why))
+            out = self.fallback(node, args, kwargs, res, str(why))
         self.check(node, out, res)
         return out
+
+    def fallback(self, node: torch.fx.Node, args: Any, kwargs: Any, res: Any, why: str) -> Any:
+        """A call no rule lowers, as the aten ops torch runs for it (`shardc.frontend.aten`); else an
+        error naming it, or an opaque node with `allow_opaque`."""
+        mark = self.e.checkpoint()
+        target = node.target
+        try:
+            if isinstance(target, torch._ops.OpOverload):
+                written = node.args[0] if writes_first_argument(target) and node.args else None
+                out = emit_aten(self.e, target, args, kwargs, res)
+                if isinstance(written, torch.fx.Node) and isinstance(out, Value):
+                    write_back(self.e, self.env, written, out)
+                return out
+            if node.op == "call_method":
+                name = str(target)
+                return lower_by_dispatch(self.e, lambda *a, **k: getattr(a[0], name)(*a[1:], **k), args, kwargs, res)
+            return lower_by_dispatch(self.e, target, args, kwargs, res)
+        except Unsupported as more:
+            self.e.rollback(mark)
+            if not self.allow_opaque:
+                raise self.error(node, f"{why}; as aten ops: {more}") from None
+            return self.opaque(node, args, kwargs, res, f"{why}; as aten ops: {more}")
 
     def check(self, node: torch.fx.Node, out: Any, res: Any) -> None:
         got = [v.type for v in pytree.tree_leaves(out) if isinstance(v, Value)]
