@@ -144,15 +144,19 @@ def accuracy(data: dict[str, Any], summary: dict[str, Any]) -> str:
     text = ", ".join(f"{k} {statistics.mean(v) / MiB:+.2f} MiB" for k, v in worst)
     med = summary.get("median_abs_step_time_error")
     rho = summary.get("spearman_step_time")
-    static = summary.get("median_abs_step_time_error_profile")
-    rho_static = summary.get("spearman_step_time_profile")
+    static = summary.get("median_abs_step_time_error_at_speed")
+    rho_static = summary.get("spearman_step_time_at_speed")
     spread = _repeat_spread(ran)
     return (f"- Memory: {summary['plans_memory_within_5pct']} of {len(ran)} plans within 5% on every rank; "
-            f"largest error {summary['max_abs_memory_error']:.1%}. Mean predicted minus measured by category at the "
+            f"largest error {summary['max_abs_memory_error']:.1%}; per category "
+            f"{summary.get('plans_memory_categories_within_10pct', 0)} of {len(ran)} plans within 10%, worst "
+            + (f"{summary['max_abs_memory_category_error']:.1%}" if summary.get("max_abs_memory_category_error")
+               is not None else "-") + f". Mean predicted minus measured by category at the "
             f"peak: {text}.\n"
             f"- Time: median |error| {med:.1%}" + (f", Spearman rank correlation {rho:.2f}" if rho is not None else "")
-            + " (the profile at the speed the probe read beside each plan's steps)"
-            + (f"; on the profile at its reference speed: median |error| {static:.1%}" if static is not None
+            + " (predicted before each plan ran)"
+            + (f"; re-predicted at the speed read during each plan's own steps (not a prediction): median |error| "
+               f"{static:.1%}" if static is not None
                else "")
             + (f", Spearman {rho_static:.2f}" if rho_static is not None else "") + "."
             + (f"\n- Noise floor: plans that differ only in DDP's bucket size (>= 0.1 MiB, where the model predicts "
