@@ -135,6 +135,23 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
     }
 
 
+def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """A plan's entry after one more round: the first round's details (memory, breakdown,
+    collectives), every round's measured step time (`round_step_times_s`) and at-speed
+    re-prediction; the measured step time is the median over rounds, the errors against it. The
+    headline prediction is the same before-run figure every round."""
+    rounds = list(first.get("round_step_times_s") or [first["measured_step_time_s"]]) + [later["measured_step_time_s"]]
+    at = [x for x in (first.get("round_predicted_at_speed_s") or [first.get("predicted_step_time_s_at_speed")])
+          + [later.get("predicted_step_time_s_at_speed")] if x is not None]
+    measured = statistics.median(rounds)
+    at_speed = statistics.median(at) if at else None
+    return {**first, "round_step_times_s": rounds, "round_predicted_at_speed_s": at, "measured_step_time_s": measured,
+            "step_time_error": rel_error(first["predicted_step_time_s"], measured),
+            "predicted_step_time_s_at_speed": at_speed,
+            "step_time_error_at_speed": rel_error(at_speed, measured) if at_speed is not None else None,
+            "load_average": later.get("load_average")}
+
+
 # Measured categories (`shardc.train.memory`) -> the estimate's categories they are compared with.
 # The tracker files model buffers and backward's temporaries apart ("other"); the estimate calls
 # what is not state nor saved activations `working` (plus `recompute_working` under recomputation).

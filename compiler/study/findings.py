@@ -27,6 +27,8 @@ def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def pure(p: dict[str, Any]) -> str | None:
     """'dp', 'tp' or 'pp' when the plan uses only that kind of parallelism (plain settings)."""
+    if p["plan"].startswith("plan_file="):  # the solver's plan: not one kind of parallelism by construction
+        return None
     plan = _plan(p["plan"])
     degrees = {a: getattr(plan, a) for a in ("dp", "tp", "pp", "cp")}
     used = [a for a, d in degrees.items() if d > 1]
@@ -167,6 +169,8 @@ def accuracy(data: dict[str, Any], summary: dict[str, Any]) -> str:
 def family(plan: str) -> str:
     """The kind of plan an error is filed under: what sets it apart from plain data parallelism."""
     keys = dict(kv.split("=", 1) for kv in plan.split(",") if "=" in kv)
+    if "plan_file" in keys:
+        return "solver plan"
     if keys.get("zero", "0") != "0":
         return "ZeRO (FSDP2)"
     if keys.get("recompute", "none") != "none":

@@ -24,7 +24,7 @@ from pathlib import Path
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
 
-STUDY_KEYS = ("split", "bucket_mb")
+STUDY_KEYS = ("split", "bucket_mb", "plan_file")
 SWEEP_KEYS = ("dp", "tp", "pp", "zero", "recompute", "mb")
 
 # The default sweep (GPT example, batch 8): written for 2 and 4 processes. `mb` is explicit.
@@ -50,6 +50,7 @@ class StudyPlan:
     plan: ParallelPlan
     split: tuple[int, ...] | None = None
     bucket_mb: float | None = None
+    file: str | None = None  # a plan file (`shardc plan -o`): the graph is partitioned as it says
 
     def __post_init__(self) -> None:
         if self.split is not None and (len(self.split) != self.plan.stages or min(self.split) < 1):
@@ -64,19 +65,26 @@ class StudyPlan:
 
     @property
     def text(self) -> str:
-        """The canonical text: every plan key, then split and bucket_mb when set."""
+        """The canonical text: every plan key, then split and bucket_mb when set; a plan file's
+        plan is `plan_file=PATH` (the file says the rest)."""
+        if self.file is not None:
+            return f"plan_file={self.file}"
         return ",".join(f"{k}={v}" for k, v in self.items())
 
     @property
     def label(self) -> str:
         """The keys that differ from the study's defaults, and mb: `dp=2,mb=4,zero=1`."""
-        return ",".join(f"{k}={v}" for k, v in self.items() if k == "mb" or _LABEL_DEFAULTS.get(k) != v)
+        text = ",".join(f"{k}={v}" for k, v in self.items() if k == "mb" or _LABEL_DEFAULTS.get(k) != v)
+        return f"solver:{text}" if self.file is not None else text
 
     @property
     def id(self) -> str:
         """A stable file-name-safe id: the plan's keys, then a short hash of the full text."""
         short = re.sub(r"[^A-Za-z0-9=._+-]", "_", self.label)[:60]
-        return f"{short}-{hashlib.sha1(self.text.encode()).hexdigest()[:6]}"
+        digest = hashlib.sha1(self.text.encode())
+        if self.file is not None:  # the same path may hold another plan on another study
+            digest.update(Path(self.file).read_bytes() if Path(self.file).is_file() else b"")
+        return f"{short}-{digest.hexdigest()[:6]}"
 
     @property
     def devices(self) -> int:
@@ -101,6 +109,8 @@ def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:
             keys[key.strip().lower()] = value.strip()
         else:
             rest.append(item)
+    if "plan_file" in keys:
+        return _file_plan(text, keys, rest)
     plan = ParallelPlan.parse(",".join(rest))
     written = {p.partition("=")[0].strip().lower() for p in rest}
     if "dtype" not in written:
@@ -123,6 +133,46 @@ def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:
         except ValueError:
             raise ShardcError(f"study plan {text!r}: bucket_mb={keys['bucket_mb']!r} is not a number") from None
     return StudyPlan(plan, split, bucket)
+
+
+def _file_plan(text: str, keys: dict[str, str], rest: list[str]) -> StudyPlan:
+    """`plan_file=PATH`: the plan file's own plan; nothing else may be written beside it."""
+    from shardc.plan.file import PlanFile
+
+    if rest or len(keys) > 1:
+        raise ShardcError(f"study plan {text!r}: plan_file= stands alone (the file says the whole plan)",
+                          hint="write plan_file=PATH on its own line")
+    return StudyPlan(PlanFile.load(keys["plan_file"]).plan, file=keys["plan_file"])
+
+
+def default_sweep(n: int, batch: int, layers: int) -> list[str]:
+    """The default sweep's candidates for `n` processes on a model of `batch` sequences and
+    `layers` repeated blocks, before validation (`shardc.study.sweep` drops those the
+    `validate-plan` pass refuses for the model and cluster). Every factorisation of `n` into
+    dp, tp, pp and cp; around pure data parallelism ZeRO 1 and 3, selective and full
+    recomputation, bf16, gradient accumulation (half the micro-batch) and DDP bucket sizes; tp
+    with sequence parallelism; pp with GPipe and an unbalanced stage split; mb is the
+    per-replica batch, or a pipeline's per-replica batch over 2*pp (at least 1)."""
+    out: list[str] = []
+    for combo in _factorisations(n, ("dp", "tp", "pp", "cp")):
+        dp, tp, pp, cp = (combo[k] for k in ("dp", "tp", "pp", "cp"))
+        per = max(1, batch // dp)
+        mb = per if pp == 1 else max(1, per // (2 * pp))
+        base = ",".join(f"{k}={v}" for k, v in combo.items() if v > 1) or "dp=1"
+        base += f",mb={mb}"
+        out.append(base)
+        if dp == n:
+            out += [f"{base},zero=1", f"{base},zero=3", f"{base},recompute=selective", f"{base},recompute=full",
+                    f"{base},dtype=bf16", f"{base},bucket_mb=0.01", f"{base},bucket_mb=1"]
+            if mb > 1:
+                out.append(f"dp={dp},mb={mb // 2}")
+        if tp > 1 and pp == 1 and cp == 1:
+            out += [f"{base},sp=1", f"{base},sp=1,recompute=selective"]
+        if pp == n:
+            out.append(f"{base},schedule=gpipe")
+            if layers > pp:  # all but one block per later stage on the first
+                out.append(f"{base},split=" + "+".join(map(str, [layers - pp + 1] + [1] * (pp - 1))))
+    return list(dict.fromkeys(out))
 
 
 def read_plans_file(path: str | Path) -> list[str]:
