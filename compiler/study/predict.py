@@ -149,6 +149,6 @@ def solver_plan_file(source: Source, cluster: Any, gbs: int, path: Any, time_lim
     `plan_file=PATH` that runs it."""
     from shardc.search.report import write_plan
 
-    graph, ctx = driver.solve(source, driver.as_cluster(cluster), gbs, time_limit=time_limit, dtype="fp32")
+    graph, ctx = driver.solve(source, cluster, gbs, time_limit=time_limit, dtype="fp32")
     write_plan(str(path), graph, ctx.options["search"].best, gbs)
     return f"plan_file={path}"
