@@ -1,8 +1,11 @@
 """The plans a study runs: the default sweep, `--sweep KEYS`, or a `--plans FILE`.
 
-A study plan is a `ParallelPlan` (the `--plan` syntax) plus two keys only the study knows:
-`split=3+1` (repeated blocks per pipeline stage, for deliberately unbalanced partitions) and
-`bucket_mb=1` (DDP's gradient bucket size, for the block-size experiment). The torch backend
+A study plan is a `ParallelPlan` (the `--plan` syntax) plus keys only the study knows:
+`split=3+1` (repeated blocks per pipeline stage, for deliberately unbalanced partitions),
+`bucket_mb=1` (DDP's gradient bucket size, for the block-size experiment), and
+`plan_file=PATH` alone (a plan file `shardc plan -o` wrote: the solver's plan, run from it).
+The default sweep (`default_sweep`) is a list of candidates for the model's batch and layers
+that the study filters through the `validate-plan` pass. The torch backend
 trains in the model's own dtype, so study plans default to `dtype=fp32`; `mb` defaults to the
 whole per-replica batch when there is no pipeline (no gradient accumulation) and to a
 quarter of it with a pipeline (4 micro-batches), unless written.
@@ -27,13 +30,6 @@ from shardc.plan.parallel import ParallelPlan
 STUDY_KEYS = ("split", "bucket_mb", "plan_file")
 SWEEP_KEYS = ("dp", "tp", "pp", "zero", "recompute", "mb")
 
-# The default sweep (GPT example, batch 8): written for 2 and 4 processes. `mb` is explicit.
-DEFAULT_SWEEP: dict[int, tuple[str, ...]] = {
-    2: ("dp=2,mb=4", "dp=2,mb=4,zero=1", "dp=2,mb=4,zero=3", "dp=2,mb=4,recompute=full", "dp=2,mb=2",
-        "tp=2,mb=8", "tp=2,sp=1,mb=8", "pp=2,mb=2", "pp=2,mb=2,schedule=gpipe", "pp=2,mb=2,split=3+1",
-        "dp=2,mb=4,bucket_mb=0.01", "dp=2,mb=4,bucket_mb=0.1", "dp=2,mb=4,bucket_mb=1"),
-    4: ("dp=4,mb=2", "dp=2,tp=2,mb=4", "tp=4,mb=8", "pp=4,mb=2", "dp=2,pp=2,mb=2", "tp=2,pp=2,mb=2"),
-}
 DEFAULT_MODEL = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
 
 

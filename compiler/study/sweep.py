@@ -1,16 +1,19 @@
 """`shardc study`: run every plan of a sweep for real, predict it, compare, report.
 
-Order of work: parse the plans; for each one not already in `DIR/results.json` (a resumed
-study keeps what it has), partition it once through the driver (`shardc.study.predict`: the
-study pipeline up to its `estimate` pass, on the model built with real weights) and predict
-it from that graph; a plan predicted not to fit the local memory is recorded as
+Order of work: the plans (a file's, a `--sweep`, or the default sweep: candidates for this
+model and cluster filtered by the `validate-plan` pass, plus the solver's plan file); every
+plan is predicted before the first one is launched, and that before-run prediction is the
+headline. For each one not already in `DIR/results.json` (a resumed study keeps what it has),
+partition it once through the driver (`shardc.study.predict`: the study pipeline up to its
+`estimate` pass, on the model built with real weights) and predict it from that graph; a plan predicted not to fit the local memory is recorded as
 `does_not_fit` and not run; the others are lowered from that same partitioned graph
 (`shardc.compile` with the graph as the plan) and run in one process group per process count
-(`shardc.study.runs`), after an all_reduce-by-size benchmark. Once a plan has run it is
-predicted again, from the same graph, on the profile at the speed the machine ran it
+(`shardc.study.runs`), after an all_reduce-by-size benchmark, `rounds` times, each round in an
+order shuffled by the seed. Once a plan has run it is predicted again, from the same graph,
+on the profile at the speed the machine ran it
 (`calibration.profile.at_speed`: every rank times the probe workload of
 `shardc.calibration.speed` before and after each measured step, against the profile's
-reference time for it); both predictions are recorded.
+reference time for it); both predictions are recorded, the second as a secondary figure only.
 
 On `--device cuda` each process count needs as many GPUs (NCCL, rank r on `cuda:r`); plans are
 predicted on the GPU preset `--cluster` names (`H200`) or the visible GPU's, and after the sweep
