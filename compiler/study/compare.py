@@ -215,6 +215,7 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
                             [p["measured_step_time_s"] for p in fast])
     worst_cat = [abs(p["worst_memory_category"]["error"]) for p in ran if p.get("worst_memory_category")]
     failed = sum(1 for p in data["plans"] if p["status"] in ("error", "invalid"))
+    spreads = [max(r) / min(r) for p in ran if len(r := p.get("round_step_times_s") or []) > 1 and min(r) > 0]
     return {
         "plans": len(data["plans"]), "ran": len(ran),
         "errors": sum(1 for p in data["plans"] if p["status"] == "error"),
@@ -228,6 +229,7 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
         "spearman_step_time_at_speed": rho_at_speed,
         "max_abs_memory_error": max(mem_errors) if mem_errors else None,
         "median_abs_memory_error": statistics.median(mem_errors) if mem_errors else None,
+        "median_round_spread": statistics.median(spreads) if spreads else None,  # max/min over rounds
         "plans_memory_within_5pct": sum(1 for p in ran if p["max_abs_memory_error"] <= 0.05),
         "max_abs_memory_category_error": max(worst_cat) if worst_cat else None,
         "plans_memory_categories_within_10pct": sum(1 for e in worst_cat if e <= 0.10),

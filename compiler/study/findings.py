@@ -161,8 +161,7 @@ def accuracy(data: dict[str, Any], summary: dict[str, Any]) -> str:
                f"{static:.1%}" if static is not None
                else "")
             + (f", Spearman {rho_static:.2f}" if rho_static is not None else "") + "."
-            + (f"\n- Noise floor: plans that differ only in DDP's bucket size (>= 0.1 MiB, where the model predicts "
-               f"within a few ms of each other) measured {spread}." if spread else "")
+            + (f"\n- Noise floor: the same plan measured {spread}." if spread else "")
             + _by_family(ran))
 
 
@@ -199,14 +198,14 @@ def _by_family(ran: list[dict[str, Any]]) -> str:
 
 
 def _repeat_spread(ran: list[dict[str, Any]]) -> str:
-    """Measured step times of the plain DP plan and its bucket-size variants of 0.1 MiB and up."""
-    base = [p for p in ran if "bucket_mb" in p and (p["bucket_mb"] is None or p["bucket_mb"] >= 0.1)
-            and p["plan"].startswith("dp=2,tp=1,pp=1,vpp=1,cp=1,sp=0,mb=4,") and "zero=0" in p["plan"]
-            and "recompute=none" in p["plan"]]
-    if len(base) < 2:
+    """How much a plan's measured step time moved between rounds (max over min of its rounds'
+    medians): the median over plans and the widest, for plans that ran more than one round."""
+    spreads = [(max(r) / min(r), p) for p in ran if len(r := p.get("round_step_times_s") or []) > 1 and min(r) > 0]
+    if not spreads:
         return ""
-    times = sorted(p["measured_step_time_s"] for p in base)
-    return f"{times[0] * 1e3:.1f} to {times[-1] * 1e3:.1f} ms ({times[-1] / times[0]:.1f}x)"
+    worst = max(spreads, key=lambda x: x[0])
+    return (f"a median {statistics.median(x for x, _ in spreads):.2f}x between a plan's fastest and slowest round, "
+            f"up to {worst[0]:.2f}x ({label(worst[1]['plan'])})")
 
 
 def findings(data: dict[str, Any], summary: dict[str, Any]) -> str:
