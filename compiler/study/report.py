@@ -212,7 +212,8 @@ def _left_out(data: dict[str, Any]) -> str:
     left = data.get("left_out") or []
     if not left:
         return ""
-    rows = "\n".join(f"- `{x['plan']}`: {x['reason'].splitlines()[-1].strip(' -')[:200]}" for x in left)
+    rows = "\n".join(f"- `{x['plan']}`: " + "; ".join(line.strip(" -") for line in x["reason"].splitlines()[1:]
+                                                        or x["reason"].splitlines())[:300] for x in left)
     return (f"The default sweep left out {len(left)} candidate(s) that the plan validation (`validate-plan`) "
             f"refuses for this model and cluster:\n\n{rows}\n")
 
