@@ -143,8 +143,11 @@ def _record_error(job: dict[str, Any], message: str, tb: str, store: ResultsStor
         store.save()
         return
     sp, predicted = predictions[job["id"]]
+    before = store.entry(sp.id)  # a plan that ran in earlier rounds and failed now: a failure, rounds kept
+    earlier = {"earlier_round_step_times_s": before.get("round_step_times_s")} if before and before["status"] == "ok" \
+        else {}
     store.record(status_entry(sp, sp.text, "error", error=message.strip().splitlines()[0][:500] if message else "",
-                        traceback=tb[-2000:], predicted=predicted))
+                              traceback=tb[-2000:], predicted=predicted, **earlier))
 
 
 def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsStore, predictions: Predictions,
