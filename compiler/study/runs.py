@@ -19,7 +19,7 @@ from typing import Any
 from shardc.backends.torch.launch import write_json
 from shardc.study.plans import StudyPlan
 
-RESULTS_VERSION = 1
+RESULTS_VERSION = 2  # 2: predicted_step_time_s is the before-run prediction (1: at speed)
 
 # plan id -> (the plan, its prediction): what a finished job is compared with
 Predictions = dict[str, tuple[StudyPlan, dict[str, Any]]]
