@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="where the report and results.json go")
     p.add_argument("--steps", type=int, default=10, help="measured steps per plan (medians; the probe times the machine beside each)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every plan this many times, each round in a shuffled order (--seed); the report gives "
+                        "each plan's range over rounds")
+    p.add_argument("--seed", type=int, default=0, help="the shuffle of the plans' order in each round")
     p.add_argument("--fresh-profile", action="store_true",
                    help="recalibrate this machine before the sweep (its load changes the predictions)")
     _add_pipeline(p, PIPELINES["study"] + " (its passes before estimate make the graph that runs)")
@@ -257,7 +261,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     return run_study(args.model, args.nproc, plans_file=args.plans, sweep=args.sweep, device=args.device,
                      out_dir=args.out, steps=args.steps, warmup=args.warmup, console=_console(),
                      fresh_profile=args.fresh_profile, cluster=args.cluster,
-                     gpu_calibration=args.calibrate_matmuls, flags=_flags(args))
+                     gpu_calibration=args.calibrate_matmuls, flags=_flags(args), rounds=args.rounds,
+                     seed=args.seed)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

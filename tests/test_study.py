@@ -1,7 +1,8 @@
-"""`shardc study` end to end on 2 gloo processes, resume, failures, does-not-fit, and memory accounting.
+"""`shardc study` end to end on 2 gloo processes: the before-run headline, the default sweep,
+rounds, resume, failures, does-not-fit, and memory accounting per category.
 
-The sweep is tiny (the tiny GPT, 2 measured steps) so that the whole file stays well under 90 s;
-the numbers are real measurements, so the tests check structure and accounting, not speed.
+The sweeps are tiny (the tiny GPT, 1-2 measured steps); the numbers are real measurements, so
+the tests check structure, order of work and accounting, not speed.
 """
 
 from __future__ import annotations
@@ -9,15 +10,20 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
+from shardc.calibration.local import load_profile
 from shardc.cli import main
 from shardc.study import run_study
-from shardc.study.compare import spearman
-from shardc.study.plans import parse_study_plan
+from shardc.study import sweep as study_sweep
+from shardc.study.compare import category_errors, spearman
+from shardc.study.plans import default_sweep, parse_study_plan
+from shardc.study.predict import predict, study_cluster
+from shardc.study.runs import ResultsStore
 from shardc.train.memory import MemoryTracker, track_memory
 
 MODEL = "examples/gpt.py:tiny?batch=4"
@@ -42,7 +48,7 @@ def studies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path,
     # bucket_mb= runs plain DDP, which the worker refuses for a ZeRO plan on every rank: the group
     # stops, the error is recorded and the study goes on. The resumed study adds a split= pipeline
     # with recomputation (stages dealt before lowering, run by the IR pipeline runtime).
-    first = _study(out, ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1"])
+    first = _study(out, ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1"], rounds=2)
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
     # resumed through the command line (its all_reduce benchmark is done), its passes timed
     plans = _write(out.parent / "resumed.plans", ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1", SPLIT])
@@ -71,12 +77,27 @@ def test_results_schema_and_report_files(studies) -> None:
     assert p["max_abs_memory_error"] <= 0.05, p["memory_errors"]
     # The speed probe beside each step: before the first and after each of the 2, on every rank
     assert [len(x) for x in p["speed_probe_s"]] == [3, 3] and 0.2 < p["speed_factor"] < 5
+    # The headline is the before-run prediction; the at-speed one is the secondary figure
+    assert p["prediction"] == "before-run" and p["predicted_step_time_s"] == p["predicted"]["step_time_s"]
     assert p["predicted_recalibrated"]["speed_factor"] == p["speed_factor"]
+    assert p["predicted_step_time_s_at_speed"] == pytest.approx(statistics.median(p["round_predicted_at_speed_s"]))
+    # Two rounds: both measured, the plan's step time their median, the error against it
+    assert len(p["round_step_times_s"]) == 2 and len(first["orders"]) == 2
+    assert p["measured_step_time_s"] == pytest.approx(statistics.median(p["round_step_times_s"]))
+    assert p["step_time_error"] == pytest.approx((p["predicted_step_time_s"] - p["measured_step_time_s"])
+                                                 / p["measured_step_time_s"])
+    # Memory per category on every rank, and the plan's worst category
+    cats = {c["category"] for c in rank["memory_categories"]}
+    assert cats == {"parameters", "gradients", "optimizer", "activations", "buffers", "working"}
+    worst = p["worst_memory_category"]
+    assert abs(worst["error"]) == max(abs(c["error"]) for r in p["ranks"] for c in r["memory_categories"]
+                                      if c["error"] is not None)
     assert set(rank["time_breakdown"]) >= {"compute_s", "communication_s", "waiting_s", "exposed_communication_s"}
     assert [x["bytes"] for x in first["allreduce"]["2"]["points"]] == list(SIZES)
     assert "summary" in first and "spearman_step_time" in first["summary"]
     text = (out / "report.md").read_text()
     assert "## Targets" in text and "## Findings" in text
+    assert "predicted before the run, median error" in text and "worst category error" in text
     for name in ("time.png", "memory.png", "pipeline_memory.png", "block_size.png", "parallelism.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
@@ -184,3 +205,81 @@ def test_a_storage_resized_in_place_is_counted_once() -> None:
         y = x.view(-1) + 0  # dispatches; re-measures x's storage and adds y's
     del y
     assert sum(1 for ref, _ in tracker.live.values() if ref() is x.untyped_storage()) == 1
+
+
+def test_default_sweep_of_the_tiny_gpt_is_valid_runs_and_is_predicted_before_it_runs(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """`shardc study examples/gpt.py:tiny --nproc 2`: every default plan passes validate-plan
+    (none left out), includes selective recomputation, bf16, a rotating (cp, ring attention)
+    partition and the solver's plan file, and runs. The predictions are fixed before the first
+    plan is launched: what run_groups is handed equals the headline recorded after the runs,
+    and equals the plan predicted afresh (no run) on the same profile."""
+    profile = load_profile()
+    handed: dict[str, float] = {}
+    real = study_sweep.run_groups
+
+    def recording(jobs, work, store, predictions, *args, **kw):
+        for pid, (_, predicted) in predictions.items():
+            handed.setdefault(pid, predicted["step_time_s"])
+        assert not any(p["status"] == "ok" for p in store.data["plans"])  # nothing has run yet
+        return real(jobs, work, store, predictions, *args, **kw)
+
+    monkeypatch.setattr(study_sweep, "run_groups", recording)
+    out = tmp_path / "default"
+    run_study("examples/gpt.py:tiny", 2, out_dir=out, steps=1, warmup=1, allreduce_sizes=SIZES, profile=profile)
+    data = json.loads((out / "results.json").read_text())
+    assert data["left_out"] == []
+    failed = [(p["plan"], p.get("error")) for p in data["plans"] if p["status"] != "ok"]
+    assert not failed, failed
+    plans = [p["plan"] for p in data["plans"]]
+    assert len(plans) == len(default_sweep(2, 2, 2)) + 1
+    for want in ("recompute=selective", "dtype=bf16", "cp=2", "schedule=gpipe", "zero=3", "sp=1"):
+        assert any(want in p for p in plans), want
+    solver = [p for p in data["plans"] if "plan_file=" in p["plan"]]
+    assert len(solver) == 1 and (out / "solver-2.plan").is_file()
+    assert {p["id"]: p["predicted_step_time_s"] for p in data["plans"]} == handed
+    sp = parse_study_plan(data["plans"][0]["plan"], 2)
+    fresh = predict("examples/gpt.py:tiny", sp, study_cluster(2, profile=profile))[1]["step_time_s"]
+    assert data["plans"][0]["predicted_step_time_s"] == pytest.approx(fresh, rel=1e-9)
+    assert data["summary"]["targets"]["every_plan_runs"]
+    assert all(p["worst_memory_category"] is not None for p in data["plans"])
+
+
+def test_the_default_sweep_leaves_out_what_validate_plan_refuses() -> None:
+    """On a model whose 3 heads tp=2 cannot split, the tp candidates are dropped with the pass's reason."""
+    from shardc.driver import open_model
+    from shardc.study.predict import validation_problem
+
+    source = open_model("examples/gpt.py:tiny?n_head=3&n_embd=48", device="cpu")
+    grouped: dict = {}
+    refused = {t: validation_problem(source, parse_study_plan(t, 2), study_cluster(2), grouped)
+               for t in default_sweep(2, 2, 2)}
+    assert "tp=2 does not divide heads=3" in refused["tp=2,mb=2"]
+    assert refused["dp=2,mb=1"] is None and refused["cp=2,mb=2"] is None
+
+
+def test_rounds_shuffle_by_seed_and_skip_failed_plans(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path / "results.json", {"model": "m"})
+    jobs = {2: [{"id": f"p{i}"} for i in range(8)]}
+    store.record({"id": "p3", "status": "error"})
+    orders = [[j["id"] for j in study_sweep._round_jobs(jobs, store, r, 0)[2]] for r in range(3)]
+    assert all(sorted(o) == sorted(f"p{i}" for i in range(8) if i != 3) for o in orders)
+    assert len({tuple(o) for o in orders}) == 3  # each round its own order
+    assert orders[1] == [j["id"] for j in study_sweep._round_jobs(jobs, store, 1, 0)[2]]  # seeded
+    store.record({"id": "p0", "status": "ok", "round_step_times_s": [0.1, 0.1]})
+    assert "p0" not in [j["id"] for j in study_sweep._round_jobs(jobs, store, 1, 0)[2]]
+    assert "p0" in [j["id"] for j in study_sweep._round_jobs(jobs, store, 2, 0)[2]]
+
+
+def test_memory_category_errors() -> None:
+    """Each category against its own measurement; tiny categories get no relative error, and a
+    category measured empty but predicted large is not hidden."""
+    measured = {"parameters": 1000, "gradients": 1000, "optimizer": 2000, "activations": 500, "other": 400,
+                "model_buffers": 100, "buffers": 0}
+    predicted = {"parameters": 1000, "gradients": 1000, "optimizer": 2000, "activations": 900, "working": 250,
+                 "recompute_working": 0, "buffers": 300}
+    got = {c["category"]: c["error"] for c in category_errors(measured, predicted, 5000)}
+    assert got["parameters"] == 0 and got["activations"] == pytest.approx(0.8)
+    assert got["working"] == pytest.approx(-0.5)
+    assert got["buffers"] == pytest.approx(3.0)  # 300 predicted against the 2% floor of 100 bytes
+    assert category_errors({"parameters": 10}, {"parameters": 20}, 5000)[0]["error"] is None

@@ -27,6 +27,8 @@ def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def pure(p: dict[str, Any]) -> str | None:
     """'dp', 'tp' or 'pp' when the plan uses only that kind of parallelism (plain settings)."""
+    if p["plan"].startswith("plan_file="):  # the solver's plan: not one kind of parallelism by construction
+        return None
     plan = _plan(p["plan"])
     degrees = {a: getattr(plan, a) for a in ("dp", "tp", "pp", "cp")}
     used = [a for a, d in degrees.items() if d > 1]
@@ -144,25 +146,30 @@ def accuracy(data: dict[str, Any], summary: dict[str, Any]) -> str:
     text = ", ".join(f"{k} {statistics.mean(v) / MiB:+.2f} MiB" for k, v in worst)
     med = summary.get("median_abs_step_time_error")
     rho = summary.get("spearman_step_time")
-    static = summary.get("median_abs_step_time_error_profile")
-    rho_static = summary.get("spearman_step_time_profile")
+    static = summary.get("median_abs_step_time_error_at_speed")
+    rho_static = summary.get("spearman_step_time_at_speed")
     spread = _repeat_spread(ran)
     return (f"- Memory: {summary['plans_memory_within_5pct']} of {len(ran)} plans within 5% on every rank; "
-            f"largest error {summary['max_abs_memory_error']:.1%}. Mean predicted minus measured by category at the "
+            f"largest error {summary['max_abs_memory_error']:.1%}; per category "
+            f"{summary.get('plans_memory_categories_within_10pct', 0)} of {len(ran)} plans within 10%, worst "
+            + (f"{summary['max_abs_memory_category_error']:.1%}" if summary.get("max_abs_memory_category_error")
+               is not None else "-") + f". Mean predicted minus measured by category at the "
             f"peak: {text}.\n"
             f"- Time: median |error| {med:.1%}" + (f", Spearman rank correlation {rho:.2f}" if rho is not None else "")
-            + " (the profile at the speed the probe read beside each plan's steps)"
-            + (f"; on the profile at its reference speed: median |error| {static:.1%}" if static is not None
+            + " (predicted before each plan ran)"
+            + (f"; re-predicted at the speed read during each plan's own steps (not a prediction): median |error| "
+               f"{static:.1%}" if static is not None
                else "")
             + (f", Spearman {rho_static:.2f}" if rho_static is not None else "") + "."
-            + (f"\n- Noise floor: plans that differ only in DDP's bucket size (>= 0.1 MiB, where the model predicts "
-               f"within a few ms of each other) measured {spread}." if spread else "")
+            + (f"\n- Noise floor: the same plan measured {spread}." if spread else "")
             + _by_family(ran))
 
 
 def family(plan: str) -> str:
     """The kind of plan an error is filed under: what sets it apart from plain data parallelism."""
     keys = dict(kv.split("=", 1) for kv in plan.split(",") if "=" in kv)
+    if "plan_file" in keys:
+        return "solver plan"
     if keys.get("zero", "0") != "0":
         return "ZeRO (FSDP2)"
     if keys.get("recompute", "none") != "none":
@@ -191,14 +198,14 @@ def _by_family(ran: list[dict[str, Any]]) -> str:
 
 
 def _repeat_spread(ran: list[dict[str, Any]]) -> str:
-    """Measured step times of the plain DP plan and its bucket-size variants of 0.1 MiB and up."""
-    base = [p for p in ran if "bucket_mb" in p and (p["bucket_mb"] is None or p["bucket_mb"] >= 0.1)
-            and p["plan"].startswith("dp=2,tp=1,pp=1,vpp=1,cp=1,sp=0,mb=4,") and "zero=0" in p["plan"]
-            and "recompute=none" in p["plan"]]
-    if len(base) < 2:
+    """How much a plan's measured step time moved between rounds (max over min of its rounds'
+    medians): the median over plans and the widest, for plans that ran more than one round."""
+    spreads = [(max(r) / min(r), p) for p in ran if len(r := p.get("round_step_times_s") or []) > 1 and min(r) > 0]
+    if not spreads:
         return ""
-    times = sorted(p["measured_step_time_s"] for p in base)
-    return f"{times[0] * 1e3:.1f} to {times[-1] * 1e3:.1f} ms ({times[-1] / times[0]:.1f}x)"
+    worst = max(spreads, key=lambda x: x[0])
+    return (f"a median {statistics.median(x for x, _ in spreads):.2f}x between a plan's fastest and slowest round, "
+            f"up to {worst[0]:.2f}x ({label(worst[1]['plan'])})")
 
 
 def findings(data: dict[str, Any], summary: dict[str, Any]) -> str:

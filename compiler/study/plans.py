@@ -1,8 +1,11 @@
 """The plans a study runs: the default sweep, `--sweep KEYS`, or a `--plans FILE`.
 
-A study plan is a `ParallelPlan` (the `--plan` syntax) plus two keys only the study knows:
-`split=3+1` (repeated blocks per pipeline stage, for deliberately unbalanced partitions) and
-`bucket_mb=1` (DDP's gradient bucket size, for the block-size experiment). The torch backend
+A study plan is a `ParallelPlan` (the `--plan` syntax) plus keys only the study knows:
+`split=3+1` (repeated blocks per pipeline stage, for deliberately unbalanced partitions),
+`bucket_mb=1` (DDP's gradient bucket size, for the block-size experiment), and
+`plan_file=PATH` alone (a plan file `shardc plan -o` wrote: the solver's plan, run from it).
+The default sweep (`default_sweep`) is a list of candidates for the model's batch and layers
+that the study filters through the `validate-plan` pass. The torch backend
 trains in the model's own dtype, so study plans default to `dtype=fp32`; `mb` defaults to the
 whole per-replica batch when there is no pipeline (no gradient accumulation) and to a
 quarter of it with a pipeline (4 micro-batches), unless written.
@@ -24,16 +27,9 @@ from pathlib import Path
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
 
-STUDY_KEYS = ("split", "bucket_mb")
+STUDY_KEYS = ("split", "bucket_mb", "plan_file")
 SWEEP_KEYS = ("dp", "tp", "pp", "zero", "recompute", "mb")
 
-# The default sweep (GPT example, batch 8): written for 2 and 4 processes. `mb` is explicit.
-DEFAULT_SWEEP: dict[int, tuple[str, ...]] = {
-    2: ("dp=2,mb=4", "dp=2,mb=4,zero=1", "dp=2,mb=4,zero=3", "dp=2,mb=4,recompute=full", "dp=2,mb=2",
-        "tp=2,mb=8", "tp=2,sp=1,mb=8", "pp=2,mb=2", "pp=2,mb=2,schedule=gpipe", "pp=2,mb=2,split=3+1",
-        "dp=2,mb=4,bucket_mb=0.01", "dp=2,mb=4,bucket_mb=0.1", "dp=2,mb=4,bucket_mb=1"),
-    4: ("dp=4,mb=2", "dp=2,tp=2,mb=4", "tp=4,mb=8", "pp=4,mb=2", "dp=2,pp=2,mb=2", "tp=2,pp=2,mb=2"),
-}
 DEFAULT_MODEL = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
 
 
@@ -50,6 +46,7 @@ class StudyPlan:
     plan: ParallelPlan
     split: tuple[int, ...] | None = None
     bucket_mb: float | None = None
+    file: str | None = None  # a plan file (`shardc plan -o`): the graph is partitioned as it says
 
     def __post_init__(self) -> None:
         if self.split is not None and (len(self.split) != self.plan.stages or min(self.split) < 1):
@@ -64,19 +61,26 @@ class StudyPlan:
 
     @property
     def text(self) -> str:
-        """The canonical text: every plan key, then split and bucket_mb when set."""
+        """The canonical text: every plan key, then split and bucket_mb when set; a plan file's
+        plan is `plan_file=PATH` (the file says the rest)."""
+        if self.file is not None:
+            return f"plan_file={self.file}"
         return ",".join(f"{k}={v}" for k, v in self.items())
 
     @property
     def label(self) -> str:
         """The keys that differ from the study's defaults, and mb: `dp=2,mb=4,zero=1`."""
-        return ",".join(f"{k}={v}" for k, v in self.items() if k == "mb" or _LABEL_DEFAULTS.get(k) != v)
+        text = ",".join(f"{k}={v}" for k, v in self.items() if k == "mb" or _LABEL_DEFAULTS.get(k) != v)
+        return f"solver:{text}" if self.file is not None else text
 
     @property
     def id(self) -> str:
         """A stable file-name-safe id: the plan's keys, then a short hash of the full text."""
         short = re.sub(r"[^A-Za-z0-9=._+-]", "_", self.label)[:60]
-        return f"{short}-{hashlib.sha1(self.text.encode()).hexdigest()[:6]}"
+        digest = hashlib.sha1(self.text.encode())
+        if self.file is not None:  # the same path may hold another plan on another study
+            digest.update(Path(self.file).read_bytes() if Path(self.file).is_file() else b"")
+        return f"{short}-{digest.hexdigest()[:6]}"
 
     @property
     def devices(self) -> int:
@@ -101,6 +105,8 @@ def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:
             keys[key.strip().lower()] = value.strip()
         else:
             rest.append(item)
+    if "plan_file" in keys:
+        return _file_plan(text, keys, rest)
     plan = ParallelPlan.parse(",".join(rest))
     written = {p.partition("=")[0].strip().lower() for p in rest}
     if "dtype" not in written:
@@ -123,6 +129,46 @@ def parse_study_plan(text: str, batch: int | None = None) -> StudyPlan:
         except ValueError:
             raise ShardcError(f"study plan {text!r}: bucket_mb={keys['bucket_mb']!r} is not a number") from None
     return StudyPlan(plan, split, bucket)
+
+
+def _file_plan(text: str, keys: dict[str, str], rest: list[str]) -> StudyPlan:
+    """`plan_file=PATH`: the plan file's own plan; nothing else may be written beside it."""
+    from shardc.plan.file import PlanFile
+
+    if rest or len(keys) > 1:
+        raise ShardcError(f"study plan {text!r}: plan_file= stands alone (the file says the whole plan)",
+                          hint="write plan_file=PATH on its own line")
+    return StudyPlan(PlanFile.load(keys["plan_file"]).plan, file=keys["plan_file"])
+
+
+def default_sweep(n: int, batch: int, layers: int) -> list[str]:
+    """The default sweep's candidates for `n` processes on a model of `batch` sequences and
+    `layers` repeated blocks, before validation (`shardc.study.sweep` drops those the
+    `validate-plan` pass refuses for the model and cluster). Every factorisation of `n` into
+    dp, tp, pp and cp; around pure data parallelism ZeRO 1 and 3, selective and full
+    recomputation, bf16, gradient accumulation (half the micro-batch) and DDP bucket sizes; tp
+    with sequence parallelism; pp with GPipe and an unbalanced stage split; mb is the
+    per-replica batch, or a pipeline's per-replica batch over 2*pp (at least 1)."""
+    out: list[str] = []
+    for combo in _factorisations(n, ("dp", "tp", "pp", "cp")):
+        dp, tp, pp, cp = (combo[k] for k in ("dp", "tp", "pp", "cp"))
+        per = max(1, batch // dp)
+        mb = per if pp == 1 else max(1, per // (2 * pp))
+        base = ",".join(f"{k}={v}" for k, v in combo.items() if v > 1) or "dp=1"
+        base += f",mb={mb}"
+        out.append(base)
+        if dp == n:
+            out += [f"{base},zero=1", f"{base},zero=3", f"{base},recompute=selective", f"{base},recompute=full",
+                    f"{base},dtype=bf16", f"{base},bucket_mb=0.01", f"{base},bucket_mb=1"]
+            if mb > 1:
+                out.append(f"dp={dp},mb={mb // 2}")
+        if tp > 1 and pp == 1 and cp == 1:
+            out += [f"{base},sp=1", f"{base},sp=1,recompute=selective"]
+        if pp == n:
+            out.append(f"{base},schedule=gpipe")
+            if layers > pp:  # all but one block per later stage on the first
+                out.append(f"{base},split=" + "+".join(map(str, [layers - pp + 1] + [1] * (pp - 1))))
+    return list(dict.fromkeys(out))
 
 
 def read_plans_file(path: str | Path) -> list[str]:

@@ -65,7 +65,14 @@ def block_stages(graph: Graph) -> dict[str, int]:
 
 def partition(source: Source, sp: StudyPlan, cluster: Any, flags: Flags | None = None) -> tuple[Graph, PassContext]:
     """`source` traced at the batch `sp` needs and partitioned by the study pipeline's passes
-    before `estimate`, with `sp.split` dealt into the stages: the graph predicted and run."""
+    before `estimate`, with `sp.split` dealt into the stages: the graph predicted and run. A
+    plan file's plan (`sp.file`) is written into the graph as the file says instead
+    (`driver.plan_file_graph`, as `shardc run --plan FILE` does)."""
+    if sp.file is not None:
+        from shardc.plan.file import PlanFile
+
+        ctx = PassContext(cluster=driver.as_cluster(cluster))
+        return driver.plan_file_graph(source, ctx.cluster, PlanFile.load(sp.file), flags=flags or Flags())[1], ctx
     passes, _ = study_pipeline(flags)
     ctx = PassContext(cluster=driver.as_cluster(cluster), plan=sp.plan)
     graph = driver.run(driver.trace_for(source, sp.plan).graph, passes, ctx, flags or Flags())
@@ -80,7 +87,7 @@ def score(graph: Graph, sp: StudyPlan, cluster: Any, flags: Flags | None = None)
     _, passes = study_pipeline(flags)
     if sp.bucket_mb is not None:
         passes = [replace(p, bucket_mb=sp.bucket_mb) if isinstance(p, Estimate) else p for p in passes]
-    ctx = PassContext(cluster=driver.as_cluster(cluster), plan=sp.plan)
+    ctx = PassContext(cluster=driver.as_cluster(cluster), plan=None if sp.file else sp.plan)
     driver.run(graph, passes, ctx, flags or Flags())
     return ctx.options["estimate"], figures(ctx.options["estimate"], graph, sp)
 
@@ -108,3 +115,40 @@ def figures(est: Any, graph: Graph, sp: StudyPlan) -> dict[str, Any]:
             "mesh_axes": list(mesh.axes) if mesh is not None else [],
             "stages": [{"stage": s.stage, "layers": list(s.layers), "memory_bytes": s.memory_bytes,
                         "memory": dict(s.memory), "in_flight": s.in_flight} for s in est.stages]}
+
+
+def validation_problem(source: Source, sp: StudyPlan, cluster: Any, grouped: dict[int | None, Graph]) -> str | None:
+    """Why the `validate-plan` pass refuses `sp` for `source` on `cluster` (its ShardcError's
+    message), or None when it accepts it. `grouped` caches the layer-grouped graph per traced
+    batch. The rules are the pass's own (`passes.validate_plan.check_plan`), not copied here."""
+    from shardc.ir.diagnostics import ShardcError
+    from shardc.passes.validate_plan import check_plan
+
+    resolved = driver.as_cluster(cluster)
+    key = driver.batch_for(sp.plan, source.batch) if source.resizable else None
+    if key not in grouped:
+        grouped[key] = driver.run(driver.trace_for(source, sp.plan).graph, "group-layers",
+                                  PassContext(cluster=resolved), Flags())
+    try:
+        check_plan(grouped[key], sp.plan, getattr(resolved, "num_devices", None))
+    except ShardcError as err:
+        return str(err)
+    return None
+
+
+def model_layers(source: Source) -> int:
+    """How many repeated blocks `group-layers` finds in `source`."""
+    from shardc.analysis.stages import layering
+
+    return layering(driver.run(source.trace().graph, "group-layers", PassContext(), Flags())).count
+
+
+def solver_plan_file(source: Source, cluster: Any, gbs: int, path: Any, time_limit: float = 20.0) -> str:
+    """`shardc plan` on `cluster` for `source` at global batch `gbs` in fp32 (the study's dtype),
+    its plan written to `path` (`search.report.write_plan`); returns the study plan text
+    `plan_file=PATH` that runs it."""
+    from shardc.search.report import write_plan
+
+    graph, ctx = driver.solve(source, cluster, gbs, time_limit=time_limit, dtype="fp32")
+    write_plan(str(path), graph, ctx.options["search"].best, gbs)
+    return f"plan_file={path}"

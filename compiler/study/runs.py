@@ -19,7 +19,7 @@ from typing import Any
 from shardc.backends.torch.launch import write_json
 from shardc.study.plans import StudyPlan
 
-RESULTS_VERSION = 1
+RESULTS_VERSION = 2  # 2: predicted_step_time_s is the before-run prediction (1: at speed)
 
 # plan id -> (the plan, its prediction): what a finished job is compared with
 Predictions = dict[str, tuple[StudyPlan, dict[str, Any]]]
@@ -44,6 +44,22 @@ class ResultsStore:
 
     def done(self, plan_id: str) -> bool:
         return any(p["id"] == plan_id for p in self.data["plans"])
+
+    def entry(self, plan_id: str) -> dict[str, Any] | None:
+        return next((p for p in self.data["plans"] if p["id"] == plan_id), None)
+
+    def rounds_done(self, plan_id: str) -> int:
+        """How many rounds the plan has run to the end (0 when it has not, or failed)."""
+        p = self.entry(plan_id)
+        return len(p.get("round_step_times_s") or [0]) if p is not None and p["status"] == "ok" else 0
+
+    def failed(self, plan_id: str) -> bool:
+        """Whether the plan is recorded as not running: invalid, predicted not to fit, or failed."""
+        p = self.entry(plan_id)
+        return p is not None and p["status"] != "ok"
+
+    def finished(self, plan_id: str, rounds: int) -> bool:
+        return self.failed(plan_id) or self.rounds_done(plan_id) >= rounds
 
     def record(self, entry: dict[str, Any]) -> None:
         self.data["plans"] = [p for p in self.data["plans"] if p["id"] != entry["id"]] + [entry]
@@ -127,8 +143,11 @@ def _record_error(job: dict[str, Any], message: str, tb: str, store: ResultsStor
         store.save()
         return
     sp, predicted = predictions[job["id"]]
+    before = store.entry(sp.id)  # a plan that ran in earlier rounds and failed now: a failure, rounds kept
+    earlier = {"earlier_round_step_times_s": before.get("round_step_times_s")} if before and before["status"] == "ok" \
+        else {}
     store.record(status_entry(sp, sp.text, "error", error=message.strip().splitlines()[0][:500] if message else "",
-                        traceback=tb[-2000:], predicted=predicted))
+                              traceback=tb[-2000:], predicted=predicted, **earlier))
 
 
 def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsStore, predictions: Predictions,
@@ -140,9 +159,13 @@ def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsS
         store.data["allreduce"][str(n)] = allreduce_entry(results[0]["points"], cluster_for(n))
         store.save()
         return
+    from shardc.study.compare import merge_rounds
+
     sp, predicted = predictions[job["id"]]
     now = recalibrated(sp, results)
     # The machine's 1-minute load average as the plan finished: how shared the cores were.
-    store.record({**plan_entry(sp, predicted, results, now), "load_average": os.getloadavg()[0]})
+    entry = {**plan_entry(sp, predicted, results, now), "load_average": os.getloadavg()[0]}
+    before = store.entry(job["id"])
+    store.record(merge_rounds(before, entry) if before is not None and before["status"] == "ok" else entry)
 
 

@@ -1,16 +1,19 @@
 """`shardc study`: run every plan of a sweep for real, predict it, compare, report.
 
-Order of work: parse the plans; for each one not already in `DIR/results.json` (a resumed
-study keeps what it has), partition it once through the driver (`shardc.study.predict`: the
-study pipeline up to its `estimate` pass, on the model built with real weights) and predict
-it from that graph; a plan predicted not to fit the local memory is recorded as
+Order of work: the plans (a file's, a `--sweep`, or the default sweep: candidates for this
+model and cluster filtered by the `validate-plan` pass, plus the solver's plan file); every
+plan is predicted before the first one is launched, and that before-run prediction is the
+headline. For each one not already in `DIR/results.json` (a resumed study keeps what it has),
+partition it once through the driver (`shardc.study.predict`: the study pipeline up to its
+`estimate` pass, on the model built with real weights) and predict it from that graph; a plan predicted not to fit the local memory is recorded as
 `does_not_fit` and not run; the others are lowered from that same partitioned graph
 (`shardc.compile` with the graph as the plan) and run in one process group per process count
-(`shardc.study.runs`), after an all_reduce-by-size benchmark. Once a plan has run it is
-predicted again, from the same graph, on the profile at the speed the machine ran it
+(`shardc.study.runs`), after an all_reduce-by-size benchmark, `rounds` times, each round in an
+order shuffled by the seed. Once a plan has run it is predicted again, from the same graph,
+on the profile at the speed the machine ran it
 (`calibration.profile.at_speed`: every rank times the probe workload of
 `shardc.calibration.speed` before and after each measured step, against the profile's
-reference time for it); both predictions are recorded.
+reference time for it); both predictions are recorded, the second as a secondary figure only.
 
 On `--device cuda` each process count needs as many GPUs (NCCL, rank r on `cuda:r`); plans are
 predicted on the GPU preset `--cluster` names (`H200`) or the visible GPU's, and after the sweep
@@ -29,8 +32,16 @@ from typing import Any
 
 from shardc.driver import Flags, Source, open_model
 from shardc.ir.diagnostics import ShardcError
-from shardc.study.plans import DEFAULT_SWEEP, StudyPlan, parse_study_plan, read_plans_file, sweep_plans
-from shardc.study.predict import partition, score, study_cluster, study_pipeline
+from shardc.study.plans import StudyPlan, default_sweep, parse_study_plan, read_plans_file, sweep_plans
+from shardc.study.predict import (
+    model_layers,
+    partition,
+    score,
+    solver_plan_file,
+    study_cluster,
+    study_pipeline,
+    validation_problem,
+)
 from shardc.study.runs import Predictions, ResultsStore, run_groups, status_entry
 
 ALLREDUCE_SIZES = (64, 1024, 16384, 131072, 1 << 20, 4 << 20)
@@ -114,7 +125,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
               memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
               allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True,
               fresh_profile: bool = False, cluster: str | None = None, gpu_calibration: bool | None = None,
-              flags: Flags | None = None) -> int:
+              flags: Flags | None = None, rounds: int = 1, seed: int = 0, solver: bool = True) -> int:
     """Run the study (see the module doc) and write the report to `out_dir`; returns 0.
 
     `nproc`: process counts (`2`, `"2,4"`); plans of other device counts in a sweep are left
@@ -128,7 +139,12 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     True on the CPU times small fp32 matmuls against the local profile): see the module doc.
     `flags` (`shardc.driver.Flags`): the study pipeline (`--pipeline`, which must keep the
     `estimate` pass), and whether each plan's passes are printed and timed.
+    `rounds`: how many times every plan runs, each round in an order shuffled by `seed` (the
+    report gives each plan's range over rounds). `solver=False` leaves the solver's plan out of
+    the default sweep.
     """
+    if rounds < 1:
+        raise ShardcError(f"--rounds {rounds}: run every plan at least once (--rounds 1)")
     import torch
     from rich.console import Console
 
@@ -149,13 +165,23 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     study = Study(model_spec, source, device, profile, memory_limit_bytes, cluster, flags or Flags(), settings)
     store = ResultsStore(out / "results.json", {"model": model_spec, "device": device, "steps": steps,
                                                 "warmup": warmup})
-    texts = plan_texts(nprocs, plans_file, sweep, int(source.inputs[0].shape[0]))
-    jobs, predictions = _prepare_jobs(study, texts, store, None if plans_file else nprocs)
-    for n in sorted(jobs):
-        if str(n) not in store.data["allreduce"]:
-            jobs[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes),
-                               "device": device})
-    run_groups(jobs, out / "runs", store, predictions, study.cluster_for, study.recalibrated, job_timeout_s, console)
+    store.data.update(rounds=rounds, seed=seed)
+    if plans_file or sweep:
+        texts = plan_texts(nprocs, plans_file, sweep, int(source.inputs[0].shape[0]))
+    else:
+        texts = default_texts(study, nprocs, out, store, solver)
+    # Every plan is predicted here, before any of them is launched: the headline prediction
+    # cannot see a measurement of the plan's own steps.
+    jobs, predictions = _prepare_jobs(study, texts, store, None if plans_file else nprocs, rounds)
+    for r in range(rounds):
+        todo = _round_jobs(jobs, store, r, seed)
+        for n in sorted(todo):
+            if str(n) not in store.data["allreduce"]:
+                todo[n].insert(0, {"id": f"allreduce-{n}", "kind": "allreduce_sizes", "sizes": list(allreduce_sizes),
+                                   "device": device})
+        store.data.setdefault("orders", {})[str(r)] = [j["id"] for n in sorted(todo) for j in todo[n]]
+        run_groups(todo, out / "runs", store, predictions, study.cluster_for, study.recalibrated, job_timeout_s,
+                   console)
     if gpu_calibration if gpu_calibration is not None else device == "cuda":
         from shardc.study.gpu_report import calibrate_study
 
@@ -207,18 +233,64 @@ def _local_profile(out: Path, nprocs: list[int], fresh: bool, console: Any) -> A
 
 
 def plan_texts(nprocs: list[int], plans_file: str | None, sweep: str | None, batch: int) -> list[str]:
-    """The plans to study: the file's, the `--sweep` of `batch`, or the default sweep."""
+    """The plans to study: the file's, or the `--sweep` of `batch`."""
     if plans_file:
         return read_plans_file(plans_file)
-    if sweep:
-        return sweep_plans(sweep.split(","), nprocs, batch)
-    return [t for n in nprocs for t in DEFAULT_SWEEP.get(n, (f"dp={n}",))]
+    return sweep_plans((sweep or "dp").split(","), nprocs, batch)
 
 
-def _prepare_jobs(study: Study, texts: list[str], store: ResultsStore, nprocs: list[int] | None
+def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStore, solver: bool) -> list[str]:
+    """The default sweep for this model and these process counts: `plans.default_sweep`'s
+    candidates that the `validate-plan` pass accepts on the study's cluster (the others are
+    listed in results.json's `left_out` with the pass's reason), then the solver's plan for each
+    process count (`shardc plan` on the same cluster, written to `out/solver-N.plan` and run
+    from that file). A solver that fails is recorded as a failed plan, with its message."""
+    batch = int(study.source.inputs[0].shape[0])
+    layers = model_layers(study.source)
+    texts: list[str] = []
+    left: list[dict[str, str]] = []
+    grouped: dict[int | None, Any] = {}
+    for n in nprocs:
+        for text in default_sweep(n, batch, layers):
+            problem = validation_problem(study.source, parse_study_plan(text, batch), study.cluster_for(n), grouped)
+            if problem is None:
+                texts.append(text)
+            else:
+                left.append({"plan": text, "reason": problem})
+        path = out / f"solver-{n}.plan"
+        if not solver or store.done(f"solver-{n}"):
+            continue
+        if path.exists() and any(p.get("plan", "").endswith(str(path)) for p in store.data["plans"]):
+            texts.append(f"plan_file={path}")  # a resumed study runs the file it planned
+            continue
+        try:
+            texts.append(solver_plan_file(study.source, study.cluster_for(n), batch, path))
+        except Exception as err:  # the solver failing is a result of the study too
+            store.record(status_entry(None, f"solver-{n}", "error", error=f"shardc plan: {type(err).__name__}: {err}"))
+    store.data["left_out"] = left
+    return texts
+
+
+def _round_jobs(jobs: dict[int, list[dict[str, Any]]], store: ResultsStore, r: int, seed: int
+                ) -> dict[int, list[dict[str, Any]]]:
+    """Round `r`'s jobs: the plans that ran in fewer than r+1 rounds and have not failed, in an
+    order shuffled by (`seed`, r)."""
+    import random
+
+    rng = random.Random(seed * 1000 + r)
+    out: dict[int, list[dict[str, Any]]] = {}
+    for n, group in jobs.items():
+        todo = [j for j in group if store.rounds_done(j["id"]) <= r and not store.failed(j["id"])]
+        rng.shuffle(todo)
+        if todo:
+            out[n] = todo
+    return out
+
+
+def _prepare_jobs(study: Study, texts: list[str], store: ResultsStore, nprocs: list[int] | None, rounds: int = 1
                   ) -> tuple[dict[int, list[dict[str, Any]]], Predictions]:
     """(process count -> the jobs to run, the predictions of their plans) for the plans not in
-    `store` yet, of the `nprocs` process counts (None: any); plans that are invalid or predicted
+    `store` yet (or run in fewer than `rounds` rounds), of the `nprocs` process counts (None: any); plans that are invalid or predicted
     not to fit are recorded in `store` instead."""
     batch = int(study.source.inputs[0].shape[0])
     jobs: dict[int, list[dict[str, Any]]] = {}
@@ -230,7 +302,7 @@ def _prepare_jobs(study: Study, texts: list[str], store: ResultsStore, nprocs: l
             if not store.done(text):
                 store.record(status_entry(None, text, "invalid", error=str(err)))
             continue
-        if store.done(sp.id) or (nprocs is not None and sp.devices not in nprocs):
+        if store.finished(sp.id, rounds) or (nprocs is not None and sp.devices not in nprocs):
             continue
         try:
             cluster = study.cluster_for(sp.devices)
