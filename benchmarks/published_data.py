@@ -57,9 +57,9 @@ class PublishedRun:
             raise ValueError(f"{self.name}: runtime {self.runtime!r} is megatron or torchtitan")
 
 
-def _gpt(layers: int, hidden: int, heads: int, vocab: int, *, tie: bool = False) -> str:
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, *, tie: bool = False, flash: bool = False) -> str:
     return (f"examples/gpt.py:gpt?n_layer={layers}&n_embd={hidden}&n_head={heads}&vocab_size={vocab}"
-            f"&dropout=0.1&tie={'true' if tie else 'false'}")
+            f"&dropout=0.1&tie={'true' if tie else 'false'}" + ("&flash=true" if flash else ""))
 
 
 def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: int = 128256) -> str:
@@ -72,6 +72,8 @@ _NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Train
 _DGXC = "NVIDIA/dgxc-benchmarking"
 _SELENE = "DGX A100 SuperPOD: NVLink3 + 8x HDR 200 Gb/s InfiniBand per node"
 _DGX_H100 = "DGX H100: NVLink4 + 8x NDR 400 Gb/s InfiniBand per node"
+# torchtitan's A100 page names the GPUs only: the preset's node (NVLink3, 8x HDR 200 Gb/s) is assumed.
+_TITAN_A100 = "8 A100-80GB per node; fabric not stated (preset DGX A100 assumed)"
 
 ROWS: tuple[PublishedRun, ...] = (
     # --- A100: calibration (Megatron-LM, fp16 with fp16 gradient all-reduce, as the paper ran)
@@ -109,21 +111,21 @@ ROWS: tuple[PublishedRun, ...] = (
     # torchtitan: FSDP2 (ZeRO-3) over 64 A100-80GB, local batch 1, seq 8192.
     PublishedRun("torchtitan Llama 3 8B (selective op AC)", _llama(32, 4096, 32, 8, 14336), 8192,
                  "dp=64,mb=1,gbs=64,recompute=selective,zero=3,dtype=bf16", "A100-80GB", 64,
-                 "8 A100-80GB per node (NVLink3), RDMA between nodes", "tokens_per_gpu_s", 2973.0,
+                 _TITAN_A100, "tokens_per_gpu_s", 2973.0,
                  "pytorch/torchtitan docs/performance.md (\"Llama 3 performance numbers\", 64 A100: "
                  "8B, batch 1, selective op, WPS 2973)", runtime="torchtitan"),
     PublishedRun("torchtitan Llama 3 70B (full AC)", _llama(80, 8192, 64, 8, 28672), 8192,
                  "dp=64,mb=1,gbs=64,recompute=full,zero=3,dtype=bf16", "A100-80GB", 64,
-                 "8 A100-80GB per node (NVLink3), RDMA between nodes", "tokens_per_gpu_s", 331.0,
+                 _TITAN_A100, "tokens_per_gpu_s", 331.0,
                  "pytorch/torchtitan docs/performance.md (\"Llama 3 performance numbers\", 64 A100: "
                  "70B, batch 1, full, WPS 331)", runtime="torchtitan"),
     # --- H100: NeMo 24.09 (Megatron-Core, Transformer Engine), BF16, sequence parallelism and
     # the distributed optimizer on, as NeMo's recipes run; no activation recomputation.
-    PublishedRun("NeMo GPT-3 175B (128 GPUs)", _gpt(96, 12288, 96, 51200), 2048,
+    PublishedRun("NeMo GPT-3 175B (128 GPUs)", _gpt(96, 12288, 96, 51200, flash=True), 2048,
                  "dp=4,tp=4,pp=8,vpp=12,sp=1,mb=1,gbs=256,zero=1,dtype=bf16", "H100-SXM", 128, _DGX_H100,
                  "step_s", 8.309, f"{_DGXC} nemo_megatron/README_175b.md (BF16, TP=4, PP=8, VP=12, MBS=1, "
                  "128x H100, GBS=256: 8.309 s per step)", calibration=True),
-    PublishedRun("NeMo GPT-3 175B (2048 GPUs)", _gpt(96, 12288, 96, 51200), 2048,
+    PublishedRun("NeMo GPT-3 175B (2048 GPUs)", _gpt(96, 12288, 96, 51200, flash=True), 2048,
                  "dp=64,tp=4,pp=8,vpp=12,sp=1,mb=1,gbs=4096,zero=1,dtype=bf16", "H100-SXM", 2048, _DGX_H100,
                  "step_s", 8.49, f"{_DGXC} nemo_megatron/README_175b.md (BF16, 2048x H100, GBS=4096: "
                  "8.49 s per step)"),
