@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/published_runs.py [--only TEXT] [--markdown]
     .venv/bin/python benchmarks/published_runs.py --fit H100-SXM   # refit one device's efficiency
+    .venv/bin/python benchmarks/published_runs.py --sources        # every row's cluster and source
 
 For each row the model (`examples/gpt.py` or `examples/llama.py` at the row's sizes) is traced on
 the meta device, partitioned by apply-plan under the row's plan (recomputation on the repeated
@@ -110,12 +111,14 @@ def predict(row: PublishedRun, graph: Graph | None = None, matmul_efficiency: fl
     return Prediction(row, value, e.step_time_s, e.fits)
 
 
-def fit_efficiency(device: str, lo: float = 0.4, hi: float = 1.0, tol: float = 1e-3) -> float:
-    """The matmul efficiency of `device` at which its calibration rows' mean log error is zero."""
+def fit_efficiency(device: str, lo: float = 0.4, hi: float = 1.0, tol: float = 1e-3,
+                   graphs: dict[str, Graph] | None = None) -> float:
+    """The matmul efficiency of `device` at which its calibration rows' mean log error is zero
+    (`graphs`: row name -> `row_graph`'s graph, to reuse traced ones)."""
     rows = calibration_rows(device)
     if not rows:
         raise SystemExit(f"no calibration rows for {device}")
-    graphs = [row_graph(r)[0] for r in rows]
+    graphs = [graphs[r.name] if graphs and r.name in graphs else row_graph(r)[0] for r in rows]
 
     def mean_log_error(eff: float) -> float:
         errs = []
@@ -155,7 +158,8 @@ def print_table(predictions: list[Prediction], markdown: bool) -> None:
         print("|" + "---|" * len(header))
         for r in rows:
             print("| " + " | ".join(r) + " |")
-        print(f"\nchecks: mean |error| {mean:.1%}, worst {worst:.1%}")
+        if any(not p.row.calibration for p in predictions):
+            print(f"\nchecks: mean |error| {mean:.1%}, worst {worst:.1%}")
         return
     from rich.console import Console
     from rich.table import Table
@@ -165,9 +169,10 @@ def print_table(predictions: list[Prediction], markdown: bool) -> None:
         table.add_column(h, justify="right" if h in ("predicted", "published", "error") else "left")
     for r in rows:
         table.add_row(*r)
-    console = Console()
+    console = Console(width=max(Console().width, 160))  # the plan column is long; a pipe is not a terminal
     console.print(table)
-    console.print(f"checks (not calibration): mean |error| {mean:.1%}, worst {worst:.1%}")
+    if any(not p.row.calibration for p in predictions):
+        console.print(f"checks (not calibration): mean |error| {mean:.1%}, worst {worst:.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,11 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="rows whose name contains this text")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table (the README's)")
     parser.add_argument("--fit", metavar="DEVICE", help="fit DEVICE's matmul efficiency on its calibration rows")
+    parser.add_argument("--sources", action="store_true", help="list every row's interconnect and source")
     args = parser.parse_args(argv)
     if args.fit:
         print(f"{args.fit}: matmul_efficiency = {fit_efficiency(args.fit):.3f}")
         return 0
     rows = [r for r in ROWS if not args.only or args.only.lower() in r.name.lower()]
+    if args.sources:
+        for r in rows:
+            print(f"- {r.name} ({r.gpus}x {r.device}; {r.interconnect}): {r.source}" + (f" Note: {r.note}" if r.note else ""))
+        return 0
     print_table([predict(r) for r in rows], args.markdown)
     return 0
 

@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import published_runs  # noqa: E402  (a script beside its data, not a package)
 from published_data import ROWS, PublishedRun, calibration_rows, check_rows  # noqa: E402
 
-from shardc.hardware import preset  # noqa: E402
+from shardc.hardware import A100_EFFICIENCY, H100_EFFICIENCY, preset  # noqa: E402
+from shardc.ir import Graph  # noqa: E402
 from shardc.plan.parallel import ParallelPlan  # noqa: E402
 
 
@@ -35,8 +36,13 @@ def readme_claims() -> tuple[float, float, float]:
 
 
 @pytest.fixture(scope="module")
-def predictions() -> dict[str, published_runs.Prediction]:
-    return {row.name: published_runs.predict(row) for row in ROWS}
+def graphs() -> dict[str, Graph]:
+    return {row.name: published_runs.row_graph(row)[0] for row in ROWS}
+
+
+@pytest.fixture(scope="module")
+def predictions(graphs: dict[str, Graph]) -> dict[str, published_runs.Prediction]:
+    return {row.name: published_runs.predict(row, graphs[row.name]) for row in ROWS}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
@@ -88,6 +94,14 @@ def test_the_table_has_every_row_and_the_summary(predictions: dict[str, publishe
         assert f"| {row.name} |" in out
     mean, worst = published_runs.summary(list(predictions.values()))
     assert f"checks: mean |error| {mean:.1%}, worst {worst:.1%}" in out
+
+
+@pytest.mark.parametrize("device,preset_figure", [("A100-80GB", A100_EFFICIENCY), ("H100-SXM", H100_EFFICIENCY)])
+def test_the_preset_efficiency_is_the_fit_on_the_calibration_rows(graphs: dict[str, Graph], device: str,
+                                                                  preset_figure: float) -> None:
+    # The preset records the fit to two decimals; a changed model or calibration row that moves
+    # the fit by more must refit the preset (`published_runs.py --fit DEVICE`).
+    assert published_runs.fit_efficiency(device, tol=4e-3, graphs=graphs) == pytest.approx(preset_figure, abs=0.01)
 
 
 def test_a_row_with_an_unknown_metric_is_refused() -> None:
