@@ -60,7 +60,11 @@ def options_for(row: PublishedRun) -> EstimateOptions:
     torch.distributed.pipelining receive buffers and run ZeRO-1 as the textbook distributed
     optimizer; torchtitan runs FSDP2. Gradients are reduced as the row says."""
     if row.runtime == "torchtitan":
-        return EstimateOptions(gradient_reduce=row.gradient_reduce)
+        # torchtitan wraps every block in its own fully_shard and prefetches: each block's weights
+        # gathered before its forward and its backward behind the neighbour's compute, gradients
+        # reduce-scattered block by block during backward, which is textbook ZeRO-3's schedule
+        # ("zero"), not shardc's backend's one fully_shard on the whole module ("fsdp2").
+        return EstimateOptions(zero_runtime="zero", gradient_reduce=row.gradient_reduce)
     return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce)
 
 
