@@ -107,3 +107,22 @@ def test_the_preset_efficiency_is_the_fit_on_the_calibration_rows(graphs: dict[s
 def test_a_row_with_an_unknown_metric_is_refused() -> None:
     with pytest.raises(ValueError, match="metric 'mfu' is not one of"):
         PublishedRun("x", "m", 1, "dp=1", "A100-80GB", 1, "-", "mfu", 1.0, "nowhere")
+
+
+def test_gpt_flash_is_the_written_out_attention_as_one_kernel(graphs: dict[str, Graph]) -> None:
+    # NeMo runs fused attention: its GPT rows trace `flash=true`, one sdpa node per block and no
+    # softmax, computing what the written-out attention computes.
+    import torch
+
+    from shardc.frontend.spec import load_model
+
+    ops = Counter(n.op for n in graphs["NeMo GPT-3 175B (128 GPUs)"].nodes)
+    assert ops["scaled_dot_product_attention"] == 96 and ops["softmax"] == 0
+    outs = []
+    for flash in ("false", "true"):
+        torch.manual_seed(0)
+        loaded = load_model(f"{ROOT}/examples/gpt.py:tiny?flash={flash}&seq=16", device="cpu")
+        torch.manual_seed(1)
+        idx = torch.randint(0, 128, (2, 16))
+        outs.append(loaded.model(idx))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
