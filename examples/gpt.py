@@ -27,6 +27,9 @@ class GPTConfig:
     dropout: float = 0.0
     tie: bool = True
     bias: bool = True
+    # Attention through F.scaled_dot_product_attention (one fused flash kernel, as Megatron-Core
+    # and NeMo run it with Transformer Engine) instead of the written-out ops; no attention dropout.
+    flash: bool = False
 
 
 def init_weights(module: nn.Module) -> None:
@@ -48,6 +51,7 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = cfg.n_embd
         self.head_dim = cfg.n_embd // cfg.n_head
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.flash = cfg.flash
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_drop = nn.Dropout(cfg.dropout)
@@ -62,6 +66,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, s, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.n_head, self.head_dim).transpose(1, 2)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, self.n_embd)
+            return self.resid_drop(self.proj(y))
         att = (q @ k.transpose(-2, -1)) * self.scale
         att = att.masked_fill(self.future[:, :, :s, :s], float("-inf"))
         att = F.softmax(att, dim=-1)
@@ -122,10 +129,12 @@ class GPT(nn.Module):
 
 def gpt(n_layer: int = 12, n_embd: int = 768, n_head: int = 12, vocab_size: int = 50257, seq: int = 1024,
         batch: int = 8, dropout: float = 0.0, tie: bool = True, bias: bool = True,
-        block_size: int | None = None, targets: bool = True) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """A GPT of any size and example inputs `(idx, targets)` of shape [batch, seq] on the default device."""
+        block_size: int | None = None, targets: bool = True, flash: bool = False
+        ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A GPT of any size and example inputs `(idx, targets)` of shape [batch, seq] on the default device
+    (`flash`: attention as one fused `scaled_dot_product_attention`)."""
     cfg = GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                    block_size=max(seq, block_size or seq), dropout=dropout, tie=tie, bias=bias)
+                    block_size=max(seq, block_size or seq), dropout=dropout, tie=tie, bias=bias, flash=flash)
     return build(cfg, batch=batch, seq=seq, targets=targets)
 
 

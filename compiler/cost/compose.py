@@ -129,9 +129,12 @@ def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
 
 def zero3_exposed(cost: LayerCost, param_elements: float, elem_bytes: int, levels: LinkLevels,
                   algorithm: str = "auto") -> tuple[float, float]:
-    """Exposed forward and backward seconds of a ZeRO-3 layer's weight all-gathers."""
+    """Exposed forward and backward seconds of a ZeRO-3 layer's weight all-gathers. The backward
+    gather hides behind the backward's compute, recomputation included: the one gather serves
+    the recomputed forward and the gradients, and runs while the neighbour recomputes too."""
     t = collective_time("all_gather", param_elements * elem_bytes, levels, algorithm)
-    return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t - cost.bwd.get("compute_bwd", 0.0))
+    backward = cost.bwd.get("compute_bwd", 0.0) + cost.bwd.get("recompute", 0.0)
+    return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t - backward)
 
 
 def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int) -> list[float]:

@@ -1,0 +1,161 @@
+"""Published training runs: the validation set of the cost model (issue 14).
+
+Every row is one run someone else measured and published: the model's configuration, the plan
+it ran (tp/pp/dp/vpp/cp/sp/mb/gbs/recompute/zero/dtype), the cluster (device, count,
+interconnect), the published figure (step time in seconds, TFLOP/s per GPU, or tokens/s per
+GPU) and where it was published. Figures are copied from their source, never derived from a
+second source's formula; a run whose figure or plan we could not source is not here.
+
+Rules of the set:
+- `calibration` rows fix the one sustained-efficiency figure per device type
+  (`DeviceSpec.matmul_efficiency` in `shardc.hardware`); every other row is a check the model
+  was not tuned on. At most one figure per device, fitted on the named rows together, never
+  per row (`published_runs.py --fit DEVICE`).
+- Kept aside on purpose (an independent check for later, never added here): further rows of
+  Narayanan et al.'s weak-scaling table (Megatron-LM, their Table 1) beyond the four
+  calibration rows, and Korthikanti et al.'s iteration times and memory figures.
+- `runtime` says which framework's runtime the row ran, which sets the estimate's options
+  (`published_runs.options_for`): `megatron` (Megatron-LM, Megatron-DeepSpeed, NeMo: no
+  torch.distributed.pipelining buffers, textbook ZeRO-1 as the distributed optimizer) or
+  `torchtitan` (FSDP2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METRICS = ("step_s", "tflops", "tokens_per_gpu_s")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedRun:
+    """One published run. `model`: `examples/gpt.py` or `examples/llama.py` factory arguments
+    (query string without batch); `plan`: a `ParallelPlan` string; `gpus` on `device` (a
+    preset name), 8 per node; `inter_gbps`: the per-GPU inter-node bandwidth in GB/s (one
+    direction) when the cluster's fabric is not the preset's; `metric` in `METRICS`."""
+
+    name: str
+    model: str
+    seq: int
+    plan: str
+    device: str
+    gpus: int
+    interconnect: str
+    metric: str
+    published: float
+    source: str
+    runtime: str = "megatron"
+    calibration: bool = False
+    gradient_reduce: str = "fp32"
+    inter_gbps: float | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"{self.name}: metric {self.metric!r} is not one of {METRICS}")
+        if self.runtime not in ("megatron", "torchtitan"):
+            raise ValueError(f"{self.name}: runtime {self.runtime!r} is megatron or torchtitan")
+
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, *, tie: bool = False, flash: bool = False) -> str:
+    return (f"examples/gpt.py:gpt?n_layer={layers}&n_embd={hidden}&n_head={heads}&vocab_size={vocab}"
+            f"&dropout=0.1&tie={'true' if tie else 'false'}" + ("&flash=true" if flash else ""))
+
+
+def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: int = 128256) -> str:
+    return (f"examples/llama.py:llama?n_layer={layers}&dim={dim}&n_head={heads}&n_kv_head={kv_heads}"
+            f"&ffn_hidden={ffn}&vocab_size={vocab}")
+
+
+_NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters "
+              "Using Megatron-LM (SC'21), Table 1")
+_DGXC = "NVIDIA/dgxc-benchmarking"
+_SELENE = "DGX A100 SuperPOD: NVLink3 + 8x HDR 200 Gb/s InfiniBand per node"
+_DGX_H100 = "DGX H100: NVLink4 + 8x NDR 400 Gb/s InfiniBand per node"
+# torchtitan's A100 page names the GPUs only: the preset's node (NVLink3, 8x HDR 200 Gb/s) is assumed.
+_TITAN_A100 = "8 A100-80GB per node; fabric not stated (preset DGX A100 assumed)"
+
+ROWS: tuple[PublishedRun, ...] = (
+    # --- A100: calibration (Megatron-LM, fp16 with fp16 gradient all-reduce, as the paper ran)
+    PublishedRun("Megatron-LM 1.7B", _gpt(24, 2304, 24, 51200), 2048,
+                 "dp=32,mb=1,gbs=512,recompute=full,dtype=fp16", "A100-80GB", 32, _SELENE,
+                 "tflops", 137.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+    PublishedRun("Megatron-LM 18.4B", _gpt(40, 6144, 48, 51200), 2048,
+                 "dp=32,tp=8,mb=1,gbs=1024,recompute=full,dtype=fp16", "A100-80GB", 256, _SELENE,
+                 "tflops", 135.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+    PublishedRun("Megatron-LM 145.6B", _gpt(80, 12288, 96, 51200), 2048,
+                 "dp=24,tp=8,pp=8,mb=1,gbs=2304,recompute=full,dtype=fp16", "A100-80GB", 1536, _SELENE,
+                 "tflops", 148.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+    PublishedRun("Megatron-LM 1008B", _gpt(128, 25600, 160, 51200), 2048,
+                 "dp=6,tp=8,pp=64,mb=1,gbs=3072,recompute=full,dtype=fp16", "A100-80GB", 3072, _SELENE,
+                 "tflops", 163.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+    # --- A100: checks
+    # BLOOM: Megatron-DeepSpeed, bf16 with its BF16_Optimizer (ZeRO-1, fp32 gradients), full
+    # activation checkpointing, tied 250880-token embedding, ALiBi (traced as learned
+    # positions: the same matmuls). Jean Zay: 4x Omni-Path 100 Gb/s per node of 8 GPUs.
+    PublishedRun("BLOOM-176B", _gpt(70, 14336, 112, 250880, tie=True), 2048,
+                 "dp=8,tp=4,pp=12,mb=2,gbs=2048,recompute=full,zero=1,dtype=bf16", "A100-80GB", 384,
+                 "Jean Zay: NVLink + 4x Omni-Path 100 Gb/s per node", "step_s", 104.70,
+                 "bigscience-workshop/bigscience train/tr11-176B-ml/README.md (\"Important checkpoints\": "
+                 "iteration 85376, elapsed time per iteration 104.70 s, GBS 2048; plan from tr11-176B-ml.slurm)",
+                 inter_gbps=4 * 12.5 / 8),
+    # MT-NLG 530B: Megatron-DeepSpeed on Selene, tp=8 x pp=35, mb=1, gbs=1920, activation
+    # checkpointing; the paper's per-iteration latencies at three node counts.
+    *(PublishedRun(f"MT-NLG 530B ({n} GPUs)", _gpt(105, 20480, 128, 50272), 2048,
+                   f"dp={n // 280},tp=8,pp=35,mb=1,gbs=1920,recompute=full,zero=1,dtype=bf16", "A100-80GB", n,
+                   _SELENE, "step_s", t,
+                   "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B "
+                   "(arXiv 2201.11990), sec. 2.4: 60.1/50.2/44.4 s per iteration on 280/350/420 DGX A100 "
+                   "(as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)")
+      for n, t in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
+    # torchtitan: FSDP2 (ZeRO-3) over 64 A100-80GB, local batch 1, seq 8192. Its "selective op"
+    # row (2973 WPS) is left out: that policy saves every second matmul's output and recomputes
+    # the rest of the layer, which no shardc recomputation expresses (`selective` is the
+    # attention core, absent from a fused sdpa node).
+    # "selective layer" checkpoints every second block (torchtitan's layer-frequency 2): 16 of
+    # the 32 blocks recomputed in full, what recompute_layers=16 prices.
+    PublishedRun("torchtitan Llama 3 8B (selective layer AC)", _llama(32, 4096, 32, 8, 14336), 8192,
+                 "dp=64,mb=1,gbs=64,recompute=full,recompute_layers=16,zero=3,dtype=bf16", "A100-80GB", 64,
+                 _TITAN_A100, "tokens_per_gpu_s", 2904.0,
+                 "pytorch/torchtitan docs/performance.md (\"Llama 3 performance numbers\", 64 A100: "
+                 "8B, batch 1, selective layer, WPS 2904)", runtime="torchtitan"),
+    PublishedRun("torchtitan Llama 3 70B (full AC)", _llama(80, 8192, 64, 8, 28672), 8192,
+                 "dp=64,mb=1,gbs=64,recompute=full,zero=3,dtype=bf16", "A100-80GB", 64,
+                 _TITAN_A100, "tokens_per_gpu_s", 331.0,
+                 "pytorch/torchtitan docs/performance.md (\"Llama 3 performance numbers\", 64 A100: "
+                 "70B, batch 1, full, WPS 331)", runtime="torchtitan"),
+    # --- H100: NeMo 24.09 (Megatron-Core, Transformer Engine), BF16, sequence parallelism and
+    # the distributed optimizer on, as NeMo's recipes run; no activation recomputation.
+    PublishedRun("NeMo GPT-3 175B (128 GPUs)", _gpt(96, 12288, 96, 51200, flash=True), 2048,
+                 "dp=4,tp=4,pp=8,vpp=12,sp=1,mb=1,gbs=256,zero=1,dtype=bf16", "H100-SXM", 128, _DGX_H100,
+                 "step_s", 8.309, f"{_DGXC} nemo_megatron/README_175b.md (BF16, TP=4, PP=8, VP=12, MBS=1, "
+                 "128x H100, GBS=256: 8.309 s per step)", calibration=True),
+    PublishedRun("NeMo GPT-3 175B (2048 GPUs)", _gpt(96, 12288, 96, 51200, flash=True), 2048,
+                 "dp=64,tp=4,pp=8,vpp=12,sp=1,mb=1,gbs=4096,zero=1,dtype=bf16", "H100-SXM", 2048, _DGX_H100,
+                 "step_s", 8.49, f"{_DGXC} nemo_megatron/README_175b.md (BF16, 2048x H100, GBS=4096: "
+                 "8.49 s per step)"),
+    PublishedRun("NeMo Llama 3.1 8B (8 GPUs)", _llama(32, 4096, 32, 8, 14336), 8192,
+                 "dp=4,cp=2,mb=1,gbs=128,zero=1,dtype=bf16", "H100-SXM", 8, _DGX_H100,
+                 "step_s", 12.91, f"{_DGXC} llama3.1/README_8b.md (24.09 BF16, TP=1, PP=1, CP=2, MBS=1, "
+                 "GA=32, 8x H100, GBS=128: 12.91 s per step)"),
+    PublishedRun("NeMo Llama 3.1 70B (64 GPUs)", _llama(80, 8192, 64, 8, 28672), 8192,
+                 "dp=2,tp=4,pp=4,vpp=5,cp=2,sp=1,mb=1,gbs=128,zero=1,dtype=bf16", "H100-SXM", 64, _DGX_H100,
+                 "step_s", 14.72, f"{_DGXC} llama3.1/README_70b.md (24.09 BF16, TP=4, PP=4, CP=2, VP=5, "
+                 "MBS=1, GA=64, 64x H100, GBS=128: 14.72 s per step)"),
+    PublishedRun("NeMo Llama 3.1 405B (576 GPUs)", _llama(126, 16384, 128, 8, 53248), 8192,
+                 "dp=4,tp=8,pp=9,vpp=7,cp=2,sp=1,mb=1,gbs=252,zero=1,dtype=bf16", "H100-SXM", 576, _DGX_H100,
+                 "step_s", 17.20, f"{_DGXC} llama3.1/README_405b.md (24.09 BF16, TP=8, PP=9, CP=2, VP=7, "
+                 "MBS=1, GA=63, 576x H100, GBS=252: 17.20 s per step)",
+                 note="the recipe trains on synthetic data with a GPT-2 tokenizer as a proxy; the 128256 "
+                      "vocabulary of its own model-FLOPs formula is kept (the LM head is 0.5% of the FLOPs)"),
+)
+
+
+def calibration_rows(device: str) -> list[PublishedRun]:
+    """The rows `device`'s sustained efficiency is fitted on."""
+    return [r for r in ROWS if r.calibration and r.device == device]
+
+
+def check_rows() -> list[PublishedRun]:
+    """The rows the model was not tuned on."""
+    return [r for r in ROWS if not r.calibration]
