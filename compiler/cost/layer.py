@@ -1,7 +1,9 @@
 """The cost of one layer for one micro-batch on one device: time by category, FLOPs, saved bytes.
 
 Rules, node by node over the layer's partitioned IR:
-- compute: `node_compute_time` on the node's local shapes (forward; backward from forward).
+- compute: `node_compute_time` on the node's local shapes (forward; backward from forward);
+  when the plan runs compiled (`ctx.compiled`), what inductor makes of the layer
+  (`shardc.cost.fusion`: fused elementwise chains, attention as one sdpa kernel).
 - forward communication: on every input edge, the collectives that turn the value's layout
   into the layout the node requires (`reshard_steps`), on the critical path, charged to the
   category of their mesh axis (tp_comm, cp_comm, ...). Vocab-parallel cross entropy adds two
@@ -34,6 +36,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.analysis.attention import attention_core as core_of
+from shardc.analysis.attention import attention_cores
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     NodeCost,
@@ -42,6 +45,7 @@ from shardc.cost.compute import (
     working_bytes,
 )
 from shardc.cost.context import CostContext, axis_category
+from shardc.cost.fusion import fused_costs
 from shardc.cost.edges import (
     comm_time,
     feeds_only_parameters,
@@ -194,9 +198,11 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
     produced = {v for n in nodes for v in n.outputs}
     core = attention_core(ctx, nodes) if core is None else core
     t = LayerTerms()
+    fused = fused_costs(ctx, nodes, lambda n: _eager_cost(ctx, n), attention_cores(nodes, ctx.batched)) \
+        if ctx.compiled else {}
     for node in nodes:
         in_core, local = node in core, ctx.local(node)
-        cost = _compute(ctx, node, in_core, t)
+        cost = _compute(ctx, node, in_core, t, fused.get(node))
         saves = saved_bytes_of(local.op, local.in_types, local.out_types, node.attrs)
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
         _forward_edges(ctx, node, cost, {idx for kind, idx, _ in saves if kind == "in"}, produced, internal_only,
@@ -221,16 +227,23 @@ def _batched_scale(ctx: CostContext, values: Sequence[Value]) -> float:
     return ctx.batch_scale if any(v in ctx.batched for v in values) else 1.0
 
 
-def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> NodeCost:
-    """The node's compute (the slowest rank's, one kernel per rotation step), added to `t` with
-    its FLOPs and its transient; returns its `NodeCost`."""
+def _eager_cost(ctx: CostContext, node: Node) -> NodeCost:
+    """The node's eager compute (the slowest rank's, one kernel per rotation step)."""
     local = ctx.local(node)
-    op, part = local.op, ctx.partition(node)
-    cost = node_compute_time(op, step_types(local.space, part, local.in_types), local.out_types, node.attrs,
+    part = ctx.partition(node)
+    cost = node_compute_time(local.op, step_types(local.space, part, local.in_types), local.out_types, node.attrs,
                              ctx.device, ctx.dtype, needs_grad=[v in ctx.needs_grad for v in node.inputs],
                              scale=ctx.batch_scale, scaled_in=[v in ctx.batched for v in node.inputs],
                              scaled_out=[v in ctx.batched for v in node.outputs], copies=node in ctx.copies)
-    cost = as_run(cost, node, part)
+    return as_run(cost, node, part)
+
+
+def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms, given: NodeCost | None = None) -> NodeCost:
+    """The node's compute (`given`: its compiled share, else `_eager_cost`), added to `t` with
+    its FLOPs and its transient; returns its `NodeCost`."""
+    local = ctx.local(node)
+    op, part = local.op, ctx.partition(node)
+    cost = given if given is not None else _eager_cost(ctx, node)
     _add(t.bwd, "compute_bwd", cost.bwd_s)
     t.fwd_flops += cost.fwd_flops
     t.bwd_flops += cost.bwd_flops

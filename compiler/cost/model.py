@@ -28,6 +28,7 @@ from shardc.cost.compose import EstimateOptions, LayerWork, compose, fsdp2, zero
 from shardc.cost.context import CostContext
 from shardc.cost.edges import layer_params
 from shardc.cost.estimate import Estimate
+from shardc.cost.fusion import is_cpu
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_terms
 from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
@@ -112,7 +113,8 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     batch = graph_batch_scale(graph, plan.mb)
     gbs = plan.global_batch(batch.traced)
     m = plan.micro_batches(gbs)
-    ctx = CostContext.build(graph, cluster, plan.ir_dtype, batch.factor, options.algorithm)
+    ctx = CostContext.build(graph, cluster, plan.ir_dtype, batch.factor, options.algorithm,
+                            compiled=plan.compiled_on(not is_cpu(cluster.device)))
     layers = _layers(graph, plan)
     cache: dict[tuple, tuple[LayerCost, list[tuple[float, frozenset[str]]], LayerTerms]] = {}
     memories: dict[tuple, LayerMemory] = {}
