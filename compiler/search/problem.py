@@ -24,6 +24,7 @@ from shardc.analysis.groups import NodeGroup, build_groups
 from shardc.analysis.roles import Roles
 from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
+from shardc.cost.fusion import is_cpu
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
 from shardc.ir import Axis, Graph, Layout, Mesh, Node, Value
@@ -151,7 +152,8 @@ def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16",
     if candidates is None or not candidates.fits(graph):
         candidates = CandidateTable.of(graph)
     roles, batch = candidates.roles, candidates.batch
-    ctx = CostContext.build(graph, cluster, ir_dtype(dtype))
+    # The solver writes compile=auto plans: fused kernels on GPUs, eager ops on CPU processes.
+    ctx = CostContext.build(graph, cluster, ir_dtype(dtype), compiled=not is_cpu(cluster.device))
     core: set[Node] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
     for g in groups:
