@@ -19,6 +19,7 @@ from shardc.backends.torch.launch import spawn
 from shardc.backends.torch.parallelize import runs_compiled
 from shardc.cost import CostContext, estimate
 from shardc.cost.fusion import EXTERN_KINDS, fusion_chains
+from shardc.driver import load
 from shardc.frontend import trace
 from shardc.frontend.spec import load_model
 from shardc.hardware import parse_cluster
@@ -27,7 +28,11 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
 from shardc.passes.apply_plan import apply_plan
 from shardc.passes.group_layers import group_layers
-from shardc.plan.parallel import ParallelPlan
+from shardc.plan.parallel import ParallelPlan, plan_of
+from shardc.search.evaluate import evaluate
+from shardc.search.grid import grid_assignments
+from shardc.search.planfile import annotate_graph
+from shardc.search.problem import MeshShape, build_problem, graph_facts
 
 COMPILED_CASES = [(GPT, "dp=2,compile=1", ""), (GPT, "tp=2,compile=1", "")]
 
@@ -132,3 +137,22 @@ def test_transformers_gpt2_and_examples_gpt_priced_alike_when_compiled() -> None
     assert eager[1] < 0.9 * eager[0], f"eager: gpt.py {eager[0]:.1f}, hf:gpt2 {eager[1]:.1f} TFLOP/s"
     assert fused[1] == pytest.approx(fused[0], rel=0.03), f"compiled: gpt.py {fused[0]:.1f}, hf:gpt2 {fused[1]:.1f}"
     assert fused[0] > eager[0]  # fusion and flash attention only remove memory traffic and launches
+
+
+def test_the_solver_prices_compiled_plans_as_the_estimate_does() -> None:
+    """The solver's evaluation of the traced GPT's grid plans on A100s (fused prices, the GPU
+    default) equals `estimate` of the plan it writes; told compile=0 on a GPU, the plan it
+    writes says so and the estimate prices it eager."""
+    graph = load("examples/gpt.py:tiny?n_layer=4&n_embd=256&n_head=8&seq=128&dropout=0.1", batch=2)
+    cluster = parse_cluster("8xA100-80GB")
+    for compiled in (None, False):
+        facts = graph_facts(graph, cluster, compiled=compiled)
+        for shape in (MeshShape(1, 2, 1, 4), MeshShape(4, 2, 1, 1)):
+            problem = build_problem(facts, cluster, shape, 2, 32)
+            for _, a in grid_assignments(problem):
+                ev = evaluate(problem, a, float("inf"))
+                annotated = annotate_graph(graph, problem, a)
+                assert ("compile=0" in str(plan_of(annotated))) == (compiled is False)
+                est = estimate(annotated, cluster)
+                assert ev.step_time_s == pytest.approx(est.step_time_s, rel=0.01)
+                assert ev.memory_per_device_bytes == pytest.approx(est.memory_per_device_bytes, rel=0.01)

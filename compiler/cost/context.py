@@ -47,6 +47,8 @@ class CostContext:
     storage: Aliasing = field(default_factory=lambda: Aliasing({}, frozenset()))
     copies: frozenset[Node] = frozenset()
     _local: dict[Node, LocalNode] = field(default_factory=dict)
+    # Fused-kernel roles per layer (`shardc.cost.fusion.role_of`): partition-free, shared by overlays.
+    fusion: dict = field(default_factory=dict)
     _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
 
     @property
@@ -83,13 +85,14 @@ class CostContext:
     def rescoped(self, mesh: Mesh | None, batch_scale: float) -> CostContext:
         """The same dataflow facts on another mesh and batch scale (no overlays, fresh caches)."""
         return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.compiled,
-                           self.batched, self.needs_grad, self.users, self.layer_of, storage=self.storage, copies=self.copies)
+                           self.batched, self.needs_grad, self.users, self.layer_of, storage=self.storage,
+                           copies=self.copies, fusion=self.fusion)
 
     def with_overlay(self, partitions: dict[Node, Partition | None], layouts: dict[Value, Layout]) -> CostContext:
         """This context with nodes partitioned and values laid out as given."""
         return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
                            self.compiled, self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
-                           self.storage, self.copies, _levels=self._levels)
+                           self.storage, self.copies, _levels=self._levels, fusion=self.fusion)
 
     def partition(self, node: Node) -> Partition | None:
         return self.partitions[node] if node in self.partitions else node.partition

@@ -1,41 +1,44 @@
-"""Compute time of a layer run through `torch.compile` (inductor): fused kernels, not eager ops.
+"""Compute time of a node run through `torch.compile` (inductor): fused kernels, not eager ops.
 
-Rules, over one layer's nodes (or a solver fragment's) in graph order:
+Rules, per layer (the structure depends on the graph only, so a solver fragment and the whole
+layer price every node alike; the bytes and FLOPs are the node's own local ones):
 - Matmuls (contractions), fused attention, lookups (`index`), opaque ops and nodes with a
-  temporal split stay the kernels eager runs (inductor calls cuBLAS / its extern kernels for
-  them), priced as `node_compute_time` prices them.
+  temporal split stay the kernels eager runs (inductor calls extern kernels for them), priced by
+  `node_compute_time`.
 - Attention written out (`shardc.analysis.attention`: QK^T, scale, mask, softmax, dropout, PV)
   becomes one `scaled_dot_product_attention` kernel, as inductor's attention pattern rewrite
-  makes it (flash or memory-efficient kernels on GPUs): the core is priced as an sdpa node on
-  the same q, k, v and output (the registry's formula and saved bytes), its FLOPs kept.
+  makes it (flash or memory-efficient kernels on GPUs): QK^T is charged its FLOPs and the reads
+  of q and k, PV its FLOPs, the read of v and the write of the output, both at the matmul rate
+  of the whole kernel's FLOPs, one launch; the scores in between cost nothing. Backward as
+  `node_compute_time` prices an sdpa node: twice the forward.
 - Every other op (elementwise, normalisation, reduction, loss, views) joins a fusion chain:
-  ops connected through a tensor, with no matmul between them on any path (every value gets a
-  level, the number of extern kernels above it; connected ops of one level fuse). A chain is one
-  memory-bound kernel: it reads the tensors entering it once and writes the tensors leaving it
-  once (read by another kernel, or a layer output), whatever it holds inside; one launch per
-  reduction in it (at least one). Its backward is one kernel too: it reads what entered (what
-  inductor's partitioner saves) and the gradients of what leaves, writes the gradients of what
-  entered and needs one, with twice the forward FLOPs. A chain of views only is free.
-- The chain's time is shared among its ops in proportion to their eager time (forward and
-  backward separately), so per-node and per-core sums (selective recomputation) keep their sense.
-- On a device with measured eager costs (the calibrated CPU) a chain costs one elementwise call
-  plus its bytes at the elementwise rate, the attention kernel one `attention_matmul` call plus
-  its FLOPs at that rate.
+  ops connected through a tensor with no extern kernel between them on any path (every value
+  has a level, the most extern kernels above it; connected ops of one level fuse; `fusion_chains`).
+  A chain is one memory-bound kernel: it reads each tensor entering it once and writes each
+  tensor leaving it once (read outside the chain, or by nothing: a layer output), whatever it
+  holds inside, with one launch per reduction in it (at least one; none for views only). Each
+  op is charged its part: the entering tensors it is the first to read, the leaving ones it
+  writes, its FLOPs at the vector rate. Backward, when a tensor entering the chain needs a
+  gradient: one kernel reading what entered (what inductor's partitioner saves) and the
+  gradients of what leaves, writing the gradients of what entered, twice the forward FLOPs.
+- On a device with measured eager costs (the calibrated CPU) a chain launch is one elementwise
+  call and bytes go at the elementwise rate; attention at the `attention_matmul` rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from shardc.cost.compute import NodeCost, kernel_time, node_compute_time
+from shardc.analysis.attention import attention_cores
+from shardc.cost.compute import NodeCost, kernel_time
 from shardc.cost.context import CostContext
 from shardc.hardware import DeviceSpec
-from shardc.ir import Node, TensorType, Value
+from shardc.ir import Node, Value
 from shardc.ops.registry import get_op
 
 EXTERN_KINDS = frozenset({"contraction", "attention", "index", "opaque", "collective", "creation"})
 REDUCING_KINDS = frozenset({"norm", "reduction", "loss"})
-SDPA = "scaled_dot_product_attention"
 
 
 def is_cpu(device: DeviceSpec) -> bool:
@@ -43,10 +46,17 @@ def is_cpu(device: DeviceSpec) -> bool:
     return device.name.startswith("local-cpu")
 
 
-def _fusible(node: Node, partition: object) -> bool:
-    op = get_op(node.op)
-    temporal = getattr(partition, "temporal", ())
-    return op.kind not in EXTERN_KINDS and not temporal
+@dataclass(frozen=True, slots=True)
+class FusedRole:
+    """A node's part in its layer's compiled kernels. `kernel`: "extern" (its own kernel),
+    "chain" or "attention". `reads`/`writes`: the input/output indices it is charged for;
+    `launches`: kernel launches charged to it; `grad`: its kernel has a backward."""
+
+    kernel: str
+    reads: tuple[int, ...] = ()
+    writes: tuple[int, ...] = ()
+    launches: int = 0
+    grad: bool = False
 
 
 def _levels(nodes: Sequence[Node], fusible: dict[Node, bool]) -> dict[Value, int]:
@@ -83,100 +93,105 @@ def fusion_chains(nodes: Sequence[Node], fusible: dict[Node, bool]) -> list[list
     return list(chains.values())
 
 
-def _shares(total: float, parts: Sequence[float]) -> list[float]:
-    """`total` split in proportion to `parts` (evenly when they are all zero)."""
-    whole = sum(parts)
-    if whole <= 0:
-        return [total / len(parts)] * len(parts)
-    return [total * p / whole for p in parts]
-
-
-def fused_costs(ctx: CostContext, nodes: Sequence[Node], eager: Callable[[Node], NodeCost],
-                cores: Sequence[Sequence[Node]]) -> dict[Node, NodeCost]:
-    """Each node's `NodeCost` when `nodes` run compiled (module rules), on `ctx`'s local shapes:
-    `eager(node)` is its eager cost, `cores` the attention cores (`attention_cores`)."""
-    costs = {n: eager(n) for n in nodes}
-    in_core: set[Node] = set()
+def fused_roles(nodes: Sequence[Node], batched: set[Value], needs_grad: set[Value],
+                users: dict[Value, list[Node]]) -> dict[Node, FusedRole]:
+    """Every node's `FusedRole` in the layer made of `nodes` (graph order; module rules)."""
+    roles: dict[Node, FusedRole] = {}
+    cores = attention_cores(nodes, batched)
     for core in cores:
-        if len(core) >= 2 and all(n in costs for n in core):
-            in_core.update(core)
-            _attention_kernel(ctx, core, costs)
-    fusible = {n: n not in in_core and _fusible(n, ctx.partition(n)) for n in nodes}
+        grad = any(v in needs_grad for v in core[0].inputs[:2] + core[-1].inputs[1:2])
+        roles[core[0]] = FusedRole("attention", (0, 1), (), 1, grad)
+        roles[core[-1]] = FusedRole("attention", (1,), (0,), 0, grad)
+        for node in core[1:-1]:
+            roles[node] = FusedRole("attention")
+    fusible = {n: n not in roles and get_op(n.op).kind not in EXTERN_KINDS for n in nodes}
     for chain in fusion_chains(nodes, fusible):
-        _chain_kernel(ctx, chain, costs)
-    return costs
+        members = set(chain)
+        made = {v for n in chain for v in n.outputs}
+        views = all(get_op(n.op).kind == "view" for n in chain)
+        launches = 0 if views else max(1, sum(get_op(n.op).kind in REDUCING_KINDS for n in chain))
+        seen: set[Value] = set()
+        entering: list[Value] = []
+        for node in chain:
+            entering += [v for v in node.inputs if v not in made and v not in entering]
+        grad = any(v in needs_grad for v in entering)
+        for k, node in enumerate(chain):
+            reads = []
+            for i, v in enumerate(node.inputs):
+                if v not in made and v not in seen:
+                    seen.add(v)
+                    reads.append(i)
+            writes = tuple(j for j, v in enumerate(node.outputs)
+                           if not users.get(v) or any(u not in members for u in users[v]))
+            roles[node] = FusedRole("chain", () if views else tuple(reads), () if views else writes,
+                                    launches if k == 0 else 0, grad)
+    for node in nodes:
+        roles.setdefault(node, FusedRole("extern"))
+    return roles
 
 
-def _attention_kernel(ctx: CostContext, core: Sequence[Node], costs: dict[Node, NodeCost]) -> None:
-    """Price the core as one sdpa node on its q, k, v and output, shared among its nodes."""
-    first, last = core[0], core[-1]
-    device, dtype = ctx.device, ctx.dtype
-    q, kt = ctx.local(first).in_types[:2]
-    v, out = ctx.local(last).in_types[1], ctx.local(last).out_types[0]
-    k = TensorType(kt.shape[:-2] + (kt.shape[-1], kt.shape[-2]), kt.dtype)
-    scaled = [first.inputs[0], first.inputs[1], last.inputs[1]]
-    scale = max(ctx.scale_of(x) for x in scaled)
-    grads = [x in ctx.needs_grad for x in scaled]
-    sdpa = get_op(SDPA)
-    if device.eager is not None:
-        cost = _eager_attention(sdpa.count_flops([q, k, v], [out], {}) * scale, any(grads), device, dtype)
-    else:
-        cost = node_compute_time(sdpa, [q, k, v], [out], {}, device, dtype, needs_grad=grads, scale=scale)
-    _spread(core, cost, costs, keep_flops=True)
-
-
-def _eager_attention(flops: float, grad: bool, device: DeviceSpec, dtype: str) -> NodeCost:
-    assert device.eager is not None
-    fit = device.eager.fit("attention_matmul", "matmul")
-    per_flop = device.peak("fp32") / device.peak(dtype)
-    fwd = fit.fwd_call + flops * fit.fwd_per_unit * per_flop
-    bwd = fit.bwd_call + 2 * flops * fit.bwd_per_unit * per_flop if grad else 0.0
-    return NodeCost(fwd, bwd, flops, 2 * flops if grad else 0.0, 0.0)
-
-
-def _chain_kernel(ctx: CostContext, chain: Sequence[Node], costs: dict[Node, NodeCost]) -> None:
-    """Price a fusion chain as one kernel forward and one backward, shared among its nodes."""
-    device, dtype, needs_grad = ctx.device, ctx.dtype, ctx.needs_grad
-    members = set(chain)
-    made = {v for n in chain for v in n.outputs}
-    entering: dict[Value, float] = {}
-    leaving: dict[Value, float] = {}
-    for node in chain:
-        local = ctx.local(node)
-        for v, t in zip(node.inputs, local.in_types):
-            if v not in made:
-                entering[v] = max(entering.get(v, 0.0), t.nbytes * ctx.scale_of(v))
-        for v, t in zip(node.outputs, local.out_types):
-            users = ctx.users.get(v, [])
-            if not users or any(u not in members for u in users):
-                leaving[v] = t.nbytes * ctx.scale_of(v)
-    if all(get_op(n.op).kind == "view" for n in chain):
-        if any(costs[n].fwd_s or costs[n].bwd_s for n in chain):
-            _spread(chain, NodeCost(0.0, 0.0, 0.0, 0.0, 0.0), costs, keep_flops=True)
-        return
-    flops = sum(costs[n].fwd_flops for n in chain)
-    read, written = sum(entering.values()), sum(leaving.values())
-    grad = any(v in needs_grad for v in entering) and any(costs[n].bwd_s > 0 for n in chain)
-    grad_in = sum(b for v, b in entering.items() if v in needs_grad)
-    launches = max(1, sum(1 for n in chain if get_op(n.op).kind in REDUCING_KINDS))
+def compiled_cost(role: FusedRole, eager: NodeCost, in_bytes: Sequence[float], out_bytes: Sequence[float],
+                  grads: Sequence[bool], device: DeviceSpec, dtype: str) -> NodeCost:
+    """The node's `NodeCost` compiled, from its `role`, its eager cost (FLOPs kept) and its local
+    input and output bytes (batch-scaled); `grads[i]`: input i needs a gradient."""
+    if role.kernel == "extern":
+        return eager
+    read = sum(in_bytes[i] for i in role.reads)
+    written = sum(out_bytes[j] for j in role.writes)
+    flops = eager.fwd_flops
+    if role.kernel == "attention":
+        if not role.reads and not role.writes:  # the scores between the products: inside the kernel
+            return NodeCost(0.0, 0.0, flops, eager.bwd_flops, 0.0)
+        return _attention(role, flops, read + written, device, dtype)
+    grad_in = sum(in_bytes[i] for i in role.reads if grads[i])
+    back = role.grad and eager.bwd_s > 0
+    bwd_flops = 2 * flops if back else 0.0
     if device.eager is not None:
         fit = device.eager.fit("elementwise")
-        fwd = launches * fit.fwd_call + (read + written) * fit.fwd_per_unit
-        bwd = launches * fit.bwd_call + (read + written + grad_in) * fit.bwd_per_unit if grad else 0.0
-    else:
-        fwd = kernel_time(flops, read + written, device, dtype, matmul=False) + launches * device.kernel_latency
-        bwd = (kernel_time(2 * flops, read + written + grad_in, device, dtype, matmul=False)
-               + launches * device.kernel_latency) if grad else 0.0
-    _spread(chain, NodeCost(fwd, bwd, flops, 2 * flops if grad else 0.0, read + written), costs, keep_flops=True)
+        fwd = role.launches * fit.fwd_call + (read + written) * fit.fwd_per_unit
+        bwd = role.launches * fit.bwd_call + (read + written + grad_in) * fit.bwd_per_unit if back else 0.0
+        return NodeCost(fwd, bwd, flops, bwd_flops, read + written)
+    latency = role.launches * device.kernel_latency
+    fwd = kernel_time(flops, read + written, device, dtype, matmul=False) + latency
+    bwd = kernel_time(2 * flops, read + written + grad_in, device, dtype, matmul=False) + latency if back else 0.0
+    return NodeCost(fwd, bwd, flops, bwd_flops, read + written)
 
 
-def _spread(group: Sequence[Node], total: NodeCost, costs: dict[Node, NodeCost], *, keep_flops: bool) -> None:
-    """Replace the costs of `group` by shares of `total` (times by eager time; FLOPs kept per node
-    when `keep_flops`, the FLOPs the ops do whichever kernel runs them)."""
-    fwd = _shares(total.fwd_s, [costs[n].fwd_s for n in group])
-    bwd = _shares(total.bwd_s, [costs[n].bwd_s for n in group]) if total.bwd_s else [0.0] * len(group)
-    nbytes = _shares(total.fwd_bytes, [costs[n].fwd_bytes for n in group])
-    for k, n in enumerate(group):
-        old = costs[n]
-        flops = (old.fwd_flops, old.bwd_flops) if keep_flops else (0.0, 0.0)
-        costs[n] = NodeCost(fwd[k], bwd[k], flops[0], flops[1], nbytes[k])
+def _attention(role: FusedRole, flops: float, nbytes: float, device: DeviceSpec, dtype: str) -> NodeCost:
+    """One product of a fused attention kernel (the two products of a core do equal FLOPs, so the
+    rate is the kernel's at twice this one's)."""
+    if device.eager is not None:
+        fit = device.eager.fit("attention_matmul", "matmul")
+        per_flop = device.peak("fp32") / device.peak(dtype)
+        fwd = role.launches * fit.fwd_call + flops * fit.fwd_per_unit * per_flop
+        bwd = 2 * role.launches * fit.bwd_call + 2 * flops * fit.bwd_per_unit * per_flop if role.grad else 0.0
+        return NodeCost(fwd, bwd, flops, 2 * flops if role.grad else 0.0, nbytes)
+    if flops <= 0:
+        return NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    compute = flops / device.matmul_flops_per_s(2 * flops, dtype)
+    fwd = max(compute, nbytes / device.memory_bandwidth) + role.launches * device.kernel_latency
+    return NodeCost(fwd, 2 * fwd if role.grad else 0.0, flops, 2 * flops if role.grad else 0.0, nbytes)
+
+
+def role_of(ctx: CostContext, node: Node) -> FusedRole:
+    """`node`'s role among the nodes of its layer in `ctx.graph` (computed once per layer and
+    kept in `ctx.fusion`, which every overlay of the context shares: roles ignore partitions)."""
+    roles = ctx.fusion.get(node.layer)
+    if roles is None:
+        nodes = [n for n in ctx.graph.nodes if n.layer == node.layer]
+        roles = ctx.fusion[node.layer] = fused_roles(nodes, ctx.batched, ctx.needs_grad, ctx.users)
+    return roles.get(node, FusedRole("extern"))
+
+
+def compiled_node_cost(ctx: CostContext, node: Node, eager: NodeCost) -> NodeCost:
+    """`node`'s cost when its rank module runs compiled (module rules), from its eager cost on
+    `ctx`'s local shapes; a node with a temporal split keeps its eager kernels."""
+    role = role_of(ctx, node)
+    part = ctx.partition(node)
+    if role.kernel == "extern" or (part is not None and part.temporal):
+        return eager
+    local = ctx.local(node)
+    in_bytes = [t.nbytes * ctx.scale_of(v) for v, t in zip(node.inputs, local.in_types)]
+    out_bytes = [t.nbytes * ctx.scale_of(v) for v, t in zip(node.outputs, local.out_types)]
+    grads = [v in ctx.needs_grad for v in node.inputs]
+    return compiled_cost(role, eager, in_bytes, out_bytes, grads, ctx.device, ctx.dtype)

@@ -36,7 +36,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.analysis.attention import attention_core as core_of
-from shardc.analysis.attention import attention_cores
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     NodeCost,
@@ -45,7 +44,6 @@ from shardc.cost.compute import (
     working_bytes,
 )
 from shardc.cost.context import CostContext, axis_category
-from shardc.cost.fusion import fused_costs
 from shardc.cost.edges import (
     comm_time,
     feeds_only_parameters,
@@ -55,6 +53,7 @@ from shardc.cost.edges import (
     input_steps,
     resolves,
 )
+from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.ring import as_run
 from shardc.ir import Node, Value
@@ -198,11 +197,9 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
     produced = {v for n in nodes for v in n.outputs}
     core = attention_core(ctx, nodes) if core is None else core
     t = LayerTerms()
-    fused = fused_costs(ctx, nodes, lambda n: _eager_cost(ctx, n), attention_cores(nodes, ctx.batched)) \
-        if ctx.compiled else {}
     for node in nodes:
         in_core, local = node in core, ctx.local(node)
-        cost = _compute(ctx, node, in_core, t, fused.get(node))
+        cost = _compute(ctx, node, in_core, t)
         saves = saved_bytes_of(local.op, local.in_types, local.out_types, node.attrs)
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
         _forward_edges(ctx, node, cost, {idx for kind, idx, _ in saves if kind == "in"}, produced, internal_only,
@@ -238,12 +235,13 @@ def _eager_cost(ctx: CostContext, node: Node) -> NodeCost:
     return as_run(cost, node, part)
 
 
-def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms, given: NodeCost | None = None) -> NodeCost:
-    """The node's compute (`given`: its compiled share, else `_eager_cost`), added to `t` with
-    its FLOPs and its transient; returns its `NodeCost`."""
+def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> NodeCost:
+    """The node's compute (`_eager_cost`, or its part of the fused kernels when the plan runs
+    compiled), added to `t` with its FLOPs and its transient; returns its `NodeCost`."""
     local = ctx.local(node)
     op, part = local.op, ctx.partition(node)
-    cost = given if given is not None else _eager_cost(ctx, node)
+    cost = _eager_cost(ctx, node)
+    cost = compiled_node_cost(ctx, node, cost) if ctx.compiled else cost
     _add(t.bwd, "compute_bwd", cost.bwd_s)
     t.fwd_flops += cost.fwd_flops
     t.bwd_flops += cost.bwd_flops

@@ -6,7 +6,9 @@ Rules:
   by node. Its batch is rescaled to the plan's micro-batch: every batch-dependent tensor and
   FLOP is multiplied by `mb / local batch` (`shardc.analysis.dims.graph_batch_scale`). Layers come from `graph.layers` (stage, recompute
   and ZeRO per layer); copies of one block with equal partitions are costed once
-  (`layer_costs`) and reused.
+  (`layer_costs`) and reused. Kernels are priced as the plan runs them: fused by inductor when
+  its rank modules run through torch.compile (`plan.compiled_on`: `compile=1`, or auto on a GPU
+  cluster; `shardc.cost.fusion`), eager per-op kernels otherwise.
 - The step and the memory per device are composed from the layers' costs by
   `compose.compose` (pipeline schedule, ZeRO-3 gathers, bucketed gradient sync, optimizer,
   memory in flight), the same composition the solver evaluates its plans with. The
