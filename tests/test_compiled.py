@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from test_backend_numerics import GPT, check, compile_case, run_cases
+from test_pipeline_numerics import run_and_check as run_pipeline_cases
 
 from shardc.analysis.attention import attention_cores
 from shardc.backends.torch.launch import spawn
@@ -156,3 +157,8 @@ def test_the_solver_prices_compiled_plans_as_the_estimate_does() -> None:
                 est = estimate(annotated, cluster)
                 assert ev.step_time_s == pytest.approx(est.step_time_s, rel=0.01)
                 assert ev.memory_per_device_bytes == pytest.approx(est.memory_per_device_bytes, rel=0.01)
+
+
+def test_compiled_pipeline_stages_train_like_one_eager_process() -> None:
+    """pp=2 (1F1B over 4 micro-batches): every stage module and the loss module compiled."""
+    run_pipeline_cases(2, [(GPT, "pp=2,compile=1")])
