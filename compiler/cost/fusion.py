@@ -6,11 +6,12 @@ layer price every node alike; the bytes and FLOPs are the node's own local ones)
   temporal split stay the kernels eager runs (inductor calls extern kernels for them), priced by
   `node_compute_time`.
 - Attention written out (`shardc.analysis.attention`: QK^T, scale, mask, softmax, dropout, PV)
-  becomes one `scaled_dot_product_attention` kernel, as inductor's attention pattern rewrite
-  makes it (flash or memory-efficient kernels on GPUs): QK^T is charged its FLOPs and the reads
-  of q and k, PV its FLOPs, the read of v and the write of the output, both at the matmul rate
-  of the whole kernel's FLOPs, one launch; the scores in between cost nothing. Backward as
-  `node_compute_time` prices an sdpa node: twice the forward.
+  runs as inductor makes it: its two matmuls, with the ops between them one fused kernel like
+  any chain. Inductor's attention pattern rewrite into `scaled_dot_product_attention` does not
+  fire on such a core under training in torch 2.13 (no `fuse_attention` in dynamo's counters
+  for `examples/gpt.py`'s causal `masked_fill`; `tests/test_compiled.py` checks it),
+  so no flash kernel is assumed; a model that calls `scaled_dot_product_attention` gets that
+  kernel, priced by `node_compute_time` (flash-style: nothing quadratic read or saved).
 - Every other op (elementwise, normalisation, reduction, loss, views) joins a fusion chain:
   ops connected through a tensor with no extern kernel between them on any path (every value
   has a level, the most extern kernels above it; connected ops of one level fuse; `fusion_chains`).
@@ -21,8 +22,10 @@ layer price every node alike; the bytes and FLOPs are the node's own local ones)
   writes, its FLOPs at the vector rate. Backward, when a tensor entering the chain needs a
   gradient: one kernel reading what entered (what inductor's partitioner saves) and the
   gradients of what leaves, writing the gradients of what entered, twice the forward FLOPs.
+- A chain that is only bias adds (a matmul's output plus a parameter) and views is the matmul's
+  epilogue (inductor keeps `addmm`, the bias added as cuBLAS writes): it reads the bias, no launch.
 - On a device with measured eager costs (the calibrated CPU) a chain launch is one elementwise
-  call and bytes go at the elementwise rate; attention at the `attention_matmul` rate.
+  call and bytes go at the elementwise rate.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.analysis.attention import attention_cores
 from shardc.cost.compute import NodeCost, kernel_time
 from shardc.cost.context import CostContext
 from shardc.hardware import DeviceSpec
@@ -48,8 +50,8 @@ def is_cpu(device: DeviceSpec) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class FusedRole:
-    """A node's part in its layer's compiled kernels. `kernel`: "extern" (its own kernel),
-    "chain" or "attention". `reads`/`writes`: the input/output indices it is charged for;
+    """A node's part in its layer's compiled kernels. `kernel`: "extern" (its own kernel) or
+    "chain" (a fusion chain's). `reads`/`writes`: the input/output indices it is charged for;
     `launches`: kernel launches charged to it; `grad`: its kernel has a backward."""
 
     kernel: str
@@ -70,9 +72,16 @@ def _levels(nodes: Sequence[Node], fusible: dict[Node, bool]) -> dict[Value, int
 
 
 def fusion_chains(nodes: Sequence[Node], fusible: dict[Node, bool]) -> list[list[Node]]:
-    """The fusion chains of `nodes` (graph order), each in graph order (module rule)."""
+    """The fusion chains of `nodes` (graph order), each in graph order (module rule): ops of one
+    level joined through their tensors, then a chain joined to a chain it feeds when no path
+    through an extern kernel leads from the one to the other (a pointwise producer that only
+    depends on the layer's inputs, like a mask, is computed inside its consumer's kernel)."""
     level = _levels(nodes, fusible)
     parent: dict[Node, Node] = {n: n for n in nodes if fusible[n]}
+    users: dict[Value, list[Node]] = {}
+    for node in nodes:
+        for v in node.inputs:
+            users.setdefault(v, []).append(node)
 
     def find(n: Node) -> Node:
         while parent[n] is not n:
@@ -80,12 +89,37 @@ def fusion_chains(nodes: Sequence[Node], fusible: dict[Node, bool]) -> list[list
             n = parent[n]
         return n
 
+    def through_extern(src: Node, dst: Node) -> bool:
+        """Whether a path from chain `src` reaches chain `dst` after passing an extern kernel."""
+        stack = [(n, False) for n in parent if find(n) is src]
+        seen: set[tuple[Node, bool]] = set()
+        while stack:
+            node, passed = stack.pop()
+            for v in node.outputs:
+                for user in users.get(v, []):
+                    extern = passed or not fusible[user]
+                    if extern and user in parent and find(user) is dst:
+                        return True
+                    if (user, extern) not in seen:
+                        seen.add((user, extern))
+                        stack.append((user, extern))
+        return False
+
     for node in parent:
         mine = max((level.get(v, 0) for v in node.inputs), default=0)
         for v in node.inputs:
             src = v.producer
             if src is not None and src in parent and level[v] == mine:
                 parent[find(src)] = find(node)
+    changed = True
+    while changed:
+        changed = False
+        for node in parent:
+            for v in node.inputs:
+                src = v.producer
+                if src in parent and find(src) is not find(node) and not through_extern(find(src), find(node)):
+                    parent[find(src)] = find(node)
+                    changed = True
     chains: dict[Node, list[Node]] = {}
     for node in nodes:
         if node in parent:
@@ -93,23 +127,17 @@ def fusion_chains(nodes: Sequence[Node], fusible: dict[Node, bool]) -> list[list
     return list(chains.values())
 
 
-def fused_roles(nodes: Sequence[Node], batched: set[Value], needs_grad: set[Value],
+def fused_roles(nodes: Sequence[Node], needs_grad: set[Value],
                 users: dict[Value, list[Node]]) -> dict[Node, FusedRole]:
     """Every node's `FusedRole` in the layer made of `nodes` (graph order; module rules)."""
     roles: dict[Node, FusedRole] = {}
-    cores = attention_cores(nodes, batched)
-    for core in cores:
-        grad = any(v in needs_grad for v in core[0].inputs[:2] + core[-1].inputs[1:2])
-        roles[core[0]] = FusedRole("attention", (0, 1), (), 1, grad)
-        roles[core[-1]] = FusedRole("attention", (1,), (0,), 0, grad)
-        for node in core[1:-1]:
-            roles[node] = FusedRole("attention")
-    fusible = {n: n not in roles and get_op(n.op).kind not in EXTERN_KINDS for n in nodes}
+    fusible = {n: get_op(n.op).kind not in EXTERN_KINDS for n in nodes}
     for chain in fusion_chains(nodes, fusible):
         members = set(chain)
         made = {v for n in chain for v in n.outputs}
         views = all(get_op(n.op).kind == "view" for n in chain)
-        launches = 0 if views else max(1, sum(get_op(n.op).kind in REDUCING_KINDS for n in chain))
+        epilogue = not views and all(get_op(n.op).kind == "view" or _bias_add(n) for n in chain)
+        launches = 0 if views or epilogue else max(1, sum(get_op(n.op).kind in REDUCING_KINDS for n in chain))
         seen: set[Value] = set()
         entering: list[Value] = []
         for node in chain:
@@ -123,6 +151,8 @@ def fused_roles(nodes: Sequence[Node], batched: set[Value], needs_grad: set[Valu
                     reads.append(i)
             writes = tuple(j for j, v in enumerate(node.outputs)
                            if not users.get(v) or any(u not in members for u in users[v]))
+            if epilogue:  # the matmul writes what leaves; only the bias is read here
+                reads, writes = [i for i in reads if node.inputs[i].kind == "parameter"], ()
             roles[node] = FusedRole("chain", () if views else tuple(reads), () if views else writes,
                                     launches if k == 0 else 0, grad)
     for node in nodes:
@@ -139,10 +169,6 @@ def compiled_cost(role: FusedRole, eager: NodeCost, in_bytes: Sequence[float], o
     read = sum(in_bytes[i] for i in role.reads)
     written = sum(out_bytes[j] for j in role.writes)
     flops = eager.fwd_flops
-    if role.kernel == "attention":
-        if not role.reads and not role.writes:  # the scores between the products: inside the kernel
-            return NodeCost(0.0, 0.0, flops, eager.bwd_flops, 0.0)
-        return _attention(role, flops, read + written, device, dtype)
     grad_in = sum(in_bytes[i] for i in role.reads if grads[i])
     back = role.grad and eager.bwd_s > 0
     bwd_flops = 2 * flops if back else 0.0
@@ -157,20 +183,15 @@ def compiled_cost(role: FusedRole, eager: NodeCost, in_bytes: Sequence[float], o
     return NodeCost(fwd, bwd, flops, bwd_flops, read + written)
 
 
-def _attention(role: FusedRole, flops: float, nbytes: float, device: DeviceSpec, dtype: str) -> NodeCost:
-    """One product of a fused attention kernel (the two products of a core do equal FLOPs, so the
-    rate is the kernel's at twice this one's)."""
-    if device.eager is not None:
-        fit = device.eager.fit("attention_matmul", "matmul")
-        per_flop = device.peak("fp32") / device.peak(dtype)
-        fwd = role.launches * fit.fwd_call + flops * fit.fwd_per_unit * per_flop
-        bwd = 2 * role.launches * fit.bwd_call + 2 * flops * fit.bwd_per_unit * per_flop if role.grad else 0.0
-        return NodeCost(fwd, bwd, flops, 2 * flops if role.grad else 0.0, nbytes)
-    if flops <= 0:
-        return NodeCost(0.0, 0.0, 0.0, 0.0, 0.0)
-    compute = flops / device.matmul_flops_per_s(2 * flops, dtype)
-    fwd = max(compute, nbytes / device.memory_bandwidth) + role.launches * device.kernel_latency
-    return NodeCost(fwd, 2 * fwd if role.grad else 0.0, flops, 2 * flops if role.grad else 0.0, nbytes)
+def _bias_add(node: Node) -> bool:
+    """An add of a contraction's output and a 1-d parameter (transformers' Conv1D bias)."""
+    if node.op != "add" or len(node.inputs) != 2:
+        return False
+    kinds = {v.kind for v in node.inputs}
+    made = next((v for v in node.inputs if v.kind != "parameter"), None)
+    return ("parameter" in kinds and made is not None and made.producer is not None
+            and get_op(made.producer.op).kind == "contraction"
+            and any(v.kind == "parameter" and v.type.rank == 1 for v in node.inputs))
 
 
 def role_of(ctx: CostContext, node: Node) -> FusedRole:
@@ -179,7 +200,7 @@ def role_of(ctx: CostContext, node: Node) -> FusedRole:
     roles = ctx.fusion.get(node.layer)
     if roles is None:
         nodes = [n for n in ctx.graph.nodes if n.layer == node.layer]
-        roles = ctx.fusion[node.layer] = fused_roles(nodes, ctx.batched, ctx.needs_grad, ctx.users)
+        roles = ctx.fusion[node.layer] = fused_roles(nodes, ctx.needs_grad, ctx.users)
     return roles.get(node, FusedRole("extern"))
 
 
