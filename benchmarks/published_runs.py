@@ -84,10 +84,16 @@ def cluster_for(row: PublishedRun, matmul_efficiency: float | None = None) -> Cl
     return cluster
 
 
+def row_plan(row: PublishedRun) -> ParallelPlan:
+    """The row's plan, priced with per-op (eager) kernels (`compile=0`): the published runs used
+    their frameworks' own kernels, not inductor's, and the devices' efficiencies were fitted so."""
+    return ParallelPlan.parse(f"{row.plan},compile=0")
+
+
 def row_graph(row: PublishedRun) -> tuple[Graph, ParallelPlan]:
     """The row's model traced at one micro-batch across its data-parallel group and partitioned
     by apply-plan; recomputation kept on the repeated blocks only."""
-    plan = ParallelPlan.parse(row.plan)
+    plan = row_plan(row)
     spec = f"{ROOT}/{row.model}&seq={row.seq}&batch={plan.dp * plan.mb}"
     loaded = load_model(spec, device="meta")
     graph = group_layers(trace(loaded.model, loaded.example_inputs, name=loaded.name,
@@ -104,7 +110,7 @@ def predict(row: PublishedRun, graph: Graph | None = None, matmul_efficiency: fl
     if graph is None:
         graph, plan = row_graph(row)
     else:
-        plan = ParallelPlan.parse(row.plan)
+        plan = row_plan(row)
     e = estimate(graph, cluster_for(row, matmul_efficiency), plan, options=options_for(row))
     if row.metric == "step_s":
         value = e.step_time_s

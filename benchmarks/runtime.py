@@ -8,6 +8,12 @@ On the same processes and the same model, four trainers take turns, one step eac
 and torch's `DistributedDataParallel`. Each step is forward + backward + AdamW. The table gives
 median step times and the ratios ours/torch (targets: <= 1.0 for TP, <= 1.05 for DP); the
 difference is the overhead of generated code over hand-written sharded code.
+
+A second table (`--compiled-model`, default the study's model, `shardc.study.plans.DEFAULT_MODEL`)
+times shardc's own modules eager (`compile=0`) and through torch.compile (`compile=1`, inductor)
+under `dp=N` and `tp=N`, taking turns the same way, and prints the ratio compiled / eager
+(below 1: fusion pays on this machine). Compilation happens in the warm-up steps, not timed;
+`--compiled-model ""` skips the table.
 """
 
 from __future__ import annotations
@@ -60,11 +66,32 @@ def _trainers(spec: str, nproc: int) -> dict[str, Any]:
     return out
 
 
-def bench_worker(rank: int, world: int, spec: str, steps: int, warmup: int) -> dict[str, list[float]]:
+def _compiled_trainers(spec: str, nproc: int) -> dict[str, Any]:
+    """shardc's modules of `spec` under dp=N and tp=N, eager and compiled (fp32, one micro-batch)."""
+    import torch
+
+    from shardc.api import compile as shardc_compile
+    from shardc.frontend.spec import load_model
+
+    out: dict[str, Any] = {}
+    for plan in (f"dp={nproc}", f"tp={nproc}"):
+        for flag, how in (("0", "eager"), ("1", "compiled")):
+            torch.manual_seed(0)
+            loaded = load_model(spec, device="cpu")
+            example = tuple(loaded.example_inputs)
+            mb = example[0].shape[0] // (nproc if plan.startswith("dp") else 1)
+            compiled = shardc_compile(loaded.model, example, plan=f"{plan},mb={mb},dtype=fp32,compile={flag}")
+            out[f"{plan} {how}"] = (compiled.parallelize(loaded.model), lambda m, b: m(*b))
+            out["_example"] = example
+    return out
+
+
+def bench_worker(rank: int, world: int, spec: str, steps: int, warmup: int,
+                 compiled: bool = False) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
 
-    trainers = _trainers(spec, world)
+    trainers = (_compiled_trainers if compiled else _trainers)(spec, world)
     batch = trainers.pop("_example")
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in trainers.items()}
     times: dict[str, list[float]] = {k: [] for k in trainers}
@@ -88,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--compiled-model", default=None, help="the model of the compiled vs eager table "
+                        "(default: the study's model; empty: skip the table)")
     args = parser.parse_args(argv)
     from rich.console import Console
     from rich.table import Table
@@ -105,7 +134,30 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{value / medians[pairs[name]]:.3f}" if name in pairs else ""
         table.add_row(name, f"{value * 1e3:.2f}", ratio)
     Console().print(table)
+    from shardc.study.plans import DEFAULT_MODEL as STUDY_MODEL
+
+    spec = STUDY_MODEL if args.compiled_model is None else args.compiled_model
+    if spec:
+        Console().print(compiled_table(spec, args.nproc, args.steps, args.warmup))
     return 0
+
+
+def compiled_table(spec: str, nproc: int, steps: int, warmup: int) -> Any:
+    """The compiled vs eager rows: median step of each, and compiled / eager per plan."""
+    from rich.table import Table
+
+    from shardc.backends.torch.launch import spawn
+
+    results = spawn(bench_worker, nproc, spec, steps, warmup, True, timeout_s=3600)
+    medians = {k: statistics.median(max(r[k][i] for r in results) for i in range(steps)) for k in results[0]}
+    table = Table(title=f"compiled (torch.compile, inductor) vs eager, {nproc} processes, {steps} steps "
+                        f"(median), {spec}")
+    for col in ("plan", "eager step (ms)", "compiled step (ms)", "compiled / eager"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for plan in dict.fromkeys(k.rsplit(" ", 1)[0] for k in medians):
+        eager, fused = medians[f"{plan} eager"], medians[f"{plan} compiled"]
+        table.add_row(plan, f"{eager * 1e3:.2f}", f"{fused * 1e3:.2f}", f"{fused / eager:.3f}")
+    return table
 
 
 if __name__ == "__main__":

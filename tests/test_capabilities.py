@@ -151,6 +151,7 @@ GRID = Runs("test_primepar2d.py", "test_mlps_on_a_2x2_grid_train_like_one_proces
 MICRO = Runs("test_microbatch_numerics.py", "test_explicit_micro_batch_and_global_batch_accumulate_like_one_process")
 PRECISION = Runs("test_precision.py", sets="dtype=bf16")                # mixed precision
 RECOMPUTE = Runs("test_recompute.py", sets="recompute=selective")       # selective recomputation
+COMPILED = Runs("test_compiled.py", "test_compiled_dp2_and_tp2_train_like_one_eager_process", sets="compile=1")
 
 KIND_TESTS: dict[str, tuple[Runs, ...]] = {
     "spatial-dp": (GPT_CASES,),
@@ -175,7 +176,7 @@ KEY_TESTS: dict[str, tuple[Runs, ...]] = {
     "sp": (GPT_CASES,), "mb": (MICRO,), "gbs": (MICRO,), "schedule": (dataclasses.replace(PIPELINES, sets="schedule=gpipe"),),
     "recompute": (dataclasses.replace(GPT_CASES, sets="recompute=full"), RECOMPUTE),
     "recompute_layers": (dataclasses.replace(RECOMPUTE, sets="recompute_layers"),),
-    "zero": (GPT_CASES,), "dtype": (PRECISION,),
+    "zero": (GPT_CASES,), "dtype": (PRECISION,), "compile": (COMPILED,),
 }
 MULTI_PROCESS = ("spawn", "run_and_check", "_run")  # the harnesses that train on gloo processes
 

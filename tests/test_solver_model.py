@@ -54,7 +54,9 @@ def test_grid_plans_of_a_synthetic_llama_7b_evaluate_as_estimated():
 def test_grid_plans_of_traced_models_evaluate_as_estimated(spec):
     graph = load(spec, batch=2)
     cluster = parse_cluster("8xA100-80GB")
-    facts = graph_facts(graph, cluster)
+    # Eager prices (compile=0): under the fused prices of the GPU default, dp=8's step is mostly
+    # gradient sync and the linearisation is 3.3% off (tests/test_compiled.py checks the rest).
+    facts = graph_facts(graph, cluster, compiled=False)
     for shape in (MeshShape(1, 2, 1, 4), MeshShape(2, 2, 1, 2), MeshShape(4, 2, 1, 1), MeshShape(1, 8, 1, 1)):
         problem = build_problem(facts, cluster, shape, 2, 32)
         for _, a in grid_assignments(problem):

@@ -15,6 +15,14 @@ generated module then gets the data axes' gradient averaging from torch:
 as the `grad_sync` nodes of the lowered IR say. Under mixed precision (`precision.py`) FSDP2
 gathers compute-dtype weights and reduce-scatters fp32 gradients (`MixedPrecisionPolicy`), and
 an fp16 module carries its loss scaler (`grad_scaler`; `step` scales the loss).
+
+Fused execution: when the plan's `compile` key says so (`ParallelPlan.compiled_on`: auto is on
+for CUDA devices, off for CPU processes), the generated module is compiled in place with
+`torch.compile` (inductor; `nn.Module.compile`, so parameter names and `state_dict` keys stay
+the model's), inside the DDP / FSDP2 wrapper, as torch recommends. Dynamo traces the
+autograd-aware collectives as they are (their `torch.distributed` calls become its traceable
+functional collectives), so one graph covers a layer's matmuls, elementwise chains and
+collectives; inductor's compiled artifacts go to torch's own on-disk cache.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from shardc.backends.torch.precision import attach_scaler, compute_dtype, grad_s
 from shardc.backends.torch.ring import gather
 from shardc.ir import Graph, Layout, Mesh, Shard
 from shardc.ir.diagnostics import ShardcError
+from shardc.plan.parallel import ParallelPlan
 
 InitFn = Callable[[str, torch.Tensor], Any]
 
@@ -159,6 +168,8 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
     tensors = local_tensors(runtime, model, rank, init=init, seed=seed, device=device)
     runner = generate(runtime, rank, tensors, mesh_groups(graph.mesh, dm, rank), device=str(device))
     micro = int(graph.attrs.get("microbatches", 1)) if micro_graph is not None else 1
+    if runs_compiled(runtime, dm.device_type):
+        compile_in_place(runner)
     module = Microbatched(runner, micro, graph, runtime, loss_fn)
     describe_state(module, runtime, dm, model)
     compute = compute_dtype(runtime)
@@ -181,6 +192,23 @@ def parallelize_graph(graph: Graph, model: nn.Module, *, init: InitFn | None = N
     wrapped = DataParallel(module, process_group=sub.get_group(), init_sync=False, forward_sync_buffers=False)
     attach_scaler(scaler, wrapped)
     return wrapped
+
+
+def runs_compiled(graph: Graph, device_type: str) -> bool:
+    """Whether a rank module of `graph` runs through torch.compile on `device_type` ("cuda" or
+    "cpu"): the plan the graph records (`compile=auto|0|1`, `ParallelPlan.compiled_on`); a graph
+    recording no plan is auto."""
+    text = graph.attrs.get("plan")
+    plan = ParallelPlan.parse(str(text)) if text else ParallelPlan()
+    return plan.compiled_on(device_type == "cuda")
+
+
+def compile_in_place(module: nn.Module) -> nn.Module:
+    """`module` compiled by inductor in place (`nn.Module.compile`): its forward runs the compiled
+    code on the next call, and its parameters, buffers and submodules keep their names, so
+    optimizers, DDP / FSDP2 and checkpoints see the module as before."""
+    module.compile(backend="inductor")
+    return module
 
 
 def describe_state(module: nn.Module, graph: Graph, dm: Any, model: nn.Module) -> None:

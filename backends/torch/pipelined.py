@@ -24,7 +24,8 @@ are divided by the micro-batch count (the loss is a mean over micro-batches) and
 held on several pipeline ranks (a tied embedding and head) gets the sum of theirs. Mixed
 precision (`precision.py`): stage modules cast as generated, FSDP2 gathers compute-dtype weights
 and reduce-scatters fp32 gradients, and under fp16 the schedule's loss is scaled by the module's
-`grad_scaler` (the losses `step` returns are unscaled).
+`grad_scaler` (the losses `step` returns are unscaled). Under `compile` (`parallelize.runs_compiled`)
+each stage module and the loss module are compiled in place before torch wraps them.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ from shardc.backends.torch.codegen import generate, local_piece, local_shape
 from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.parallelize import (
     check_model,
+    compile_in_place,
     data_parallel_info,
     describe_state,
     device_mesh,
     local_tensors,
     mesh_groups,
+    runs_compiled,
     with_constants,
 )
 from shardc.backends.torch.precision import (
@@ -274,6 +277,9 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
     loss_module = None
     if plan.loss is not None and plan.stages and len(plan.stages) - 1 in stage_ids:
         loss_module = generate(plan.loss, rank, tensors, groups, device=str(dev), local_inputs=True)
+    if runs_compiled(graph, dev.type):
+        for m in [*modules, *([loss_module] if loss_module is not None else [])]:
+            compile_in_place(m)
     axes, via, zero = data_parallel_info(graph)
     sub = None if not axes else dm[axes[0]] if len(axes) == 1 else _flattened(dm, axes)
     fsdp = sub is not None and (via == "fsdp" or zero > 0)

@@ -33,6 +33,8 @@ class CostContext:
     dtype: str
     batch_scale: float
     algorithm: str = "auto"
+    # The rank modules run through torch.compile: layers are priced as fused (`shardc.cost.fusion`).
+    compiled: bool = False
     batched: set[Value] = field(default_factory=set)
     needs_grad: set[Value] = field(default_factory=set)
     users: dict[Value, list[Node]] = field(default_factory=dict)  # the nodes reading a value, in graph order
@@ -45,6 +47,8 @@ class CostContext:
     storage: Aliasing = field(default_factory=lambda: Aliasing({}, frozenset()))
     copies: frozenset[Node] = frozenset()
     _local: dict[Node, LocalNode] = field(default_factory=dict)
+    # Fused-kernel roles per layer (`shardc.cost.fusion.role_of`): partition-free, shared by overlays.
+    fusion: dict = field(default_factory=dict)
     _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
 
     @property
@@ -53,10 +57,10 @@ class CostContext:
 
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, dtype: str, batch_scale: float = 1.0,
-              algorithm: str = "auto") -> CostContext:
+              algorithm: str = "auto", compiled: bool = False) -> CostContext:
         """Dataflow facts: batched values descend from graph inputs; gradients flow from
-        trainable parameters through float values."""
-        ctx = cls(graph, cluster, graph.mesh, dtype, batch_scale, algorithm)
+        trainable parameters through float values. `compiled`: price fused kernels."""
+        ctx = cls(graph, cluster, graph.mesh, dtype, batch_scale, algorithm, compiled)
         ctx.batched = set(graph.inputs)
         any_marked = any(p.requires_grad for p in graph.params)
         ctx.needs_grad = {p for p in graph.params if p.type.is_float and (p.requires_grad or not any_marked)}
@@ -80,14 +84,15 @@ class CostContext:
 
     def rescoped(self, mesh: Mesh | None, batch_scale: float) -> CostContext:
         """The same dataflow facts on another mesh and batch scale (no overlays, fresh caches)."""
-        return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.batched,
-                           self.needs_grad, self.users, self.layer_of, storage=self.storage, copies=self.copies)
+        return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.compiled,
+                           self.batched, self.needs_grad, self.users, self.layer_of, storage=self.storage,
+                           copies=self.copies, fusion=self.fusion)
 
     def with_overlay(self, partitions: dict[Node, Partition | None], layouts: dict[Value, Layout]) -> CostContext:
         """This context with nodes partitioned and values laid out as given."""
         return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
-                           self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
-                           self.storage, self.copies, _levels=self._levels)
+                           self.compiled, self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
+                           self.storage, self.copies, _levels=self._levels, fusion=self.fusion)
 
     def partition(self, node: Node) -> Partition | None:
         return self.partitions[node] if node in self.partitions else node.partition

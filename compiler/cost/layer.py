@@ -1,7 +1,9 @@
 """The cost of one layer for one micro-batch on one device: time by category, FLOPs, saved bytes.
 
 Rules, node by node over the layer's partitioned IR:
-- compute: `node_compute_time` on the node's local shapes (forward; backward from forward).
+- compute: `node_compute_time` on the node's local shapes (forward; backward from forward);
+  when the plan runs compiled (`ctx.compiled`), what inductor makes of the layer
+  (`shardc.cost.fusion`: fused elementwise chains, attention as one sdpa kernel).
 - forward communication: on every input edge, the collectives that turn the value's layout
   into the layout the node requires (`reshard_steps`), on the critical path, charged to the
   category of their mesh axis (tp_comm, cp_comm, ...). Vocab-parallel cross entropy adds two
@@ -51,6 +53,7 @@ from shardc.cost.edges import (
     input_steps,
     resolves,
 )
+from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.ring import as_run
 from shardc.ir import Node, Value
@@ -221,16 +224,24 @@ def _batched_scale(ctx: CostContext, values: Sequence[Value]) -> float:
     return ctx.batch_scale if any(v in ctx.batched for v in values) else 1.0
 
 
-def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> NodeCost:
-    """The node's compute (the slowest rank's, one kernel per rotation step), added to `t` with
-    its FLOPs and its transient; returns its `NodeCost`."""
+def _eager_cost(ctx: CostContext, node: Node) -> NodeCost:
+    """The node's eager compute (the slowest rank's, one kernel per rotation step)."""
     local = ctx.local(node)
-    op, part = local.op, ctx.partition(node)
-    cost = node_compute_time(op, step_types(local.space, part, local.in_types), local.out_types, node.attrs,
+    part = ctx.partition(node)
+    cost = node_compute_time(local.op, step_types(local.space, part, local.in_types), local.out_types, node.attrs,
                              ctx.device, ctx.dtype, needs_grad=[v in ctx.needs_grad for v in node.inputs],
                              scale=ctx.batch_scale, scaled_in=[v in ctx.batched for v in node.inputs],
                              scaled_out=[v in ctx.batched for v in node.outputs], copies=node in ctx.copies)
-    cost = as_run(cost, node, part)
+    return as_run(cost, node, part)
+
+
+def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> NodeCost:
+    """The node's compute (`_eager_cost`, or its part of the fused kernels when the plan runs
+    compiled), added to `t` with its FLOPs and its transient; returns its `NodeCost`."""
+    local = ctx.local(node)
+    op, part = local.op, ctx.partition(node)
+    cost = _eager_cost(ctx, node)
+    cost = compiled_node_cost(ctx, node, cost) if ctx.compiled else cost
     _add(t.bwd, "compute_bwd", cost.bwd_s)
     t.fwd_flops += cost.fwd_flops
     t.bwd_flops += cost.bwd_flops

@@ -6,7 +6,9 @@ Rules:
   by node. Its batch is rescaled to the plan's micro-batch: every batch-dependent tensor and
   FLOP is multiplied by `mb / local batch` (`shardc.analysis.dims.graph_batch_scale`). Layers come from `graph.layers` (stage, recompute
   and ZeRO per layer); copies of one block with equal partitions are costed once
-  (`layer_costs`) and reused.
+  (`layer_costs`) and reused. Kernels are priced as the plan runs them: fused by inductor when
+  its rank modules run through torch.compile (`plan.compiled_on`: `compile=1`, or auto on a GPU
+  cluster; `shardc.cost.fusion`), eager per-op kernels otherwise.
 - The step and the memory per device are composed from the layers' costs by
   `compose.compose` (pipeline schedule, ZeRO-3 gathers, bucketed gradient sync, optimizer,
   memory in flight), the same composition the solver evaluates its plans with. The
@@ -28,6 +30,7 @@ from shardc.cost.compose import EstimateOptions, LayerWork, compose, fsdp2, zero
 from shardc.cost.context import CostContext
 from shardc.cost.edges import layer_params
 from shardc.cost.estimate import Estimate
+from shardc.cost.fusion import is_cpu
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_terms
 from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.timeline import LayerMemory, layer_memory
@@ -112,7 +115,8 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     batch = graph_batch_scale(graph, plan.mb)
     gbs = plan.global_batch(batch.traced)
     m = plan.micro_batches(gbs)
-    ctx = CostContext.build(graph, cluster, plan.ir_dtype, batch.factor, options.algorithm)
+    ctx = CostContext.build(graph, cluster, plan.ir_dtype, batch.factor, options.algorithm,
+                            compiled=plan.compiled_on(not is_cpu(cluster.device)))
     layers = _layers(graph, plan)
     cache: dict[tuple, tuple[LayerCost, list[tuple[float, frozenset[str]]], LayerTerms]] = {}
     memories: dict[tuple, LayerMemory] = {}

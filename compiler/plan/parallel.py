@@ -29,7 +29,7 @@ MESH_AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
 
 # key -> (type, default, meaning); the order here is the printed order.
 # Keys printed only away from their default, so plans that do not use them print as before.
-OPTIONAL_KEYS: tuple[str, ...] = ("recompute_layers",)
+OPTIONAL_KEYS: tuple[str, ...] = ("recompute_layers", "compile")
 PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     Axis.DP: ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
     Axis.TP: ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
@@ -48,6 +48,8 @@ PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
                          "block method); printed only when not all"),
     "zero": (f"{ZERO_STAGES[0]}-{ZERO_STAGES[-1]}", "0", "ZeRO stage: 1 shards optimizer states, 2 also grads, 3 also weights"),
     "dtype": ("|".join(PLAN_DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
+    "compile": ("auto|0|1", "auto", "run each rank's module through torch.compile (inductor) and price its fused "
+                "kernels; auto: on for CUDA devices, off for CPU processes; printed only when not auto"),
 })
 
 
@@ -58,6 +60,14 @@ def _bool(key: str, text: str) -> bool:
     if t in ("0", "false", "off", "no"):
         return False
     raise ShardcError(f"plan key {key}={text!r}: expected 0 or 1 (also true/false, on/off)")
+
+
+def _compile_flag(raw: str) -> bool:
+    try:
+        return _bool("compile", raw)
+    except ShardcError:
+        raise ShardcError(f"plan key compile={raw!r}: expected auto, 0 or 1 (auto: torch.compile on CUDA "
+                          "devices, eager on CPU processes)") from None
 
 
 def _no_offload(raw: str, text: str) -> None:
@@ -97,7 +107,7 @@ class ParallelPlan:
 
     Keys and defaults (see `PLAN_KEYS`): dp=1, tp=1, pp=1, vpp=1, cp=1, sp=0, mb=1, gbs=auto
     (the model's example batch), schedule=1f1b, recompute=none, recompute_layers=all, zero=0,
-    dtype=bf16.
+    dtype=bf16, compile=auto.
     mb is the micro-batch size; gbs the global batch (sequences per optimizer step); the
     number of micro-batches per pipeline is gbs / (dp * mb) (gradient accumulation when pp=1).
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
@@ -128,6 +138,8 @@ class ParallelPlan:
     # when not contiguous, so plans without it print as they always have.
     cp_layout: str = "contiguous"
     recompute_layers: int | None = None
+    # torch.compile of the rank modules: None (auto) follows the device (`compiled_on`).
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):  # the integer fields
@@ -146,6 +158,8 @@ class ParallelPlan:
                 raise ShardcError(f"plan key recompute_layers={n} has no effect with recompute=none",
                                   hint="set recompute=full or recompute=selective, or leave recompute_layers out")
         object.__setattr__(self, "sp", bool(self.sp))
+        if self.compile is not None:
+            object.__setattr__(self, "compile", bool(self.compile))
         if self.zero not in ZERO_STAGES:
             raise ShardcError(f"plan key zero={self.zero!r}: valid values are {_ZEROS}")
         object.__setattr__(self, "cp_layout", _choice("cp layout", self.cp_layout, CP_LAYOUTS))
@@ -184,6 +198,8 @@ class ParallelPlan:
                 raise ShardcError(f"plan key {key!r} given twice in {text!r}")
             if key == "sp":
                 values[key] = _bool(key, raw)
+            elif key == "compile":
+                values[key] = None if raw.lower() == "auto" else _compile_flag(raw)
             elif key == "gbs":
                 values[key] = None if raw.lower() == "auto" else _int(key, raw)
             elif key == "recompute_layers":
@@ -229,7 +245,7 @@ class ParallelPlan:
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("cp_layout", "recompute_layers"):
+            if f.name in ("cp_layout", "recompute_layers") or (f.name == "compile" and v is None):
                 continue
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
             if f.name == Axis.CP and self.cp_layout != "contiguous":
@@ -241,6 +257,11 @@ class ParallelPlan:
 
     def __str__(self) -> str:
         return ",".join(f"{key}={text}" for key, text in self.items())
+
+    def compiled_on(self, gpu: bool) -> bool:
+        """Whether the rank modules run through torch.compile on a device of that kind:
+        `compile=1|0` as written; auto (unset) on GPUs, not on CPU processes."""
+        return gpu if self.compile is None else self.compile
 
     @property
     def devices(self) -> int:

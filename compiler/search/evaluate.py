@@ -28,7 +28,7 @@ from shardc.cost.layer import LayerCost, LayerTerms, finish_layer
 from shardc.cost.timeline import LayerMemory
 from shardc.ir import RECOMPUTE_CHOICES, LayerAnnotation
 from shardc.plan.parallel import ParallelPlan
-from shardc.search.problem import Problem
+from shardc.search.problem import Problem, compile_key
 from shardc.search.timelines import Timelines, output_bytes
 
 
@@ -106,7 +106,7 @@ class Evaluation:
 
 def plan_for(problem: Problem, zero: int = 0) -> ParallelPlan:
     """The uniform plan `problem` prices: its mesh shape's degrees, micro-batch, batch, `zero`."""
-    return problem.shape.plan(problem.mb, problem.gbs, zero, problem.dtype)
+    return problem.shape.plan(problem.mb, problem.gbs, zero, problem.dtype, compile_key(problem.facts))
 
 
 def _add(into: dict[str, float], part: dict[str, float]) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardc.cost.fusion import is_cpu
 from shardc.hardware import Cluster
 from shardc.ir import Graph, LayerAnnotation, Layout, Partial, Placement, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.file import GroupChoice, PlanFile
 from shardc.search.evaluate import Assignment, per_stage, plan_for
-from shardc.search.problem import MeshShape, Problem, build_problem, graph_facts
+from shardc.search.problem import MeshShape, Problem, build_problem, compile_key, graph_facts
 
 
 def plan_file(problem: Problem, a: Assignment, ev: Any, gbs: int) -> PlanFile:
@@ -30,7 +31,8 @@ def plan_file(problem: Problem, a: Assignment, ev: Any, gbs: int) -> PlanFile:
                                for v, c in zip(problem.groups, a.at(st)) if v.section == "block")
                          for st in range(len(a.stages))) if a.stage_choice else ()
     inputs, params = PlanFile.fingerprint(problem.facts.graph)
-    return PlanFile(problem.facts.graph.name, s.plan(problem.mb, gbs, a.zero, problem.dtype), problem.micro_batches,
+    return PlanFile(problem.facts.graph.name, s.plan(problem.mb, gbs, a.zero, problem.dtype, compile_key(problem.facts)),
+                    problem.micro_batches,
                     a.stages, groups, stage_groups, s.tq, ev.step_time_s, ev.memory_per_device_bytes,
                     str(problem.facts.ctx.cluster), inputs, params)
 
@@ -67,7 +69,8 @@ def assignment_from_plan(file: PlanFile, problem: Problem) -> Assignment:
 def plan_problem(graph: Graph, cluster: Cluster, file: PlanFile) -> Problem:
     """The solver's problem for `file`'s mesh shape and micro-batch size on `graph`."""
     shape = MeshShape.of(file.plan, file.tq)
-    return build_problem(graph_facts(graph, cluster, file.plan.dtype), cluster, shape, file.plan.mb,
+    compiled = file.plan.compiled_on(not is_cpu(cluster.device))
+    return build_problem(graph_facts(graph, cluster, file.plan.dtype, compiled=compiled), cluster, shape, file.plan.mb,
                          file.plan.global_batch(), file.plan.dtype)
 
 

@@ -24,6 +24,7 @@ from shardc.analysis.groups import NodeGroup, build_groups
 from shardc.analysis.roles import Roles
 from shardc.analysis.stages import Layering, layering
 from shardc.cost.context import CostContext
+from shardc.cost.fusion import is_cpu
 from shardc.cost.layer import attention_core
 from shardc.hardware import Cluster
 from shardc.ir import Axis, Graph, Layout, Mesh, Node, Value
@@ -58,10 +59,11 @@ class MeshShape:
             raise ShardcError(f"plan {plan}: tq={tq} does not divide tp={plan.tp}")
         return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq, plan.vpp)
 
-    def plan(self, mb: int, gbs: int, zero: int = 0, dtype: str = "bf16") -> ParallelPlan:
-        """The plan with these degrees (tp*tq as tp, vpp) and the given micro-batch, batch and ZeRO."""
+    def plan(self, mb: int, gbs: int, zero: int = 0, dtype: str = "bf16", compile: bool | None = None) -> ParallelPlan:
+        """The plan with these degrees (tp*tq as tp, vpp) and the given micro-batch, batch, ZeRO
+        and `compile` key (None: auto)."""
         return ParallelPlan(dp=self.dp, tp=self.tp * self.tq, pp=self.pp, vpp=self.vpp, cp=self.cp, mb=mb, gbs=gbs,
-                            zero=zero, dtype=dtype)
+                            zero=zero, dtype=dtype, compile=compile)
 
     @property
     def stages(self) -> int:
@@ -143,15 +145,25 @@ class GraphFacts:
     by_layer: dict[str | None, list[NodeGroup]] = field(default_factory=dict)
 
 
+def compile_key(facts: GraphFacts) -> bool | None:
+    """The `compile` key of the plans priced on `facts`: None (auto) when they are priced as auto
+    runs them on their cluster, else the choice `graph_facts` was given."""
+    ctx = facts.ctx
+    return None if ctx.compiled == (not is_cpu(ctx.device)) else ctx.compiled
+
+
 def graph_facts(graph: Graph, cluster: Cluster, dtype: str = "bf16",
-                candidates: CandidateTable | None = None) -> GraphFacts:
+                candidates: CandidateTable | None = None, compiled: bool | None = None) -> GraphFacts:
     """The facts of `graph` on `cluster`. `candidates`: a table an earlier enumeration filled
-    (the enumerate-candidates pass); used when it was made for this graph, else a fresh one."""
+    (the enumerate-candidates pass); used when it was made for this graph, else a fresh one.
+    `compiled`: price the rank modules run through torch.compile (None: the plan key's auto,
+    fused on GPUs, eager on CPU processes; the plans written say so when it is not auto)."""
     groups = build_groups(graph)
     if candidates is None or not candidates.fits(graph):
         candidates = CandidateTable.of(graph)
     roles, batch = candidates.roles, candidates.batch
-    ctx = CostContext.build(graph, cluster, ir_dtype(dtype))
+    auto = not is_cpu(cluster.device)
+    ctx = CostContext.build(graph, cluster, ir_dtype(dtype), compiled=auto if compiled is None else compiled)
     core: set[Node] = set()
     by_layer: dict[str | None, list[NodeGroup]] = {}
     for g in groups:
