@@ -118,6 +118,9 @@ class _Emit:
     graph: Graph
     taken: set[str]
     nodes: list[Node]
+    # (source value, steps so far) -> the value they made: edges of one value whose steps begin
+    # alike (readers that need the same layout with different gradients) share those nodes
+    shared: dict[tuple[str, tuple[ReshardStep, ...]], Value] | None = None
 
     def __call__(self, op: str, attrs: dict[str, Any], src: Value, layout: Layout, near: Node, tag: str) -> Value:
         name, k = f"{src.name}.{tag}", 1
@@ -137,7 +140,11 @@ class _Emit:
 
     def chain(self, src: Value, edge: Edge, steps: list[ReshardStep], near: Node, sent: Value | None = None) -> Value:
         cur = src
-        for step in steps:
+        for k, step in enumerate(steps):
+            key = (src.name, tuple(steps[:k + 1]))
+            if self.shared is not None and sent is None and key in self.shared:
+                cur = self.shared[key]
+                continue
             if step.kind == "send_recv":
                 attrs = {"axis": Axis.PP, "src": edge.src_stage, "dst": edge.dst_stage}
                 if sent is None:
@@ -146,6 +153,8 @@ class _Emit:
                 continue
             op, attrs = step_node_attrs(step)
             cur = self(op, attrs, cur, step.layout_after, near, op)
+            if self.shared is not None and sent is None and all(s.kind != "send_recv" for s in steps[:k + 1]):
+                self.shared[key] = cur
         return cur
 
 
@@ -246,6 +255,7 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
             after.setdefault(position[producer], []).append(edge)
     sent: dict[Edge, Value] = {}
     emit.nodes = []
+    emit.shared = {}
     for index, node in enumerate(old):
         for edge in before.get(index, []):
             new = emit.chain(by_name[edge.value], edge, edges[edge], node, sent.get(edge))
@@ -254,6 +264,7 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
         emit.nodes.append(node)
         for edge in after.get(index, []):
             sent[edge] = emit.send(by_name[edge.value], edge, node)
+    emit.shared = None
     for edge, steps in edges.items():
         if not edge.consumers:
             k = next(j for j, v in enumerate(graph.outputs) if v.name == edge.value)

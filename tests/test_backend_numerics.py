@@ -260,3 +260,51 @@ def test_transformers_gpt2_plans_match_single_process_and_bad_inputs_fail_clearl
     world, shape = run_and_check(2, HF_CASES)
     assert "the world has 2 processes but the plan's mesh<pp=1, dp=4, cp=1, tp=1> needs 4" in world
     assert "input input_ids has shape (4, 8), but the plan was compiled for (4, 16)" in shape
+
+
+class EmbeddingIntoMLP(torch.nn.Module):
+    """An embedding read both by a column-parallel linear and by the residual add (no norm
+    between): under tp its replicated output gets a partial gradient from one reader and a
+    replicated one from the other."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.fc1 = torch.nn.Linear(dim, hidden)
+        self.fc2 = torch.nn.Linear(hidden, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        x = x + self.fc2(torch.relu(self.fc1(x)))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def embedding_into_mlp(batch: int = 4, seq: int = 16) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    ids = torch.randint(0, 128, (batch, seq))
+    return EmbeddingIntoMLP(), (ids, ids.roll(-1, 1))
+
+
+MIXED = "tests/test_backend_numerics.py:embedding_into_mlp"
+
+
+def test_a_value_read_split_and_whole_reduces_only_the_split_readers_gradient() -> None:
+    # One all_reduce forward serves both readers; the backward all_reduce (`grad_all_reduce`) sits
+    # only in front of the column-parallel fc1: summing the residual's replicated gradient too
+    # counted it twice (wte.weight off by up to 3e-3 on two processes).
+    import re
+
+    lowered = str(compile_case(MIXED, "tp=2", "").graph)  # type: ignore[attr-defined]
+
+    def readers(value: str) -> list[str]:
+        """The ops reading `value` (as a whole operand, not a prefix of another name)."""
+        pattern = re.compile(rf"[(,] ?{re.escape(value)}[,)]")
+        return sorted(line.split("= ")[1].split("[")[0].split("(")[0] for line in lowered.splitlines()
+                      if " = " in line and pattern.search(line.split(" : ")[0]))
+
+    embedded = next(line.split(" = ")[0].strip() for line in lowered.splitlines() if "embedding(" in line)
+    assert readers(embedded) == ["all_reduce"]
+    # the residual reads the reduced value whole, fc1 through the marker (backward all_reduce)
+    assert readers(f"{embedded}.all_reduce") == ["add", "grad_all_reduce"]
+    assert run_and_check(2, [(MIXED, "tp=2", "")]) == []

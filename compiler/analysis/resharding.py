@@ -295,35 +295,51 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     replicated on the axis enters a node split along it: then the last step on that axis gets
     the partial-gradient conjugate (an all_gather's backward is a reduce_scatter), or an
     `identity` step is added whose backward is the all_reduce. Consumers that need the same
-    layout share one edge (one collective, as the lowering emits it). Graph outputs are made
-    replicated on model axes and kept on data axes (edges with no consumers).
+    layout share one edge (one collective, as the lowering emits it), unless some of them split a
+    model axis on which the value is replicated and others do not: the gradient reaching the value
+    is then the sum of partial ones (the splitting readers') and replicated ones (the others'), so
+    the others get the edge with replicated-gradient conjugates and the splitting readers the same
+    steps plus an `identity` marker (backward all_reduce) per such axis; the lowering emits the
+    shared steps once (`lower`'s chain sharing). Graph outputs are made replicated on model axes
+    and kept on data axes (edges with no consumers).
     """
     mesh = graph.mesh
     if mesh is None:
         raise ShardcError(f"graph @{graph.name} has no mesh; run apply-plan (or the solver) first")
     grads = requires_grad(graph)
     stage_of: dict[Value, int | None] = {}
-    groups: dict[tuple[Value, Layout, int | None], list[tuple[int, int]]] = {}
+    groups: dict[tuple[Value, Layout, int | None, frozenset[str]], list[tuple[int, int]]] = {}
     splits: dict[int, set[str]] = {}
+    model = {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1}
     for index, node in enumerate(graph.nodes):
         stage = node_stage(graph, node)
         ins, _ = io_layouts(node, mesh)
         part = node.partition
         splits[index] = ({a for a, _ in part.spatial} | {a for t in part.temporal for a in t.axes}) if part else set()
         for pos, (v, need) in enumerate(zip(node.inputs, ins)):
-            groups.setdefault((v, normalize(need, mesh), stage), []).append((index, pos))
+            need = normalize(need, mesh)
+            cut = frozenset(a for a in splits[index] & model if isinstance(need.on(a), Replicate))
+            groups.setdefault((v, need, stage, cut), []).append((index, pos))
         for v in node.outputs:
             stage_of[v] = stage
+    cuts: dict[tuple[Value, Layout, int | None], set[frozenset[str]]] = {}
+    for v, need, stage, cut in groups:
+        cuts.setdefault((v, need, stage), set()).add(cut)
     out: dict[Edge, list[ReshardStep]] = {}
-    for (v, need, stage), consumers in groups.items():
+    for (v, need, stage, cut), consumers in groups.items():
         src = normalize(v.layout or Layout(), mesh)
         src_stage = stage_of.get(v)
         steps: list[ReshardStep] = []
         if src_stage is not None and stage is not None and src_stage != stage:
             nbytes = local_bytes(v.type, src, mesh)
             steps.append(ReshardStep("send_recv", Axis.PP, src, src, nbytes, nbytes, 2, "send_recv"))
-        steps += with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes,
-                                grads.get(v, False), set().union(*(splits[i] for i, _ in consumers)))
+        trainable = grads.get(v, False)
+        if len(cuts[(v, need, stage)]) > 1:  # mixed readers (see docstring): shared steps, then the markers
+            shared = with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable, set())
+            steps += shared + markers(need, v, mesh, data_axes, trainable, set(cut), set())
+        else:
+            steps += with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable,
+                                    set().union(*(splits[i] for i, _ in consumers)))
         if steps:
             out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
     for v in graph.outputs:
@@ -339,19 +355,29 @@ def with_gradients(steps: list[ReshardStep], need: Layout, value: Value, mesh: M
                    data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> list[ReshardStep]:
     """Set each step's backward kind and add the `identity` markers (see `edge_steps`): `trainable`
     says whether `value` carries a gradient, `split_axes` the axes its readers split."""
-    marked = {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1 and a in split_axes
-              and trainable and isinstance(need.on(a), Replicate)}
+    marked = _marked(need, mesh, data_axes, trainable, split_axes)
     last_on = {s.axis: k for k, s in enumerate(steps)}
     result = []
     for k, s in enumerate(steps):
         partial = s.axis in data_axes or (s.axis in marked and last_on[s.axis] == k)
         result.append(dataclasses.replace(s, backward=conjugate(s.kind, partial)))
     covered = {s.axis for s in result if s.axis in marked and s.backward in ("reduce_scatter", "all_reduce")}
-    for a in mesh.names:
-        if a in marked and a not in covered:
-            nbytes = local_bytes(value.type, need, mesh)
-            result.append(ReshardStep("identity", a, need, need, nbytes, nbytes, mesh.axis_size(a), "all_reduce"))
-    return result
+    return result + markers(need, value, mesh, data_axes, trainable, split_axes, covered)
+
+
+def _marked(need: Layout, mesh: Mesh, data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> set[str]:
+    """The model axes on which a trainable value replicated in `need` is read split: its gradient is partial there."""
+    return {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1 and a in split_axes
+            and trainable and isinstance(need.on(a), Replicate)}
+
+
+def markers(need: Layout, value: Value, mesh: Mesh, data_axes: tuple[str, ...], trainable: bool,
+            split_axes: set[str], covered: set[str]) -> list[ReshardStep]:
+    """An `identity` step (forward nothing, backward all_reduce) per marked axis (`_marked`) not
+    `covered` by a step whose backward already reduces."""
+    nbytes = local_bytes(value.type, need, mesh)
+    return [ReshardStep("identity", a, need, need, nbytes, nbytes, mesh.axis_size(a), "all_reduce")
+            for a in mesh.names if a in _marked(need, mesh, data_axes, trainable, split_axes) and a not in covered]
 
 
 def node_rotations(node: Node, mesh: Mesh) -> list[ReshardStep]:
