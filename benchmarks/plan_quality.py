@@ -3,7 +3,7 @@
 The grid is every Megatron-LM configuration (`shardc.search.grid`: tp, pp, dp, vpp, cp, sp,
 micro-batch, recompute none/selective/full or the first N blocks of every chunk, ZeRO 0/1).
 
-    .venv/bin/python benchmarks/plan_quality.py [--time-limit S] [--only NAME] [--markdown]
+    .venv/bin/python benchmarks/plan_quality.py [--time-limit S] [--wall-stop X] [--only NAME] [--markdown]
     .venv/bin/python benchmarks/plan_quality.py --measure [--cases NAME ...] [--steps N] [--repeats R]
 
 For each case: predicted step time of the solver's plan and of the best grid plan, both by
@@ -28,7 +28,7 @@ from shardc.ir import RECOMPUTE_CHOICES
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import evaluate
 from shardc.search.grid import grid_assignments
-from shardc.search.outer import Found, score, search
+from shardc.search.outer import WALL_STOP, Found, score, search
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 
 GPT3 = "examples/gpt.py:gpt3_175b?vocab_size=51200"
@@ -52,13 +52,13 @@ CASES = [
 ]
 
 
-def run_case(name, spec, cluster_name, gbs, limit_gb, time_limit, grid2d=False):
+def run_case(name, spec, cluster_name, gbs, limit_gb, time_limit, grid2d=False, wall_stop=WALL_STOP):
     t0 = time.perf_counter()
     graph = load(spec, batch=solver_batch(gbs))
     cluster = parse_cluster(cluster_name)
     limit = limit_gb * 2**30 if limit_gb else float(cluster.device.usable_memory_bytes)
     facts = graph_facts(graph, cluster)
-    result = search(facts, cluster, gbs, limit, time_limit, grid2d=grid2d)
+    result = search(facts, cluster, gbs, limit, time_limit, grid2d=grid2d, wall_stop=wall_stop)
     wall = time.perf_counter() - t0
     best, grid = result.best, result.grid
     row = {"case": name, "solve_s": result.solve_time_s, "baseline_s": result.baseline_s, "total_s": wall,
@@ -123,6 +123,9 @@ def main() -> None:
                     help="the search's time limit in seconds, as `shardc plan --time-limit` (default 30; with "
                          "--measure 3, the closed-loop tests' limit); tracing, pricing and the grid scan come on "
                          "top: the table's total")
+    ap.add_argument("--wall-stop", type=float, default=WALL_STOP,
+                    help=f"stop solving past this multiple of the time limit on the wall clock (default {WALL_STOP}, "
+                         "as `shardc plan`; inf: never, so that the plan depends on the seed only, not on the load)")
     ap.add_argument("--only", default=None, help="run the cases whose name contains this text")
     ap.add_argument("--grid2d", action="store_true", help="also search tp x tq meshes (PrimePar's 2-D grids)")
     ap.add_argument("--measure", action="store_true",
@@ -141,7 +144,7 @@ def main() -> None:
     for case in CASES:
         if args.only and args.only.lower() not in case[0].lower():
             continue
-        row = run_case(*case, args.time_limit or 30.0, args.grid2d)
+        row = run_case(*case, args.time_limit or 30.0, args.grid2d, args.wall_stop)
         rows.append(row)
         print(row, flush=True)
     print()
