@@ -42,4 +42,4 @@ def test_llama13b_4k_on_a100_40gb_beats_every_megatron_point(facts):
     best = result.best
     assert best.source == "solver" and best.estimate.memory_per_device_bytes <= limit
     assert result.grid.step_time_s == pytest.approx(grid.step_time_s, rel=1e-9)
-    assert best.estimate.step_time_s < grid.estimate.step_time_s / 1.04
+    assert grid.estimate.step_time_s / best.estimate.step_time_s >= 1.05  # 1.056 (README, plan quality)
