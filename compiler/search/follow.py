@@ -88,6 +88,8 @@ class _Acc:
 
 def complete(group: NodeGroup, partition: Partition, ins: list[Layout], resolved: list[tuple[Layout, Layout]],
               mesh: Mesh) -> Candidate:
+    """The candidate of `group` whose anchor runs `partition`, reading its inputs in `ins` and
+    producing its outputs as `resolved` (produced, resolved) pairs; followers by the module rule."""
     acc = _Acc()
     anchor, space = group.anchor, group.spaces[0]
     assert space is not None
