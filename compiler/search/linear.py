@@ -30,7 +30,9 @@ across less that within the earlier stage's (`boundary`).
 the event-simulated schedule instead of the closed form, gradient buckets instead of a rate,
 and exact first/last-block boundaries; the ZeRO-3 gather and the sync are affine in bytes here.
 Edges that share a gradient cost the largest of their gradient redistributions (exact when
-one consumer's contribution dominates, as Partial does).
+one consumer's contribution dominates, as Partial does). A block's saved activations include,
+per edge, the gathered copy a later consumer of the same value saves (`_edge_saved`), as
+`compose` counts one per consumer.
 """
 
 from __future__ import annotations
