@@ -23,8 +23,8 @@ Rules (one place):
   strided (`tp:n/3`), so the split follows with every piece sharded alike.
 - A reduction split leaves the anchor's output Partial(sum); each candidate resolves it inside
   the group, by all_reduce to Replicate or reduce_scatter onto a batch/sequence dim.
-- Followers inherit the partition through their first in-group input's layout; what cannot be
-  inherited is gathered first (an in-group all_gather, priced like any redistribution).
+- Followers inherit the partition through their first in-group input's layout
+  (`shardc.search.follow`); what cannot be inherited is gathered first (an in-group all_gather, priced like any redistribution).
 - An op without a registry rule is kept replicated (one candidate) and reported.
 - Only what lowers: a candidate any of whose members' partitions the backend's capability table
   (`shardc.ops.lowering`) refuses is never offered, nor one whose members split a dim unevenly at
@@ -39,42 +39,14 @@ from dataclasses import dataclass
 
 from shardc.analysis.groups import NodeGroup
 from shardc.analysis.roles import Roles, iteration_roles
-from shardc.ir import Axis, Layout, Mesh, Partial, Partition, Replicate, Shard, TemporalSplit, Value
+from shardc.ir import Axis, Layout, Mesh, Partial, Partition, Shard, TemporalSplit, Value
 from shardc.ops.lowering import Site, refusal
 from shardc.ops.registry import IterationSpace, get_op, has_op, node_layouts
+from shardc.search.follow import Candidate, complete, has_dim, replicated
 from shardc.search.primepar import GRID_AXES, grid_partitions, without_axes
 
 CHUNK_STEPS = 4
 FLOAT_BYTES = 2  # bf16/fp16 compute; the planner prices every float tensor at this size
-
-
-@dataclass(frozen=True, slots=True)
-class ExternalInput:
-    """An operand read from outside the group: the layout required and its gradient's layout."""
-
-    member: int
-    index: int
-    value: Value
-    required: Layout
-    grad: Layout
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One way to run a group: per-member partitions and layouts, and what it needs from outside
-    (priced by `shardc.search.costs` with the analytical model)."""
-
-    label: str
-    partitions: tuple[Partition | None, ...]
-    inputs: tuple[ExternalInput, ...]
-    outputs: tuple[tuple[Value, Layout], ...]
-    layouts: tuple[tuple[tuple[Layout, ...], tuple[Layout, ...]], ...]  # per member: (inputs, outputs)
-
-    def output_layout(self, value: Value) -> Layout | None:
-        for v, layout in self.outputs:
-            if v is value:
-                return layout
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +131,7 @@ def _rotations(space: IterationSpace, spatial: tuple[tuple[str, str], ...], mesh
                 continue
             if sizes[d2] % mesh.axis_size(axis) or sizes[d2] < mesh.axis_size(axis):
                 continue
-            rotating = [op for op in space.inputs if _has(op, d2) and not _has(op, d1)]
+            rotating = [op for op in space.inputs if has_dim(op, d2) and not has_dim(op, d1)]
             if rotating and all(_major(op, d2) for op in rotating):
                 out.append(TemporalSplit(d2, mesh.axis_size(axis), axis))
     return out
@@ -191,9 +163,6 @@ def _expands(group: NodeGroup) -> bool:
     return bool(a.inputs) and a.outputs[0].type.numel >= 2 * a.inputs[0].type.numel
 
 
-def _has(operand: tuple[tuple[str, ...], ...], dim: str) -> bool:
-    return any(dim in f for f in operand)
-
 
 def _major(operand: tuple[tuple[str, ...], ...], dim: str) -> bool:
     return any(f and f[0] == dim for f in operand)
@@ -204,7 +173,7 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
     """All candidates of one group on `mesh` (intra-stage axes only), each fully priced in bytes/FLOPs."""
     space = group.spaces[0]
     if space is None or not has_op(group.anchor.op):
-        return [_replicated(group, mesh)]
+        return [replicated(group, mesh)]
     roles = iteration_roles(group.anchor, space, shapes.roles)
     sizes = _sizes(space, roles, shapes.batch_scale)
     kind = get_op(group.anchor.op).kind
@@ -237,11 +206,11 @@ def enumerate_group(group: NodeGroup, mesh: Mesh, shapes: Shapes, rotate: bool =
             except ValueError:
                 continue
             for resolved in _resolutions(group, outs, mesh, shapes, roles):
-                candidate = _complete(group, partition, ins, resolved, mesh)
+                candidate = complete(group, partition, ins, resolved, mesh)
                 if lowering_refusal(group, candidate, mesh, roles) is None and _fits_micro_batch(
                         group, candidate, mesh, shapes):
                     out.append(candidate)
-    return out or [_replicated(group, mesh)]
+    return out or [replicated(group, mesh)]
 
 
 def _fits_micro_batch(group: NodeGroup, candidate: Candidate, mesh: Mesh, shapes: Shapes) -> bool:
@@ -312,106 +281,3 @@ def _shardable(value: Value, layout: Layout, mesh: Mesh, shapes: Shapes) -> bool
         if shape[dim] % math.prod(mesh.axis_size(a) for a in axes):
             return False
     return True
-
-
-def grad_layout(required: Layout, partition: Partition | None, mesh: Mesh, rotating: frozenset[str]) -> Layout:
-    """An operand's gradient layout: Partial(sum) on every axis the node splits but the operand
-    does not (unless the operand rotates along it), the operand's own placement elsewhere."""
-    if partition is None:
-        return required
-    used = {a for a, _ in partition.spatial}
-    placements = []
-    for axis in mesh.names:
-        p = required.on(axis)
-        if axis in used and isinstance(p, Replicate) and axis not in rotating:
-            p = Partial("sum")
-        if not isinstance(p, Replicate):
-            placements.append((axis, p))
-    return Layout(tuple(placements))
-
-
-def _rotating_axes(space: IterationSpace, partition: Partition, index: int) -> frozenset[str]:
-    operand = space.inputs[index] if index < len(space.inputs) else ()
-    return frozenset(a for t in partition.temporal if _has(operand, t.dim) for a in t.axes)
-
-
-class _Acc:
-    """Accumulates one candidate's layouts while walking the group's members."""
-
-    def __init__(self) -> None:
-        self.known: dict[Value, Layout] = {}
-        self.inputs: list[ExternalInput] = []
-        self.outputs: list[tuple[Value, Layout]] = []
-        self.layouts: list[tuple[tuple[Layout, ...], tuple[Layout, ...]]] = []
-
-    def read(self, member: int, index: int, value: Value, required: Layout, grad: Layout) -> None:
-        if value not in self.known:
-            self.inputs.append(ExternalInput(member, index, value, required, grad))
-
-
-def _complete(group: NodeGroup, partition: Partition, ins: list[Layout], resolved: list[tuple[Layout, Layout]],
-              mesh: Mesh) -> Candidate:
-    acc = _Acc()
-    anchor, space = group.anchor, group.spaces[0]
-    assert space is not None
-    for i, v in enumerate(anchor.inputs):
-        req = ins[i] if i < len(ins) else Layout()
-        acc.read(0, i, v, req, grad_layout(req, partition, mesh, _rotating_axes(space, partition, i)))
-    acc.layouts.append((tuple(e.required for e in acc.inputs), tuple(p for p, _ in resolved)))
-    for (_, final), v in zip(resolved, anchor.outputs):
-        acc.known[v] = final
-        acc.outputs.append((v, final))
-    partitions: list[Partition | None] = [partition]
-    for j, node in enumerate(group.members[1:], start=1):
-        partitions.append(_follow(node, group.spaces[j], acc, mesh))
-    label = str(partition) + "".join(f" ->{f}" for p, f in resolved if p != f)
-    return Candidate(label, tuple(partitions), tuple(acc.inputs), tuple(acc.outputs), tuple(acc.layouts))
-
-
-def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partition | None:
-    """A follower's partition, inherited from its first in-group input's layout."""
-    member = len(acc.layouts)
-    src_index = next((k for k, v in enumerate(node.inputs) if v in acc.known), None)
-    spatial: list[tuple[str, str]] = []
-    if space is not None and src_index is not None:
-        layout = acc.known[node.inputs[src_index]]
-        operand = space.inputs[src_index]
-        for axis, p in layout.placements:
-            if not isinstance(p, Shard) or p.dim >= len(operand):
-                continue
-            factors = operand[p.dim]
-            dim = factors[0] if factors else None
-            if dim is not None and dim not in space.unsplittable and dim not in dict(space.special):
-                spatial.append((axis, dim))
-            elif dim in space.unsplittable and len(factors) > 1 and p.interleave == space.size(dim):
-                spatial.append((axis, factors[1]))  # a strided shard split into its pieces (fused qkv)
-    partition = Partition(tuple(spatial)) if space is not None else None
-    try:
-        ins, outs = node_layouts(space, partition, mesh) if space is not None and partition is not None else (
-            [Layout()] * len(node.inputs), [Layout()] * len(node.outputs))
-    except ValueError:
-        partition = Partition()
-        ins, outs = [Layout()] * len(node.inputs), [Layout()] * len(node.outputs)
-    for k, v in enumerate(node.inputs):
-        req = ins[k] if k < len(ins) else Layout()
-        rot = _rotating_axes(space, partition, k) if space is not None and partition is not None else frozenset()
-        acc.read(member, k, v, req, grad_layout(req, partition, mesh, rot))
-    acc.layouts.append((tuple(ins[k] if k < len(ins) else Layout() for k in range(len(node.inputs))), tuple(outs)))
-    for v, lay in zip(node.outputs, outs):
-        acc.known[v] = lay
-        acc.outputs.append((v, lay))
-    return partition
-
-
-def _replicated(group: NodeGroup, mesh: Mesh) -> Candidate:
-    """The fallback for ops without a rule: every member computes the whole tensor on every device."""
-    acc = _Acc()
-    for j, node in enumerate(group.members):
-        for k, v in enumerate(node.inputs):
-            acc.read(j, k, v, Layout(), Layout())
-        acc.layouts.append((tuple(Layout() for _ in node.inputs), tuple(Layout() for _ in node.outputs)))
-        for v in node.outputs:
-            acc.known[v] = Layout()
-            acc.outputs.append((v, Layout()))
-    return Candidate("replicated", (None,) * len(group.members), tuple(acc.inputs), tuple(acc.outputs),
-                     tuple(acc.layouts))

@@ -29,7 +29,7 @@ from shardc.cost.edges import (
 from shardc.cost.layer import LayerTerms, layer_terms, regather_exposed
 from shardc.hardware import Cluster
 from shardc.ir import Axis, Layout, Mesh, Node, Value
-from shardc.search.candidates import Candidate
+from shardc.search.follow import Candidate
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,8 +31,8 @@ from shardc.cost.compose import zero_group
 from shardc.ir import RECOMPUTE_CHOICES, Axis, Shard
 from shardc.ops.registry import get_op, has_op
 from shardc.plan.parallel import ParallelPlan
-from shardc.search.candidates import Candidate
 from shardc.search.evaluate import Assignment, Evaluation, balanced_stages, evaluate
+from shardc.search.follow import Candidate
 from shardc.search.linear import coefficients
 from shardc.search.problem import GroupVar, MeshShape, Problem
 

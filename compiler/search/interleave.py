@@ -7,7 +7,7 @@ by the same `evaluate` as every plan. Rules:
 - Candidate vectors: the given ones (the grid's Megatron layouts on the shape and the
   solver's best vectors of the same shape without interleaving); every chunk runs the vector.
 - A chunk of n blocks mixes at most two recomputations (n of one, or k of one and n-k of the
-  other: the vertices of the mix's linear program, as `shardc.search.outer.lower_bound` uses).
+  other: the vertices of the mix's linear program, as `shardc.search.bounds.lower_bound` uses).
   Every mix is evaluated with all chunks at it; a device's memory depends only on its own
   chunks, so each device then takes the fastest mix (by that evaluation's step time) whose
   memory on that device fits, its chunks all at that mix (earlier devices hold more in flight

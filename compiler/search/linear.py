@@ -30,7 +30,9 @@ across less that within the earlier stage's (`boundary`).
 the event-simulated schedule instead of the closed form, gradient buckets instead of a rate,
 and exact first/last-block boundaries; the ZeRO-3 gather and the sync are affine in bytes here.
 Edges that share a gradient cost the largest of their gradient redistributions (exact when
-one consumer's contribution dominates, as Partial does).
+one consumer's contribution dominates, as Partial does). A block's saved activations include,
+per edge, the gathered copy a later consumer of the same value saves (`_edge_saved`), as
+`compose` counts one per consumer.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from shardc.cost.sync import (
     fsdp_microbatch_time,
     measured_sync_step,
 )
-from shardc.ir import ZERO_STAGES, Layout
+from shardc.ir import ZERO_STAGES, Layout, Value
 from shardc.ops.registry import get_op, has_op
 from shardc.search.problem import Problem
 
@@ -91,6 +93,8 @@ class Coefficients:
     # FSDP2's buffers per local weight byte: the unsharded weights and their all-gather buffer,
     # and the unsharded gradients when micro-batches accumulate without syncing (`peak.device_memory`)
     fsdp_buf: float = 2.0
+    # Per edge and layout class pair: the bytes of a gathered copy the candidates' sums miss (`_edge_saved`).
+    edge_saved: list[list[list[float]]] = field(default_factory=list)
     # Per ZeRO stage: whether the gradient sync is one exposed piece after backward priced by
     # `serial` (FSDP2; DDP where its whole step was measured, `sync.measured_sync_step`) rather
     # than buckets overlapping backward (`rate`, `tail`). Empty: as `fsdp`.
@@ -150,7 +154,8 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
                        2 * bucket if shard > 1 else 0.0, w_elem, fsdp, serial, send_bytes, out_bytes, out_const,
                        options.pipeline_runtime == "torch" and problem.shape.pp > 1,
                        w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)),
-                       3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0, serial_sync)
+                       3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0, serial_sync=serial_sync)
+    out.edge_saved = _edge_saved(problem)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
 
@@ -194,6 +199,25 @@ def _candidate_rows(problem: Problem, axes: tuple[str, ...], grad_bytes: float) 
             })
         cand.append(rows)
     return cand
+
+
+def _edge_saved(problem: Problem) -> list[list[list[float]]]:
+    """Per edge and (produced, required) class pair, the saved bytes the candidates' own sums
+    miss. Eager autograd saves, per consumer, the copy its input's all-gather made (sequence
+    parallelism: wq, wk and wv each save their own gathered copy of the norm's output,
+    `shardc.cost.timeline.gathered_source`), while a candidate row counts a saved value once per
+    section, at its first consumer's layout; so every later consumer of the value in the section
+    whose edge gathers a saved input adds its copy."""
+    first: dict[tuple[str, Value], int] = {}
+    for e in problem.edges:
+        key = (EDGE_SECTION[e.kind][0], e.value)
+        first[key] = min(first.get(key, e.consumer), e.consumer)
+    out = []
+    for e in problem.edges:
+        later = first[(EDGE_SECTION[e.kind][0], e.value)] != e.consumer
+        out.append([[problem.pricer.local_bytes(e.value, e.cons_required[b]) if later and e.regather[a][b] else 0.0
+                     for b in range(len(e.cons_required))] for a in range(len(e.prod_info))])
+    return out
 
 
 def _sends(problem: Problem) -> tuple[list[list[float]], list[list[float]]]:
@@ -313,6 +337,9 @@ def section_sums(problem: Problem, choice: tuple[int, ...]) -> dict[str, dict[st
         fsec, gsec = EDGE_SECTION[e.kind]
         f = co.edge_fwd[i][a][b]
         acc[fsec]["time"] += f
+        acc[fsec]["saved"] += co.edge_saved[i][a][b]
+        if e.core:
+            acc[fsec]["saved_core"] += co.edge_saved[i][a][b]
         acc[fsec]["fwd"] += e.fwd_s(a, b)
         if e.core:
             acc[fsec]["core"] += e.fwd_s(a, b)

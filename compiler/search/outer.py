@@ -13,10 +13,10 @@ Rules:
   micro-batches (torch's 1F1B refuses fewer micro-batches than stages).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
-- Every problem gets two lower bounds: `grid_bound` (every group at its cheapest candidate,
-  every edge free, a perfectly balanced pipeline: (1 + (m-1)/p) * per-micro-batch time), by
-  which the grid baseline is scanned exactly as before, and the tighter `lower_bound` (whole
-  blocks per stage, the prefix and suffix on their stages, pipeline sends, the optimizer and
+- Every problem gets two lower bounds (`shardc.search.bounds`): `grid_bound` (every group at
+  its cheapest candidate, every edge free, a perfectly balanced pipeline: (1 + (m-1)/p) *
+  per-micro-batch time), by which the grid baseline is scanned exactly as before, and the
+  tighter `lower_bound` (whole blocks per stage, the prefix and suffix on their stages, pipeline sends, the optimizer and
   the last gradient bucket, infinite when the model states cannot fit), by which shapes are
   ordered, pruned and the gap proven. The grid baseline is scored first, problems by
   `grid_bound`; once it is `GRID_MARGIN` above the best grid point, no later problem's grid
@@ -53,19 +53,16 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from shardc.cost.estimate import Estimate
-from shardc.cost.memory import in_flight
 from shardc.cost.model import estimate
 from shardc.hardware import Cluster
-from shardc.ir import ZERO_STAGES
 from shardc.ir.diagnostics import ShardcError
+from shardc.search.bounds import grid_bound, lower_bound
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments, grid_points, vpp_admissible
 from shardc.search.interleave import search_interleaved
-from shardc.search.linear import coefficients, objective
+from shardc.search.linear import objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
@@ -112,6 +109,9 @@ class SearchResult:
     shapes_solved: int
     shapes_pruned: int
     log: list[str] = field(default_factory=list)
+    # Seconds of `solve_time_s` spent pricing the problems and scanning the grid baseline, which
+    # `time_limit` does not bound (their cost grows with the model and the device count).
+    baseline_s: float = 0.0
 
 
 def score(found: Found, cluster: Cluster) -> Found:
@@ -176,119 +176,6 @@ def micro_batch_sizes(gbs: int, dp: int, pp: int = 1) -> list[int]:
     return [mb for mb in MICRO_BATCHES if per % mb == 0 and per // mb >= pp]
 
 
-def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
-    """A lower bound of the problem's linearised objective (`shardc.search.linear.objective`),
-    the smallest over the ZeRO stages of: every group at its cheapest, edges free, each
-    pipeline send at its cheapest, a ZeRO-3 block paying at least the weight gather its most
-    smallest compute cannot hide; the pipeline at least sum + (m-1) x slowest stage, where the
-    slowest stage is at least the smallest makespan of whole blocks over the stages (the prefix
-    on the first, the suffix on the last, sends on every boundary) with each stage's blocks
-    recomputed as little as its memory allows (model states at that ZeRO stage, activations of
-    its micro-batches in flight, every quantity at its smallest candidate: `_makespan`); with
-    interleaved stages (vpp = v), at least the ideal interleaved schedule on the cheapest blocks
-    and m times the busiest device's work, a device's stage time as above with its chunks'
-    micro-batches in flight (`in_flight` / v in blocks' worth); plus
-    the optimizer on an even share of the parameters and the last gradient bucket. Infinite
-    when no split of the blocks fits `limit` at any ZeRO stage."""
-    co = coefficients(problem)
-    L, p, m = problem.layers, problem.shape.pp, problem.micro_batches
-    sections = ("pre", "block", "post")
-    low = {s: np.zeros(3) for s in sections}  # time per recomputation: none, selective, full
-    act = {s: np.zeros(3) for s in sections}
-    numel = dict.fromkeys(sections, 0.0)
-    compute = np.zeros(2)  # the block's smallest forward and backward compute
-    rest = np.zeros(3)  # the block's smallest time besides compute, per recomputation
-    send = 0.0
-    for rows, v, sends in zip(co.cand, problem.groups, co.send):
-        low[v.section] += [min(x["time"] for x in rows), min(x["time"] + x["core"] for x in rows),
-                           min(x["time"] + x["fwd"] for x in rows)]
-        act[v.section] += [min(x["saved"] for x in rows), min(x["saved"] - x["saved_core"] for x in rows),
-                           min(x["inputs"] for x in rows)]
-        numel[v.section] += min(x["numel"] for x in rows)
-        if v.section == "block":
-            compute += [min(x["cfwd"] for x in rows), min(x["cbwd"] for x in rows)]
-            rest += [
-                min(x["time"] - x["cfwd"] - x["cbwd"] for x in rows),
-                min(x["time"] + x["core"] - x["cfwd"] - x["cbwd"] for x in rows),
-                min(x["time"] + x["fwd"] - x["cfwd"] - x["cbwd"] for x in rows)]
-        send += min(sends)
-    send = send if p > 1 else 0.0
-    extra = np.array([low["pre"][0] * (s == 0) + low["post"][0] * (s == p - 1) + send * ((s > 0) + (s < p - 1))
-                      for s in range(p)])
-    params = L * numel["block"] + numel["pre"] + numel["post"]
-    best = float("inf")
-    for z in ZERO_STAGES:
-        tl = low["block"].copy()
-        if z >= 3 and co.zero3[1] > 0:
-            # A block's compute plus its unhidden gathers is max(compute, gather) each way,
-            # nondecreasing in the compute: at least that of the smallest compute.
-            gather = co.zero3[0] + co.zero3[1] * co.w_elem * numel["block"]
-            tl = np.maximum(tl, rest + max(compute[0], gather) + max(compute[1], gather))
-        total = L * tl[0] + extra.sum()
-        after = co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p
-        vpp = problem.shape.vpp
-        slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra, vpp))
-        if vpp > 1:  # interleaved: the ideal schedule (bubble (p-1)/(v m) of the work), the busiest device's work
-            best = min(best, float(max(total / p * (m + (p - 1) / vpp), m * slowest) + after + co.tail[z]))
-            continue
-        best = min(best, float(total + (m - 1) * slowest + after + co.tail[z]))
-    return best
-
-
-def _makespan(problem: Problem, limit: float, tl: np.ndarray, act: dict[str, np.ndarray], numel: dict[str, float],
-              state: float, extra: np.ndarray, virtual: int = 1) -> float:
-    """The smallest T such that the stages hold the L blocks with none above T, a stage's time
-    for n blocks being extra_s plus the cheapest mix of recomputations (an LP over the counts,
-    its vertices enumerated) whose activations, times the micro-batches in flight, fit beside
-    the model states (nondecreasing in n; infinite where nothing fits)."""
-    L, p, m = problem.layers, problem.shape.pp, problem.micro_batches
-    s = np.arange(p)
-    f = np.array([in_flight("interleaved", p, i, m, virtual) / virtual if virtual > 1 else in_flight("1f1b", p, i, m)
-                  for i in range(p)], dtype=float)[:, None]
-    fixed = ((numel["pre"] * (s == 0) + numel["post"] * (s == p - 1)) * state
-             + f[:, 0] * (act["pre"][0] * (s == 0) + act["post"][0] * (s == p - 1)))[:, None]
-    n = np.arange(L + 1, dtype=float)[None, :]
-    cap = (limit - fixed - n * numel["block"] * state) / f
-    a = act["block"]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cost = np.full(cap.shape, np.inf)
-        for r in range(3):
-            cost = np.where(n * a[r] <= cap * (1 + 1e-9), np.minimum(cost, n * tl[r]), cost)
-            for q in range(r + 1, 3):
-                if a[r] != a[q]:
-                    k = (cap - n * a[q]) / (a[r] - a[q])
-                    ok = (k >= 0) & (k <= n)
-                    cost = np.where(ok, np.minimum(cost, k * tl[r] + (n - k) * tl[q]), cost)
-    cost = np.where(cap < 0, np.inf, cost) + extra[:, None]
-    values = np.unique(cost[np.isfinite(cost)])
-    if values.size == 0:
-        return float("inf")
-
-    def fits(t: float) -> bool:
-        return int(((cost <= t).sum(axis=1) - 1).clip(min=0).sum()) >= L and bool((cost[:, 0] <= t).all())
-
-    lo, hi = 0, values.size - 1
-    if not fits(values[hi]):
-        return float("inf")
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(values[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return float(values[lo])
-
-
-def grid_bound(problem: Problem) -> float:
-    """The grid scan's bound: every group at its cheapest, edges free, stages perfectly balanced
-    (interleaved: the bubble (p-1)/v micro-batches' chunk time instead of p-1)."""
-    co = coefficients(problem)
-    per_mb = sum(min(r["time"] for r in rows) * (problem.layers if v.section == "block" else 1)
-                 for rows, v in zip(co.cand, problem.groups))
-    p, m = problem.shape.pp, problem.micro_batches
-    return per_mb * (m + (p - 1) / problem.shape.vpp) / p
-
-
 def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit: float
           ) -> tuple[list[Found], Found | None, dict[int, tuple[Assignment, float]]]:
     """Every grid point that fits, by `evaluate`, visiting problems by lower bound: once a bound is
@@ -329,9 +216,13 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
            workers: int = 1, warm: tuple[MeshShape, int, Assignment] | None = None, dtype: str = "bf16",
            shapes: list[MeshShape] | None = None, mbs: tuple[int, ...] | None = None,
            grid2d: bool = False, wall_stop: float = WALL_STOP) -> SearchResult:
-    """Grid baseline, then CP-SAT over shapes by lower bound, within `time_limit` seconds
-    (solving stops past `wall_stop` times it on the wall clock; infinity: never, so that the
-    plan depends on the seed and worker count only)."""
+    """Grid baseline, then CP-SAT over shapes by lower bound, then the interleaved shapes.
+    `time_limit` bounds the search after the baseline: the CP-SAT solves share `SOLVE_SHARE` of
+    it in deterministic seconds, the interleaved shapes `INTERLEAVE_SHARE` on the wall clock,
+    and solving stops past `wall_stop` times it on the wall clock (infinity: never, so that the
+    plan depends on the seed and worker count only). Pricing the problems, scanning the grid
+    baseline and the final re-scoring come on top (`SearchResult.baseline_s` holds the first
+    two): the baseline is what the plan is guaranteed to match, so it is never cut short."""
     if time_limit <= 0:
         raise ShardcError(f"time limit must be positive, got {time_limit} s", hint="pass --time-limit 30")
     began = time.perf_counter()
@@ -422,5 +313,5 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         best = grid
     if best is not None:
         annotate_graph(facts.graph, best.problem, best.assignment)
-    return SearchResult(best, grid, closest, time.perf_counter() - began, gap, solved, pruned, log)
+    return SearchResult(best, grid, closest, time.perf_counter() - began, gap, solved, pruned, log, start - began)
 

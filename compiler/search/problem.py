@@ -31,8 +31,8 @@ from shardc.ir import Axis, Graph, Layout, Mesh, Node, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import ir_dtype
 from shardc.plan.parallel import ParallelPlan
-from shardc.search.candidates import Candidate
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
+from shardc.search.follow import Candidate
 from shardc.search.table import CandidateTable
 
 

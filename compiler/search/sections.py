@@ -144,7 +144,8 @@ def edges(M: Model, classes: list[int]) -> tuple[dict[str, dict[str, list]], dic
     p, co = M.p, M.co
     K = M.classes
     keys = ["pre", "post"] + [f"block{k}" for k in range(K)]
-    sec: dict[str, dict[str, list]] = {s: {"time": [], "fwd": [], "core": []} for s in keys}
+    sec: dict[str, dict[str, list]] = {s: {"time": [], "fwd": [], "core": [], "saved": [], "saved_core": [],
+                                           "saved_top": []} for s in keys}
     ub = dict.fromkeys(keys, 0)
     cuts = [s for s in range(1, len(classes)) if classes[s] != classes[s - 1]]
     y: dict[tuple[int, str], list[list[Any]]] = {}
@@ -164,6 +165,13 @@ def edges(M: Model, classes: list[int]) -> tuple[dict[str, dict[str, list]], dic
             if e.core:
                 sec[where]["core"].append(fwd)
             ub[where] += top
+            top_m = max(M.m(v) for row in co.edge_saved[i] for v in row)
+            if top_m:  # the gathered copy a later consumer saves (`linear._edge_saved`)
+                saved = _sum(co.edge_saved[i], yy, M.m)
+                sec[where]["saved"].append(saved)
+                sec[where]["saved_top"].append(top_m)
+                if e.core:
+                    sec[where]["saved_core"].append(saved)
         if e.kind == "chain":
             for s in cuts:
                 y[(i, f"b{s}")] = M.pairs(i, classes[s - 1], classes[s], f"b{s}")
@@ -229,6 +237,9 @@ def section(M: Model, name: str, k: int, sec: dict[str, list], ub_t: int, zeros:
     for key in ("time", "fwd", "core"):
         d[key] = d[key] + sum(sec[key])
         d[key + "_ub"] += ub_t
+    for key in ("saved", "saved_core"):
+        d[key] = d[key] + sum(sec[key])
+        d[key + "_ub"] += sum(sec["saved_top"])
     mine = [g for g, v in enumerate(p.groups) if v.section == name]
     d["work_ub"] = max([M.m(r["transient"]) for g in mine for r in co.cand[g]] or [0])
     work = M.var(d["work_ub"], f"{name}{k}_working")

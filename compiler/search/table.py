@@ -18,7 +18,8 @@ from shardc.analysis.dims import batch_scale
 from shardc.analysis.groups import NodeGroup
 from shardc.analysis.roles import Roles, dim_roles
 from shardc.ir import Graph, Mesh, Node
-from shardc.search.candidates import Candidate, Shapes, enumerate_group
+from shardc.search.candidates import Shapes, enumerate_group
+from shardc.search.follow import Candidate
 
 Key = tuple[tuple[Node, ...], Mesh, float, bool, bool]
 
