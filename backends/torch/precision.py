@@ -22,10 +22,12 @@ With `dtype=fp32` (or none) nothing is cast.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardc.ir import Graph, Value
 from shardc.ir.dtypes import ir_dtype, torch_dtype
@@ -53,9 +55,40 @@ def runtime_dtype(v: Value, compute: torch.dtype | None) -> torch.dtype:
     return torch.float32 if producer is not None and get_op(producer.op).kind == "loss" else compute
 
 
-def cast(g: fx.Graph, node: fx.Node, dtype: torch.dtype, name: str) -> fx.Node:
-    """`node.to(dtype)` in the generated code, named `<name>_<dtype>` so `.code` shows the cast."""
+def cast(g: fx.Graph, node: fx.Node, dtype: torch.dtype, name: str, weight: bool = False) -> fx.Node:
+    """`node.to(dtype)` in the generated code, named `<name>_<dtype>` so `.code` shows the cast;
+    a parameter or buffer (`weight`) through `weight_copy`, one copy however many micro-batches read it."""
+    if weight:
+        return g.create_node("call_function", weight_copy, (node, dtype), {}, name=f"{name}_{SUFFIX[dtype]}")
     return g.create_node("call_method", "to", (node, dtype), {}, name=f"{name}_{SUFFIX[dtype]}")
+
+
+# Each weight's live compute-dtype copy, held weakly on both sides: an entry keeps neither the
+# weight nor its copy alive, so a copy lives exactly as long as autograd (or a running layer) holds it.
+_COPIES: Any = WeakIdKeyDictionary()
+
+
+def weight_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight.to(dtype)`, the same tensor for every reader while one is alive and the weight is
+    unchanged (its in-place version counter: the optimizer step bumps it). A pipeline stage with k
+    micro-batches in flight so holds one copy of its weights, not k: each micro-batch's matmuls
+    save the copy the first one made, and backward through the shared cast accumulates every
+    micro-batch's gradient into the fp32 weight. A layer that recomputes in full saves nothing, so
+    its copy dies when its forward ends and is made again for its backward: held only while it runs.
+    No cache under `torch.compile` (a traced cast is the compiler's to place) or across grad modes
+    (a copy made under no_grad carries no gradient)."""
+    if weight.dtype == dtype or torch.compiler.is_compiling():
+        return weight.to(dtype)  # FSDP2 gathered it in the compute dtype already: no copy
+    grad = weight.requires_grad and torch.is_grad_enabled()
+    entry = _COPIES.get(weight)
+    if entry is not None:
+        version, kept = entry
+        copy = kept()
+        if copy is not None and version == weight._version and copy.dtype == dtype and copy.requires_grad == grad:
+            return copy
+    copy = weight.to(dtype)
+    _COPIES[weight] = (weight._version, weakref.ref(copy))
+    return copy
 
 
 def mixed_precision_policy(dtype: torch.dtype | None) -> Any:
