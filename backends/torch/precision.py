@@ -64,28 +64,44 @@ def cast(g: fx.Graph, node: fx.Node, dtype: torch.dtype, name: str, weight: bool
 
 
 # Each weight's live compute-dtype copy, held weakly on both sides: an entry keeps neither the
-# weight nor its copy alive, so a copy lives exactly as long as autograd (or a running layer) holds it.
+# weight nor its copy alive; every reader's view keeps the copy (its base) alive, so the copy lives
+# exactly as long as autograd (or a running layer) holds a reader's view of it.
 _COPIES: Any = WeakIdKeyDictionary()
 
 
+class _Reader(torch.autograd.Function):
+    """One reader of a weight's shared copy: forward, a view of the copy (no new storage);
+    backward, the reader's gradient in the weight's dtype. One node per reader, so the gradients
+    of readers in one backward (micro-batches run inside one forward) sum on the fp32 weight, as
+    separate casts' would, never in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
 def weight_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight.to(dtype)`, the same tensor for every reader while one is alive and the weight is
+    """`weight.to(dtype)`, one copy shared by every reader while one holds it and the weight is
     unchanged (its in-place version counter: the optimizer step bumps it). A pipeline stage with k
     micro-batches in flight so holds one copy of its weights, not k: each micro-batch's matmuls
-    save the copy the first one made, and backward through the shared cast accumulates every
-    micro-batch's gradient into the fp32 weight. A layer that recomputes in full saves nothing, so
-    its copy dies when its forward ends and is made again for its backward: held only while it runs.
-    No cache under `torch.compile` (a traced cast is the compiler's to place) or across grad modes
-    (a copy made under no_grad carries no gradient)."""
-    if weight.dtype == dtype or torch.compiler.is_compiling():
+    save a view of the copy the first one made (`_Reader`), and each reader's gradient reaches the
+    fp32 weight on its own. A layer that recomputes in full saves nothing, so its copy dies when
+    its forward ends and is made again for its backward: held only while it runs. Without
+    autograd (no_grad, a frozen weight) or under `torch.compile` (a traced cast is the compiler's
+    to place) a plain cast."""
+    if weight.dtype == dtype or torch.compiler.is_compiling() or not (weight.requires_grad and torch.is_grad_enabled()):
         return weight.to(dtype)  # FSDP2 gathered it in the compute dtype already: no copy
-    grad = weight.requires_grad and torch.is_grad_enabled()
     entry = _COPIES.get(weight)
-    if entry is not None:
-        version, kept = entry
-        copy = kept()
-        if copy is not None and version == weight._version and copy.dtype == dtype and copy.requires_grad == grad:
-            return copy
+    copy = entry[1]() if entry is not None and entry[0] == weight._version else None
+    if copy is None or copy.dtype != dtype:
+        copy = weight.detach().to(dtype)
+        _COPIES[weight] = (weight._version, weakref.ref(copy))
+    return _Reader.apply(weight, copy)
     copy = weight.to(dtype)
     _COPIES[weight] = (weight._version, weakref.ref(copy))
     return copy
