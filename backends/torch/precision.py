@@ -2,11 +2,17 @@
 
 Rule. With `dtype=bf16` or `fp16` (the lowered graph's `dtype` attribute, `bf16` / `f16`):
 - master weights stay fp32 `nn.Parameter`s; the generated code casts every float parameter and
-  buffer to the compute dtype where it is read (`.to(torch.bfloat16)` in `module.code`, once per
-  region) and every float graph input where it enters, so each float op of the IR runs in the
-  compute dtype and every activation is held in it. Autograd through the cast lands the weight
-  gradients in fp32 on the fp32 parameters, so DDP reduces fp32 gradients (Megatron's
-  accumulate-allreduce-grads-in-fp32) and AdamW keeps fp32 states;
+  buffer to the compute dtype where it is read (`weight_copy(..., torch.bfloat16)` in
+  `module.code`, once per region) and every float graph input where it enters (`.to`), so each
+  float op of the IR runs in the compute dtype and every activation is held in it. A weight's
+  copy is made once and shared by every micro-batch that reads it until the optimizer changes
+  the weight (`weight_copy`: a pipeline stage holds one copy, not one per micro-batch in flight;
+  a layer recomputing in full holds it only while it runs). Autograd through the cast lands the
+  weight gradients in fp32 on the fp32 parameters, so DDP reduces fp32 gradients (Megatron's
+  accumulate-allreduce-grads-in-fp32) and AdamW keeps fp32 states. One exception: a
+  `grad_all_reduce` over a model axis (a weight read by a node that splits the batch on tp)
+  sums the gradient of the copy, in the compute dtype, where the model prices fp32 bytes
+  (numerically no different on gpt-bf16: tests/test_closed_loop.py);
 - a loss op (`kind == "loss"`: cross entropy) reads its float inputs in fp32, as Megatron
   computes the loss and as `train.default_loss` does for a model without one: its
   log-probabilities and their gradient are fp32;

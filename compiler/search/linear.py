@@ -17,6 +17,8 @@ full) and n_s = sum_r k_{s,r}:
               work, per tensor spread over the model's elements: `_fsdp_gather`)
     step    = pipe + max_s sync_s + max_s after_s
     mem_s   = states_z + in_flight_s * activations_r + recompute working + working + buffers
+              - k_{s,full} copies + [k_{s,full} > 0] copies    (mixed precision's weight copies of
+              a block recomputing in full: held only while it runs, `recompute_copy_bytes`)
               (buffers: DDP's flat gradient copy at ZeRO-0, two buckets for textbook ZeRO;
               FSDP2: states all sharded, buffers twice the stage's local weights; plus
               torch pipelining's send, receive and output buffers, m or m + in-flight of each)
