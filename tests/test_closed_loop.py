@@ -69,9 +69,22 @@ TIME_LIMIT_S = 3.0
 ATOL = 1e-4
 # bf16 against one process under the same casts: losses within half an ulp of bf16 (8 significant
 # bits: 2**-9), as tests/test_precision.py measures them (a distributed run rounds differently only
-# where it splits a reduction: a few roundings among thousands); the fp32 master weights within
-# an ulp of bf16 relative, or one AdamW step (lr) where a gradient near zero rounds to the other sign.
+# where it splits a reduction: a few roundings among thousands). The fp32 master weights: an element
+# is "within" at an ulp of bf16 relative plus one AdamW step (lr = 1e-3), and at most
+# MIXED_NOISE of all parameter elements, taken together, may lie outside. Why a fraction: AdamW's
+# first steps move an element by about lr * sign(gradient), so an element whose gradient is near
+# zero (the key bias, which softmax ignores; a row of the tied embedding that few tokens reach)
+# steps the other way as soon as rounding flips its sign, up to lr per update apart. Measured on
+# gpt-bf16 (tokens 4x128, 3 updates): the one-process bf16 run against itself under other, equally
+# legitimate reduction orders (micro-batches of 2 or 1 sequence instead of 4) has 0.05-0.07% of the
+# elements outside (wte up to 2.1e-3 apart: two steps), this plan 0.25% (its tensor-parallel k-split
+# matmuls sum bf16 partials, one rounding more per product: as far from the one-process bf16 run as
+# that run's fp32 twin, 0.29%), a fifth of the qkv biases among them. A wrong reduction leaves
+# whole tensors behind: the tied embedding's gradient not summed over tp puts 1.6% outside (18% of
+# wte), no weight gradient summed over tp 14%. (A dropped cast, fp32 compute, is as close as the
+# fp32 twin: its activations twice the bytes fail the memory check, +45% here.)
 MIXED_TOLERANCE = (2.0**-9, 1e-3)
+MIXED_NOISE = 0.006  # between this plan's 0.25% and a missing reduction's 1.6%, 2.4x from either
 HF_GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=128&n_positions=128&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0"
 
 
@@ -103,9 +116,7 @@ RING = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (llama-ring, tp=2 rin
                          "2,255,992 B against 2,081,280 B; rank 0 +2.1%)")
 PIPELINED_SP = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (hf-gpt2, pp=2 tp=2 zero=3: stage 0 +11.9%, "
                                  "1,632,356 B against 1,458,176 B; stage 1 +14.3%, 1,928,828 B against 1,687,040 B)")
-BF16_NUMERICS = pytest.mark.xfail(strict=True, reason="gpt-bf16 (tp=2 rotate, zero=2, bf16): wte.weight differs from "
-                                  "the 1-device bf16 run in 14 of 8192 elements by up to 2.05e-3 (two AdamW steps; "
-                                  "the tolerance allows one, 1e-3); the losses match")
+
 
 CASES = [
     # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
@@ -143,8 +154,7 @@ CASES = [
     case("bert", "examples/bert.py:tiny?batch=4&seq=128", 2, 4, 0.0032, "rotate", "zero", "recompute-selective"),
     # Mixed precision: a bf16 solve (weights cast to bf16 where read, fp32 master weights and
     # loss), trained in bf16 against one process running the 1-device bf16 plan.
-    case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16",
-         marks=(BF16_NUMERICS,)),
+    case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16"),
 ]
 
 
@@ -328,12 +338,32 @@ def test_solver_plan_runs_from_its_file(c: Case, outcomes: dict[str, Outcome]) -
         want_state = torch.load(got.path.with_name(f"{c.id}.reference.pt"))
     assert summary["losses"] == pytest.approx(want_losses, rel=rtol), f"{c.id}: {summary['losses']} vs {want_losses}"
     got_state = torch.load(got.path.with_name(f"{c.id}.state.pt"))
-    for name, want in want_state.items():
-        torch.testing.assert_close(got_state[name], want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{c.id} {n}: {m}")
+    if c.dtype == "fp32":
+        for name, want in want_state.items():
+            torch.testing.assert_close(got_state[name], want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{c.id} {n}: {m}")
+    else:
+        assert_mixed_close(c.id, got_state, want_state)
     # every rank's figures in one message, so that a failure shows the whole plan's error
     peaks = [(r["rank"], r["peak_memory_bytes"], r["predicted_peak_memory_bytes"]) for r in summary["ranks"]]
     assert all(measured == pytest.approx(predicted, rel=0.05) for _, measured, predicted in peaks), f"{c.id}: " + \
         "; ".join(f"rank {rank} measured {m:,} B, predicted {p:,} B ({m / p - 1:+.1%})" for rank, m, p in peaks)
+
+
+def assert_mixed_close(case_id: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Mixed-precision parameters against one process: at most MIXED_NOISE of all float elements
+    outside bf16's ulp plus one AdamW step (`MIXED_TOLERANCE`); the message names the worst tensors."""
+    rtol, atol = MIXED_TOLERANCE
+    outside: dict[str, tuple[int, int]] = {}
+    for name, w in want.items():
+        if w.is_floating_point():
+            g = got[name].to(w.dtype)
+            outside[name] = (int(((g - w).abs() > atol + rtol * w.abs()).sum()), w.numel())
+    total = sum(n for _, n in outside.values())
+    count = sum(k for k, _ in outside.values())
+    worst = sorted(outside.items(), key=lambda kv: -kv[1][0])[:3]
+    assert count <= MIXED_NOISE * total, f"{case_id}: {count} of {total} parameter elements ({count / total:.2%}) " \
+        f"beyond one AdamW step of the one-process run, more than {MIXED_NOISE:.1%}; most in " + \
+        ", ".join(f"{name} ({k} of {n})" for name, (k, n) in worst)
 
 
 def _plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, nproc: int, gbs: int) -> Path:

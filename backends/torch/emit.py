@@ -72,7 +72,7 @@ class Emitter:
         compute dtype (mixed precision, `precision.py`), others as they are."""
         if self.compute is None or not v.type.is_float:
             return node
-        return P.cast(self.g, node, self.compute, py_name(v.name))
+        return P.cast(self.g, node, self.compute, py_name(v.name), weight=v.kind in ("parameter", "buffer"))
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> fx.Node:
         node = self.g.create_node("call_function", fn, _plain(args), _plain(kwargs), name=py_name(name))

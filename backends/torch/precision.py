@@ -2,11 +2,17 @@
 
 Rule. With `dtype=bf16` or `fp16` (the lowered graph's `dtype` attribute, `bf16` / `f16`):
 - master weights stay fp32 `nn.Parameter`s; the generated code casts every float parameter and
-  buffer to the compute dtype where it is read (`.to(torch.bfloat16)` in `module.code`, once per
-  region) and every float graph input where it enters, so each float op of the IR runs in the
-  compute dtype and every activation is held in it. Autograd through the cast lands the weight
-  gradients in fp32 on the fp32 parameters, so DDP reduces fp32 gradients (Megatron's
-  accumulate-allreduce-grads-in-fp32) and AdamW keeps fp32 states;
+  buffer to the compute dtype where it is read (`weight_copy(..., torch.bfloat16)` in
+  `module.code`, once per region) and every float graph input where it enters (`.to`), so each
+  float op of the IR runs in the compute dtype and every activation is held in it. A weight's
+  copy is made once and shared by every micro-batch that reads it until the optimizer changes
+  the weight (`weight_copy`: a pipeline stage holds one copy, not one per micro-batch in flight;
+  a layer recomputing in full holds it only while it runs). Autograd through the cast lands the
+  weight gradients in fp32 on the fp32 parameters, so DDP reduces fp32 gradients (Megatron's
+  accumulate-allreduce-grads-in-fp32) and AdamW keeps fp32 states. One exception: a
+  `grad_all_reduce` over a model axis (a weight read by a node that splits the batch on tp)
+  sums the gradient of the copy, in the compute dtype, where the model prices fp32 bytes
+  (numerically no different on gpt-bf16: tests/test_closed_loop.py);
 - a loss op (`kind == "loss"`: cross entropy) reads its float inputs in fp32, as Megatron
   computes the loss and as `train.default_loss` does for a model without one: its
   log-probabilities and their gradient are fp32;
@@ -22,10 +28,12 @@ With `dtype=fp32` (or none) nothing is cast.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardc.ir import Graph, Value
 from shardc.ir.dtypes import ir_dtype, torch_dtype
@@ -53,9 +61,56 @@ def runtime_dtype(v: Value, compute: torch.dtype | None) -> torch.dtype:
     return torch.float32 if producer is not None and get_op(producer.op).kind == "loss" else compute
 
 
-def cast(g: fx.Graph, node: fx.Node, dtype: torch.dtype, name: str) -> fx.Node:
-    """`node.to(dtype)` in the generated code, named `<name>_<dtype>` so `.code` shows the cast."""
+def cast(g: fx.Graph, node: fx.Node, dtype: torch.dtype, name: str, weight: bool = False) -> fx.Node:
+    """`node.to(dtype)` in the generated code, named `<name>_<dtype>` so `.code` shows the cast;
+    a parameter or buffer (`weight`) through `weight_copy`, one copy however many micro-batches read it."""
+    if weight:
+        return g.create_node("call_function", weight_copy, (node, dtype), {}, name=f"{name}_{SUFFIX[dtype]}")
     return g.create_node("call_method", "to", (node, dtype), {}, name=f"{name}_{SUFFIX[dtype]}")
+
+
+# Each weight's live compute-dtype copy, held weakly on both sides: an entry keeps neither the
+# weight nor its copy alive; every reader's view keeps the copy (its base) alive, so the copy lives
+# exactly as long as autograd (or a running layer) holds a reader's view of it.
+_COPIES: Any = WeakIdKeyDictionary()
+
+
+class _Reader(torch.autograd.Function):
+    """One reader of a weight's shared copy: forward, a view of the copy (no new storage);
+    backward, the reader's gradient in the weight's dtype. One node per reader, so the gradients
+    of readers in one backward (micro-batches run inside one forward) sum on the fp32 weight, as
+    separate casts' would, never in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
+def weight_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight.to(dtype)`, one copy shared by every reader while one holds it and the weight is
+    unchanged (its in-place version counter: the optimizer step bumps it). A pipeline stage with k
+    micro-batches in flight so holds one copy of its weights, not k: each micro-batch's matmuls
+    save a view of the copy the first one made (`_Reader`), and each reader's gradient reaches the
+    fp32 weight on its own. A layer that recomputes in full saves nothing, so its copy dies when
+    its forward ends and is made again for its backward: held only while it runs. Without
+    autograd (no_grad, a frozen weight) or under `torch.compile` (a traced cast is the compiler's
+    to place) a plain cast."""
+    if weight.dtype == dtype or torch.compiler.is_compiling() or not (weight.requires_grad and torch.is_grad_enabled()):
+        return weight.to(dtype)  # FSDP2 gathered it in the compute dtype already: no copy
+    entry = _COPIES.get(weight)
+    copy = entry[1]() if entry is not None and entry[0] == weight._version else None
+    if copy is None or copy.dtype != dtype:
+        copy = weight.detach().to(dtype)
+        _COPIES[weight] = (weight._version, weakref.ref(copy))
+    return _Reader.apply(weight, copy)
+    copy = weight.to(dtype)
+    _COPIES[weight] = (weight._version, weakref.ref(copy))
+    return copy
 
 
 def mixed_precision_policy(dtype: torch.dtype | None) -> Any:

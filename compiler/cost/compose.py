@@ -37,6 +37,7 @@ from shardc.cost.memory import (
     compute_bytes,
     in_flight,
     model_state_bytes,
+    weight_copy_bytes,
 )
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import PipelineTimes, simulate
@@ -269,4 +270,5 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
-                         regather=zero >= 3, accumulate=m > 1 and p == 1)
+                         regather=zero >= 3, accumulate=m > 1 and p == 1,
+                         copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0)

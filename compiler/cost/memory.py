@@ -7,11 +7,11 @@ Rules:
   copies (2: cast where read, saved by the matmuls from forward to backward; the memory tracker
   files them as `parameters` too) + fp32 gradients (4: autograd through the cast; DDP reduces
   fp32) + Adam state (8), the copy counted once per parameter (as Megatron holds its bf16
-  weights, and as the solver's linearisation can). The torch backend casts per micro-batch, so
-  a pipeline device with k micro-batches in flight holds k copies of the weights the matmuls
-  saved, and a recomputing layer holds its copies only while it runs: there this figure is
-  low, resp. high, by those copies (known gap). Under FSDP2 the copies are FSDP2's unsharded
-  compute-dtype parameters (`peak`), so there the weights are the master weights alone
+  weights): the torch backend shares one copy among all the micro-batches in flight
+  (`precision.weight_copy`). A layer that recomputes in full holds its copies only while it runs
+  (`peak.recompute_copies` takes them off here and adds them to that layer's working memory;
+  the solver likewise: `search.linear.recompute_copy_bytes`). Under FSDP2 the copies are FSDP2's
+  unsharded compute-dtype parameters (`peak`), so there the weights are the master weights alone
   (`model_state_bytes(copies=False)`).
   ZeRO-1 divides the optimizer state by the sharding degree (the data-parallel group),
   ZeRO-2 the gradients too, ZeRO-3 the weights too.

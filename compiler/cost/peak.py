@@ -4,7 +4,11 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
 - Model states: `memory.model_state_bytes` by ZeRO stage. With `zero_runtime="fsdp2"` (the
   torch backend: `fully_shard` on the whole module) every ZeRO stage shards parameters,
   gradients and optimizer state at rest over the data-parallel group; `"zero"` is the
-  textbook ZeRO-1/2/3 (Rajbhandari et al.).
+  textbook ZeRO-1/2/3 (Rajbhandari et al.). Mixed precision's compute-dtype weight copies
+  (`memory`): one per weight at rest however many micro-batches are in flight (the runtime
+  shares one copy among them: `precision.weight_copy`), except the weights of a layer that
+  recomputes in full, whose copies it holds only while it runs: in its forward's working memory
+  and its backward's recomputation working memory (`recompute_copies`).
 - Activations and working memory (`timeline.layer_memory`, per layer): the device holds the
   saved activations of the micro-batches in flight (`in_flight`) but the one in progress,
   plus the largest live total of that one, forward or backward: the saved activations of the
@@ -33,37 +37,72 @@ the micro-batches in flight plus the largest recomputation and transient working
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 MiB = 2**20
 
 
-def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool) -> tuple[dict[str, float], dict[str, float], float]:
-    """(forward peak split, backward peak split, kept bytes) of one virtual stage's micro-batch."""
+def recompute_copies(layers: Sequence[Any], copy_bytes: float) -> tuple[float, dict[str, float]]:
+    """Mixed precision's weight copies under full recomputation (`precision.weight_copy`): a layer
+    that recomputes in full saves nothing, so it holds the compute-dtype copies of the weights only
+    it reads while it runs (forward, then its recomputed forward and backward), none at rest. The
+    bytes to take off the device's at-rest copies (each weight once), and per such layer (by
+    name) the copies it holds while it runs. `copy_bytes`: bytes per local parameter of its copy
+    (0: none held, fp32 or FSDP2's gathered weights)."""
+    if copy_bytes <= 0:
+        return 0.0, {}
+    held = {name for l in layers if l.annotation.recompute != "full" for name in l.params}
+    running: dict[str, float] = {}
+    off: dict[str, float] = {}
+    for l in layers:
+        if l.annotation.recompute == "full":
+            mine = {name: numel * copy_bytes for name, (numel, _) in l.params.items() if name not in held}
+            running[l.name] = sum(mine.values())
+            off.update(mine)
+    return sum(off.values()), running
+
+
+def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool,
+                 running: dict[str, float]) -> tuple[dict[str, float], dict[str, float], float]:
+    """(forward peak split, backward peak split, kept bytes) of one virtual stage's micro-batch;
+    `running`: the weight copies a layer holds only while it runs (`recompute_copies`)."""
     kept = [l.memory.kept for l in layers]
     fwd = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
     bwd = dict(fwd)
     for i, layer in enumerate(layers):
         mem = layer.memory
+        copies = running.get(layer.name, 0.0)
         before = sum(kept[:i])
         later = layers[i + 1:]
         held = sum(l.memory.held for l in later) + (sum(l.memory.param_grads for l in later) if fsdp_hold else 0.0)
-        if before + mem.fwd_peak > sum(fwd.values()):
+        if before + mem.fwd_peak + copies > sum(fwd.values()):
             fwd = {"activations": before + mem.fwd_saved, "recompute_working": 0.0,
-                   "working": mem.fwd_peak - mem.fwd_saved}
-        if before + mem.bwd_peak + held > sum(bwd.values()):
-            bwd = {"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed,
+                   "working": mem.fwd_peak - mem.fwd_saved + copies}
+        if before + mem.bwd_peak + held + copies > sum(bwd.values()):
+            bwd = {"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
                    "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}
     return fwd, bwd, sum(kept)
 
 
+_REPEATED = re.compile(r"^(.*?\.)\d+(\..*)$")  # `blocks.3.attn.future` -> (`blocks.`, `.attn.future`)
+
+
 def _model_buffers(by_stage: Sequence[Sequence[Any]]) -> float:
-    """The model buffers the device's layers read (a causal mask, a folded constant), each once."""
+    """The model buffers the device's layers read (a causal mask, a folded constant), each once.
+    A repeated block's buffers are its own (each `blocks.i` registers its mask): the timelines
+    equal blocks share name them after the block they were built on, so a buffer under a sibling
+    block's path (`blocks.1.attn.future` read by `blocks.2`) is counted under the reading layer's."""
     found: dict[str, float] = {}
     for stage in by_stage:
         for layer in stage:
-            found.update(getattr(getattr(layer, "memory", None), "buffers", ()))
+            own = _REPEATED.match(str(getattr(layer, "name", "")) + ".")
+            for name, nbytes in dict(getattr(getattr(layer, "memory", None), "buffers", ())).items():
+                sibling = _REPEATED.match(name)
+                if own and sibling and sibling.group(1) == own.group(1):
+                    name = f"{layer.name}{sibling.group(2)}"
+                found[name] = nbytes
     return sum(found.values())
 
 
@@ -83,7 +122,8 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
 
 def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *, flight: int, virtual: int,
                   interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float,
-                  after_backward: float = 0.0, regather: bool = False, accumulate: bool = False) -> dict[str, float]:
+                  after_backward: float = 0.0, regather: bool = False, accumulate: bool = False,
+                  copy_bytes: float = 0.0) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
     `after_backward`: a transient buffer once backward is over (a flat gradient copy);
@@ -91,18 +131,21 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     backward (ZeRO-3), through the all-gather buffer again; `accumulate`: FSDP2 accumulates
     several micro-batches without syncing (every one but the last), so the unsharded gradients of
     the whole device stay from the first micro-batch's backward to the step's end and the later
-    micro-batches run on top of them (working memory: the device's local parameter bytes)."""
-    states = {**states, "model_buffers": _model_buffers(by_stage)}
+    micro-batches run on top of them (working memory: the device's local parameter bytes);
+    `copy_bytes`: mixed precision's weight copy per local parameter where `states` holds one at
+    rest (taken off there for layers that recompute in full: `recompute_copies`)."""
+    off, running = recompute_copies([l for stage in by_stage for l in stage], copy_bytes)
+    states = {**states, "parameters": states.get("parameters", 0.0) - off, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
     if not all(getattr(l, "memory", None) is not None for stage in by_stage for l in stage):
         saved = sum(c.saved_bytes for c in costs)
         activations = saved * flight / (virtual if interleaved else 1)
         return {**states, "activations": activations,
-                "recompute_working": max((c.working_bytes for c in costs), default=0.0),
+                "recompute_working": max((c.working_bytes for c in costs), default=0.0) + max(running.values(), default=0.0),
                 "working": max((c.transient_bytes for c in costs), default=0.0),
                 "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
     accumulate = accumulate and fsdp
-    splits = [_stage_peaks(stage, fsdp and not accumulate) for stage in by_stage if stage]
+    splits = [_stage_peaks(stage, fsdp and not accumulate, running) for stage in by_stage if stage]
     unsharded_grads = local_param_bytes if accumulate else 0.0
     kept = sum(k for _, _, k in splits)
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)

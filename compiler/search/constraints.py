@@ -226,10 +226,30 @@ class Builder:
         md.add(rw >= self.act[c][0]).OnlyEnforceIf(has_full)
         md.add(rw >= self.agg[c]["saved_core"]).OnlyEnforceIf(has_sel)
         mem.append(rw)
+        mem += self._recompute_copies(s, c, k[2], has_full)
         edge_sends, pre_t, post_t = rest
         # The terms in the order the model has always added them: CP-SAT's search follows it.
         stage = sum(pt) + edge_sends + pre_t + post_t + cross_t
         return _Stage(stage, window, mem, nsync, nbuf, nafter, ngrad, nother)
+
+    def _recompute_copies(self, s: int, c: int, full: Any, has_full: Any) -> list[Any]:
+        """Mixed precision's weight copies of the stage's blocks recomputing in full (`full` of
+        them, class `c`), as `linear.recompute_copy_bytes`: off the at-rest states, one block's
+        while it runs. No terms (the model as before) where no ZeRO stage allowed holds such copies."""
+        M, md, co = self.M, self.M.md, self.M.co
+        if 2 not in self.recomputes or not any(co.recompute_copy[z] for z in self.zeros):
+            return []
+        blocks = [g for g, v in enumerate(self.problem.groups) if v.section == "block"]
+        ub = max(sum(max(M.m(co.recompute_copy[z] * r["numel"]) for r in co.cand[g]) for g in blocks)
+                 for z in ZERO_STAGES) + 1
+        copy = M.var(ub, f"recompute_copy{s}")  # one block's copies, exact for the selected ZeRO stage
+        for z in ZERO_STAGES:
+            md.add(copy == sum(M.m(co.recompute_copy[z] * r["numel"]) * x
+                               for g in blocks for r, x in zip(co.cand[g], M.xs[c][g]))).OnlyEnforceIf(M.z[z])
+        off = self._prod(full, copy, self.L * ub, f"recompute_copies_off{s}")
+        running = M.var(ub, f"recompute_copies_running{s}")
+        md.add(running >= copy).OnlyEnforceIf(has_full)
+        return [running, -off]
 
     def _memory(self, s: int, st: _Stage) -> None:
         """The stage's memory under the limit: its terms so far, the largest working memory, the

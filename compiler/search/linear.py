@@ -17,6 +17,8 @@ full) and n_s = sum_r k_{s,r}:
               work, per tensor spread over the model's elements: `_fsdp_gather`)
     step    = pipe + max_s sync_s + max_s after_s
     mem_s   = states_z + in_flight_s * activations_r + recompute working + working + buffers
+              - k_{s,full} copies + [k_{s,full} > 0] copies    (mixed precision's weight copies of
+              a block recomputing in full: held only while it runs, `recompute_copy_bytes`)
               (buffers: DDP's flat gradient copy at ZeRO-0, two buckets for textbook ZeRO;
               FSDP2: states all sharded, buffers twice the stage's local weights; plus
               torch pipelining's send, receive and output buffers, m or m + in-flight of each)
@@ -99,6 +101,10 @@ class Coefficients:
     # `serial` (FSDP2; DDP where its whole step was measured, `sync.measured_sync_step`) rather
     # than buckets overlapping backward (`rate`, `tail`). Empty: as `fsdp`.
     serial_sync: tuple[bool, ...] = ()
+    # Mixed precision's weight copy per local parameter that a block recomputing in full holds
+    # only while it runs, per ZeRO stage (0 where none is held at rest: fp32, FSDP2, ZeRO-3):
+    # `peak.recompute_copies`, `recompute_copy_bytes`.
+    recompute_copy: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
         if not self.serial_sync:
@@ -156,8 +162,17 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
                        w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)),
                        3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0, serial_sync=serial_sync)
     out.edge_saved = _edge_saved(problem)
+    out.recompute_copy = tuple(0.0 if fsdp[z] or z >= 3 else float(held_copy) for z in ZERO_STAGES)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
+
+
+def recompute_copy_bytes(co: Coefficients, zero: int, block_numel: float, full_blocks: int) -> tuple[float, float]:
+    """Mixed precision's weight copies under full recomputation, as `peak.recompute_copies` has
+    them: (bytes off the stage's at-rest copies: every block recomputing in full, bytes a running
+    one holds: one block's copies, 0 without such a block)."""
+    copy = co.recompute_copy[zero] * block_numel
+    return full_blocks * copy, copy if full_blocks else 0.0
 
 
 def _candidate_rows(problem: Problem, axes: tuple[str, ...], grad_bytes: float) -> list[list[dict[str, float]]]:
@@ -457,10 +472,12 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
         if co.pipeline_buffers:
             recv = sums[vecs[s - 1]]["block"]["sbytes"] if not first else 0.0
             buffers += m * recv + ((m + f) * blk["sbytes"] if not last else m * (post["obytes"] + co.out_const))
-        # Mixed precision's weight copies are in `state`, once per parameter, as the CP-SAT model
-        # has them (`compose` holds them per micro-batch in flight on a pipeline device: looser here).
-        states = numel * co.state[zero]
-        mem = states + f * saved + rw + work + buffers
+        # Mixed precision's weight copies are in `state`, once per parameter (the runtime shares
+        # one among the micro-batches in flight), less those of blocks recomputing in full, which
+        # hold theirs only while they run (`recompute_copy_bytes`).
+        off, running = recompute_copy_bytes(co, zero, blk["numel"], k[2])
+        states = numel * co.state[zero] - off
+        mem = states + f * saved + rw + running + work + buffers
         if co.fsdp[zero]:  # FSDP2 once backward is over (`compose._device_memory`)
             mem = max(mem, states + buffers - co.fsdp_buf * numel * co.w_elem + numel * co.fsdp_after)
         memory.append(mem)
