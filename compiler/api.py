@@ -87,10 +87,9 @@ class CompiledPlan:
         head = f"# rank {rank} of {self.mesh} ({coords}), plan {self.plan}\n"
         if self.mesh.axis_size(Axis.PP) == 1:
             return head + module_code(self.module(rank))
+        from shardc.analysis.stages import device_stages
         from shardc.backends.torch.codegen import generate
         from shardc.backends.torch.stages import split_stages
-
-        from shardc.analysis.stages import device_stages
 
         stages = split_stages(self.runtime_graph)
         pp, parts = self.mesh.axis_size(Axis.PP), []

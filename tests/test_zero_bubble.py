@@ -11,19 +11,27 @@ r's stages at r and 2pp-1-r (the tied embedding and head of the tiny GPT then si
 
 from __future__ import annotations
 
-import pytest
 from test_backend_numerics import GPT, LLAMA
 from test_pipeline_numerics import FOUR_LAYERS, run_and_check
-
-from shardc.analysis.stages import device_stages, stage_device
-from shardc.cost.pipeline import bubble_fraction, device_order, in_flight_order, simulate, torch_order
-from shardc.ir.diagnostics import ShardcError
-from shardc.plan.parallel import ParallelPlan, microbatch_problem
 
 EIGHT_LAYERS = "&n_layer=8&batch=8"
 
 
 # ---- numerics: the schedules train like one process ------------------------------------------
+
+def run_and_check(world: int, cases: list[tuple[str, str]]) -> None:
+    """Compile every case (fp32), train it on `world` gloo processes, compare with one process;
+    the stages run unwrapped (no DDP: the split backward bypasses its reducer), outputs unviewed."""
+    import shardc
+
+    compiled = []
+    for spec, plan in cases:
+        model, inputs, names = build(spec)
+        compiled.append((spec, shardc.compile(model, inputs, plan=f"{plan},dtype=fp32", input_names=names)))
+    results = spawn(step_cases, world, compiled, timeout_s=600)
+    for (spec, plan), (losses, full, wrappers) in zip(cases, results[0]):
+        check(spec, plan, losses, full)
+        assert wrappers == ["_Unviewed"], (spec, plan, wrappers)
 
 def test_zero_bubble_schedules_on_two_processes() -> None:
     run_and_check(2, [

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardc.analysis.stages import device_stages, stage_device
 from shardc.backends.torch.codegen import generate, local_piece, local_shape
 from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.parallelize import (
@@ -63,7 +64,6 @@ from shardc.backends.torch.precision import (
 )
 from shardc.backends.torch.ring import gather
 from shardc.backends.torch.stages import StagePlan, split_stages
-from shardc.analysis.stages import device_stages, stage_device
 from shardc.ir import Axis, Graph, Layout, Shard
 from shardc.ir.diagnostics import ShardcError
 

@@ -213,3 +213,33 @@ def makespan_closed_form(fwd: Sequence[float], bwd: Sequence[float], micro_batch
     `simulate` when stages are balanced."""
     per = [f + b for f, b in zip(fwd, bwd)]
     return (micro_batches - 1) * max(per) + sum(per)
+
+
+def _param_root(value: Any, depth: int = 4) -> bool:
+    """Whether `value` is a parameter, or a view or cast of one (a transposed or bf16 weight)."""
+    while depth and value is not None:
+        if value.kind == "parameter":
+            return True
+        node = value.producer
+        if node is None or len(node.inputs) != 1:
+            return False
+        value, depth = node.inputs[0], depth - 1
+    return False
+
+
+def weight_gradient_share(nodes: Sequence[Any]) -> float:
+    """The fraction of a layer's backward compute that is weight gradients (W), by the module
+    rule: (forward FLOPs of contractions with a parameter operand) / (2 x forward FLOPs of all
+    contractions and attention cores). 0 for a layer without contractions (norms, the loss)."""
+    from shardc.ops.registry import get_op
+
+    weights = total = 0.0
+    for node in nodes:
+        op = get_op(node.op)
+        if op.kind not in ("contraction", "attention"):
+            continue
+        flops = float(op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs))
+        total += 2.0 * flops
+        if op.kind == "contraction" and any(_param_root(v) for v in node.inputs[1:]):
+            weights += flops
+    return weights / total if total else 0.0
