@@ -159,3 +159,30 @@ def test_invalid_zero_bubble_plans_are_refused() -> None:
     assert microbatch_problem(ParallelPlan.parse("pp=4,vpp=2,schedule=zbv"), 1) is None
     assert str(ParallelPlan.parse("pp=2,vpp=2,schedule=interleaved_zb")).endswith(
         "schedule=interleaved-zb,recompute=none,zero=0,dtype=bf16")
+
+
+def _torch_accepts(schedule: str, pp: int, vpp: int, m: int) -> bool:
+    """Whether torch's zero-bubble class takes `m` micro-batches: its constructor on stand-in
+    stages (rank 0 of `pp`, with the placement's stages) raises ValueError when it refuses."""
+    from types import SimpleNamespace
+
+    import torch.distributed.pipelining as tpp
+
+    cls = getattr(tpp, {"zbv": "ScheduleZBVZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                        "dualpipev": "ScheduleDualPipeV"}[schedule])
+    mine = device_stages(0, pp, vpp, schedule)
+    stages = [SimpleNamespace(num_stages=pp * vpp, group_size=pp, group_rank=0, stage_index=s, is_first=s == 0,
+                              is_last=s == pp * vpp - 1, submod=None) for s in mine]
+    try:
+        cls(stages, m)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("schedule, vpp", [("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 1), ("interleaved-zb", 2)])
+def test_micro_batch_counts_refused_exactly_as_torch_refuses(schedule: str, vpp: int) -> None:
+    for pp in (2, 3, 4):
+        plan = ParallelPlan(pp=pp, vpp=vpp, schedule=schedule)
+        for m in range(1, 17):
+            assert (microbatch_problem(plan, m) is None) == _torch_accepts(schedule, pp, vpp, m), (plan, m)
