@@ -13,6 +13,10 @@ Stages: the blocks are cut into `stages` contiguous runs as even as possible, th
 going to the middle stages first, then to the first and the last (which also hold the
 embedding and the head), or into runs of the given sizes. `pre` joins stage 0, `post` the last
 stage, a layer between blocks the stage of the block before it.
+
+Placement: virtual stage s runs on pp rank `stage_device(s)`: s % pp (one stage per rank, or
+interleaved round robin), and for the V schedules (zbv, dualpipev: two stages per rank) rank r
+holds stages r and 2pp-1-r, as torch.distributed.pipelining's `style="v"` places them.
 """
 
 from __future__ import annotations
