@@ -20,7 +20,6 @@ peak.py models them, this test is a strict xfail with these figures.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
