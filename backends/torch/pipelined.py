@@ -384,7 +384,7 @@ def _sync_data_parallel(params: list[nn.Parameter], group: Any) -> None:
     for p in trainable:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [local_tensor(p.grad) for p in trainable]
+    grads = [local_tensor(cast(torch.Tensor, p.grad)) for p in trainable]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     flat.div_(dist.get_world_size(group))
