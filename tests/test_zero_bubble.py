@@ -186,3 +186,30 @@ def test_micro_batch_counts_refused_exactly_as_torch_refuses(schedule: str, vpp:
         plan = ParallelPlan(pp=pp, vpp=vpp, schedule=schedule)
         for m in range(1, 17):
             assert (microbatch_problem(plan, m) is None) == _torch_accepts(schedule, pp, vpp, m), (plan, m)
+
+
+def test_estimate_prints_each_schedules_bubble_and_zero_bubble_is_faster() -> None:
+    """`shardc estimate` prints the balanced bubble of the plan's schedule (`bubble_fraction`), and
+    on a pipeline-bound model the zero-bubble schedules' predicted step is below 1F1B's."""
+    import contextlib
+    import io
+    import re
+
+    from shardc.cli import main
+
+    spec = "examples/gpt.py:gpt2_small?n_layer=16"
+    steps = {}
+    for schedule, vpp in (("1f1b", 1), ("interleaved-zb", 1), ("zbv", 2), ("dualpipev", 2)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["estimate", spec, "--cluster", "8xA100-80GB",
+                         "--plan", f"dp=2,pp=4,vpp={vpp},mb=1,gbs=32,schedule={schedule}"]) == 0
+        text = out.getvalue()
+        bubble = re.search(r"pipeline bubble \(balanced\)\s*│\s*([\d.]+)%", text)
+        assert bubble is not None, text
+        assert float(bubble.group(1)) == pytest.approx(100 * bubble_fraction(4, 16, vpp, schedule), abs=0.05)
+        found = re.search(r"step time\s*│\s*([\d.]+) ms", text)
+        assert found is not None, text
+        steps[schedule] = float(found.group(1))
+    assert steps["zbv"] < steps["interleaved-zb"] < steps["1f1b"], steps
+    assert steps["dualpipev"] <= steps["interleaved-zb"], steps
