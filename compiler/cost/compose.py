@@ -6,7 +6,12 @@ Rules:
   (forward) and of their gradients back (backward). ZeRO-3 all-gathers each layer's weights
   before its forward and its backward, prefetched behind the previous layer's compute, so only
   the excess is charged. `pipeline.simulate` turns these into the schedule's makespan (bubble
-  and waiting between stages included).
+  and waiting between stages included). Virtual stage s sits on pp device
+  `analysis.stages.stage_device(s)` (round robin; the V schedules zbv and dualpipev: device r
+  holds r and 2pp-1-r, and the turn of the V sends nothing). The zero-bubble schedules split
+  each backward into input- and weight-gradient passes (`weight_gradients`, by
+  `pipeline.weight_gradient_share`); their micro-batches in flight count from a forward to its
+  weight-gradient pass, in torch's order (`pipeline.in_flight_order`).
 - Gradient sync, the post-optimizer gather and the optimizer step per pipeline device are
   `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
   LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
