@@ -46,6 +46,7 @@ def test_zero_bubble_schedules_on_two_processes() -> None:
         (LLAMA + FOUR_LAYERS, "pp=2,vpp=2,schedule=dualpipev"),    # 4 micro-batches for 4 stages
         (GPT, "pp=2,schedule=interleaved-zb"),                     # ZB1P, one stage per rank
         (LLAMA + FOUR_LAYERS, "pp=2,vpp=2,schedule=interleaved-zb"),
+        (GPT + FOUR_LAYERS, "pp=2,vpp=2,schedule=zbv,recompute=full"),  # recomputed in I, kept for W
     ])
 
 
