@@ -38,7 +38,7 @@ def run_and_check(world: int, cases: list[tuple[str, str]]) -> None:
     results = spawn(step_cases, world, compiled, timeout_s=600)
     for (spec, plan), (losses, full, wrappers) in zip(cases, results[0]):
         check(spec, plan, losses, full)
-        assert wrappers == ["_Unviewed"], (spec, plan, wrappers)
+        assert wrappers == ["Unviewed"], (spec, plan, wrappers)
 
 def test_zero_bubble_schedules_on_two_processes() -> None:
     run_and_check(2, [

@@ -23,8 +23,9 @@ pipelining intends (`backward_maybe_with_nosync`): with ZeRO an FSDP2 `fully_sha
 that backward is still running). Under a zero-bubble schedule the backward is split into
 input- and weight-gradient passes, which DDP's reducer does not follow: the stage modules run
 unwrapped and the gradients are all-reduced (averaged, as DDP does) over the data group once
-the schedule is over (`_sync_data_parallel`, one flat buffer). Stages get their input and output shapes up front (the IR
-knows them), so torch skips the first-step metadata inference: that extra forward runs the
+the schedule is over (`schedules.sync_data_parallel`, one flat buffer), and the stage outputs
+are never views (`schedules.Unviewed`). Stages get their input and output shapes up front (the
+IR knows them), so torch skips the first-step metadata inference: that extra forward runs the
 DDP wrapper outside `no_sync` and would make it all-reduce every micro-batch. Then gradients
 are divided by the micro-batch count (the loss is a mean over micro-batches) and a parameter
 held on several pipeline ranks (a tied embedding and head) gets the sum of theirs. Mixed
@@ -63,6 +64,7 @@ from shardc.backends.torch.precision import (
     runtime_dtype,
 )
 from shardc.backends.torch.ring import gather
+from shardc.backends.torch.schedules import ZERO_BUBBLE, Unviewed, schedule_class, sync_data_parallel, unview
 from shardc.backends.torch.stages import StagePlan, split_stages
 from shardc.ir import Axis, Graph, Layout, Shard
 from shardc.ir.diagnostics import ShardcError
@@ -149,7 +151,7 @@ class PipelinedModule(nn.Module):
     # ---- one training step ------------------------------------------------------------------
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        loss = _unview(self._unscaled_loss(output, target))
+        loss = unview(self._unscaled_loss(output, target))
         scaler = self.__dict__.get("grad_scaler")  # fp16's loss scaler: the schedule runs backward on this
         return scaler.scale(loss) if scaler is not None else loss
 
@@ -210,7 +212,7 @@ class PipelinedModule(nn.Module):
             if p.grad is not None:
                 local_tensor(p.grad).div_(self.microbatches)
         if self.data_group is not None:
-            _sync_data_parallel(list(params.values()), self.data_group)
+            sync_data_parallel(list(params.values()), self.data_group)
         tied = [name for name, stages in sorted(self.plan.param_stages.items())
                 if len({stage_device(s, self.pp, self.schedule_name) for s in stages}) > 1]
         if not tied:
@@ -306,7 +308,7 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
         wrapped = [_ddp(m, sub.get_group()) for m in modules]
         _check_unshared(graph, modules)
     if split_backward:
-        wrapped = [_Unviewed(m) for m in wrapped]
+        wrapped = [Unviewed(m) for m in wrapped]
     data_group = sub.get_group() if sub is not None and not fsdp and split_backward else None
     full_inputs = [(v.name, tuple(v.type.shape)) for v in compiled.graph.inputs]
     module = PipelinedModule(graph, plan, stage_ids, modules, wrapped, loss_module, dm, full_inputs, loss_fn, dev,
@@ -319,79 +321,6 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-# The zero-bubble schedules (plan key schedule=...) and torch's classes for them.
-ZERO_BUBBLE = {"zbv": "ScheduleZBVZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
-               "dualpipev": "ScheduleDualPipeV"}
-
-
-def schedule_class(name: str, virtual: int) -> type:
-    """torch's schedule class for a plan's `schedule` with `virtual` stages per pp rank: GPipe,
-    1F1B, interleaved 1F1B (any schedule but gpipe with vpp > 1), and the zero-bubble
-    `ZERO_BUBBLE` (zbv and dualpipev with exactly two stages per rank)."""
-    import torch.distributed.pipelining as tp
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    spelled = name.lower().replace("_", "-")
-    if spelled in ZERO_BUBBLE:
-        if spelled in ("zbv", "dualpipev") and virtual != 2:
-            raise ShardcError(f"schedule {spelled} runs exactly two virtual stages per pp rank (a V), not {virtual}",
-                              hint="set vpp=2 in the plan")
-        return cast(type, getattr(tp, ZERO_BUBBLE[spelled]))
-    key = name.lower().replace("-", "").replace("_", "")
-    if virtual > 1 and key in ("1f1b", "interleaved", "interleaved1f1b"):
-        return ScheduleInterleaved1F1B
-    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "interleaved1f1b": ScheduleInterleaved1F1B}
-    if key not in table:
-        raise ShardcError(f"unknown pipeline schedule {name!r}; known: gpipe, 1f1b, interleaved, "
-                          f"{', '.join(ZERO_BUBBLE)}")
-    cls = table[key]
-    if cls is ScheduleInterleaved1F1B and virtual < 2:
-        raise ShardcError("schedule interleaved needs vpp >= 2 virtual stages per device",
-                          hint="set vpp=2 (or more) in the plan, or use schedule=1f1b")
-    if cls is not ScheduleInterleaved1F1B and virtual > 1:
-        raise ShardcError(f"schedule {name} runs one stage per device but vpp={virtual}",
-                          hint="use schedule=interleaved or vpp=1")
-    return cls
-
-
-def _unview(t: Any) -> Any:
-    """`t`, or a copy of it when it is a view: torch's split backward detaches stage outputs in
-    place (`stage_backward_input`), which views refuse."""
-    return t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t
-
-
-class _Unviewed(nn.Module):
-    """A stage module whose outputs are never views (`_unview`), for the zero-bubble schedules."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any) -> Any:
-        out = self.inner(*args)
-        return tuple(_unview(t) for t in out) if isinstance(out, tuple) else _unview(out)
-
-
-def _sync_data_parallel(params: list[nn.Parameter], group: Any) -> None:
-    """Average the trainable parameters' gradients over the data group, as DDP would (one flat
-    all-reduce; a parameter without a gradient joins with zeros so every rank sends the same)."""
-    trainable = [p for p in params if p.requires_grad]
-    if not trainable:
-        return
-    for p in trainable:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [local_tensor(cast(torch.Tensor, p.grad)) for p in trainable]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat.div_(dist.get_world_size(group))
-    k = 0
-    for g in grads:
-        g.copy_(flat[k:k + g.numel()].view_as(g))
-        k += g.numel()
 
 
 def _ddp(module: nn.Module, group: Any) -> nn.Module:
