@@ -87,15 +87,18 @@ class CompiledPlan:
         head = f"# rank {rank} of {self.mesh} ({coords}), plan {self.plan}\n"
         if self.mesh.axis_size(Axis.PP) == 1:
             return head + module_code(self.module(rank))
+        from shardc.analysis.stages import device_stages
         from shardc.backends.torch.codegen import generate
         from shardc.backends.torch.stages import split_stages
 
         stages = split_stages(self.runtime_graph)
         pp, parts = self.mesh.axis_size(Axis.PP), []
-        for s in range(self.mesh.coordinates(rank)[Axis.PP], len(stages.stages), pp):
+        schedule, virtual = str(self.runtime_graph.attrs.get("schedule", "1f1b")), len(stages.stages) // pp
+        mine = device_stages(self.mesh.coordinates(rank)[Axis.PP], pp, virtual, schedule)
+        for s in mine:
             parts.append(f"# ==== stage {s} of {len(stages.stages)} ====\n"
                          + module_code(generate(stages.stages[s], rank, local_inputs=True)))
-        if stages.loss is not None and (len(stages.stages) - 1) % pp == self.mesh.coordinates(rank)[Axis.PP]:
+        if stages.loss is not None and len(stages.stages) - 1 in mine:
             parts.append("# ==== loss (the schedule's loss_fn on the last stage) ====\n"
                          + module_code(generate(stages.loss, rank, local_inputs=True)))
         return head + "\n".join(parts)

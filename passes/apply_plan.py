@@ -36,7 +36,8 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   `shardc.analysis.stages`: the repeated blocks are cut into pp*vpp contiguous chunks as even
   as possible (extra blocks go to the middle stages first), layers before the first block join
   stage 0, after the last the last stage, between blocks the previous block's; virtual stage
-  k runs on pp rank k % pp. Every layer records the plan's zero; the plan's
+  k runs on pp rank `shardc.analysis.stages.stage_device` (k % pp; zbv and dualpipev a V:
+  rank r holds k = r and 2pp-1-r). Every layer records the plan's zero; the plan's
   recompute goes to the transformer blocks only (`Layering.block_names`; the embedding, the
   head and layers between blocks get none, as in Megatron-LM; a graph without repeated blocks:
   every layer), and with `recompute_layers=N` to the first N blocks of each model chunk only

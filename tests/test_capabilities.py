@@ -171,9 +171,12 @@ KIND_TESTS: dict[str, tuple[Runs, ...]] = {
     "partial-all-reduce": (GPT_CASES,),
     "partial-reduce-scatter": (GPT_CASES,),
 }
+ZERO_BUBBLE = tuple(Runs("test_zero_bubble.py", f"test_zero_bubble_schedules_on_{n}_processes", f"schedule={s}")
+                    for s in ("zbv", "interleaved-zb", "dualpipev") for n in ("two", "four"))  # 2 and 4 ranks each
 KEY_TESTS: dict[str, tuple[Runs, ...]] = {
     "dp": (GPT_CASES,), "tp": (GPT_CASES,), "pp": (PIPELINES,), "vpp": (PIPELINES,), "cp": (GPT_CASES, ZIGZAG),
-    "sp": (GPT_CASES,), "mb": (MICRO,), "gbs": (MICRO,), "schedule": (dataclasses.replace(PIPELINES, sets="schedule=gpipe"),),
+    "sp": (GPT_CASES,), "mb": (MICRO,), "gbs": (MICRO,), "schedule": (dataclasses.replace(PIPELINES, sets="schedule=gpipe"),
+                                                              *ZERO_BUBBLE),
     "recompute": (dataclasses.replace(GPT_CASES, sets="recompute=full"), RECOMPUTE),
     "recompute_layers": (dataclasses.replace(RECOMPUTE, sets="recompute_layers"),),
     "zero": (GPT_CASES,), "dtype": (PRECISION,), "compile": (COMPILED,),

@@ -262,7 +262,9 @@ def _pipeline_note(plan: Any, missing: list[str]) -> str:
     the stages are added to `missing`)."""
     if plan.pp <= 1:
         return ""
-    schedule = "Interleaved1F1B" if plan.vpp > 1 else ("GPipe" if plan.schedule == "gpipe" else "1F1B")
+    zero_bubble = {"zbv": "ZBVZeroBubble", "interleaved-zb": "InterleavedZeroBubble", "dualpipev": "DualPipeV"}
+    schedule = zero_bubble.get(plan.schedule) or (
+        "Interleaved1F1B" if plan.vpp > 1 else ("GPipe" if plan.schedule == "gpipe" else "1F1B"))
     missing.append(f"pipeline pp={plan.pp}: stage modules must be cut by hand (PipelineStage needs one module per stage)")
     return (f"# Pipeline: cut the blocks into {plan.pp * plan.vpp} stages and run them with "
             f"torch.distributed.pipelining.PipelineStage and Schedule{schedule};\n"

@@ -6,19 +6,26 @@
     optimizer.step(); optimizer.zero_grad()
 
 Rule. The plan's lowered graph for one micro-batch is cut into stages (`stages.split_stages`);
-this rank generates the module of each stage it holds (stage `s` on pp rank `s % pp`: with
-vpp > 1 the round-robin layout of interleaved 1F1B), with only its own parameter shards and the
-tp/sp/cp collectives inside, exactly as `codegen.generate` does for pp=1. Stage modules go into
+this rank generates the module of each stage it holds (`shardc.analysis.stages.stage_device`:
+stage `s` on pp rank `s % pp`, with vpp > 1 the round-robin layout of interleaved 1F1B; for the
+V schedules zbv and dualpipev pp rank r holds stages r and 2pp-1-r, torch's `style="v"`), with
+only its own parameter shards and the tp/sp/cp collectives inside, exactly as
+`codegen.generate` does for pp=1. Stage modules go into
 `torch.distributed.pipelining.PipelineStage`s over the `pp` process group and run under the
-plan's schedule (GPipe, 1F1B, interleaved 1F1B) on `microbatches` micro-batches, with the loss
+plan's schedule (GPipe, 1F1B, interleaved 1F1B, and the zero-bubble ScheduleZBVZeroBubble,
+ScheduleInterleavedZeroBubble, ScheduleDualPipeV) on `microbatches` micro-batches, with the loss
 sub-graph of the IR (or the user's `loss_fn`) as the schedule's loss. Data axes: each stage
 module is wrapped by torch and the pipeline stage drives the wrapper, as torch.distributed.
 pipelining intends (`backward_maybe_with_nosync`): with ZeRO an FSDP2 `fully_shard` module
 (gradients reduce-scattered once, after the stage's last micro-batch), otherwise a
 `DistributedDataParallel` module (forwards and the first micro-batches' backwards under
 `no_sync`; the last micro-batch's backward arms DDP's reducer, whose buckets all-reduce while
-that backward is still running). Stages get their input and output shapes up front (the IR
-knows them), so torch skips the first-step metadata inference: that extra forward runs the
+that backward is still running). Under a zero-bubble schedule the backward is split into
+input- and weight-gradient passes, which DDP's reducer does not follow: the stage modules run
+unwrapped and the gradients are all-reduced (averaged, as DDP does) over the data group once
+the schedule is over (`schedules.sync_data_parallel`, one flat buffer), and the stage outputs
+are never views (`schedules.Unviewed`). Stages get their input and output shapes up front (the
+IR knows them), so torch skips the first-step metadata inference: that extra forward runs the
 DDP wrapper outside `no_sync` and would make it all-reduce every micro-batch. Then gradients
 are divided by the micro-batch count (the loss is a mean over micro-batches) and a parameter
 held on several pipeline ranks (a tied embedding and head) gets the sum of theirs. Mixed
@@ -38,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardc.analysis.stages import device_stages, stage_device
 from shardc.backends.torch.codegen import generate, local_piece, local_shape
 from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.parallelize import (
@@ -59,6 +67,7 @@ from shardc.backends.torch.precision import (
     runtime_dtype,
 )
 from shardc.backends.torch.ring import gather
+from shardc.backends.torch.schedules import ZERO_BUBBLE, Unviewed, schedule_class, sync_data_parallel, unview
 from shardc.backends.torch.stages import StagePlan, split_stages
 from shardc.ir import Axis, Graph, Layout, Shard
 from shardc.ir.diagnostics import ShardcError
@@ -75,7 +84,8 @@ class PipelinedModule(nn.Module):
 
     def __init__(self, graph: Graph, plan: StagePlan, stage_ids: list[int], modules: list[nn.Module],
                  wrapped: list[nn.Module], loss_module: nn.Module | None, dm: Any, full_inputs: list[Any],
-                 loss_fn: Callable[..., torch.Tensor] | None, device: torch.device) -> None:
+                 loss_fn: Callable[..., torch.Tensor] | None, device: torch.device,
+                 data_group: Any = None) -> None:
         super().__init__()
         self.graph, self.plan, self.stage_ids, self.dm = graph, plan, stage_ids, dm
         self.stage_modules = nn.ModuleList(modules)
@@ -88,6 +98,8 @@ class PipelinedModule(nn.Module):
         self.pp = graph.mesh.axis_size(Axis.PP) if graph.mesh else 1
         self.coords = graph.mesh.coordinates(dist.get_rank()) if graph.mesh else {}
         self.user_loss = loss_fn
+        self.schedule_name = str(graph.attrs.get("schedule", "1f1b"))
+        self.data_group = data_group  # gradients averaged here after the schedule (zero-bubble, no DDP)
         from torch.distributed.pipelining import PipelineStage
 
         group = dm.get_group(Axis.PP)
@@ -97,8 +109,10 @@ class PipelinedModule(nn.Module):
                                      input_args=_examples(plan.stages[s].inputs, graph.mesh, compute),
                                      output_args=_examples(plan.stages[s].outputs, graph.mesh, compute))
                        for m, s in zip(wrapped, stage_ids)]
-        cls = schedule_class(str(graph.attrs.get("schedule", "1f1b")), len(stage_ids))
-        stages: Any = self.stages if len(self.stages) > 1 or cls.__name__.startswith("ScheduleInterleaved") \
+        cls = schedule_class(self.schedule_name, len(stage_ids))
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+        stages: Any = self.stages if len(self.stages) > 1 or issubclass(cls, PipelineScheduleMulti) \
             else self.stages[0]
         self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
 
@@ -140,7 +154,7 @@ class PipelinedModule(nn.Module):
     # ---- one training step ------------------------------------------------------------------
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        loss = self._unscaled_loss(output, target)
+        loss = unview(self._unscaled_loss(output, target))
         scaler = self.__dict__.get("grad_scaler")  # fp16's loss scaler: the schedule runs backward on this
         return scaler.scale(loss) if scaler is not None else loss
 
@@ -191,7 +205,8 @@ class PipelinedModule(nn.Module):
         if scaler is not None and losses:
             loss = loss / scaler.get_scale()
         group = self.dm.get_group(Axis.PP)
-        dist.broadcast(loss, src=dist.get_global_rank(group, (self.num_stages - 1) % self.pp), group=group)
+        last = stage_device(self.num_stages - 1, self.pp, self.schedule_name)
+        dist.broadcast(loss, src=dist.get_global_rank(group, last), group=group)
         return loss
 
     def _finish_gradients(self) -> None:
@@ -199,8 +214,10 @@ class PipelinedModule(nn.Module):
         for p in params.values():
             if p.grad is not None:
                 local_tensor(p.grad).div_(self.microbatches)
+        if self.data_group is not None:
+            sync_data_parallel(list(params.values()), self.data_group)
         tied = [name for name, stages in sorted(self.plan.param_stages.items())
-                if len({s % self.pp for s in stages}) > 1]
+                if len({stage_device(s, self.pp, self.schedule_name) for s in stages}) > 1]
         if not tied:
             return
         group = self.dm.get_group(Axis.PP)
@@ -263,7 +280,8 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
         raise ShardcError(f"graph @{graph.name} has {len(plan.stages)} stages but the plan asks for pp*vpp = "
                           f"{pp}*{virtual}", hint="compile the plan again (apply-plan assigns the stages)")
     pp_rank = graph.mesh.coordinates(rank)[Axis.PP]
-    stage_ids = [pp_rank + i * pp for i in range(virtual)]
+    schedule = str(graph.attrs.get("schedule", "1f1b"))
+    stage_ids = list(device_stages(pp_rank, pp, virtual, schedule))
     names = {p.name for s in stage_ids for p in plan.stages[s].params + plan.stages[s].buffers}
     if plan.loss is not None:
         names |= {p.name for p in plan.loss.params + plan.loss.buffers}
@@ -291,11 +309,16 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
             if any(p.requires_grad for p in m.parameters()):
                 fully_shard(m, mesh=sub, reshard_after_forward=zero >= 3, **({"mp_policy": policy} if policy else {}))
     wrapped = list(modules)
-    if sub is not None and not fsdp:
+    split_backward = schedule in ZERO_BUBBLE
+    if sub is not None and not fsdp and not split_backward:
         wrapped = [_ddp(m, sub.get_group()) for m in modules]
         _check_unshared(graph, modules)
+    if split_backward:
+        wrapped = [Unviewed(m) for m in wrapped]
+    data_group = sub.get_group() if sub is not None and not fsdp and split_backward else None
     full_inputs = [(v.name, tuple(v.type.shape)) for v in compiled.graph.inputs]
-    module = PipelinedModule(graph, plan, stage_ids, modules, wrapped, loss_module, dm, full_inputs, loss_fn, dev)
+    module = PipelinedModule(graph, plan, stage_ids, modules, wrapped, loss_module, dm, full_inputs, loss_fn, dev,
+                             data_group)
     attach_scaler(grad_scaler(compute_dtype(graph), dev), module)
     describe_state(module, graph, dm, model)
     return module
@@ -304,27 +327,6 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def schedule_class(name: str, virtual: int) -> type:
-    """torch's schedule class for a plan's `schedule` with `virtual` stages per pp rank."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    key = name.lower().replace("-", "").replace("_", "")
-    if virtual > 1 and key in ("1f1b", "interleaved", "interleaved1f1b"):
-        return ScheduleInterleaved1F1B
-    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "interleaved1f1b": ScheduleInterleaved1F1B}
-    if key not in table:
-        raise ShardcError(f"unknown pipeline schedule {name!r}; known: gpipe, 1f1b, interleaved")
-    cls = table[key]
-    if cls is ScheduleInterleaved1F1B and virtual < 2:
-        raise ShardcError("schedule interleaved needs vpp >= 2 virtual stages per device",
-                          hint="set vpp=2 (or more) in the plan, or use schedule=1f1b")
-    if cls is not ScheduleInterleaved1F1B and virtual > 1:
-        raise ShardcError(f"schedule {name} runs one stage per device but vpp={virtual}",
-                          hint="use schedule=interleaved or vpp=1")
-    return cls
 
 
 def _ddp(module: nn.Module, group: Any) -> nn.Module:

@@ -13,6 +13,10 @@ Stages: the blocks are cut into `stages` contiguous runs as even as possible, th
 going to the middle stages first, then to the first and the last (which also hold the
 embedding and the head), or into runs of the given sizes. `pre` joins stage 0, `post` the last
 stage, a layer between blocks the stage of the block before it.
+
+Placement: virtual stage s runs on pp rank `stage_device(s)`: s % pp (one stage per rank, or
+interleaved round robin), and for the V schedules (zbv, dualpipev: two stages per rank) rank r
+holds stages r and 2pp-1-r, as torch.distributed.pipelining's `style="v"` places them.
 """
 
 from __future__ import annotations
@@ -115,3 +119,25 @@ def layer_stages(graph: Graph, stages: int, sizes: Sequence[int] | None = None,
         out[name] = current
     out.update({name: max(stages - 1, 0) for name in lay.post})
     return out
+
+
+# The schedules that place a device's two model chunks in a V (torch's `style="v"`): device d
+# holds virtual stages d and 2p-1-d, so the first and the last stage share device 0 and the
+# turn of the V (stages p-1 and p) stays on device p-1 without a send.
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def stage_device(stage: int, pp: int, schedule: str = "1f1b") -> int:
+    """The pipeline device (pp rank) of virtual stage `stage`: `stage % pp` (round robin, the
+    interleaved placement), or, for the V schedules (`V_SCHEDULES`), `stage` on the way down and
+    `2pp-1-stage` on the way back."""
+    if pp <= 1:
+        return 0
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def device_stages(device: int, pp: int, virtual: int, schedule: str = "1f1b") -> tuple[int, ...]:
+    """The virtual stages device `device` holds, in order (see `stage_device`)."""
+    return tuple(s for s in range(pp * virtual) if stage_device(s, pp, schedule) == device)

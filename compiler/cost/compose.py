@@ -6,7 +6,12 @@ Rules:
   (forward) and of their gradients back (backward). ZeRO-3 all-gathers each layer's weights
   before its forward and its backward, prefetched behind the previous layer's compute, so only
   the excess is charged. `pipeline.simulate` turns these into the schedule's makespan (bubble
-  and waiting between stages included).
+  and waiting between stages included). Virtual stage s sits on pp device
+  `analysis.stages.stage_device(s)` (round robin; the V schedules zbv and dualpipev: device r
+  holds r and 2pp-1-r, and the turn of the V sends nothing). The zero-bubble schedules split
+  each backward into input- and weight-gradient passes (`weight_gradients`, by
+  `pipeline.weight_gradient_share`); their micro-batches in flight count from a forward to its
+  weight-gradient pass, in torch's order (`pipeline.in_flight_order`).
 - Gradient sync, the post-optimizer gather and the optimizer step per pipeline device are
   `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
   LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
@@ -27,6 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from shardc.analysis.stages import device_stages, stage_device
 from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbour_link
 from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
@@ -40,7 +46,7 @@ from shardc.cost.memory import (
     weight_copy_bytes,
 )
 from shardc.cost.peak import device_memory, pipeline_buffers
-from shardc.cost.pipeline import PipelineTimes, simulate
+from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, simulate, weight_gradient_share
 from shardc.cost.sync import DeviceSync, gradient_sync
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
@@ -138,7 +144,7 @@ def zero3_exposed(cost: LayerCost, param_elements: float, elem_bytes: int, level
     return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t - backward)
 
 
-def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int) -> list[float]:
+def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int, schedule: str = "1f1b") -> list[float]:
     """Per pipeline device, the exposed all_reduce of gradients of parameters that layers on
     several pipeline devices share (a tied embedding and LM head), after backward, over the
     pipeline link between the devices holding them (Megatron's embedding all-reduce)."""
@@ -148,7 +154,7 @@ def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int) ->
     holders: dict[str, dict[int, float]] = {}
     for layer in layers:
         for name, (numel, _) in layer.params.items():
-            holders.setdefault(name, {})[layer.stage % p] = numel
+            holders.setdefault(name, {})[stage_device(layer.stage, p, schedule)] = numel
     link = neighbour_link(links.mesh, Axis.PP, links.cluster)
     for devices in holders.values():
         if len(devices) > 1:
@@ -173,24 +179,28 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     zero_axes, shard = zero_group(links.mesh)
     w_elem = compute_bytes(plan.dtype)
     g_elem = GRADIENT_BYTES if options.gradient_reduce == "fp32" else w_elem
+    # Stages on one device (the turn of a V) hand their activations over without a send.
+    sends = [0.0 if s + 1 < len(sends) and stage_device(s, p, plan.schedule) == stage_device(s + 1, p, plan.schedule)
+             else t for s, t in enumerate(sends)]
     times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
-    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p)
+    wgrad = weight_gradients(layers, plan) if plan.schedule in ZB_SCHEDULES else None
+    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
     if links.device.eager is not None:  # a CPU's measured eager optimizer step
         dtensors = options.zero_runtime == "fsdp2"
         syncs = [replace(s, optimizer=optimizer_step_time(links.device, s.params, shard, dtensors)) for s in syncs]
-    shared = shared_gradients(layers, links, p, g_elem)
+    shared = shared_gradients(layers, links, p, g_elem, plan.schedule)
     end = max(pipe.last_end[d] + syncs[d].tail + shared[d] for d in range(p))
     step = end + max(s.after for s in syncs)
     by_device: list[list[LayerWork]] = [[] for _ in range(p)]
     for layer in layers:
-        by_device[layer.stage % p].append(layer)
+        by_device[stage_device(layer.stage, p, plan.schedule)].append(layer)
     stages: list[StageEstimate] = []
     for d, mine in enumerate(by_device):
         # Time by category: the device's virtual stages, its exposed sync and gather, the
         # optimizer step, and what is left of the step waiting (the bubble).
         cat: dict[str, float] = {}
-        for part in times[d::p]:
+        for part in (times[s] for s in device_stages(d, p, plan.vpp, plan.schedule)):
             for key, val in part.items():
                 cat[key] = cat.get(key, 0.0) + val
         cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
@@ -205,6 +215,17 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes))
     return Composition(step, tuple(stages), pipe)
+
+
+def weight_gradients(layers: Sequence[LayerWork], plan: ParallelPlan) -> list[float]:
+    """Per virtual stage, one micro-batch's weight-gradient seconds (W of a split backward): each
+    layer's backward compute times its `pipeline.weight_gradient_share`; the rest of the
+    backward (input gradients, recomputation, collectives, sends) is the I pass."""
+    out = [0.0] * (plan.pp * plan.vpp)
+    for layer in layers:
+        if layer.cost is not None and layer.nodes:
+            out[layer.stage] += layer.cost.bwd.get("compute_bwd", 0.0) * weight_gradient_share(layer.nodes)
+    return out
 
 
 def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: ParallelPlan, m: int,
@@ -248,6 +269,7 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     stage, the activations in flight under the live timeline, and the runtime's buffers."""
     p, v = plan.pp, plan.vpp
     S = p * v
+    mine_stages = device_stages(d, p, v, plan.schedule)
     zero = max((l.annotation.zero for l in mine), default=0)
     sharded = fsdp2(options, zero, shard)
     states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
@@ -259,8 +281,8 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)
     if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
-        buffers += pipeline_buffers(range(d, S, p), S, m, flight, send_bytes, output_bytes)
-    by_stage = [[l for l in mine if l.stage == s] for s in range(d, S, p)]
+        buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes)
+    by_stage = [[l for l in mine if l.stage == s] for s in mine_stages]
     # FSDP2 once backward is over (measured, torch 2.13): the unsharded compute-dtype parameters
     # and, in mixed precision, the unsharded compute-dtype gradients, the fp32 reduce-scatter
     # input (every gradient, `reduce_dtype`) and its 1/shard output.
@@ -268,7 +290,7 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     if sharded:
         unsharded_grads = local * w_elem if w_elem != GRADIENT_BYTES else 0.0
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
-    return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=plan.schedule == "interleaved",
+    return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
                          regather=zero >= 3, accumulate=m > 1 and p == 1,
                          copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0)

@@ -31,6 +31,7 @@ Rules:
 
 from __future__ import annotations
 
+from shardc.cost.pipeline import ZB_SCHEDULES, in_flight_order
 from shardc.ir.dtypes import precision
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "working",
@@ -85,6 +86,8 @@ def in_flight(schedule: str, stages: int, device: int, micro_batches: int, virtu
         return 1
     if schedule == "gpipe":
         return m
+    if schedule in ZB_SCHEDULES:  # torch's order: chunks from forward to weight gradient
+        return in_flight_order(schedule, p, device, m, v)
     if schedule == "interleaved" and v > 1:
         return min((p - device - 1) * 2 + (v - 1) * (m // max(1, m // p)) + 1, m * v)  # torch's rounds of m
     return min(p - device, m)

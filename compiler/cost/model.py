@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardc.analysis.dims import graph_batch_scale
-from shardc.analysis.stages import layer_stages
+from shardc.analysis.stages import layer_stages, stage_device
 from shardc.cost.comm import collective_time, neighbour_link
 from shardc.cost.compose import EstimateOptions, LayerWork, compose, fsdp2, zero_group
 from shardc.cost.context import CostContext
@@ -132,7 +132,7 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
                           [(found[n][1], found[n][2]) for n in names], terms)
         layer.cost, params, terms = cache[key]
         layer.params = dict(zip(names, params))
-        mine = earlier.setdefault(layer.stage % plan.pp, set())
+        mine = earlier.setdefault(stage_device(layer.stage, plan.pp, plan.schedule), set())
         hold = fsdp2(options, layer.annotation.zero, shard)
         tied = frozenset(n for n in names if n in mine)
         if (key, tied, hold) not in memories:
@@ -142,7 +142,7 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
     result = compose(layers, sends, ctx, plan, m, options, send_bytes, _output_bytes(ctx, graph))
     return Estimate.build(graph, cluster, plan, layers, list(result.stages), result.step_time_s, m, gbs,
-                          _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp), cluster.device.memory_bytes, ctx)
+                          _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp, plan.schedule), cluster.device.memory_bytes, ctx)
 
 
 def _output_bytes(ctx: CostContext, graph: Graph) -> float:

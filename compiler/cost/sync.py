@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardc.analysis.stages import stage_device
 from shardc.cost.comm import collective_time
 from shardc.cost.pipeline import PipelineTimes
 from shardc.plan.parallel import ParallelPlan
@@ -164,7 +165,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
     device = ctx.device
     by_device: list[list] = [[] for _ in range(p)]
     for layer in layers:
-        by_device[layer.stage % p].append(layer)
+        by_device[stage_device(layer.stage, p, plan.schedule)].append(layer)
     for d in range(p):
         mine = by_device[d]
         last_stage = d  # the final backward on device d is its first model chunk's

@@ -21,7 +21,11 @@ from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Axis, Graph, Mesh, dtypes
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import PLAN_DTYPES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "interleaved-zb", "dualpipev")
+# The zero-bubble schedules (backward split into input- and weight-gradient passes), and those of
+# them that place two virtual stages per device in a V (`shardc.analysis.stages.stage_device`).
+ZB_SCHEDULES = ("zbv", "interleaved-zb", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
 CP_LAYOUTS = ("contiguous", "zigzag")
 _ZEROS = ", ".join(map(str, ZERO_STAGES))
 # The mesh's axes, outermost first: tp innermost, on the fastest links.
@@ -34,13 +38,16 @@ PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     Axis.DP: ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
     Axis.TP: ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
     Axis.PP: ("int", "1", "pipeline-parallel degree (number of stages)"),
-    "vpp": ("int", "1", "virtual stages per device; >1 means the interleaved 1F1B schedule"),
+    "vpp": ("int", "1", "virtual stages per device; >1 means the interleaved 1F1B schedule (or, with "
+            "schedule=interleaved-zb, interleaved zero bubble; zbv and dualpipev need vpp=2)"),
     Axis.CP: ("int[:zigzag]", "1", "context-parallel degree (ring attention over the sequence); cp=N:zigzag "
            "balances causal attention (2N chunks, rank i holds i and 2N-1-i)"),
     "sp": ("0|1", "0", "sequence parallel: shard norms/dropout over the sequence across tp ranks"),
     "mb": ("int", "1", "micro-batch size (sequences per micro-batch per data-parallel rank)"),
     "gbs": ("int|auto", "auto", "global batch (sequences per optimizer step); auto: the model's batch"),
-    "schedule": ("|".join(SCHEDULES), "1f1b", "pipeline schedule"),
+    "schedule": ("|".join(SCHEDULES), "1f1b", "pipeline schedule; zbv, interleaved-zb and dualpipev are "
+                 "torch's zero-bubble schedules (backward split into input- and weight-gradient passes; zbv "
+                 "and dualpipev place stages r and 2pp-1-r on pp rank r, with vpp=2)"),
     "recompute": ("|".join(RECOMPUTE_CHOICES), "none", "activation recomputation of the transformer blocks "
                   "(full: the whole block; selective: its attention core; the embedding and head never)"),
     "recompute_layers": ("int|all", "all", "with recompute=full|selective, only the first N blocks of each "
@@ -113,6 +120,10 @@ class ParallelPlan:
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
     1F1B, as Megatron does); `gpipe` with vpp>1 is an error, and so is writing
     `schedule=interleaved` with vpp=1 (a dataclass `replace` to vpp=1 falls back to 1f1b).
+    The zero-bubble schedules (`ZB_SCHEDULES`, torch's) keep their name whatever vpp:
+    `interleaved-zb` (torch's ScheduleInterleavedZeroBubble, the round-robin placement, any vpp),
+    `zbv` and `dualpipev` (two virtual stages per device in a V: vpp must be 2); all need pp > 1
+    and zero=0 (`_check_zero_bubble`).
     `cp=N:zigzag` sets `cp_layout`: the sequence is cut into 2N chunks and cp rank i holds chunks
     i and 2N-1-i, so causal ring attention costs every rank the same (contiguous, the last rank
     computes all N key shards and sets the pace). Opt-in: the default keeps the contiguous
@@ -163,8 +174,10 @@ class ParallelPlan:
         if self.zero not in ZERO_STAGES:
             raise ShardcError(f"plan key zero={self.zero!r}: valid values are {_ZEROS}")
         object.__setattr__(self, "cp_layout", _choice("cp layout", self.cp_layout, CP_LAYOUTS))
-        schedule = _choice("schedule", self.schedule, SCHEDULES)
-        if self.vpp > 1:
+        schedule = _choice("schedule", self.schedule, SCHEDULES, lambda t: t.replace("_", "-"))
+        if schedule in ZB_SCHEDULES:
+            _check_zero_bubble(schedule, self.pp, self.vpp, self.zero)
+        elif self.vpp > 1:
             if schedule == "gpipe":
                 raise ShardcError(f"plan has vpp={self.vpp} with schedule=gpipe; virtual stages need "
                                   "schedule=interleaved (or 1f1b, read as interleaved 1F1B), or vpp=1")
@@ -312,6 +325,23 @@ class ParallelPlan:
         return out
 
 
+def _check_zero_bubble(schedule: str, pp: int, vpp: int, zero: int) -> None:
+    """The combinations torch's zero-bubble schedules run (their constructors' rules, and what
+    the torch backend executes): pp > 1; zbv and dualpipev exactly two virtual stages per device
+    (vpp=2, the V); no ZeRO (FSDP2 stage modules are not run under a split backward)."""
+    if pp == 1:
+        raise ShardcError(f"plan key schedule={schedule} with pp=1; a zero-bubble schedule splits a pipeline's "
+                          "backward: set pp>1 or leave schedule out")
+    if schedule in V_SCHEDULES and vpp != 2:
+        raise ShardcError(f"plan key schedule={schedule} with vpp={vpp}; {schedule} places exactly two virtual "
+                          "stages on each device in a V (pp rank r holds stages r and 2pp-1-r)",
+                          hint="set vpp=2, or use schedule=interleaved-zb (any vpp)")
+    if zero:
+        raise ShardcError(f"plan key schedule={schedule} with zero={zero}; the torch backend runs zero-bubble "
+                          "schedules with DDP-style data parallelism only (FSDP2 stage modules are not run "
+                          "under a split backward)", hint=f"use zero=0, or schedule=1f1b with zero={zero}")
+
+
 def plan_of(graph: Graph) -> ParallelPlan:
     """The plan a partitioned graph was written with: `graph.attrs["plan"]` (apply-plan and the
     solver record it); recomputation, ZeRO and stages per layer come from the layers."""
@@ -424,16 +454,21 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
 def microbatch_problem(plan: ParallelPlan, m: int) -> str | None:
     """Why torch's schedule for `plan` refuses `m` micro-batches per step, or None when it runs
     them. The rules are torch.distributed.pipelining's own constructor checks: Schedule1F1B
-    needs m >= pp (its stage count); ScheduleInterleaved1F1B runs in max(1, m // pp) rounds and
-    needs m divisible by that (so m < pp is allowed); ScheduleGPipe takes any m >= 1."""
-    if plan.pp == 1 or plan.schedule == "gpipe":
+    needs m >= pp (its stage count); ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble run
+    in max(1, m // pp) rounds and need m divisible by that (so m < pp is allowed); ScheduleGPipe
+    and ScheduleZBVZeroBubble take any m >= 1; ScheduleDualPipeV needs m >= its 2*pp stages."""
+    if plan.pp == 1 or plan.schedule in ("gpipe", "zbv"):
         return None
+    if plan.schedule == "dualpipev" and m < 2 * plan.pp:
+        return (f"{m} micro-batch{'es' if m != 1 else ''} per step for pp={plan.pp}: DualPipeV needs at least as "
+                f"many micro-batches as its 2*pp = {2 * plan.pp} virtual stages (m = gbs/(dp*mb) >= {2 * plan.pp})")
     if plan.schedule == "1f1b" and m < plan.pp:
         return (f"{m} micro-batch{'es' if m != 1 else ''} per step for pp={plan.pp} stages: the 1F1B "
                 f"schedule needs at least as many micro-batches as stages (m = gbs/(dp*mb) >= {plan.pp})")
     rounds = max(1, m // plan.pp)
-    if plan.schedule == "interleaved" and m % rounds:
-        return (f"{m} micro-batches per step for pp={plan.pp}: interleaved 1F1B runs them in "
+    if plan.schedule in ("interleaved", "interleaved-zb") and m % rounds:
+        what = "interleaved 1F1B" if plan.schedule == "interleaved" else "interleaved zero bubble"
+        return (f"{m} micro-batches per step for pp={plan.pp}: {what} runs them in "
                 f"max(1, m // pp) = {rounds} rounds and needs m divisible by that (m < pp, or m a "
                 f"multiple of m // pp, e.g. a multiple of pp)")
     return None
@@ -452,7 +487,7 @@ def _pipeline_suggestions(plan: ParallelPlan, gbs: int) -> str:
            and microbatch_problem(plan, gbs // (d * plan.mb)) is None]
     if dps:
         text += f"; or a smaller dp (more devices on tp/pp/cp): {', '.join(map(str, dps[-3:]))}"
-    if plan.schedule != "gpipe" and plan.vpp == 1:
+    if plan.schedule in ("1f1b", "interleaved") and plan.vpp == 1:
         text += "; or schedule=gpipe, which runs fewer micro-batches than stages"
     return text
 
