@@ -186,6 +186,56 @@ def _apply(x: torch.Tensor, mesh: MeshGroups, fwd: tuple, bwd: tuple) -> torch.T
     return _Collective.apply(x, mesh, fwd, bwd)
 
 
+class _GatherLinears(torch.autograd.Function):
+    """Megatron's sequence parallelism: all-gather the sequence-sharded input, run the column-
+    parallel linears that read it; save only the shard (and the weights), and in backward gather
+    it again, overlapped with the input gradient's matmuls, for the weight gradients. The input
+    gradient (the linears' contributions summed) goes back through the gather's conjugate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: MeshGroups, gather: tuple, back: tuple,  # type: ignore[override]
+                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        ctx.mesh, ctx.gather, ctx.back, ctx.biased = mesh, gather, back, [b is not None for b in params[1::2]]
+        full = _run(x, mesh, gather)
+        outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(params[::2], params[1::2]))
+        ctx.save_for_backward(x, *params[::2])
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        _, axis, dim, interleave = ctx.gather
+        pending = _all_gather_start(x, ctx.mesh, axis)  # the gather again, while the input gradient runs
+        gx = None
+        if ctx.needs_input_grad[0]:
+            for g, w in zip(grads, weights):
+                part = torch.matmul(g, w)
+                gx = part if gx is None else gx.add_(part)
+        full = _all_gather_finish(pending, x, ctx.mesh, axis, dim, interleave)
+        flat = full.reshape(-1, full.shape[-1])
+        del full
+        out: list[torch.Tensor | None] = []
+        for k, (g, biased) in enumerate(zip(grads, ctx.biased)):
+            rows = g.reshape(-1, g.shape[-1])
+            out.append(rows.t().matmul(flat) if ctx.needs_input_grad[4 + 2 * k] else None)
+            out.append(rows.sum(0) if biased and ctx.needs_input_grad[5 + 2 * k] else None)
+        del flat
+        gin = None if gx is None else _run(gx, ctx.mesh, ctx.back)
+        return (gin, None, None, None, *out)
+
+
+def _all_gather_start(x: torch.Tensor, mesh: MeshGroups, axis: str) -> tuple[Any, list[torch.Tensor]]:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(mesh.size(axis))]
+    return dist.all_gather(parts, x.contiguous(), group=mesh.group(axis), async_op=True), parts
+
+
+def _all_gather_finish(pending: tuple[Any, list[torch.Tensor]], x: torch.Tensor, mesh: MeshGroups, axis: str,
+                       dim: int, interleave: int) -> torch.Tensor:
+    work, parts = pending
+    work.wait()
+    return _assemble(parts, dim, interleave)
+
+
 # ---- what generated code calls ------------------------------------------------------------
 
 def all_reduce(x: torch.Tensor, mesh: MeshGroups, axis: str, op: str = "sum", grad: str = "identity") -> torch.Tensor:
@@ -207,6 +257,20 @@ def all_gather(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, grad: str
     """S(dim) -> R. Backward: chunk (replicated gradient) or reduce_scatter (partial gradient)."""
     back = ("chunk", axis, dim, interleave) if grad == "chunk" else ("reduce_scatter", axis, dim, "sum", interleave)
     return _apply(x, mesh, ("all_gather", axis, dim, interleave), back)
+
+
+def gather_linears(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, *params: torch.Tensor | None,
+                   grad: str = "reduce_scatter", interleave: int = 1) -> tuple[torch.Tensor, ...]:
+    """S(dim) -> R read by column-parallel linears (`params`: weight, bias (or None) of each, in
+    order): their outputs. The shard, not the gathered copy, is saved for backward, which gathers
+    it again (`shardc.cost.edges.saves_shard` prices exactly this). Backward of the input as
+    `all_gather`'s."""
+    back = ("chunk", axis, dim, interleave) if grad == "chunk" else ("reduce_scatter", axis, dim, "sum", interleave)
+    gather = ("all_gather", axis, dim, interleave)
+    if mesh.size(axis) == 1 or not torch.is_grad_enabled():
+        full = _run(x, mesh, gather) if mesh.size(axis) > 1 else x
+        return tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(params[::2], params[1::2]))
+    return _GatherLinears.apply(x, mesh, gather, back, *params)
 
 
 def reduce_scatter(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, op: str = "sum",

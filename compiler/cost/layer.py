@@ -43,13 +43,17 @@ from shardc.cost.compute import (
 )
 from shardc.cost.context import CostContext, axis_category
 from shardc.cost.edges import (
+    GATHERED,
     comm_time,
     feeds_only_parameters,
+    first_reader,
+    gathered_source,
     gradient_contribution,
     gradient_layout,
     gradient_steps,
     input_steps,
     resolves,
+    saves_shard,
 )
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.ring import as_run
@@ -264,7 +268,8 @@ def _forward_edges(ctx: CostContext, node: Node, cost: NodeCost, saved_inputs: C
         for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
             _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
             t.collectives.append(("fwd", step))
-            if step.kind == "all_gather" and i in saved_inputs:
+            if step.kind == "all_gather" and i in saved_inputs and saves_shard(ctx, node, i) and first_reader(
+                    ctx, node, i):  # gathered again once in backward for all readers of the copy
                 _add(t.bwd, axis_category(step.axis), regather_exposed(comm_time(ctx, step), local.op.kind,
                                                                        cost.bwd_s))
                 t.collectives.append(("bwd", step))
@@ -349,6 +354,11 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
             t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)
             continue
         v = node.inputs[idx] if kind == "in" else node.outputs[idx]
+        found = gathered_source(ctx, node, idx) if kind == "in" else None
+        if found is not None:  # the gathered copy eager autograd keeps (`gathered_source`)
+            where, j, copy = found
+            t.saved_entries[(where, GATHERED - j)] = (copy, in_core and where in core and where not in heads(core))
+            continue
         root = ctx.root(v)
         if root.kind in ("parameter", "buffer"):
             continue
@@ -360,6 +370,12 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
         if internal_only and root not in produced:
             t.roots.add(root)
         t.saved_entries[root] = (ctx.local_bytes(root if known else v), root_in_core)
+
+
+def heads(core: Collection[Node]) -> set[Node]:
+    """The nodes that open an attention core (read nothing the core makes): what is gathered on
+    their inputs is gathered before the core runs, so selective recomputation keeps it."""
+    return {n for n in core if not any(v.producer in core for v in n.inputs if v.producer is not None)}
 
 
 def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[str, float], t: LayerTerms) -> None:

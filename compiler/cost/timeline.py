@@ -44,34 +44,10 @@ from dataclasses import dataclass
 
 from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
-from shardc.cost.edges import input_steps
-from shardc.cost.layer import LayerTerms, SavedKey, attention_core, rotation
+from shardc.cost.edges import GATHERED, gathered_source
+from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
 from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
-
-GATHERED = -1000  # (node, GATHERED - i): the copy of node's input i all-gathered on its edge
-
-
-def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
-    """Where the tensor `node` saves as its input `idx` was all-gathered, when it was: (the node
-    on whose input edge the gather runs, that input's index, the gathered local bytes). Eager
-    autograd saves the tensor the op read; when that edge (or an edge of the views it was read
-    through) gathers a sharded value (sequence parallelism, context parallelism's keys and
-    values), the saved tensor is the gathered copy, a new storage, not the shard."""
-    if ctx.mesh is None:
-        return None
-    while True:
-        v = node.inputs[idx]
-        if v.kind != "activation":
-            return None
-        local = ctx.local(node)
-        required = local.in_layouts[idx]
-        if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), required)):
-            return node, idx, ctx.local_bytes(v, required)
-        producer = v.producer
-        if producer is None or ctx.root(v) is v or not producer.inputs:
-            return None
-        node, idx = producer, 0  # a view: read through to the value it aliases
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +139,7 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
     ((where, GATHERED - i) -> (bytes, inside a core, the shard's storage)) and the storages some
     op saves directly."""
     core = attention_core(ctx, nodes)
-    heads = {n for n in core if not any(v.producer in core for v in n.inputs if v.producer is not None)}
+    opening = heads(core)
     copies: dict[SavedKey, tuple[float, bool, Value]] = {}
     direct: set[Value] = set()
     for node in nodes:
@@ -177,7 +153,7 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
                 direct.add(root)
                 continue
             where, j, nbytes = found
-            copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in heads, root)
+            copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in opening, root)
     return copies, direct
 
 
