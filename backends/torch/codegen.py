@@ -372,7 +372,6 @@ def regathered(graph: Graph) -> dict[Node, list[Node]]:
             continue
         readers = [(u, j) for u in users.get(node.outputs[0], []) for j, w in enumerate(u.inputs) if w is node.outputs[0]]
         if regathered_by(readers, lambda n: n.partition is None or not n.partition.temporal) and all(
-                all(v.kind == "parameter" for v in u.inputs[1:]) for u, _ in readers) and all(
                 u.layer == node.layer for u, _ in readers):
             out[node] = [u for u, _ in readers]
     return out
@@ -383,7 +382,8 @@ def _gather_linears(emit: Emitter, rank: _Rank, gather: Node, value: Callable[[V
     params: list[fx.Node | None] = []
     for u in readers:  # weight and bias (None without) of each reader
         params += [value(u.inputs[1]), value(u.inputs[2]) if len(u.inputs) > 2 else None]
-    return emit.gather_linears(gather, value(gather.inputs[0]), readers, params)
+    kinds = tuple(u.op for u in readers)
+    return emit.gather_linears(gather, value(gather.inputs[0]), readers, params, kinds)
 
 
 def selective_cores(graph: Graph) -> dict[str | None, frozenset[Node]]:

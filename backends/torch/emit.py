@@ -68,12 +68,15 @@ class Emitter:
         self.compute = compute  # the plan's compute dtype (`precision.py`); None: fp32, no casts
         self.fused: dict[Node, fx.Node] = {}  # a column-parallel linear -> its output from `gather_linears`
 
-    def gather_linears(self, gather: Node, x: fx.Node, readers: list[Node], params: list[fx.Node | None]) -> fx.Node:
+    def gather_linears(self, gather: Node, x: fx.Node, readers: list[Node], params: list[fx.Node | None],
+                       kinds: tuple[str, ...]) -> fx.Node:
         """An all_gather read only by column-parallel linears (`codegen.regathered`) as one
-        `collectives.gather_linears` call (`params`: each reader's weight and bias, None without);
-        each reader's node then reads its output."""
+        `collectives.gather_linears` call (`params`: each reader's weight and bias, None without;
+        `kinds`: each reader's op, linear or matmul); each reader's node then reads its output."""
         attrs = dict(gather.attrs)
         axis, dim = attrs.pop("axis"), attrs.pop("dim")
+        if any(k != "linear" for k in kinds):
+            attrs["kinds"] = kinds
         call = self.call(C.gather_linears, (x, self.mesh_node, axis, dim, *params), attrs, gather.outputs[0].name)
         for j, reader in enumerate(readers):
             self.fused[reader] = self.g.create_node("call_function", operator.getitem, (call, j), {},

@@ -170,7 +170,8 @@ def regathered_by(readers: Sequence[tuple[Node, int]], plain: Callable[[Node], b
     copy save the shard and gather it again in backward when every one of them is a linear
     reading it as its input (column-parallel; `plain`: no temporal split), all in one layer."""
     return bool(readers) and len({n.layer for n, _ in readers}) == 1 and all(
-        n.op == "linear" and i == 0 and plain(n) for n, i in readers)
+        i == 0 and plain(n) and (n.op == "linear" or (n.op == "matmul" and n.inputs[1].type.rank == 2))
+        and all(v.kind == "parameter" for v in n.inputs[1:]) for n, i in readers)
 
 
 def _gather_readers(ctx: CostContext, node: Node, idx: int) -> list[tuple[Node, int]]:
@@ -193,7 +194,7 @@ def first_reader(ctx: CostContext, node: Node, idx: int) -> bool:
 def saves_shard(ctx: CostContext, node: Node, idx: int) -> bool:
     """`node`'s input `idx` arrives by exactly one all_gather whose readers save the shard and
     gather it again in backward (`regathered_by`; Megatron's sequence parallelism)."""
-    if ctx.mesh is None or node.op != "linear" or idx != 0 or node.inputs[idx].kind != "activation":
+    if ctx.mesh is None or node.op not in ("linear", "matmul") or idx != 0 or node.inputs[idx].kind != "activation":
         return False
     v = node.inputs[idx]
     steps = input_steps(ctx, v, ctx.layout(v), ctx.local(node).in_layouts[idx])
@@ -205,6 +206,13 @@ def saves_shard(ctx: CostContext, node: Node, idx: int) -> bool:
         return part is None or not part.temporal
 
     return regathered_by(_gather_readers(ctx, node, idx), plain)
+
+
+def regather_group(ctx: CostContext, node: Node) -> list[Node]:
+    """The readers (graph order) that share `node`'s input 0 gathered and save the shard
+    (`saves_shard`); [] when `node` does not. The backend runs them as one autograd node, whose
+    backward runs once every reader's output gradient has arrived."""
+    return [u for u, _ in _gather_readers(ctx, node, 0)] if saves_shard(ctx, node, 0) else []
 
 
 def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
