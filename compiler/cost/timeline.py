@@ -100,7 +100,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         kept = dict(saved_all)
     savers: dict[object, list[int]] = {}
     for idx, node in enumerate(nodes):
-        for key in _saved_keys(ctx, node, idx, terms):
+        for key in _saved_keys(ctx, node, entries.keys() | terms.input_entries.keys(), terms):
             savers.setdefault(key, []).append(idx)
     last_read: dict[Value, int] = {}
     exported: set[Value] = set()
@@ -185,15 +185,17 @@ def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
     return gathered + (3 if tokens else 2) * fp32
 
 
-def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> list[object]:
-    """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes)."""
+def _saved_keys(ctx: CostContext, node: Node, known: Collection[object], terms: LayerTerms) -> list[object]:
+    """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes) among the
+    layer's `known` entries (a gathered copy's key too, whether or not `terms` came from whole
+    layers or from the solver's fragments, which cannot see the gather)."""
     local = ctx.local(node)
     keys: list[object] = []
     for k, (kind, i) in enumerate(local.op.saved_for_backward(local.in_types, local.out_types, node.attrs)):
         found = gathered_source(ctx, node, i) if kind == "in" else None
         key: object = (node, k) if kind == "bytes" else (found[0], GATHERED - found[1]) if found else ctx.root(
             node.inputs[i] if kind == "in" else node.outputs[i])
-        if key in terms.saved_entries or key in terms.input_entries:
+        if key in known:
             keys.append(key)
     keys += [k for k in terms.saved_entries if isinstance(k, tuple) and k[0] is node and GATHERED < k[1] < 0]
     return keys
