@@ -10,8 +10,8 @@ Rules, node by node over the layer's partitioned IR:
   node's compute: only the excess is charged.
 - backward communication, the conjugates (`edges`): the gradient of every value produced here
   is the sum of its consumers' contributions, redistributed into the layout the producer's
-  backward needs. An input saved sharded but used gathered (sequence parallel) is gathered
-  again in backward. A node whose output value holds its partial sum reduced pays the
+  backward needs. An input all-gathered into column-parallel linears (sequence parallelism,
+  `edges.saves_shard`) is saved sharded and gathered again in backward, once for all its readers. A node whose output value holds its partial sum reduced pays the
   reduction where it is made.
 - rotating temporal splits run the local kernel once per step on one step's pieces
   (`grid2d.step_types`); chunks add a launch per step. A PrimePar grid (`rotate (tp, tq)`) is
@@ -19,9 +19,9 @@ Rules, node by node over the layer's partitioned IR:
   Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
-  layout (an input all-gathered on its way in is counted sharded, as Megatron, which gathers
-  it again in backward; the timeline counts the gathered copy eager autograd keeps:
-  `timeline.gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  layout (an input all-gathered into column-parallel linears is counted sharded, as Megatron
+  and the backend's `gather_linears` keep it; any other op reading a gathered copy saves that
+  copy, keyed (where, GATHERED - i): `edges.gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
   from the QK^T product to the PV product; none for a fused attention node) saves of its own
   tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
