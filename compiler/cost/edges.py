@@ -184,29 +184,6 @@ def _gather_readers(ctx: CostContext, node: Node, idx: int) -> list[tuple[Node, 
             if w is v and normalize(ctx.local(u).in_layouts[j], ctx.mesh) == need]
 
 
-def may_save_shard(ctx: CostContext, node: Node, idx: int) -> bool:
-    """What the solver can tell of `saves_shard` before the edge's layouts are chosen: every
-    reader of `node`'s input `idx` (whatever layout it needs) is a column-parallel linear as
-    `regathered_by` requires, and `node` is the first of them (whose backward gathers again)."""
-    if ctx.mesh is None or node.op not in ("linear", "matmul") or idx != 0:
-        return False
-    v = node.inputs[idx]
-    readers = [(u, j) for u in ctx.users.get(v, []) for j, w in enumerate(u.inputs) if w is v]
-
-    def plain(n: Node) -> bool:
-        part = ctx.partition(n)
-        return part is None or not part.temporal
-
-    return v.kind == "activation" and regathered_by(readers, plain) and readers[0][0] is node
-
-
-def first_reader(ctx: CostContext, node: Node, idx: int) -> bool:
-    """`node` is the first reader of the collective on its input `idx` (whose backward, for
-    readers that save the shard, runs the one gather again)."""
-    readers = _gather_readers(ctx, node, idx) if ctx.mesh is not None else []
-    return not readers or readers[0][0] is node
-
-
 def saves_shard(ctx: CostContext, node: Node, idx: int) -> bool:
     """`node`'s input `idx` arrives by exactly one all_gather whose readers save the shard and
     gather it again in backward (`regathered_by`; Megatron's sequence parallelism)."""

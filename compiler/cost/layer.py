@@ -11,7 +11,9 @@ Rules, node by node over the layer's partitioned IR:
 - backward communication, the conjugates (`edges`): the gradient of every value produced here
   is the sum of its consumers' contributions, redistributed into the layout the producer's
   backward needs. An input all-gathered into column-parallel linears (sequence parallelism,
-  `edges.saves_shard`) is saved sharded and gathered again in backward, once for all its readers. A node whose output value holds its partial sum reduced pays the
+  `edges.saves_shard`) is saved sharded and gathered again in backward; every reader that saves
+  a gathered input is charged that gather again (as the solver prices edges; the backend runs
+  one per gathered copy, and none for other readers, which keep the copy). A node whose output value holds its partial sum reduced pays the
   reduction where it is made.
 - rotating temporal splits run the local kernel once per step on one step's pieces
   (`grid2d.step_types`); chunks add a launch per step. A PrimePar grid (`rotate (tp, tq)`) is
@@ -46,14 +48,12 @@ from shardc.cost.edges import (
     GATHERED,
     comm_time,
     feeds_only_parameters,
-    first_reader,
     gathered_source,
     gradient_contribution,
     gradient_layout,
     gradient_steps,
     input_steps,
     resolves,
-    saves_shard,
 )
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.ring import as_run
@@ -268,8 +268,10 @@ def _forward_edges(ctx: CostContext, node: Node, cost: NodeCost, saved_inputs: C
         for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
             _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
             t.collectives.append(("fwd", step))
-            if step.kind == "all_gather" and i in saved_inputs and saves_shard(ctx, node, i) and first_reader(
-                    ctx, node, i):  # gathered again once in backward for all readers of the copy
+            # Priced per reader that saves its gathered input, as the solver prices its edges
+            # (`search.costs`); the backend gathers again once per gathered copy, for column-
+            # parallel readers only (`edges.saves_shard`).
+            if step.kind == "all_gather" and i in saved_inputs:
                 _add(t.bwd, axis_category(step.axis), regather_exposed(comm_time(ctx, step), local.op.kind,
                                                                        cost.bwd_s))
                 t.collectives.append(("bwd", step))

@@ -24,7 +24,6 @@ from shardc.cost.edges import (
     gradient_steps,
     input_steps,
     layer_params,
-    may_save_shard,
     steps_time,
 )
 from shardc.cost.layer import LayerTerms, layer_terms, regather_exposed
@@ -89,7 +88,7 @@ class Pricer:
             saves = any(k == "in" and i == e.index for k, i in local.op.saved_for_backward(
                 local.in_types, local.out_types, node.attrs))
             regather = None
-            if saves and may_save_shard(ctx, node, e.index):  # Megatron's sequence parallelism (`saves_shard`)
+            if saves:
                 cost = node_compute_time(local.op, local.in_types, local.out_types, node.attrs, ctx.device, ctx.dtype,
                                          needs_grad=[v in ctx.needs_grad for v in node.inputs],
                                          scale=ctx.batch_scale, scaled_in=[v in ctx.batched for v in node.inputs],
