@@ -10,7 +10,10 @@ live-memory timeline:
 - rotating tensor parallelism (the solver's plan for GPT tiny under an 8 MB limit: weights
   rotate around the tensor axis; their received shards are saved for backward, every rotation
   step sums a partial product and pads its chunk gradient),
-- tensor parallelism with sequence parallelism (norm outputs all-gathered and saved gathered),
+- tensor parallelism with sequence parallelism (norm outputs all-gathered into the column-
+  parallel linears, which keep the shard and gather it again in backward, as Megatron does), on
+  GPT (one fused QKV projection) and on Llama (wq, wk, wv read one gathered copy, w1 and w3
+  another: one autograd node each, whose backward waits for all its readers' gradients),
 - selective recomputation with ZeRO (FSDP2 accumulating two micro-batches keeps its unsharded
   gradients through the second),
 - context parallelism with selective recomputation (keys gathered before the attention core
@@ -39,10 +42,12 @@ from shardc.run import launch_all, predict, resolve_plan, summarize
 
 NPROC = 2
 GPT = "examples/gpt.py:tiny?batch=4&seq=64"
+LLAMA = "examples/llama.py:tiny?batch=4&seq=64"
 ROTATE = "examples/gpt.py:tiny?batch=4&seq=128"  # the solver rotates weights at this length under 8 MB
 PLANS = {  # kind -> (model, plan string; None: the solver's plan under the memory limit in GB)
     "tp-rotate": (ROTATE, 0.008),
     "tp-sp": (GPT, "tp=2,sp=1"),
+    "tp-sp-shared": (LLAMA, "tp=2,sp=1"),
     "selective-zero": (GPT, "dp=2,zero=1,recompute=selective"),
     "cp-selective": (GPT, "cp=2,recompute=selective"),
 }

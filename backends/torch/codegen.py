@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import ring as R
 from shardc.backends.torch.emit import Emitter, local_shape, py_name
 from shardc.backends.torch.precision import compute_dtype
+from shardc.cost.edges import regathered_by
 from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
 from shardc.ir.diagnostics import ShardcError
 
@@ -128,6 +129,7 @@ class _Rank:
     home: dict[Value, str]
     last_read: dict[Value, int]
     compute: torch.dtype | None = None  # mixed precision's compute dtype (`precision.py`)
+    regather: dict[Node, list[Node]] = field(default_factory=dict)  # `regathered`: gather -> its linears
 
     def state_path(self, v: Value) -> str:
         return f"{self.home[v]}.{_under(self.home[v], v.name)}" if v in self.home else v.name
@@ -216,6 +218,9 @@ def _layer_module(rank: _Rank, region: Region, k: int,
             sub_attrs[name] = _core_call(rank, run, wanted, sub, name, arg, sub_env)
             continue
         for n in run:
+            if n in rank.regather:
+                sub_env[n.outputs[0]] = _gather_linears(emit, rank, n, arg)
+                continue
             args = [arg(v) for v in n.inputs]
             for v, out in zip(n.outputs, emit.node(n, args)):
                 sub_env[v] = out
@@ -285,6 +290,9 @@ class _Root:
 
     def nodes(self, region: Region) -> None:
         for n in region.nodes:
+            if n in self.rank.regather:
+                self.env[n.outputs[0]] = _gather_linears(self.emit, self.rank, n, self.value)
+                continue
             args = [self.value(v) for v in n.inputs]
             for v, out in zip(n.outputs, self.emit.node(n, args)):
                 self.env[v] = out
@@ -320,7 +328,7 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     regions = regions_of(graph)
     home, last_read = _placement(graph, regions, kinds)
     ctx = _Rank(mesh, coords, groups or C.MeshGroups(dict(mesh.axes), coords), kinds, objects, home, last_read,
-                compute_dtype(graph))
+                compute_dtype(graph), regathered(graph))
     cores = selective_cores(graph)
     root = _Root(ctx)
     root.inputs(graph.inputs, local_inputs, device)
@@ -342,6 +350,40 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
         _place(holder, ctx.state_path(v), objects[v], kind)
     root.graph.lint()
     return fx.GraphModule(holder, root.graph, class_name=f"{py_name(graph.name)}_rank{rank}")
+
+
+# Collectives a chain of edge steps may put before a gather (the cost model's `saves_shard`
+# takes a gather that is its edge's only step).
+_CHAINED = frozenset({"recv", "all_to_all", "chunk", "pad", "all_gather", "to_partial", "grad_all_reduce", "rotate"})
+
+
+def regathered(graph: Graph) -> dict[Node, list[Node]]:
+    """The all_gathers of a lowered graph whose copy only column-parallel linears read
+    (`shardc.cost.edges.regathered_by`, the rule the cost model prices): gather -> its readers,
+    in order. Each runs as `collectives.gather_linears` (the shard saved, gathered again in backward)."""
+    users = graph.users()
+    out: dict[Node, list[Node]] = {}
+    for node in graph.nodes:
+        if node.op != "all_gather" or node.outputs[0] in graph.outputs:
+            continue
+        src = node.inputs[0].producer
+        shard = (node.inputs[0].layout or Layout()).on(node.attrs["axis"])
+        if (src is not None and src.op in _CHAINED) or (isinstance(shard, Shard) and shard.zigzag):
+            continue
+        readers = [(u, j) for u in users.get(node.outputs[0], []) for j, w in enumerate(u.inputs) if w is node.outputs[0]]
+        if regathered_by(readers, lambda n: n.partition is None or not n.partition.temporal) and all(
+                u.layer == node.layer for u, _ in readers):
+            out[node] = [u for u, _ in readers]
+    return out
+
+
+def _gather_linears(emit: Emitter, rank: _Rank, gather: Node, value: Callable[[Value], fx.Node]) -> fx.Node:
+    readers = rank.regather[gather]
+    params: list[fx.Node | None] = []
+    for u in readers:  # weight and bias (None without) of each reader
+        params += [value(u.inputs[1]), value(u.inputs[2]) if len(u.inputs) > 2 else None]
+    kinds = tuple(u.op for u in readers)
+    return emit.gather_linears(gather, value(gather.inputs[0]), readers, params, kinds)
 
 
 def selective_cores(graph: Graph) -> dict[str | None, frozenset[Node]]:

@@ -186,6 +186,69 @@ def _apply(x: torch.Tensor, mesh: MeshGroups, fwd: tuple, bwd: tuple) -> torch.T
     return _Collective.apply(x, mesh, fwd, bwd)
 
 
+class _GatherLinears(torch.autograd.Function):
+    """Megatron's sequence parallelism: all-gather the sequence-sharded input, run the column-
+    parallel linears that read it; save only the shard (and the weights), and in backward gather
+    it again, overlapped with the input gradient's matmuls, for the weight gradients (summed over
+    the gathered pieces, so no gathered copy is assembled in backward). The input gradient (the
+    linears' contributions summed) goes back through the gather's conjugate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: MeshGroups, gather: tuple, back: tuple,  # type: ignore[override]
+                kinds: tuple[str, ...], *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        ctx.mesh, ctx.gather, ctx.back, ctx.kinds = mesh, gather, back, kinds
+        ctx.biased = [b is not None for b in params[1::2]]
+        full = _run(x, mesh, gather)
+        outs = _contract(full, kinds, params)
+        ctx.save_for_backward(x, *params[::2])
+        return outs
+
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        _, axis, dim, interleave = ctx.gather
+        pending = _all_gather_start(x, ctx.mesh, axis)  # the pieces again, while the input gradient runs
+        gx = None
+        if ctx.needs_input_grad[0]:
+            for g, w, kind in zip(grads, weights, ctx.kinds):
+                part = torch.matmul(g, w if kind == "linear" else w.t())
+                gx = part if gx is None else gx.add_(part)
+        work, parts = pending
+        work.wait()
+        del pending
+        out: list[torch.Tensor | None] = []
+        for k, (g, biased, kind) in enumerate(zip(grads, ctx.biased, ctx.kinds)):
+            weight_grad = None
+            if ctx.needs_input_grad[5 + 2 * k]:  # sum over the gathered pieces: no gathered copy is assembled
+                for r, part in enumerate(parts):
+                    rows = _take(g, len(parts), r, dim, interleave).reshape(-1, g.shape[-1])
+                    cols = part.reshape(-1, part.shape[-1])
+                    # linear's weight is (n, k), a matmul's (k, n)
+                    piece = rows.t().matmul(cols) if kind == "linear" else cols.t().matmul(rows)
+                    weight_grad = piece if weight_grad is None else weight_grad.add_(piece)
+            out.append(weight_grad)
+            out.append(g.reshape(-1, g.shape[-1]).sum(0) if biased and ctx.needs_input_grad[6 + 2 * k] else None)
+        del parts
+        gin = None if gx is None else _run(gx, ctx.mesh, ctx.back)
+        return (gin, None, None, None, None, *out)
+
+
+def _contract(full: torch.Tensor, kinds: tuple[str, ...], params: tuple[torch.Tensor | None, ...]) -> tuple:
+    """Each reader's output: `linear(full, w, b)`, or `full @ w (+ b)` for a matmul."""
+    outs = []
+    for kind, w, b in zip(kinds, params[::2], params[1::2]):
+        assert w is not None
+        y = torch.nn.functional.linear(full, w, b) if kind == "linear" else torch.matmul(full, w)
+        outs.append(y if kind == "linear" or b is None else y + b)
+    return tuple(outs)
+
+
+def _all_gather_start(x: torch.Tensor, mesh: MeshGroups, axis: str) -> tuple[Any, list[torch.Tensor]]:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(mesh.size(axis))]
+    return dist.all_gather(parts, x.contiguous(), group=mesh.group(axis), async_op=True), parts
+
+
 # ---- what generated code calls ------------------------------------------------------------
 
 def all_reduce(x: torch.Tensor, mesh: MeshGroups, axis: str, op: str = "sum", grad: str = "identity") -> torch.Tensor:
@@ -207,6 +270,20 @@ def all_gather(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, grad: str
     """S(dim) -> R. Backward: chunk (replicated gradient) or reduce_scatter (partial gradient)."""
     back = ("chunk", axis, dim, interleave) if grad == "chunk" else ("reduce_scatter", axis, dim, "sum", interleave)
     return _apply(x, mesh, ("all_gather", axis, dim, interleave), back)
+
+
+def gather_linears(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, *params: torch.Tensor | None,
+                   grad: str = "reduce_scatter", interleave: int = 1, kinds: tuple[str, ...] = ()) -> tuple:
+    """S(dim) -> R read by column-parallel linears (`params`: weight, bias (or None) of each, in
+    order; `kinds`: "linear" (the default) or "matmul" (`x @ w`) per reader): their outputs. The shard, not the gathered copy, is saved for backward, which gathers
+    it again (`shardc.cost.edges.saves_shard` prices exactly this). Backward of the input as
+    `all_gather`'s."""
+    back = ("chunk", axis, dim, interleave) if grad == "chunk" else ("reduce_scatter", axis, dim, "sum", interleave)
+    gather = ("all_gather", axis, dim, interleave)
+    kinds = kinds or ("linear",) * (len(params) // 2)
+    if mesh.size(axis) == 1 or not torch.is_grad_enabled():
+        return _contract(_run(x, mesh, gather) if mesh.size(axis) > 1 else x, kinds, params)
+    return _GatherLinears.apply(x, mesh, gather, back, kinds, *params)
 
 
 def reduce_scatter(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, op: str = "sum",

@@ -66,6 +66,22 @@ class Emitter:
         self.g, self.mesh, self.coords, self.mesh_node = fxg, mesh, coords, mesh_node
         self.skews: dict[Node, fx.Node] = {}  # grid node -> its weight's prefetched skew
         self.compute = compute  # the plan's compute dtype (`precision.py`); None: fp32, no casts
+        self.fused: dict[Node, fx.Node] = {}  # a column-parallel linear -> its output from `gather_linears`
+
+    def gather_linears(self, gather: Node, x: fx.Node, readers: list[Node], params: list[fx.Node | None],
+                       kinds: tuple[str, ...]) -> fx.Node:
+        """An all_gather read only by column-parallel linears (`codegen.regathered`) as one
+        `collectives.gather_linears` call (`params`: each reader's weight and bias, None without;
+        `kinds`: each reader's op, linear or matmul); each reader's node then reads its output."""
+        attrs = dict(gather.attrs)
+        axis, dim = attrs.pop("axis"), attrs.pop("dim")
+        if any(k != "linear" for k in kinds):
+            attrs["kinds"] = kinds
+        call = self.call(C.gather_linears, (x, self.mesh_node, axis, dim, *params), attrs, gather.outputs[0].name)
+        for j, reader in enumerate(readers):
+            self.fused[reader] = self.g.create_node("call_function", operator.getitem, (call, j), {},
+                                                    name=py_name(reader.outputs[0].name))
+        return call
 
     def read(self, v: Value, node: fx.Node) -> fx.Node:
         """A parameter, buffer or graph input as the IR's ops read it: float ones cast to the
@@ -82,6 +98,8 @@ class Emitter:
         return self.call(fn, args, {}, name)
 
     def node(self, node: Node, args: list[fx.Node]) -> list[fx.Node]:
+        if node in self.fused:
+            return [self.fused[node]]
         op = get_op(node.op)
         name = node.outputs[0].name
         if op.kind == "loss" and self.compute is not None:  # the loss reads fp32 (`precision.py`)

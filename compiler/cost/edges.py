@@ -11,12 +11,18 @@ is held reduced) needs its gradient as it made it (`gradient_layout`). A paramet
 is Partial on the axes its readers' contributions leave it summed over (`layer_params`): the
 gradient sync reduces it there. Used by `layer_terms` on a graph and by the solver on its
 candidates' edges alike.
+
+Sequence parallelism as Megatron runs it (`saves_shard`): an input all-gathered on its way into
+column-parallel linears is saved for backward as its shard and gathered again in backward (the
+backend's `collectives.gather_linears`); any other op that reads a gathered copy saves that copy,
+a storage of its own (`gathered_source`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
+from shardc.analysis.resharding import normalize
 from shardc.cost.comm import CommStep, call_overhead, collective_time, combine_gradients, reshard_steps
 from shardc.cost.context import CostContext, axis_category
 from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
@@ -154,3 +160,73 @@ def comm_time(ctx: CostContext, step: CommStep) -> float:
 def _add(acc: dict[str, float], key: str, value: float) -> None:
     if value:
         acc[key] = acc.get(key, 0.0) + value
+
+
+GATHERED = -1000  # a saved-entry key (node, GATHERED - i): the copy of node's input i all-gathered on its edge
+
+
+def regathered_by(readers: Sequence[tuple[Node, int]], plain: Callable[[Node], bool]) -> bool:
+    """The rule the backend executes and the cost model prices: the readers of one all-gathered
+    copy save the shard and gather it again in backward when every one of them is a linear
+    reading it as its input (column-parallel; `plain`: no temporal split), all in one layer."""
+    return bool(readers) and len({n.layer for n, _ in readers}) == 1 and all(
+        i == 0 and plain(n) and (n.op == "linear" or (n.op == "matmul" and n.inputs[1].type.rank == 2))
+        and all(v.kind == "parameter" for v in n.inputs[1:]) for n, i in readers)
+
+
+def _gather_readers(ctx: CostContext, node: Node, idx: int) -> list[tuple[Node, int]]:
+    """The readers that share the collective on `node`'s input `idx` (lowering emits one per
+    value and required layout: `shardc.analysis.resharding.edge_steps`)."""
+    assert ctx.mesh is not None
+    v = node.inputs[idx]
+    need = normalize(ctx.local(node).in_layouts[idx], ctx.mesh)
+    return [(u, j) for u in ctx.users.get(v, []) for j, w in enumerate(u.inputs)
+            if w is v and normalize(ctx.local(u).in_layouts[j], ctx.mesh) == need]
+
+
+def saves_shard(ctx: CostContext, node: Node, idx: int) -> bool:
+    """`node`'s input `idx` arrives by exactly one all_gather whose readers save the shard and
+    gather it again in backward (`regathered_by`; Megatron's sequence parallelism)."""
+    if ctx.mesh is None or node.op not in ("linear", "matmul") or idx != 0 or node.inputs[idx].kind != "activation":
+        return False
+    v = node.inputs[idx]
+    steps = input_steps(ctx, v, ctx.layout(v), ctx.local(node).in_layouts[idx])
+    if len(steps) != 1 or steps[0].kind != "all_gather":
+        return False
+
+    def plain(n: Node) -> bool:
+        part = ctx.partition(n)
+        return part is None or not part.temporal
+
+    return regathered_by(_gather_readers(ctx, node, idx), plain)
+
+
+def regather_group(ctx: CostContext, node: Node) -> list[Node]:
+    """The readers (graph order) that share `node`'s input 0 gathered and save the shard
+    (`saves_shard`); [] when `node` does not. The backend runs them as one autograd node, whose
+    backward runs once every reader's output gradient has arrived."""
+    return [u for u, _ in _gather_readers(ctx, node, 0)] if saves_shard(ctx, node, 0) else []
+
+
+def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
+    """Where the tensor `node` saves as its input `idx` was all-gathered, when it was and the
+    copy is what is saved: (the node on whose input edge the gather runs, that input's index,
+    the gathered local bytes). Eager autograd saves the tensor the op read; when that edge (or an
+    edge of the views it was read through) gathers a sharded value (context parallelism's keys
+    and values, a norm's output read by anything but column-parallel linears), the saved tensor
+    is the gathered copy, a new storage, not the shard. Column-parallel linears save the shard
+    (`saves_shard`): None."""
+    if ctx.mesh is None:
+        return None
+    while True:
+        v = node.inputs[idx]
+        if v.kind != "activation":
+            return None
+        local = ctx.local(node)
+        required = local.in_layouts[idx]
+        if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), required)):
+            return None if saves_shard(ctx, node, idx) else (node, idx, ctx.local_bytes(v, required))
+        producer = v.producer
+        if producer is None or ctx.root(v) is v or not producer.inputs:
+            return None
+        node, idx = producer, 0  # a view: read through to the value it aliases

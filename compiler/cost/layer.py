@@ -12,8 +12,10 @@ Rules, node by node over the layer's partitioned IR:
   node's compute: only the excess is charged.
 - backward communication, the conjugates (`edges`): the gradient of every value produced here
   is the sum of its consumers' contributions, redistributed into the layout the producer's
-  backward needs. An input saved sharded but used gathered (sequence parallel) is gathered
-  again in backward. A node whose output value holds its partial sum reduced pays the
+  backward needs. An input all-gathered into column-parallel linears (sequence parallelism,
+  `edges.saves_shard`) is saved sharded and gathered again in backward; every reader that saves
+  a gathered input is charged that gather again (as the solver prices edges; the backend runs
+  one per gathered copy, and none for other readers, which keep the copy). A node whose output value holds its partial sum reduced pays the
   reduction where it is made.
 - rotating temporal splits run the local kernel once per step on one step's pieces
   (`grid2d.step_types`); chunks add a launch per step. A PrimePar grid (`rotate (tp, tq)`) is
@@ -21,9 +23,9 @@ Rules, node by node over the layer's partitioned IR:
   Working memory: the largest node's transient.
 - saved for backward: each op's `saved_for_backward` entries, parameters and buffers
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
-  layout (an input all-gathered on its way in is counted sharded, as Megatron, which gathers
-  it again in backward; the timeline counts the gathered copy eager autograd keeps:
-  `timeline.gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  layout (an input all-gathered into column-parallel linears is counted sharded, as Megatron
+  and the backend's `gather_linears` keep it; any other op reading a gathered copy saves that
+  copy, keyed (where, GATHERED - i): `edges.gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
   from the QK^T product to the PV product; none for a fused attention node) saves of its own
   tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
@@ -45,8 +47,10 @@ from shardc.cost.compute import (
 )
 from shardc.cost.context import CostContext, axis_category
 from shardc.cost.edges import (
+    GATHERED,
     comm_time,
     feeds_only_parameters,
+    gathered_source,
     gradient_contribution,
     gradient_layout,
     gradient_steps,
@@ -275,6 +279,9 @@ def _forward_edges(ctx: CostContext, node: Node, cost: NodeCost, saved_inputs: C
         for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
             _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
             t.collectives.append(("fwd", step))
+            # Priced per reader that saves its gathered input, as the solver prices its edges
+            # (`search.costs`); the backend gathers again once per gathered copy, for column-
+            # parallel readers only (`edges.saves_shard`).
             if step.kind == "all_gather" and i in saved_inputs:
                 _add(t.bwd, axis_category(step.axis), regather_exposed(comm_time(ctx, step), local.op.kind,
                                                                        cost.bwd_s))
@@ -360,6 +367,11 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
             t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)
             continue
         v = node.inputs[idx] if kind == "in" else node.outputs[idx]
+        found = gathered_source(ctx, node, idx) if kind == "in" else None
+        if found is not None:  # the gathered copy eager autograd keeps (`gathered_source`)
+            where, j, copy = found
+            t.saved_entries[(where, GATHERED - j)] = (copy, in_core and where in core and where not in heads(core))
+            continue
         root = ctx.root(v)
         if root.kind in ("parameter", "buffer"):
             continue
@@ -371,6 +383,12 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
         if internal_only and root not in produced:
             t.roots.add(root)
         t.saved_entries[root] = (ctx.local_bytes(root if known else v), root_in_core)
+
+
+def heads(core: Collection[Node]) -> set[Node]:
+    """The nodes that open an attention core (read nothing the core makes): what is gathered on
+    their inputs is gathered before the core runs, so selective recomputation keeps it."""
+    return {n for n in core if not any(v.producer in core for v in n.inputs if v.producer is not None)}
 
 
 def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[str, float], t: LayerTerms) -> None:

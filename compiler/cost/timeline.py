@@ -25,6 +25,11 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
   the layer's forward again first (its saved tensors come back as recomputed); selective
   recomputation regenerates the attention core's saved tensors when backward reaches it.
+- Sequence parallelism (`edges.saves_shard`): column-parallel readers of a gathered input keep
+  its shard; their forward holds the gathered copy while they run, their one backward (at the
+  first reader's turn, the later readers' output gradients held until then) holds the input
+  gradient at the gathered size beside the pieces gathered again, then beside the reduce-
+  scatter's full-size sum.
 - Rotations (`rotating_loop`): a forward step holds the running sum, its partial product and
   their sum (three outputs); in backward each step's gradient of an indexed input is its
   chunk padded with zeros to full size and added to the steps' running sum: twice the input
@@ -44,34 +49,10 @@ from dataclasses import dataclass
 
 from shardc.analysis.aliasing import passes_gradient
 from shardc.cost.context import CostContext
-from shardc.cost.edges import input_steps
-from shardc.cost.layer import LayerTerms, SavedKey, attention_core, rotation
+from shardc.cost.edges import GATHERED, gathered_source, regather_group
+from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
 from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
-
-GATHERED = -1000  # (node, GATHERED - i): the copy of node's input i all-gathered on its edge
-
-
-def gathered_source(ctx: CostContext, node: Node, idx: int) -> tuple[Node, int, float] | None:
-    """Where the tensor `node` saves as its input `idx` was all-gathered, when it was: (the node
-    on whose input edge the gather runs, that input's index, the gathered local bytes). Eager
-    autograd saves the tensor the op read; when that edge (or an edge of the views it was read
-    through) gathers a sharded value (sequence parallelism, context parallelism's keys and
-    values), the saved tensor is the gathered copy, a new storage, not the shard."""
-    if ctx.mesh is None:
-        return None
-    while True:
-        v = node.inputs[idx]
-        if v.kind != "activation":
-            return None
-        local = ctx.local(node)
-        required = local.in_layouts[idx]
-        if any(step.kind == "all_gather" for step in input_steps(ctx, v, ctx.layout(v), required)):
-            return node, idx, ctx.local_bytes(v, required)
-        producer = v.producer
-        if producer is None or ctx.root(v) is v or not producer.inputs:
-            return None
-        node, idx = producer, 0  # a view: read through to the value it aliases
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +100,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         kept = dict(saved_all)
     savers: dict[object, list[int]] = {}
     for idx, node in enumerate(nodes):
-        for key in _saved_keys(ctx, node, idx, terms):
+        for key in _saved_keys(ctx, node, entries.keys() | terms.input_entries.keys(), terms):
             savers.setdefault(key, []).append(idx)
     last_read: dict[Value, int] = {}
     exported: set[Value] = set()
@@ -131,9 +112,10 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
             if any(u not in inside for u in users) or v in ctx.graph.outputs:
                 exported.add(ctx.root(v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
-    fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload)
+    fused = _fused(ctx, nodes, inside)
+    fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload, fused)
     if recompute == "full":  # the forward again, inputs kept and output gradients arriving
-        again, _ = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload)
+        again, _ = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload, fused)
         incoming = _incoming(ctx, nodes, inside)
         recompute_peak = again + incoming
         live_saved, recomputed = {}, dict(saved_all)
@@ -142,7 +124,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         live_saved, recomputed = dict(kept), {}
     peak, at_saved, at_recomputed, param_grads, held = _backward(
         ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
-        hold_param_grads)
+        hold_param_grads, fused)
     if recompute_peak > peak:
         peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
     tail = default_loss_bytes(ctx, nodes)
@@ -163,7 +145,7 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
     ((where, GATHERED - i) -> (bytes, inside a core, the shard's storage)) and the storages some
     op saves directly."""
     core = attention_core(ctx, nodes)
-    heads = {n for n in core if not any(v.producer in core for v in n.inputs if v.producer is not None)}
+    opening = heads(core)
     copies: dict[SavedKey, tuple[float, bool, Value]] = {}
     direct: set[Value] = set()
     for node in nodes:
@@ -177,7 +159,7 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
                 direct.add(root)
                 continue
             where, j, nbytes = found
-            copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in heads, root)
+            copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in opening, root)
     return copies, direct
 
 
@@ -203,15 +185,17 @@ def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
     return gathered + (3 if tokens else 2) * fp32
 
 
-def _saved_keys(ctx: CostContext, node: Node, idx: int, terms: LayerTerms) -> list[object]:
-    """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes)."""
+def _saved_keys(ctx: CostContext, node: Node, known: Collection[object], terms: LayerTerms) -> list[object]:
+    """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes) among the
+    layer's `known` entries (a gathered copy's key too, whether or not `terms` came from whole
+    layers or from the solver's fragments, which cannot see the gather)."""
     local = ctx.local(node)
     keys: list[object] = []
     for k, (kind, i) in enumerate(local.op.saved_for_backward(local.in_types, local.out_types, node.attrs)):
         found = gathered_source(ctx, node, i) if kind == "in" else None
         key: object = (node, k) if kind == "bytes" else (found[0], GATHERED - found[1]) if found else ctx.root(
             node.inputs[i] if kind == "in" else node.outputs[i])
-        if key in terms.saved_entries or key in terms.input_entries:
+        if key in known:
             keys.append(key)
     keys += [k for k in terms.saved_entries if isinstance(k, tuple) and k[0] is node and GATHERED < k[1] < 0]
     return keys
@@ -228,14 +212,31 @@ def _loss_extra(ctx: CostContext, node: Node) -> float:
     return ctx.local_bytes(node.inputs[0])
 
 
+def _fused(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> dict[Node, tuple[list[Node], float]]:
+    """Column-parallel readers of one gathered input that save its shard (`edges.regather_group`),
+    by their first reader: (the readers, the gathered copy's bytes). Their forward holds the copy
+    while they run; their one backward runs at the first reader's turn and holds the input
+    gradient at the gathered size and the pieces gathered again (or, after them, the reduce-
+    scatter's full-size sum) beside it."""
+    out: dict[Node, tuple[list[Node], float]] = {}
+    for node in nodes:
+        members = regather_group(ctx, node)
+        if members and members[0] is node and all(m in inside for m in members):
+            out[node] = (members, ctx.local_bytes(node.inputs[0], ctx.local(node).in_layouts[0]))
+    return out
+
+
 def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, last_read: dict[Value, int],
-             exported: set[Value], preload: dict) -> tuple[float, float]:
+             exported: set[Value], preload: dict,
+             fused: dict[Node, tuple[list[Node], float]] | None = None) -> tuple[float, float]:
     saved: dict[object, float] = dict(preload)
     temp: dict[Value, float] = {}
     peak, at_saved = 0.0, 0.0
     for idx, node in enumerate(nodes):
         new = _new_outputs(ctx, node)
         total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node)
+        if fused and node in fused:  # the gathered copy, freed once the readers have run
+            total += fused[node][1]
         if rotation(ctx, node) is not None:  # the running sum, this step's partial product and their sum
             total += 2 * sum(new.values())
         if total > peak:
@@ -264,7 +265,7 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
-              hold: bool) -> tuple[float, float, float, float, float]:
+              hold: bool, fused: dict[Node, tuple[list[Node], float]]) -> tuple[float, float, float, float, float]:
     # Activation gradients by value, each with the storage it lives in: a gradient passed through
     # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
@@ -282,12 +283,17 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     held: dict[str, float] = {}
     param_grads = 0.0
     remaining = {k: len(v) for k, v in savers.items()}
+    position = {n: i for i, n in enumerate(nodes)}
+    later_readers = {m for members, _ in fused.values() for m in members[1:]}
     peak, at_saved, at_recomputed = 0.0, 0.0, 0.0
     core_pending = bool(core)
     for idx in range(len(nodes) - 1, -1, -1):
         node = nodes[idx]
         if not any(o in ctx.needs_grad for o in node.outputs):
             continue
+        if node in later_readers:
+            continue  # its backward runs with its first reader's (`_fused`)
+        members, gathered = fused.get(node, ([node], 0.0))
         rot = rotation(ctx, node)
         indexed = set(rot[2]) if rot is not None else set()
         if core_pending and node in core:
@@ -297,22 +303,24 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         padding = 0.0
         new_params: dict[str, float] = {}
         passed: list[Value] = []
-        for i, v in enumerate(node.inputs):
+        for reader, i, v in ((r, i, v) for r in members for i, v in enumerate(r.inputs)):
             if v not in ctx.needs_grad:
                 continue
             if v.kind == "parameter":
                 new_params[v.name] = ctx.local_bytes(v)
-            elif passes_gradient(node, i):
+            elif passes_gradient(reader, i):
                 passed.append(v)
             else:
-                allocs[v] = allocs.get(v, 0.0) + ctx.local_bytes(v)
+                allocs[v] = (0.0 if gathered else allocs.get(v, 0.0)) + ctx.local_bytes(v)
                 if i in indexed:  # a rotation step's chunk gradient padded to full size, beside the running sum
                     padding += ctx.local_bytes(v) * (2.0 if rot is not None and rot[0] > 2 else 1.0)
+        if gathered and node.inputs[0] in ctx.needs_grad:  # the input gradient at the gathered size, and the
+            padding += 2 * gathered  # pieces gathered again (then the reduce-scatter's full-size sum)
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
         total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node)
         if total > peak:
             peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
-        outs = [(grads.pop(o), owner.pop(o)) for o in node.outputs if o in grads]
+        outs = [(grads.pop(o), owner.pop(o)) for m in members for o in m.outputs if o in grads]
         out_grad, out_owner = max(outs, key=lambda g: g[0], default=(0.0, None))
         for key in passed:
             if key in grads or out_owner is None:  # a second contribution: summed into a new storage
@@ -327,7 +335,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 held[name] = max(held.get(name, 0.0), nbytes)
             else:  # its last contribution: summed and added into .grad
                 held.pop(name, None)
-        for done in _keys_of(savers, idx):
+        for done in (k for m in members for k in _keys_of(savers, position[m])):
             remaining[done] -= 1
             if remaining[done] <= 0:
                 saved.pop(done, None)
