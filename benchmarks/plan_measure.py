@@ -51,20 +51,21 @@ class MeasureCase:
 
 
 MEASURE_CASES = [
-    # Limits found by trying (`shardc plan --cluster local4 --memory-limit ...`): in the first three
-    # the best grid plan pipelines and fully recomputes every block; the last is the control.
+    # Limits found by trying (`shardc plan --cluster local4 --memory-limit ...`): the best grid plan
+    # pipelines and fully recomputes every block; llama-2l's solver plan is the grid's (the control).
     MeasureCase("gpt-4l", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0035,
                 "the grid pipelines over two stages (dp=2) and fully recomputes all four blocks; the solver "
                 "pipelines over four and recomputes per stage as its micro-batches in flight need (neither uses ZeRO)"),
     MeasureCase("gpt-4l-zero", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.003,
-                "tighter: the grid also needs ZeRO-1 (its Adam state sharded over dp=2); the solver still "
-                "pipelines over four without ZeRO"),
+                "tighter: the grid pipelines over four and fully recomputes every block (ZeRO-1 over dp=2, "
+                "priced as it runs, costs more); the solver recomputes the first two stages only"),
     MeasureCase("llama-2l", "examples/llama.py:tiny?batch=4&seq=128", 4, 0.002,
-                "the grid must pipeline and fully recompute both blocks; the solver recomputes only the first "
-                "stage's block (two micro-batches in flight there, one on the last) and pays with ZeRO-1"),
+                "the grid must pipeline and fully recompute both blocks; with ZeRO-1 priced as it runs, "
+                "recomputing only the first stage's block and paying with ZeRO-1 no longer wins: the solver's "
+                "best is the grid's plan, run twice, so its ratio is the measurement's noise"),
     MeasureCase("gpt-4l-tie", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0045,
-                "control: the solver's best plan is the grid's (dp=4, ZeRO-1, 3 of 4 blocks recomputed); the "
-                "same plan twice, so its ratio is the measurement's noise"),
+                "roomier: the grid interleaves two stages (vpp=2) with ZeRO-1 and recomputes every block; the "
+                "solver pipelines over four, recomputing two stages in full and one selectively"),
 ]
 
 
