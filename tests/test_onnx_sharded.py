@@ -47,6 +47,7 @@ def _worker(rank: int, world: int, path: str, plans: dict[str, object]) -> dict[
 
 @pytest.fixture(scope="module")
 def gpt_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)  # the same weights whichever tests ran before (the training test reads its loss curve)
     loaded = load_model("examples/gpt.py:tiny?batch=2", device="cpu")
     loaded.model.eval()
     path = tmp_path_factory.mktemp("onnx") / "gpt.onnx"
@@ -107,6 +108,7 @@ def _pipeline_worker(rank: int, world: int, path: str, plan: object) -> dict[str
 @pytest.fixture(scope="module")
 def dynamic_gpt_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GPT example exported with a dynamic batch dim, so it imports at any micro-batch."""
+    torch.manual_seed(0)  # the same weights whichever tests ran before (the training test reads its loss curve)
     loaded = load_model("examples/gpt.py:tiny?batch=2", device="cpu")
     loaded.model.eval()
     path = tmp_path_factory.mktemp("onnx") / "gpt-dynamic.onnx"
@@ -157,7 +159,10 @@ def test_micro_batches_of_a_file_with_a_fixed_batch_are_refused(gpt_onnx: Path) 
 
 
 def test_shardc_run_trains_an_onnx_file_on_its_default_loss(gpt_onnx: Path) -> None:
-    """`shardc run model.onnx`: logits over token ids train on next-token cross entropy."""
+    """`shardc run model.onnx`: logits over token ids train on next-token cross entropy. The
+    synthetic batches are uniformly random tokens, which no model can learn: the loss stays about
+    log(vocab) (it does not fall step by step); the numerics are checked against onnxruntime and
+    one process above."""
     import json
     import subprocess
     import sys
@@ -167,5 +172,5 @@ def test_shardc_run_trains_an_onnx_file_on_its_default_loss(gpt_onnx: Path) -> N
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     losses = report["losses"]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    assert losses[0] == pytest.approx(np.log(128), rel=0.1)  # untrained: about log(vocab)
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert losses == pytest.approx([np.log(128)] * 3, rel=0.05)  # random tokens: about log(vocab)
