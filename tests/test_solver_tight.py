@@ -1,4 +1,4 @@
-"""The solver's strict win on a real memory-tight case: Llama-2-13B at its 4096-token context
+"""The solver against every Megatron point on a real memory-tight case: Llama-2-13B at its 4096-token context
 on one 8xA100-40GB node, at the device's own usable memory (40 GiB less the CUDA context, NCCL
 buffers and fragmentation: 36.5 GiB), no limit of our choosing. Every Megatron point that fits
 must recompute (tp=4 x pp=2 with sp holds 44 GiB on its first stage without); the solver's plan
@@ -26,7 +26,9 @@ def facts():
     return graph_facts(load(SPEC, batch=solver_batch(GBS)), cluster), cluster
 
 
-def test_llama13b_4k_on_a100_40gb_beats_every_megatron_point(facts):
+@pytest.fixture(scope="module")
+def solved(facts):
+    """(the best grid point computed apart from the search, scored; the search's result)."""
     facts, cluster = facts
     limit = float(cluster.device.usable_memory_bytes)
     assert limit == pytest.approx(36.5 * 2**30)
@@ -35,11 +37,26 @@ def test_llama13b_4k_on_a100_40gb_beats_every_megatron_point(facts):
                 for mb in micro_batch_sizes(GBS, shape.dp, shape.pp)]
     problem, point, a, ev = best_grid(problems, limit)
     grid = score(Found(problem, a, ev, "grid", grid_point=point), cluster)
-    # Megatron's best: tp=4 x pp=2 with sp, half of every stage's blocks fully recomputed.
-    assert grid.grid_point.plan_string(GBS).startswith("dp=1,tp=4,pp=2,vpp=1,cp=1,sp=1,mb=1,")
-    assert grid.grid_point.recompute_layers == 10
     result = search(facts, cluster, GBS, limit, 10.0, seed=0, workers=1, wall_stop=float("inf"))
-    best = result.best
-    assert best.source == "solver" and best.estimate.memory_per_device_bytes <= limit
+    return grid, result, limit
+
+
+def test_llama13b_4k_on_a100_40gb_the_solver_is_never_worse_than_every_megatron_point(solved):
+    grid, result, limit = solved
+    # Megatron's best: tp=4 x pp=2 with sp, 2 of every stage's 20 blocks fully recomputed (10 before
+    # sequence parallelism saved the sequence shard rather than the gathered copy, as Megatron does).
+    assert grid.grid_point.plan_string(GBS).startswith("dp=1,tp=4,pp=2,vpp=1,cp=1,sp=1,mb=1,")
+    assert grid.grid_point.recompute_layers == 2
     assert result.grid.step_time_s == pytest.approx(grid.step_time_s, rel=1e-9)
-    assert grid.estimate.step_time_s / best.estimate.step_time_s >= 1.05  # 1.056 (README, plan quality)
+    assert result.best.estimate.memory_per_device_bytes <= limit
+    assert grid.estimate.step_time_s / result.best.estimate.step_time_s >= 1.0 - 1e-9
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13's predicted strict win on the memory-tight case is lost again: "
+                   "with sequence parallelism saving the shard, the grid's tp=4 x pp=2 sp plan recomputes 2 of 20 "
+                   "blocks per stage (16.19 s) and the solver's best in 10 s is that plan (it won 1.056x against "
+                   "the 10-of-20 plan the old memory accounting forced)")
+def test_llama13b_4k_on_a100_40gb_beats_every_megatron_point(solved):
+    grid, result, _ = solved
+    assert result.best.source == "solver"
+    assert grid.estimate.step_time_s / result.best.estimate.step_time_s >= 1.05

@@ -222,14 +222,20 @@ def _edge_saved(problem: Problem) -> list[list[list[float]]]:
     parallelism: wq, wk and wv each save their own gathered copy of the norm's output,
     `shardc.cost.timeline.gathered_source`), while a candidate row counts a saved value once per
     section, at its first consumer's layout; so every later consumer of the value in the section
-    whose edge gathers a saved input adds its copy."""
+    whose edge gathers a saved input adds its copy. A column-parallel reader (a linear or a
+    rank-2-weight matmul reading the value as its input: `cost.edges.regathered_by`) saves no copy:
+    the backend runs it through `gather_linears`, which saves the sequence shard once for all the
+    readers of one gather and gathers it again in backward."""
     first: dict[tuple[str, Value], int] = {}
     for e in problem.edges:
         key = (EDGE_SECTION[e.kind][0], e.value)
         first[key] = min(first.get(key, e.consumer), e.consumer)
     out = []
     for e in problem.edges:
-        later = first[(EDGE_SECTION[e.kind][0], e.value)] != e.consumer
+        node = problem.groups[e.consumer].group.members[e.member]
+        column = e.index == 0 and (node.op == "linear" or (node.op == "matmul" and node.inputs[1].type.rank == 2)) \
+            and all(v.kind == "parameter" for v in node.inputs[1:])
+        later = first[(EDGE_SECTION[e.kind][0], e.value)] != e.consumer and not column
         out.append([[problem.pricer.local_bytes(e.value, e.cons_required[b]) if later and e.regather[a][b] else 0.0
                      for b in range(len(e.cons_required))] for a in range(len(e.prod_info))])
     return out
