@@ -10,7 +10,7 @@ from shardc.hardware import local_cluster
 
 
 def test_wrapper_overhead_is_measured_with_two_gloo_processes() -> None:
-    res = run_workers(2, {}, timeout=120, entry="_overhead_worker")
+    res = run_workers(2, {"measure": "wrapper_overhead"}, timeout=120, entry="_one_worker")
     # The wrapper copies, builds an autograd node and runs backward on top of the raw gloo call:
     # CPU work, measured in thread time, so it shows; tens of microseconds to a millisecond.
     assert 1e-6 < res["wrapper_overhead"] < 0.01

@@ -74,7 +74,7 @@ def test_step_time_charges_the_figure_per_micro_batch() -> None:
 
 
 def test_fsdp_work_is_measured_with_two_gloo_processes() -> None:
-    per_tensor, per_element = run_workers(2, {}, timeout=120, entry="_fsdp_worker")["fsdp_overhead"]
+    per_tensor, per_element = run_workers(2, {"measure": "fsdp_overhead"}, timeout=120, entry="_one_worker")["fsdp_overhead"]
     # hooks and bookkeeping per tensor (microseconds to a millisecond), copies per element (sub-ns to tens)
     assert 0 <= per_tensor < 1e-3 and 0 <= per_element < 1e-7 and per_tensor + per_element > 0
 
@@ -174,7 +174,7 @@ def test_measured_ddp_step_is_its_exposed_sync() -> None:
 
 
 def test_sync_steps_are_measured_with_two_gloo_processes() -> None:
-    fits = run_workers(2, {}, timeout=120, entry="_sync_step_worker")["sync_steps"]
+    fits = run_workers(2, {"measure": "sync_steps"}, timeout=120, entry="_one_worker")["sync_steps"]
     assert [(f[0], f[1]) for f in fits] == [("fsdp2", 2), ("ddp", 2)]
     for _, _, per_step, per_tensor, per_element in fits:
         assert min(per_step, per_tensor, per_element) >= 0 and per_step + per_tensor + per_element > 0

@@ -58,41 +58,20 @@ def _init(rank: int, nprocs: int, workdir: str) -> None:
                             timeout=timedelta(seconds=120))
 
 
-def _overhead_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes measuring only `_wrapper_overhead` (rank 0 writes it; `cfg` unused)."""
+def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
+    """One of `nprocs` processes measuring only `cfg["measure"]`: "wrapper_overhead"
+    (`_wrapper_overhead`), "fsdp_overhead" (`_fsdp_overhead`) or "sync_steps" (`_sync_steps`); rank 0
+    writes it under that name."""
     import torch.distributed as dist
 
+    what = cfg["measure"]
+    measure = {"wrapper_overhead": lambda: _wrapper_overhead(nprocs, rank),
+               "fsdp_overhead": lambda: _fsdp_overhead(nprocs), "sync_steps": lambda: _sync_steps(nprocs)}[what]
     _init(rank, nprocs, workdir)
     try:
-        overhead = _wrapper_overhead(nprocs, rank)
+        result = measure()
         if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps({"wrapper_overhead": overhead}))
-    finally:
-        dist.destroy_process_group()
-
-
-def _fsdp_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes measuring only `_fsdp_overhead` (rank 0 writes it; `cfg` unused)."""
-    import torch.distributed as dist
-
-    _init(rank, nprocs, workdir)
-    try:
-        fit = _fsdp_overhead(nprocs)
-        if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps({"fsdp_overhead": fit}))
-    finally:
-        dist.destroy_process_group()
-
-
-def _sync_step_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes measuring only `_sync_steps` (rank 0 writes it; `cfg` unused)."""
-    import torch.distributed as dist
-
-    _init(rank, nprocs, workdir)
-    try:
-        fits = _sync_steps(nprocs)
-        if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps({"sync_steps": fits}))
+            Path(workdir, "result.json").write_text(json.dumps({what: result}))
     finally:
         dist.destroy_process_group()
 
@@ -393,8 +372,8 @@ def _time_calls(run: Callable[[], None], cfg: dict[str, Any]) -> float:
 
 
 def run_workers(nprocs: int, cfg: dict[str, Any], timeout: float = 300.0, entry: str = "_worker") -> dict[str, Any]:
-    """Start `nprocs` fresh interpreters running `entry` (`_worker`, `_overhead_worker` or
-    `_fsdp_worker`) and return rank 0's results.
+    """Start `nprocs` fresh interpreters running `entry` (`_worker`, or `_one_worker` for one
+    measurement) and return rank 0's results.
 
     Plain subprocesses rather than multiprocessing: they do not re-import the caller's
     `__main__` (which fails from stdin or a notebook), and a file store in a temporary

@@ -43,6 +43,27 @@ def is_view(op: Any) -> bool:
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
+def encode_operands(x: Any, inputs: list[Value], layouts: bool = False) -> Any:
+    """A call's argument in its IR form (`shardc.ops.targets.decode_operands` reads it back): an IR
+    value becomes `$k` (appended to `inputs`), a dtype `$dtype:NAME`, a device `$device`, sequences
+    tuples; with `layouts`, memory formats and layouts drop to None (the IR computes dense
+    contiguous tensors). Anything else is `Unsupported`."""
+    if isinstance(x, Value):
+        inputs.append(x)
+        return f"${len(inputs) - 1}"
+    if isinstance(x, list | tuple | torch.Size):
+        return tuple(encode_operands(y, inputs, layouts) for y in x)
+    if isinstance(x, torch.dtype):
+        return f"$dtype:{str(x).removeprefix('torch.')}"
+    if isinstance(x, torch.device):
+        return "$device"
+    if layouts and isinstance(x, torch.memory_format | torch.layout):
+        return None
+    if x is None or isinstance(x, bool | int | float | str):
+        return x
+    raise Unsupported(f"argument {x!r} has no IR form")
+
+
 def emit_aten(e: Emitter, op: Any, args: Any, kwargs: dict[str, Any], res: Any) -> Any:
     """One `aten` node for `op(*args, **kwargs)` (IR values among the arguments); its outputs
     shaped like `res` (a tensor, a tuple, or a torch return type such as `max`'s)."""
@@ -52,20 +73,10 @@ def emit_aten(e: Emitter, op: Any, args: Any, kwargs: dict[str, Any], res: Any) 
     inputs: list[Value] = []
 
     def encode(x: Any) -> Any:
-        if isinstance(x, Value):
-            inputs.append(x)
-            return f"${len(inputs) - 1}"
-        if isinstance(x, list | tuple | torch.Size):
-            return tuple(encode(y) for y in x)
-        if isinstance(x, torch.dtype):
-            return f"$dtype:{str(x).removeprefix('torch.')}"
-        if isinstance(x, torch.device):
-            return "$device"
-        if isinstance(x, torch.memory_format | torch.layout):
-            return None  # the IR has no strides or layouts; dense contiguous is what it computes
-        if x is None or isinstance(x, bool | int | float | str):
-            return x
-        raise Unsupported(f"argument {x!r} of {op} has no IR form")
+        try:
+            return encode_operands(x, inputs, layouts=True)
+        except Unsupported as err:
+            raise Unsupported(f"{err} (a call of {op})") from None
     attrs: dict[str, Any] = {"target": target_name("call_function", twin), "args": encode(tuple(args))}
     if kwargs:
         attrs["kwargs"] = tuple((k, encode(v)) for k, v in kwargs.items() if v is not None)

@@ -24,7 +24,13 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from shardc.frontend import creation, normalize, views  # noqa: F401  (fill the rule tables)
-from shardc.frontend.aten import emit_aten, lower_by_dispatch, write_back, writes_first_argument
+from shardc.frontend.aten import (
+    emit_aten,
+    encode_operands,
+    lower_by_dispatch,
+    write_back,
+    writes_first_argument,
+)
 from shardc.frontend.capture import Captured, capture, module_path_of, source_of
 from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta, typed_key
 from shardc.frontend.rules import ATEN, FUNCTIONS, METHODS, Rule, target_name
@@ -395,18 +401,10 @@ class _Lowering:
         inputs: list[Value] = []
 
         def encode(x: Any) -> Any:
-            if isinstance(x, Value):
-                inputs.append(x)
-                return f"${len(inputs) - 1}"
-            if isinstance(x, list | tuple | torch.Size):
-                return tuple(encode(y) for y in x)
-            if isinstance(x, torch.dtype):
-                return f"$dtype:{str(x).removeprefix('torch.')}"
-            if isinstance(x, torch.device):
-                return "$device"
-            if x is None or isinstance(x, bool | int | float | str):
-                return x
-            raise self.error(node, f"{why}; it cannot be kept opaque either: argument {x!r} has no IR form")
+            try:
+                return encode_operands(x, inputs)
+            except Unsupported as err:
+                raise self.error(node, f"{why}; it cannot be kept opaque either: {err}") from None
         attrs: dict[str, Any] = {"target": name, "args": encode(tuple(args))}
         if kwargs:
             attrs["kwargs"] = tuple((k, encode(v)) for k, v in kwargs.items())

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from shardc.ir import TensorType
 from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, register, space_from_signature
-from shardc.ops.targets import resolve_target
+from shardc.ops.targets import decode_operands, resolve_target
 
 Types = Sequence[TensorType]
 
@@ -311,17 +311,7 @@ def _opaque_impl(*tensors: torch.Tensor, target: str, args: Any = (), kwargs: An
         raise ValueError(f"opaque op: cannot import torch target {target!r}")
     device = tensors[0].device if tensors else torch.device("cpu")
 
-    def decode(x: Any) -> Any:
-        if isinstance(x, tuple):
-            return tuple(decode(y) for y in x)
-        if isinstance(x, str) and x.startswith("$"):
-            if x == "$device":
-                return device
-            if x.startswith("$dtype:"):
-                return getattr(torch, x[len("$dtype:"):])
-            return tensors[int(x[1:])]
-        return x
-    return fn(*decode(tuple(args)), **{k: decode(v) for k, v in kwargs})
+    return fn(*decode_operands(tuple(args), tensors, device), **{k: decode_operands(v, tensors, device) for k, v in kwargs})
 
 
 register(OpDef(

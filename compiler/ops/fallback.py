@@ -29,7 +29,7 @@ import torch
 from shardc.ir import TensorType
 from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, register
-from shardc.ops.targets import resolve_target
+from shardc.ops.targets import decode_operands, resolve_target
 
 Types = Sequence[TensorType]
 # One placement on one mesh dim: ("S", dim), ("R",) or ("P", op).
@@ -67,15 +67,7 @@ def _in_place_twin(op: Any) -> Any:
 
 
 def _decode(x: Any, tensors: Sequence[Any], device: Any) -> Any:
-    if isinstance(x, tuple):
-        return [_decode(y, tensors, device) for y in x]
-    if isinstance(x, str) and x.startswith("$"):
-        if x == "$device":
-            return device
-        if x.startswith("$dtype:"):
-            return getattr(torch, x[len("$dtype:"):])
-        return tensors[int(x[1:])]
-    return x
+    return decode_operands(x, tensors, device, list)
 
 
 def call(target: str, tensors: Sequence[Any], args: Any, kwargs: Any) -> Any:
