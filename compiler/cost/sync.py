@@ -35,9 +35,9 @@ Rules:
   `EagerCosts.sync_step`), that figure prices the sync (`measured_sync_step`): under FSDP2 the
   step's first gather, its micro-batch work and the reduce-scatter with their copies and waits
   (further gathers and micro-batches come on top as above); under DDP its hooks, buckets and
-  all-reduces, exposed after the last backward, nothing overlapped: the local processes fill
-  the machine's cores, so no core is idle to overlap the sync on, and the figure was measured
-  exposed.
+  all-reduces, exposed after the last backward, nothing overlapped: it is used only where the
+  local processes outnumber the machine's cores (`hardware.local_cluster`), so no core is idle
+  to overlap the sync on, and the figure was measured exposed.
 """
 
 from __future__ import annotations
