@@ -157,6 +157,22 @@ FSDP_CASES = ((48, 512), (12, 16384), (3, 131072))  # (parameter tensors, elemen
 FSDP_REPS = 9  # micro-batches timed per case and per variant (a fixed count: every rank gathers as often)
 
 
+def _unit(count: int, numel: int) -> Any:
+    """The module FSDP2's costs are measured on: `count` parameters of `numel` elements, each used
+    in one elementwise op, so its own forward and backward are short beside what wraps it."""
+    import torch
+
+    class Unit(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel)) for _ in range(count))
+
+        def forward(self, x: Any) -> Any:
+            return sum((p * x).sum() for p in self.ps)
+
+    return Unit()
+
+
 def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
     """(seconds per parameter tensor, per element) that FSDP2 adds to one micro-batch's forward
     and backward of a unit sharded over all processes, as the torch backend runs ZeRO-1/2
@@ -170,15 +186,6 @@ def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-
-    class Unit(torch.nn.Module):
-        def __init__(self, count: int, numel: int) -> None:
-            super().__init__()
-            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel)) for _ in range(count))
-
-        def forward(self, x: Any) -> Any:
-            return sum((p * x).sum() for p in self.ps)
-
     mesh = init_device_mesh("cpu", (nprocs,))
     buffer = torch.zeros(COLD_BYTES // 4)
     x = torch.ones(())
@@ -186,7 +193,7 @@ def _fsdp_overhead(nprocs: int) -> tuple[float, float]:
     for count, numel in FSDP_CASES:
         times = []
         for sharded in (False, True):
-            unit = Unit(count, numel)
+            unit = _unit(count, numel)
             if sharded:
                 fully_shard(unit, mesh=mesh, reshard_after_forward=False)
                 unit.set_requires_gradient_sync(False)  # type: ignore[operator]
@@ -229,25 +236,17 @@ def _sync_steps(nprocs: int) -> list[tuple[str, int, float, float, float]]:
 
     from shardc.calibration.fit import fit_three_terms
 
-    class Unit(torch.nn.Module):
-        def __init__(self, count: int, numel: int) -> None:
-            super().__init__()
-            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel)) for _ in range(count))
-
-        def forward(self, x: Any) -> Any:
-            return sum((p * x).sum() for p in self.ps)
-
     x = torch.ones(())
     out = []
     for group in (g for g in range(2, nprocs + 1) if nprocs % g == 0):
         mesh = init_device_mesh("cpu", (nprocs // group, group), mesh_dim_names=("other", "dp"))["dp"]
         samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in SYNC_WRAPPERS}
         for count, numel in SYNC_STEP_CASES:
-            sharded = Unit(count, numel)
+            sharded = _unit(count, numel)
             fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
-            ddp = DistributedDataParallel(Unit(count, numel), process_group=mesh.get_group(), init_sync=False,
+            ddp = DistributedDataParallel(_unit(count, numel), process_group=mesh.get_group(), init_sync=False,
                                           broadcast_buffers=False)
-            units = (Unit(count, numel), sharded, ddp)
+            units = (_unit(count, numel), sharded, ddp)
             trials = torch.zeros(len(units), SYNC_STEP_TRIALS + 2, dtype=torch.float64)
             for i in range(SYNC_STEP_TRIALS + 2):
                 for j, unit in enumerate(units):
