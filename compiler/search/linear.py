@@ -136,22 +136,23 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
     last = min(bucket, block_grad) if block_grad > 0 else bucket
     tail = tuple(collective_time(k, last, levels, ctx.algorithm) if shard > 1 else 0.0 for k in kinds)
     fsdp = tuple(fsdp2(options, z, shard) for z in ZERO_STAGES)
+    unit = _fsdp_unit(problem)  # the model's parameter tensors and elements, as FSDP2 wraps them
     state = tuple((w - (held_copy if fsdp[z] else 0)) / (shard if z >= 3 or fsdp[z] else 1) + g / (shard if z >= 2 or fsdp[z] else 1)
                   + o / (shard if z >= 1 else 1) for z in ZERO_STAGES)
     optimizer = tuple(ADAM_BYTES_PER_PARAM / (shard if z >= 1 else 1) / ctx.device.memory_bandwidth for z in ZERO_STAGES)
     if ctx.device.eager is not None:  # measured eager optimizer (`compute.optimizer_step_time`), per element
-        optimizer = tuple(_eager_optimizer(problem, z, shard, fsdp2(options, z, shard)) for z in ZERO_STAGES)
+        optimizer = tuple(_eager_optimizer(problem, unit, z, shard, fsdp[z]) for z in ZERO_STAGES)
     gather = tuple(_affine("all_gather", levels, ctx.algorithm) if (z in (1, 2) or fsdp[z]) and shard > 1
                    else (0.0, 0.0) for z in ZERO_STAGES)
     zero3 = _affine("all_gather", levels, ctx.algorithm) if shard > 1 and not fsdp[3] else (0.0, 0.0)
     serial = tuple(_affine("reduce_scatter", levels, ctx.algorithm) if fsdp[z] else (0.0, 0.0) for z in ZERO_STAGES)
     copy = fsdp_copy_time(1.0, shard, ctx.device)  # FSDP2's copies per byte around each collective
     serial = tuple((a, b + copy) if fsdp[z] else (a, b) for z, (a, b) in zip(ZERO_STAGES, serial))
-    tensors, numel = _fsdp_unit(problem)
+    tensors, numel = unit
     measured = tuple(_measured_serial(problem, "fsdp2" if fsdp[z] else "ddp", tensors, numel, shard, g)
                      if fsdp[z] or z == 0 else None for z in ZERO_STAGES)
     serial = tuple(m or s for m, s in zip(measured, serial))  # a measured whole step replaces the collective
-    gather = tuple(_fsdp_gather(problem, z, gather[z], shard, w_elem, measured[z] is not None) if fsdp[z]
+    gather = tuple(_fsdp_gather(problem, unit, z, gather[z], shard, w_elem, measured[z] is not None) if fsdp[z]
                    else gather[z] for z in ZERO_STAGES)
     serial_sync = tuple(fsdp[z] or measured[z] is not None for z in ZERO_STAGES)
     rate = tuple(0.0 if serial_sync[z] else rate[z] for z in ZERO_STAGES)
@@ -288,14 +289,14 @@ class Linear:
     memory_bytes: tuple[float, ...]
 
 
-def _eager_optimizer(problem: Problem, zero: int, shard: int, dtensors: bool) -> float:
+def _eager_optimizer(problem: Problem, unit: tuple[float, float], zero: int, shard: int, dtensors: bool) -> float:
     """Seconds per local parameter element of the measured eager optimizer step
     (`compute.optimizer_step_time`): its per-tensor cost spread over the model's elements."""
     eager = problem.pricer.ctx.device.eager
     assert eager is not None
     sharded = zero >= 1 and shard > 1
     per_tensor, per_element = eager.optimizer(sharded and dtensors)
-    tensors, numel = _fsdp_unit(problem)
+    tensors, numel = unit
     return (per_tensor * tensors / numel if numel > 0 else 0.0) + per_element / (shard if sharded else 1)
 
 
@@ -322,14 +323,14 @@ def _fsdp_unit(problem: Problem) -> tuple[float, float]:
     return tensors, numel
 
 
-def _fsdp_gather(problem: Problem, zero: int, affine: tuple[float, float], shard: int,
+def _fsdp_gather(problem: Problem, unit: tuple[float, float], zero: int, affine: tuple[float, float], shard: int,
                  w_elem: int, measured: bool = False) -> tuple[float, float]:
     """(seconds, seconds per byte) of FSDP2's gathers per step with their copies and its
     per-micro-batch work (`sync.fsdp_gathers`, `sync.fsdp_microbatch_time`): the per-tensor part
     spread over the model's elements (exact on one stage, the whole model). `measured`: a
     measured whole step (priced with the reduce-scatter) holds the first gather and its work."""
     pp, m = problem.shape.pp, problem.micro_batches
-    tensors, numel = _fsdp_unit(problem)
+    tensors, numel = unit
     count = fsdp_gathers(zero, pp, m) - measured
     if numel <= 0:
         return count * affine[0], count * affine[1]
