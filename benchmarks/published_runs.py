@@ -64,8 +64,10 @@ def options_for(row: PublishedRun) -> EstimateOptions:
         # gathered before its forward and its backward behind the neighbour's compute, gradients
         # reduce-scattered block by block during backward, which is textbook ZeRO-3's schedule
         # ("zero"), not shardc's backend's one fully_shard on the whole module ("fsdp2").
-        return EstimateOptions(zero_runtime="zero", gradient_reduce=row.gradient_reduce)
-    return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce)
+        # fully_shard is FSDP2: every gather and reduce-scatter copies into and out of its flat buffers.
+        return EstimateOptions(zero_runtime="zero", gradient_reduce=row.gradient_reduce, fsdp_copies=True)
+    return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce,
+                           tp_comm_overlap=row.tp_comm_overlap, overlap_grad_reduce=row.overlap_grad_reduce)
 
 
 def cluster_for(row: PublishedRun, matmul_efficiency: float | None = None) -> Cluster:
