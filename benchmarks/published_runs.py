@@ -87,9 +87,11 @@ def cluster_for(row: PublishedRun, matmul_efficiency: float | None = None) -> Cl
 
 
 def row_plan(row: PublishedRun) -> ParallelPlan:
-    """The row's plan, priced with per-op (eager) kernels (`compile=0`): the published runs used
-    their frameworks' own kernels, not inductor's, and the devices' efficiencies were fitted so."""
-    return ParallelPlan.parse(f"{row.plan},compile=0")
+    """The row's plan, priced with the kernels its framework runs (`PublishedRun.fused_kernels`):
+    Transformer Engine's fused modules as compiled pricing describes them (`compile=1`,
+    `cost/fusion.py`), the 2021-22 Megatron-LM / Megatron-DeepSpeed kernels (a few fused
+    elementwise kernels, the rest per op) and torchtitan's eager PyTorch per op (`compile=0`)."""
+    return ParallelPlan.parse(f"{row.plan},compile={1 if row.fused_kernels else 0}")
 
 
 def row_graph(row: PublishedRun) -> tuple[Graph, ParallelPlan]:

@@ -301,7 +301,8 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, efficiency: float) -> 
 # - A100: Narayanan et al. 2021's four Megatron-LM runs, their gradient all-reduce exposed after
 #   backward as Megatron-LM then ran it (fit 0.751; 0.740 with it overlapped).
 # - H100 SXM: NVIDIA dgxc-benchmarking's NeMo GPT-3 175B BF16 on 128 H100, priced with the
-#   run's userbuffers TP overlap (fit 0.633; 0.703 before the overlap was priced).
+#   run's userbuffers TP overlap and Transformer Engine's fused kernels priced compiled (fit 0.626;
+#   0.703 with the TP collectives exposed and eager kernels).
 # - H200: no published run in the set; cuBLAS's ~75% of the bf16 peak on large GEMMs (power and
 #   clock limited) until a run or `benchmarks/gpu_check.sh` fits it.
 A100_EFFICIENCY = 0.75
