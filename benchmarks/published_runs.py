@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in ROWS if not args.only or args.only.lower() in r.name.lower()]
     if args.sources:
         for r in rows:
-            print(f"- {r.name} ({r.gpus}x {r.device}; {r.interconnect}): {r.source}" + (f" Note: {r.note}" if r.note else ""))
+            print(f"- {r.name} ({r.gpus}x {r.device}; {r.interconnect}): {r.source}" + (f" Note: {r.note}" if r.note else "")
+                  + (f" TP overlap: {r.overlap_source}" if r.tp_comm_overlap else ""))
         return 0
     print_table([predict(r) for r in rows], args.markdown)
     return 0
