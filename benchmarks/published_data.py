@@ -49,12 +49,27 @@ class PublishedRun:
     gradient_reduce: str = "fp32"
     inter_gbps: float | None = None
     note: str = ""
+    # What the run enabled that the estimate prices (`published_runs.options_for`), each with
+    # its source in `overlap_source`: tensor-parallel collectives overlapped with the GEMMs
+    # (Transformer Engine userbuffers, NeMo's `ub_tp_comm_overlap`).
+    tp_comm_overlap: bool = False
+    overlap_source: str = ""
+    # False: gradients reduced over data parallelism only once backward is over (exposed).
+    overlap_grad_reduce: bool = True
+    # The framework fuses the elementwise work between GEMMs as compiled pricing describes
+    # (`compile=1`): Transformer Engine's fused layers (NeMo). Megatron-LM 2021 and
+    # Megatron-DeepSpeed fused a few kernels (bias-GeLU, scale-mask-softmax, bias-dropout-add)
+    # and ran the rest per op: priced eager, which fits Megatron-LM's own four runs within 6%
+    # where compiled pricing spreads them from -8% to +15% (README).
+    fused_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ValueError(f"{self.name}: metric {self.metric!r} is not one of {METRICS}")
         if self.runtime not in ("megatron", "torchtitan"):
             raise ValueError(f"{self.name}: runtime {self.runtime!r} is megatron or torchtitan")
+        if self.tp_comm_overlap and not self.overlap_source:
+            raise ValueError(f"{self.name}: tp_comm_overlap needs the configuration that enabled it (overlap_source)")
 
 
 def _gpt(layers: int, hidden: int, heads: int, vocab: int, *, tie: bool = False, flash: bool = False) -> str:
@@ -72,23 +87,41 @@ _NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Train
 _DGXC = "NVIDIA/dgxc-benchmarking"
 _SELENE = "DGX A100 SuperPOD: NVLink3 + 8x HDR 200 Gb/s InfiniBand per node"
 _DGX_H100 = "DGX H100: NVLink4 + 8x NDR 400 Gb/s InfiniBand per node"
+_LAUNCHER = "NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/training/"
+# NeMo's GPT-3 and Llama 3.1 training configurations turn on Transformer Engine's userbuffers
+# TP overlap (`ub_tp_comm_overlap: True`, with `overlap_p2p_comm`, `overlap_grad_sync` and
+# `overlap_param_sync`); the 405B benchmark overrides its `ub_tp_comm_overlap_cfg`.
+_UB_GPT3 = _LAUNCHER + "gpt3/175b.yaml (ub_tp_comm_overlap: True)"
+_UB_70B = _LAUNCHER + "llama/llama3_1_70b.yaml (ub_tp_comm_overlap: true, tp_overlap ub_cfg_h100_h8192_tp4_mbs1_seqlen8192)"
+_UB_405B = (f"{_DGXC} llama3.1/configure.sh (405b: model.ub_tp_comm_overlap_cfg.proj_fprop/fc2_fprop overrides "
+            "of the run's userbuffers TP-overlap configuration)")
 # torchtitan's A100 page names the GPUs only: the preset's node (NVLink3, 8x HDR 200 Gb/s) is assumed.
 _TITAN_A100 = "8 A100-80GB per node; fabric not stated (preset DGX A100 assumed)"
 
 ROWS: tuple[PublishedRun, ...] = (
+    # Gradient reduction after backward (overlap_grad_reduce=False) in the 2021-22 runtimes:
+    # Megatron-LM's local DDP all-reduces its gradient buffer once forward_backward_func returns
+    # (megatron/training.py `train_step`, v2.x), and DeepSpeed's pipeline engine runs ReduceGrads
+    # after the last BackwardPass (deepspeed/runtime/pipe/schedule.py `TrainSchedule`, used by
+    # Megatron-DeepSpeed for BLOOM and MT-NLG). NeMo overlaps it (`overlap_grad_sync: True` in
+    # the launcher configurations cited below); torchtitan's FSDP reduces per block in backward.
     # --- A100: calibration (Megatron-LM, fp16 with fp16 gradient all-reduce, as the paper ran)
     PublishedRun("Megatron-LM 1.7B", _gpt(24, 2304, 24, 51200), 2048,
                  "dp=32,mb=1,gbs=512,recompute=full,dtype=fp16", "A100-80GB", 32, _SELENE,
-                 "tflops", 137.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+                 "tflops", 137.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
+                 overlap_grad_reduce=False),
     PublishedRun("Megatron-LM 18.4B", _gpt(40, 6144, 48, 51200), 2048,
                  "dp=32,tp=8,mb=1,gbs=1024,recompute=full,dtype=fp16", "A100-80GB", 256, _SELENE,
-                 "tflops", 135.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+                 "tflops", 135.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
+                 overlap_grad_reduce=False),
     PublishedRun("Megatron-LM 145.6B", _gpt(80, 12288, 96, 51200), 2048,
                  "dp=24,tp=8,pp=8,mb=1,gbs=2304,recompute=full,dtype=fp16", "A100-80GB", 1536, _SELENE,
-                 "tflops", 148.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+                 "tflops", 148.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
+                 overlap_grad_reduce=False),
     PublishedRun("Megatron-LM 1008B", _gpt(128, 25600, 160, 51200), 2048,
                  "dp=6,tp=8,pp=64,mb=1,gbs=3072,recompute=full,dtype=fp16", "A100-80GB", 3072, _SELENE,
-                 "tflops", 163.0, _NARAYANAN, calibration=True, gradient_reduce="compute"),
+                 "tflops", 163.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
+                 overlap_grad_reduce=False),
     # --- A100: checks
     # BLOOM: Megatron-DeepSpeed, bf16 with its BF16_Optimizer (ZeRO-1, fp32 gradients), full
     # activation checkpointing, tied 250880-token embedding, ALiBi (traced as learned
@@ -98,7 +131,7 @@ ROWS: tuple[PublishedRun, ...] = (
                  "Jean Zay: NVLink + 4x Omni-Path 100 Gb/s per node", "step_s", 104.70,
                  "bigscience-workshop/bigscience train/tr11-176B-ml/README.md (\"Important checkpoints\": "
                  "iteration 85376, elapsed time per iteration 104.70 s, GBS 2048; plan from tr11-176B-ml.slurm)",
-                 inter_gbps=4 * 12.5 / 8),
+                 inter_gbps=4 * 12.5 / 8, overlap_grad_reduce=False),
     # MT-NLG 530B: Megatron-DeepSpeed on Selene, tp=8 x pp=35, mb=1, gbs=1920, activation
     # checkpointing; the paper's per-iteration latencies at three node counts.
     *(PublishedRun(f"MT-NLG 530B ({n} GPUs)", _gpt(105, 20480, 128, 50272), 2048,
@@ -106,7 +139,8 @@ ROWS: tuple[PublishedRun, ...] = (
                    _SELENE, "step_s", t,
                    "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B "
                    "(arXiv 2201.11990), sec. 2.4: 60.1/50.2/44.4 s per iteration on 280/350/420 DGX A100 "
-                   "(as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)")
+                   "(as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)",
+                   overlap_grad_reduce=False)
       for n, t in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
     # torchtitan: FSDP2 (ZeRO-3) over 64 A100-80GB, local batch 1, seq 8192. Its "selective op"
     # row (2973 WPS) is left out: that policy saves every second matmul's output and recomputes
@@ -129,23 +163,26 @@ ROWS: tuple[PublishedRun, ...] = (
     PublishedRun("NeMo GPT-3 175B (128 GPUs)", _gpt(96, 12288, 96, 51200, flash=True), 2048,
                  "dp=4,tp=4,pp=8,vpp=12,sp=1,mb=1,gbs=256,zero=1,dtype=bf16", "H100-SXM", 128, _DGX_H100,
                  "step_s", 8.309, f"{_DGXC} nemo_megatron/README_175b.md (BF16, TP=4, PP=8, VP=12, MBS=1, "
-                 "128x H100, GBS=256: 8.309 s per step)", calibration=True),
+                 "128x H100, GBS=256: 8.309 s per step)", calibration=True,
+                 tp_comm_overlap=True, fused_kernels=True, overlap_source=_UB_GPT3),
     PublishedRun("NeMo GPT-3 175B (2048 GPUs)", _gpt(96, 12288, 96, 51200, flash=True), 2048,
                  "dp=64,tp=4,pp=8,vpp=12,sp=1,mb=1,gbs=4096,zero=1,dtype=bf16", "H100-SXM", 2048, _DGX_H100,
                  "step_s", 8.49, f"{_DGXC} nemo_megatron/README_175b.md (BF16, 2048x H100, GBS=4096: "
-                 "8.49 s per step)"),
+                 "8.49 s per step)", tp_comm_overlap=True, fused_kernels=True, overlap_source=_UB_GPT3),
     PublishedRun("NeMo Llama 3.1 8B (8 GPUs)", _llama(32, 4096, 32, 8, 14336), 8192,
                  "dp=4,cp=2,mb=1,gbs=128,zero=1,dtype=bf16", "H100-SXM", 8, _DGX_H100,
                  "step_s", 12.91, f"{_DGXC} llama3.1/README_8b.md (24.09 BF16, TP=1, PP=1, CP=2, MBS=1, "
-                 "GA=32, 8x H100, GBS=128: 12.91 s per step)"),
+                 "GA=32, 8x H100, GBS=128: 12.91 s per step)", fused_kernels=True),
     PublishedRun("NeMo Llama 3.1 70B (64 GPUs)", _llama(80, 8192, 64, 8, 28672), 8192,
                  "dp=2,tp=4,pp=4,vpp=5,cp=2,sp=1,mb=1,gbs=128,zero=1,dtype=bf16", "H100-SXM", 64, _DGX_H100,
                  "step_s", 14.72, f"{_DGXC} llama3.1/README_70b.md (24.09 BF16, TP=4, PP=4, CP=2, VP=5, "
-                 "MBS=1, GA=64, 64x H100, GBS=128: 14.72 s per step)"),
+                 "MBS=1, GA=64, 64x H100, GBS=128: 14.72 s per step)",
+                 tp_comm_overlap=True, fused_kernels=True, overlap_source=_UB_70B),
     PublishedRun("NeMo Llama 3.1 405B (576 GPUs)", _llama(126, 16384, 128, 8, 53248), 8192,
                  "dp=4,tp=8,pp=9,vpp=7,cp=2,sp=1,mb=1,gbs=252,zero=1,dtype=bf16", "H100-SXM", 576, _DGX_H100,
                  "step_s", 17.20, f"{_DGXC} llama3.1/README_405b.md (24.09 BF16, TP=8, PP=9, CP=2, VP=7, "
                  "MBS=1, GA=63, 576x H100, GBS=252: 17.20 s per step)",
+                 tp_comm_overlap=True, fused_kernels=True, overlap_source=_UB_405B,
                  note="the recipe trains on synthetic data with a GPT-2 tokenizer as a proxy; the 128256 "
                       "vocabulary of its own model-FLOPs formula is kept (the LM head is 0.5% of the FLOPs)"),
 )

@@ -64,8 +64,10 @@ def options_for(row: PublishedRun) -> EstimateOptions:
         # gathered before its forward and its backward behind the neighbour's compute, gradients
         # reduce-scattered block by block during backward, which is textbook ZeRO-3's schedule
         # ("zero"), not shardc's backend's one fully_shard on the whole module ("fsdp2").
-        return EstimateOptions(zero_runtime="zero", gradient_reduce=row.gradient_reduce)
-    return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce)
+        # fully_shard is FSDP2: every gather and reduce-scatter copies into and out of its flat buffers.
+        return EstimateOptions(zero_runtime="zero", gradient_reduce=row.gradient_reduce, fsdp_copies=True)
+    return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce,
+                           tp_comm_overlap=row.tp_comm_overlap, overlap_grad_reduce=row.overlap_grad_reduce)
 
 
 def cluster_for(row: PublishedRun, matmul_efficiency: float | None = None) -> Cluster:
@@ -85,9 +87,11 @@ def cluster_for(row: PublishedRun, matmul_efficiency: float | None = None) -> Cl
 
 
 def row_plan(row: PublishedRun) -> ParallelPlan:
-    """The row's plan, priced with per-op (eager) kernels (`compile=0`): the published runs used
-    their frameworks' own kernels, not inductor's, and the devices' efficiencies were fitted so."""
-    return ParallelPlan.parse(f"{row.plan},compile=0")
+    """The row's plan, priced with the kernels its framework runs (`PublishedRun.fused_kernels`):
+    Transformer Engine's fused modules as compiled pricing describes them (`compile=1`,
+    `cost/fusion.py`), the 2021-22 Megatron-LM / Megatron-DeepSpeed kernels (a few fused
+    elementwise kernels, the rest per op) and torchtitan's eager PyTorch per op (`compile=0`)."""
+    return ParallelPlan.parse(f"{row.plan},compile={1 if row.fused_kernels else 0}")
 
 
 def row_graph(row: PublishedRun) -> tuple[Graph, ParallelPlan]:
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in ROWS if not args.only or args.only.lower() in r.name.lower()]
     if args.sources:
         for r in rows:
-            print(f"- {r.name} ({r.gpus}x {r.device}; {r.interconnect}): {r.source}" + (f" Note: {r.note}" if r.note else ""))
+            print(f"- {r.name} ({r.gpus}x {r.device}; {r.interconnect}): {r.source}" + (f" Note: {r.note}" if r.note else "")
+                  + (f" TP overlap: {r.overlap_source}" if r.tp_comm_overlap else ""))
         return 0
     print_table([predict(r) for r in rows], args.markdown)
     return 0

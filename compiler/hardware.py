@@ -298,12 +298,15 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, efficiency: float) -> 
 
 # Sustained matmul efficiency, one figure per device type, each fitted on named calibration rows
 # of benchmarks/published_data.py (`published_runs.py --fit DEVICE`), never per run:
-# - A100: Narayanan et al. 2021's four Megatron-LM runs (fit 0.740).
-# - H100 SXM: NVIDIA dgxc-benchmarking's NeMo GPT-3 175B BF16 on 128 H100 (fit 0.703).
+# - A100: Narayanan et al. 2021's four Megatron-LM runs, their gradient all-reduce exposed after
+#   backward as Megatron-LM then ran it (fit 0.751; 0.740 with it overlapped).
+# - H100 SXM: NVIDIA dgxc-benchmarking's NeMo GPT-3 175B BF16 on 128 H100, priced with the
+#   run's userbuffers TP overlap and Transformer Engine's fused kernels priced compiled (fit 0.626;
+#   0.703 with the TP collectives exposed and eager kernels).
 # - H200: no published run in the set; cuBLAS's ~75% of the bf16 peak on large GEMMs (power and
 #   clock limited) until a run or `benchmarks/gpu_check.sh` fits it.
-A100_EFFICIENCY = 0.74
-H100_EFFICIENCY = 0.70
+A100_EFFICIENCY = 0.75
+H100_EFFICIENCY = 0.63
 H200_EFFICIENCY = 0.75
 
 

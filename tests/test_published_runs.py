@@ -109,6 +109,16 @@ def test_a_row_with_an_unknown_metric_is_refused() -> None:
         PublishedRun("x", "m", 1, "dp=1", "A100-80GB", 1, "-", "mfu", 1.0, "nowhere")
 
 
+def test_an_overlap_is_priced_only_with_the_configuration_that_enabled_it() -> None:
+    with pytest.raises(ValueError, match="tp_comm_overlap needs the configuration that enabled it"):
+        PublishedRun("x", "m", 1, "dp=1", "H100-SXM", 1, "-", "step_s", 1.0, "nowhere", tp_comm_overlap=True)
+    for row in ROWS:  # and the options priced are the row's
+        options = published_runs.options_for(row)
+        assert options.tp_comm_overlap == row.tp_comm_overlap
+        assert options.overlap_grad_reduce == row.overlap_grad_reduce
+        assert published_runs.row_plan(row).compile is row.fused_kernels
+
+
 def test_gpt_flash_is_the_written_out_attention_as_one_kernel(graphs: dict[str, Graph]) -> None:
     # NeMo runs fused attention: its GPT rows trace `flash=true`, one sdpa node per block and no
     # softmax, computing what the written-out attention computes.

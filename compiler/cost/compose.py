@@ -47,7 +47,7 @@ from shardc.cost.memory import (
 )
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, simulate, weight_gradient_share
-from shardc.cost.sync import DeviceSync, gradient_sync
+from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import DATA_AXES, Axis, LayerAnnotation, Mesh, Node
@@ -71,6 +71,18 @@ class EstimateOptions:
     # gradients on the fp32 master weights; Megatron-LM's default for bf16), or "compute"
     # (Megatron-LM's fp16 default, accumulate_allreduce_grads_in_fp32=False: reduced in fp16).
     gradient_reduce: str = "fp32"
+    # Tensor-parallel collectives overlapped with the GEMMs beside them (Transformer Engine's
+    # userbuffers, NeMo/Megatron-Core `ub_tp_comm_overlap`): a layer's tp_comm is hidden behind
+    # its compute in the same pass, only what outlasts it is exposed (`overlapped_tp`).
+    tp_comm_overlap: bool = False
+    # Data-parallel gradient reduction launched bucket by bucket during the last backward (torch
+    # DDP, Megatron-Core's overlap_grad_reduce), or only once backward is over (False: Megatron-LM's
+    # 2021 local DDP, DeepSpeed's pipeline engine `ReduceGrads`): then wholly exposed.
+    overlap_grad_reduce: bool = True
+    # Textbook ZeRO-3 layers run as FSDP2 units (torchtitan's fully_shard per block): each
+    # weight gather and gradient reduce-scatter also copies into and out of FSDP2's flat
+    # buffers (`sync.fsdp_copy_time`), on the compute's critical path.
+    fsdp_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.zero_runtime not in ("fsdp2", "zero"):
@@ -135,13 +147,27 @@ def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
 
 
 def zero3_exposed(cost: LayerCost, param_elements: float, elem_bytes: int, levels: LinkLevels,
-                  algorithm: str = "auto") -> tuple[float, float]:
+                  algorithm: str = "auto", grad_bytes: float = 0.0) -> tuple[float, float]:
     """Exposed forward and backward seconds of a ZeRO-3 layer's weight all-gathers. The backward
     gather hides behind the backward's compute, recomputation included: the one gather serves
-    the recomputed forward and the gradients, and runs while the neighbour recomputes too."""
+    the recomputed forward and the gradients, and runs while the neighbour recomputes too.
+    `grad_bytes`: the layer's gradients, reduce-scattered during the same backward on the same
+    link (textbook ZeRO-3 and torchtitan's per-block FSDP reduce every micro-batch's gradients
+    block by block): in backward the link carries the gather and the reduce-scatter together."""
     t = collective_time("all_gather", param_elements * elem_bytes, levels, algorithm)
+    reduce = collective_time("reduce_scatter", grad_bytes, levels, algorithm) if grad_bytes > 0 else 0.0
     backward = cost.bwd.get("compute_bwd", 0.0) + cost.bwd.get("recompute", 0.0)
-    return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t - backward)
+    return max(0.0, t - cost.fwd.get("compute_fwd", 0.0)), max(0.0, t + reduce - backward)
+
+
+def overlapped_tp(cost: LayerCost) -> tuple[float, float]:
+    """Forward and backward seconds of a layer's tensor-parallel collectives that overlap its
+    GEMMs when the runtime pipelines them with the GEMMs (`EstimateOptions.tp_comm_overlap`):
+    each pass's tp_comm hides behind that pass's compute (backward: gradients and
+    recomputation), up to the compute's length; the rest stays exposed."""
+    fwd = min(cost.fwd.get("tp_comm", 0.0), cost.fwd.get("compute_fwd", 0.0))
+    bwd = min(cost.bwd.get("tp_comm", 0.0), cost.bwd.get("compute_bwd", 0.0) + cost.bwd.get("recompute", 0.0))
+    return fwd, bwd
 
 
 def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int, schedule: str = "1f1b") -> list[float]:
@@ -161,6 +187,13 @@ def shared_gradients(layers: Sequence[LayerWork], links, p: int, g_elem: int, sc
             for d, numel in devices.items():
                 out[d] += collective_time("all_reduce", numel * g_elem, link, links.algorithm, len(devices))
     return out
+
+
+def zero3_reduces_per_layer(options: EstimateOptions, zero: int, shard: int) -> bool:
+    """Whether a layer runs textbook ZeRO-3 here: its weights gathered before its forward and
+    its backward, its gradients reduce-scattered as its backward ends (`zero3_exposed`), not
+    in `sync.gradient_sync`'s buckets after the last backward."""
+    return options.zero_runtime == "zero" and zero >= 3 and shard > 1
 
 
 def fsdp2(options: EstimateOptions, zero: int, shard: int) -> bool:
@@ -236,6 +269,7 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
     weight gathers, the sends to the next stage and the gradients back)."""
     S = plan.pp * plan.vpp
     w_elem = compute_bytes(plan.dtype)
+    g_elem = GRADIENT_BYTES if options.gradient_reduce == "fp32" else w_elem
     times = [dict[str, float]() for _ in range(S)]
     fwd, bwd = [0.0] * S, [0.0] * S
     for layer in layers:
@@ -247,9 +281,18 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
                 times[s][key] = times[s].get(key, 0.0) + val * m
         fwd[s] += cost.fwd_s
         bwd[s] += cost.bwd_s
-        if layer.annotation.zero >= 3 and shard > 1 and options.zero_runtime == "zero":
-            ef, eb = zero3_exposed(cost, sum(n for n, _ in layer.params.values()), w_elem, shard_levels,
-                                   links.algorithm)
+        if options.tp_comm_overlap:
+            hf, hb = overlapped_tp(cost)
+            fwd[s] -= hf
+            bwd[s] -= hb
+            times[s]["tp_comm"] = times[s].get("tp_comm", 0.0) - (hf + hb) * m
+        if zero3_reduces_per_layer(options, layer.annotation.zero, shard):
+            numel = sum(n for n, axes in layer.params.values())
+            ef, eb = zero3_exposed(cost, numel, w_elem, shard_levels, links.algorithm, numel * g_elem)
+            if options.fsdp_copies:  # the gather's copies before forward and backward, the reduce's after
+                gather_copy = fsdp_copy_time(numel * w_elem, shard, links.device)
+                ef += gather_copy
+                eb += gather_copy + fsdp_copy_time(numel * g_elem, shard, links.device)
             fwd[s] += ef
             bwd[s] += eb
             times[s]["dp_comm"] = times[s].get("dp_comm", 0.0) + (ef + eb) * m

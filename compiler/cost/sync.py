@@ -11,12 +11,16 @@ Rules:
   at least its cap, the first bucket's cap 1 MiB when DDP's default 25 MiB is used (else the
   cap itself). Each bucket is launched when its last gradient is ready during the step's final
   backward and the buckets are serialised on the link. Only what outlasts that backward
-  (`tail`) is exposed. Other axes (tp, for sequence-
+  (`tail`) is exposed; a runtime that reduces only once backward is over
+  (`EstimateOptions.overlap_grad_reduce=False`) exposes one collective over them all. Other axes (tp, for sequence-
   parallel norm weights) are all-reduced after backward, exposed.
 - Gradients of model chunks that finished earlier (interleaved schedules) are ready when the
   final backward starts. Pipelines (pp > 1) sync the same way: torch's pipeline stage drives
   a DDP module per stage, whose reducer is armed only for that stage's last micro-batch and
   all-reduces its buckets while that backward runs.
+- Textbook ZeRO-3 (`zero_runtime="zero"`) reduce-scatters each layer's gradients as that
+  layer's backward ends, every micro-batch, on the link that gathers the next layer's weights:
+  priced per layer with the gathers (`compose.zero3_exposed`), not in buckets here.
 - After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). As the torch backend
   runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) every gradient is
   reduce-scattered once after backward and the weights all-gathered before forward, both
@@ -163,6 +167,9 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
     out: list[DeviceSync] = []
     levels = ctx.levels(zero_axes)
     device = ctx.device
+    def per_layer(layer) -> bool:  # textbook ZeRO-3 (`compose.zero3_reduces_per_layer`)
+        return options.zero_runtime == "zero" and layer.annotation.zero >= 3 and shard > 1
+
     by_device: list[list] = [[] for _ in range(p)]
     for layer in layers:
         by_device[stage_device(layer.stage, p, plan.schedule)].append(layer)
@@ -173,6 +180,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         params: list[tuple[float, int]] = []
         ready: list[tuple[float, float]] = []
         other: dict[tuple[str, ...], float] = {}
+        reduced = 0.0
         window = pipe.last_backward[d]
         total_b = max(stage_bwd[last_stage], 1e-30)
         t = 0.0
@@ -187,7 +195,10 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
                 seen.add(name)
                 params.append((numel, layer.annotation.zero))
                 if axes & set(zero_axes):
-                    ready.append((at, numel * g_elem))
+                    if per_layer(layer):  # reduce-scattered in its own backward (`compose.zero3_exposed`)
+                        reduced += numel * g_elem
+                    else:
+                        ready.append((at, numel * g_elem))
                 rest = tuple(sorted(axes - set(zero_axes)))
                 if rest:
                     other[rest] = other.get(rest, 0.0) + numel * g_elem
@@ -207,10 +218,12 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         elif fsdp:  # one collective over every gradient once backward is over
             total = sum(b for _, b in ready)
             tail = collective_time(kind, total, levels, ctx.algorithm) + fsdp_copy_time(total, shard, device)
+        elif not options.overlap_grad_reduce:  # once backward is over, nothing to hide behind
+            tail = collective_time(kind, sum(b for _, b in ready), levels, ctx.algorithm)
         else:
             tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm)
         tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
-        grad_bytes = sum(b for _, b in ready)
+        grad_bytes = sum(b for _, b in ready) + reduced
         gather = 0.0
         if fsdp:  # before each forward (and ZeRO-3: each backward); a measured step holds the first
             count = fsdp_gathers(zero, p, microbatches) - (measured is not None)
