@@ -21,7 +21,8 @@ full) and n_s = sum_r k_{s,r}:
               a block recomputing in full: held only while it runs, `recompute_copy_bytes`)
               (buffers: DDP's flat gradient copy at ZeRO-0, two buckets for textbook ZeRO;
               FSDP2: states all sharded, buffers twice the stage's local weights; plus
-              torch pipelining's send, receive and output buffers, m or m + in-flight of each)
+              torch pipelining's send, receive and output buffers, m or m + in-flight of each, and
+              the previous backward's input gradient, `peak.pipeline_buffers`)
 
 With per-stage partitions (`Assignment.stage_choice`) the block sums are per stage, and a stage
 boundary between different partitions adds to the later stage the chain edges' forward across
@@ -478,7 +479,7 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
             buffers += 2 * max(blk["pbytes"], pre["pbytes"] * first, post["pbytes"] * last)
         if co.pipeline_buffers:
             recv = sums[vecs[s - 1]]["block"]["sbytes"] if not first else 0.0
-            buffers += m * recv + ((m + f) * blk["sbytes"] if not last else m * (post["obytes"] + co.out_const))
+            buffers += (m + 1) * recv + ((m + f) * blk["sbytes"] if not last else m * (post["obytes"] + co.out_const))
         # Mixed precision's weight copies are in `state`, once per parameter (the runtime shares
         # one among the micro-batches in flight), less those of blocks recomputing in full, which
         # hold theirs only while they run (`recompute_copy_bytes`).
