@@ -52,20 +52,22 @@ class MeasureCase:
 
 MEASURE_CASES = [
     # Limits found by trying (`shardc plan --cluster local4 --memory-limit ...`): the best grid plan
-    # pipelines and fully recomputes every block; llama-2l's solver plan is the grid's (the control).
+    # pipelines and fully recomputes every block (llama-2l: recomputes; it was the noise control).
     MeasureCase("gpt-4l", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0035,
                 "the grid pipelines over two stages (dp=2) and fully recomputes all four blocks; the solver "
                 "pipelines over four and recomputes per stage as its micro-batches in flight need (neither uses ZeRO)"),
     MeasureCase("gpt-4l-zero", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.003,
                 "tighter: the grid pipelines over four and fully recomputes every block (ZeRO-1 over dp=2, "
-                "priced as it runs, costs more); the solver recomputes the first two stages only"),
+                "priced as it runs, costs more); the solver recomputes the first two stages in full and the "
+                "third selectively (with the held input gradient priced, its old plan no longer fits)"),
     MeasureCase("llama-2l", "examples/llama.py:tiny?batch=4&seq=128", 4, 0.002,
-                "the grid must pipeline and fully recompute both blocks; with ZeRO-1 priced as it runs, "
-                "recomputing only the first stage's block and paying with ZeRO-1 no longer wins: the solver's "
-                "best is the grid's plan, run twice, so its ratio is the measurement's noise"),
+                "with the pipeline's held input gradient priced, the grid's pipelined plan no longer fits: the grid "
+                "runs dp=2 x tp=2 with ZeRO-1 recomputing one of the two blocks; the solver pipelines (dp=2) with "
+                "ZeRO-3, recomputing the first stage's block only (it was the grid's own plan, the noise control)"),
     MeasureCase("gpt-4l-tie", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0045,
-                "roomier: the grid interleaves two stages (vpp=2) with ZeRO-1 and recomputes every block; the "
-                "solver pipelines over four, recomputing two stages in full and one selectively"),
+                "roomier: the grid pipelines over two (dp=2) and recomputes one of each stage's two blocks (its "
+                "interleaved ZeRO-1 plan, priced with an FSDP2 unit per stage module, costs more); the solver "
+                "pipelines over four, recomputing two stages in full and one selectively"),
 ]
 
 

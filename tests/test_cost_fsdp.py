@@ -179,3 +179,21 @@ def test_sync_steps_are_measured_with_two_gloo_processes() -> None:
     for _, _, per_step, per_tensor, per_element in fits:
         assert min(per_step, per_tensor, per_element) >= 0 and per_step + per_tensor + per_element > 0
         assert per_step < 0.5 and per_tensor < 1e-2 and per_element < 1e-6
+
+
+def test_each_stage_module_is_its_own_fsdp2_unit() -> None:
+    # The backend wraps each stage module a device holds with its own fully_shard: under interleaved
+    # 1F1B (vpp=2) a device pays two measured steps' fixed part, one per model chunk, where pp=2
+    # without interleaving pays one; the per-tensor and per-element parts follow the parameters alone.
+    def comm(vpp: int, c: float, a: float = 0.0) -> float:
+        eager = dataclasses.replace(MEASURED, sync_step=(("fsdp2", 2, c, a, 0.0),))
+        graph = gpt_graph(layers=4, hidden=128, heads=4, vocab=512, seq=64, batch=8, dropout=0.0, dtype="f32",
+                          dp=2, pp=2, vpp=vpp, zero=1)
+        cluster = dataclasses.replace(parse_cluster("4xH100"), device=dataclasses.replace(CPU, eager=eager))
+        schedule = ",schedule=interleaved" if vpp > 1 else ""
+        plan = ParallelPlan.parse(f"pp=2,dp=2,vpp={vpp},mb=2,gbs=8,dtype=fp32,zero=1{schedule}")
+        return estimate(graph, cluster, plan).stages[0].time["dp_comm"]
+
+    for vpp, units in ((1, 1), (2, 2)):
+        assert comm(vpp, 3e-3) - comm(vpp, 0.0) == pytest.approx(units * 3e-3, rel=1e-6)
+    assert comm(2, 0.0, 1e-6) - comm(2, 0.0) == pytest.approx(comm(1, 0.0, 1e-6) - comm(1, 0.0), rel=1e-6)

@@ -25,7 +25,7 @@ from shardc.ops.verifier import verify
 from shardc.plan.file import PlanFile
 from shardc.search.cpsat import solve
 from shardc.search.grid import best_grid
-from shardc.search.linear import objective
+from shardc.search.objective import objective
 from shardc.search.outer import Found, mesh_shapes, micro_batch_sizes, score, search
 from shardc.search.planfile import annotate_graph, assignment_from_plan, partitioned_graph, plan_file
 from shardc.search.problem import MeshShape, build_problem, graph_facts

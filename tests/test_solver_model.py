@@ -16,7 +16,8 @@ from shardc.hardware import parse_cluster
 from shardc.plan.parallel import plan_of
 from shardc.search.evaluate import Assignment, evaluate
 from shardc.search.grid import grid_assignments, layouts
-from shardc.search.linear import coefficients, objective
+from shardc.search.linear import coefficients
+from shardc.search.objective import objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import MeshShape, PricingCache, build_problem, graph_facts, pricing_shape
 

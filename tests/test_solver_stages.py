@@ -18,7 +18,7 @@ from shardc.search.cpsat import solve
 from shardc.search.evaluate import evaluate, per_stage
 from shardc.search.grid import grid_points, layouts
 from shardc.search.interleave import interleaved
-from shardc.search.linear import objective
+from shardc.search.objective import objective
 from shardc.search.outer import Found, score
 from shardc.search.planfile import annotate_graph, assignment_from_plan, plan_file, plan_problem
 from shardc.search.problem import MeshShape, build_problem, graph_facts

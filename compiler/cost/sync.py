@@ -24,7 +24,8 @@ Rules:
 - After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). As the torch backend
   runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) every gradient is
   reduce-scattered once after backward and the weights all-gathered before forward, both
-  exposed. Without a pipeline FSDP2 reshards after every micro-batch's backward (torch 2.13
+  exposed; each stage module a device holds is its own FSDP2 unit (`fsdp_units`: interleaved
+  schedules hold `vpp`), with its own gathers, reduce-scatter and measured step. Without a pipeline FSDP2 reshards after every micro-batch's backward (torch 2.13
   `reshard_after_backward` stays True under `set_requires_gradient_sync(False)`), so it gathers
   once per micro-batch with ZeRO-1/2 and twice (forward and backward) with ZeRO-3
   (`fsdp_gathers`); in a pipeline once per step (torch's stage keeps the weights unsharded
@@ -158,6 +159,21 @@ def measured_sync_step(device, wrapper: str, tensors: float, elements: float, sh
     return eager.sync_step_time(wrapper, shard, tensors, elements) if eager is not None and shard > 1 else None
 
 
+def fsdp_units(params: Sequence[tuple[float, int]], unit_of: Sequence[int]) -> list[tuple[int, float]]:
+    """(parameter tensors, elements) per FSDP2 unit of a device: the torch backend wraps each stage
+    module it holds on its own (`fully_shard` per virtual stage: interleaved schedules hold
+    several), in stage order; one empty unit when the device holds no parameter."""
+    units: dict[int, tuple[int, float]] = {}
+    for (numel, _), stage in zip(params, unit_of):
+        tensors, elements = units.get(stage, (0, 0.0))
+        units[stage] = (tensors + 1, elements + numel)
+    return [units[s] for s in sorted(units)] or [(0, 0.0)]
+
+
+def _sum_or_none(values: Sequence[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
 def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
                   pipe: PipelineTimes, stage_bwd: Sequence[float], g_elem: int, w_elem: int,
                   microbatches: int = 1) -> list[DeviceSync]:
@@ -178,6 +194,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         last_stage = d  # the final backward on device d is its first model chunk's
         seen: set[str] = set()
         params: list[tuple[float, int]] = []
+        unit_of: list[int] = []  # per parameter, the stage module (FSDP2 unit) that holds it
         ready: list[tuple[float, float]] = []
         other: dict[tuple[str, ...], float] = {}
         reduced = 0.0
@@ -194,6 +211,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
                     continue
                 seen.add(name)
                 params.append((numel, layer.annotation.zero))
+                unit_of.append(layer.stage)
                 if axes & set(zero_axes):
                     if per_layer(layer):  # reduce-scattered in its own backward (`compose.zero3_exposed`)
                         reduced += numel * g_elem
@@ -206,7 +224,8 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         kind = "reduce_scatter" if zero >= 1 else "all_reduce"
         fsdp = options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
         local = sum(n for n, _ in params)
-        measured = measured_sync_step(device, "fsdp2", len(params), local, shard) if fsdp else None
+        units = fsdp_units(params, unit_of)
+        measured = _sum_or_none([measured_sync_step(device, "fsdp2", t, n, shard) for t, n in units]) if fsdp else None
         ddp = (measured_sync_step(device, "ddp", len(ready), sum(b for _, b in ready) / g_elem, shard)
                if zero == 0 and shard > 1 and ready else None)
         if shard <= 1:
@@ -215,9 +234,9 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
             tail = measured
         elif ddp is not None:  # DDP's sync as measured, exposed
             tail = ddp
-        elif fsdp:  # one collective over every gradient once backward is over
-            total = sum(b for _, b in ready)
-            tail = collective_time(kind, total, levels, ctx.algorithm) + fsdp_copy_time(total, shard, device)
+        elif fsdp:  # one collective per stage module over its gradients once backward is over
+            tail = sum(collective_time(kind, n * g_elem, levels, ctx.algorithm) + fsdp_copy_time(n * g_elem, shard, device)
+                       for _, n in units)
         elif not options.overlap_grad_reduce:  # once backward is over, nothing to hide behind
             tail = collective_time(kind, sum(b for _, b in ready), levels, ctx.algorithm)
         else:
@@ -225,12 +244,13 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
         grad_bytes = sum(b for _, b in ready) + reduced
         gather = 0.0
-        if fsdp:  # before each forward (and ZeRO-3: each backward); a measured step holds the first
+        if fsdp:  # per stage module: before each forward (and ZeRO-3: each backward); a measured step holds the first
             count = fsdp_gathers(zero, p, microbatches) - (measured is not None)
-            work = fsdp_microbatch_time(device, len(params), local, zero, p, microbatches, local * w_elem, shard)
-            if measured is not None:
-                work -= fsdp_forward_work(device, len(params), local, local * w_elem, shard)
-            gather = count * collective_time("all_gather", local * w_elem, levels, ctx.algorithm) + work
+            for t, n in units:
+                work = fsdp_microbatch_time(device, t, n, zero, p, microbatches, n * w_elem, shard)
+                if measured is not None:
+                    work -= fsdp_forward_work(device, t, n, n * w_elem, shard)
+                gather += count * collective_time("all_gather", n * w_elem, levels, ctx.algorithm) + work
         elif shard > 1 and zero in (1, 2):  # ZeRO-1/2: after the optimizer
             gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)

@@ -1,6 +1,6 @@
 """Lower bounds of a problem's step time: the solver's (`lower_bound`, by which the outer search
 orders, prunes and proves its gap) and the grid scan's (`grid_bound`, by which the baseline is
-scanned). Both bound the linearised objective (`shardc.search.linear.objective`) from below
+scanned). Both bound the linearised objective (`shardc.search.objective.objective`) from below
 using only each group's cheapest candidates, so no plan of the problem is faster; the rules are
 in each function's docstring."""
 
@@ -15,7 +15,7 @@ from shardc.search.problem import Problem
 
 
 def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
-    """A lower bound of the problem's linearised objective (`shardc.search.linear.objective`),
+    """A lower bound of the problem's linearised objective (`shardc.search.objective.objective`),
     the smallest over the ZeRO stages of: every group at its cheapest, edges free, each
     pipeline send at its cheapest, a ZeRO-3 block paying at least the weight gather its most
     smallest compute cannot hide; the pipeline at least sum + (m-1) x slowest stage, where the

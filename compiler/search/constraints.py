@@ -282,11 +282,11 @@ class Builder:
                     if on:
                         md.add(big >= part["pbytes"]).OnlyEnforceIf(M.z[3])
                 mem.append(big)
-        if co.pipeline_buffers:  # torch pipelining: m received, m + in flight sent (or m outputs)
+        if co.pipeline_buffers:  # torch pipelining (`peak.pipeline_buffers`): m + 1 received, m + in flight sent (or m outputs)
             f = in_flight("1f1b", p, s, m)
             if not first:
                 mem.append(cand_sum(M, "block", self.classes[s - 1], lambda g, c_: co.send_bytes[g][c_],
-                                    lambda v: M.m(m * v)))
+                                    lambda v: M.m((m + 1) * v)))
             if not last:
                 mem.append(cand_sum(M, "block", c, lambda g, c_: co.send_bytes[g][c_], lambda v, f=f: M.m((m + f) * v)))
             else:

@@ -3,7 +3,7 @@
 Variables (`shardc.search.sections`): a boolean per (group, candidate), the block's groups once
 per stage class, so that stages partition their blocks differently; per edge, booleans per
 layout class pair; per pipeline stage, block counts under each recomputation; one ZeRO stage.
-The objective and the memory constraints are `shardc.search.linear.objective`'s formulas (the
+The objective and the memory constraints are `shardc.search.objective.objective`'s formulas (the
 linearisation of the analytical model), stage boundaries between classes priced across the
 two partitions. Products of block counts and per-block quantities use multiplication
 constraints, which the LP relaxation drops, so the relaxation also gets linear cuts that keep
@@ -28,7 +28,7 @@ from ortools.sat.python import cp_model
 from shardc.ir import ZERO_STAGES
 from shardc.search.constraints import Builder
 from shardc.search.evaluate import Assignment, per_stage
-from shardc.search.linear import objective
+from shardc.search.objective import objective
 from shardc.search.problem import Problem
 from shardc.search.sections import STAGE_CLASSES, Model
 

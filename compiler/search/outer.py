@@ -62,7 +62,7 @@ from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments, grid_points, vpp_admissible
 from shardc.search.interleave import search_interleaved
-from shardc.search.linear import objective
+from shardc.search.objective import objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
 
