@@ -8,7 +8,6 @@ model trained by transformers itself in one process, at 1e-5 (fp32).
 from __future__ import annotations
 
 import torch
-
 from test_backend_numerics import build, run_and_check
 
 _ATTN = "hidden_size=64&num_attention_heads=4&vocab_size=128&seq=16&batch=4"

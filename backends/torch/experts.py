@@ -16,6 +16,8 @@ So a rank computes only its experts' routed tokens: with balanced routing, token
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -25,13 +27,13 @@ from shardc.backends.torch.collectives import MeshGroups
 from shardc.ops.moe import ACTIVATIONS
 
 
-def _exchange_counts(send: torch.Tensor, group: object) -> torch.Tensor:
+def _exchange_counts(send: torch.Tensor, group: Any) -> torch.Tensor:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv
 
 
-def _exchange(x: torch.Tensor, recv_rows: list[int], send_rows: list[int], group: object,
+def _exchange(x: torch.Tensor, recv_rows: list[int], send_rows: list[int], group: Any,
               grad: bool) -> torch.Tensor:
     if grad:
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), recv_rows, send_rows, group))
