@@ -117,7 +117,8 @@ class ParallelPlan:
 
     Keys and defaults (see `PLAN_KEYS`): dp=1, tp=1, pp=1, vpp=1, cp=1, sp=0, mb=1, gbs=auto
     (the model's example batch), schedule=1f1b, recompute=none, recompute_layers=all, zero=0,
-    dtype=bf16, compile=auto.
+    dtype=bf16, compile=auto, ep=1 (expert parallelism: an MoE layer's experts over ep ranks,
+    each micro-batch of the other ops split over them; devices = dp*tp*pp*cp*ep).
     mb is the micro-batch size; gbs the global batch (sequences per optimizer step); the
     number of micro-batches per pipeline is gbs / (dp * mb) (gradient accumulation when pp=1).
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
