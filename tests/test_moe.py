@@ -114,3 +114,19 @@ def test_expert_parallel_cost_all_to_all_per_link_level_skew_and_expert_memory()
     experts = 4 * (256 * 64 + 64 * 128)  # gate_up_proj + down_proj elements
     assert data.memory["parameters"] - inside.memory["parameters"] == 4 * experts / 2
     assert data.memory["optimizer"] - inside.memory["optimizer"] == 8 * experts / 2
+
+
+def test_plans_ep_cannot_take_are_refused_naming_the_constraint() -> None:
+    import shardc
+    from shardc.ir.diagnostics import ShardcError
+
+    with pytest.raises(ShardcError, match=r"ep=2 splits each micro-batch of mb=1 sequences.*use mb a multiple of 2"):
+        shardc.compile(MIXTRAL, plan="ep=2,mb=1", device="meta")
+    with pytest.raises(ShardcError, match=r"mesh axis ep=3 does not divide iteration dim e \(size 4\) of experts"):
+        shardc.compile(MIXTRAL, plan="ep=3,mb=3", device="meta")
+    from shardc.plan.parallel import ParallelPlan
+
+    plan = ParallelPlan.parse("dp=2,ep=2,mb=2")
+    assert str(ParallelPlan.parse(str(plan))) == str(plan) and str(plan).endswith(",ep=2")
+    assert plan.devices == 4 and [a for a, _ in plan.mesh().axes] == ["pp", "dp", "ep", "cp", "tp"]
+    assert "ep" not in str(ParallelPlan.parse("dp=2")) and "ep" not in ParallelPlan.parse("dp=2").mesh().names
