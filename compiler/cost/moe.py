@@ -10,7 +10,8 @@ Routing skew `s` (>= 1; graph attribute `routing_skew`, default `DEFAULT_ROUTING
 rank of A receives `s` times the balanced share of routed tokens, and every rank waits for it, so
 the node's compute and the exchanged bytes are charged `s` times. The default 1.0 is balanced
 routing (what an auxiliary load-balancing loss aims for); shardc has not measured skew on real
-MoE training runs, so it assumes none unless told (`shardc estimate --routing-skew`).
+MoE training runs, so it assumes none unless told (the pipeline option `estimate{routing-skew=1.3}`,
+or `plan.estimate(routing_skew=1.3)`).
 """
 
 from __future__ import annotations
