@@ -103,9 +103,11 @@ class CompiledPlan:
                          + module_code(generate(stages.loss, rank, local_inputs=True)))
         return head + "\n".join(parts)
 
-    def estimate(self, cluster: Any = None) -> Any:
+    def estimate(self, cluster: Any = None, routing_skew: float | None = None) -> Any:
         """The cost model's prediction for `cluster` (default: the one compiled for): the driver's
-        `estimate` pass on the partitioned graph, as `shardc estimate` runs it."""
+        `estimate` pass on the partitioned graph, as `shardc estimate` runs it. `routing_skew`:
+        the busiest expert-parallel rank's routed tokens over the balanced share (`shardc.cost.moe`;
+        default 1.0, balanced)."""
         from shardc import driver
         from shardc.passmanager import PassContext
 
@@ -116,7 +118,10 @@ class CompiledPlan:
         ctx = PassContext(cluster=driver.as_cluster(cluster), plan=self.plan)
         from shardc.ir.parser import parse
 
-        driver.run(parse(self.partitioned_ir) if self.partitioned_ir else self.graph, "estimate", ctx)
+        graph = parse(self.partitioned_ir) if self.partitioned_ir else self.graph
+        if routing_skew is not None:
+            graph.attrs["routing_skew"] = float(routing_skew)
+        driver.run(graph, "estimate", ctx)
         return ctx.options["estimate"]
 
     def parallelize(self, model: torch.nn.Module, *, init: Any = None, seed: int = 0,

@@ -32,6 +32,11 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   a row-parallel bias is then zeroed on all but one rank, `to_partial`).
 - a split dim must divide evenly by the axes splitting it, except the vocabulary on tp (shards
   padded; torch's Shard does the same).
+- ep (expert parallelism, `shardc.ops.moe`): an `experts` node splits its expert dim (rule
+  "expert": its weights sharded, its tokens where they are, exchanged by all-to-all inside the
+  op); every other node splits the batch on ep as on dp (graph inputs `{dp:S(0), ep:S(0)}`), so
+  ep ranks are data-parallel ranks for the dense layers, their parameters' gradients summed over
+  ep by `grad_all_reduce` (ep is a model axis for `lower`, not a DDP axis).
 - pp: layers (group-layers runs first if the graph has none) get stages by
   `shardc.analysis.stages`: the repeated blocks are cut into pp*vpp contiguous chunks as even
   as possible (extra blocks go to the middle stages first), layers before the first block join
@@ -97,7 +102,7 @@ class _Planner:
         return self.plan.sp and self.plan.tp > 1
 
     def axes(self) -> list[str]:
-        return [a for a in (Axis.DP, Axis.CP, Axis.TP) if self.mesh.axis_size(a) > 1]
+        return [a for a in (Axis.DP, Axis.EP, Axis.CP, Axis.TP) if a in self.mesh.names and self.mesh.axis_size(a) > 1]
 
     def partition(self, node: Node, space: IterationSpace) -> Partition:
         it_roles = iteration_roles(node, space, self.roles)
@@ -127,6 +132,10 @@ class _Planner:
             forced = self.megatron(node, space)
             if forced is not None:
                 return forced
+        if axis == Axis.EP:  # an MoE layer's experts; its tokens stay where they are (`shardc.ops.moe`)
+            experts = [d for d, rule in space.special if rule == "expert" and space.size(d) > 1]
+            if experts:
+                return experts[0], 1
         for k, v in enumerate(node.inputs):
             if k >= len(space.inputs):
                 break
@@ -134,7 +143,7 @@ class _Planner:
                            lambda d: self.splittable(space, d, axis))
             if found is not None:
                 return found
-        axis_roles: dict[str, str] = {Axis.DP: "batch", Axis.CP: "seq"}
+        axis_roles: dict[str, str] = {Axis.DP: "batch", Axis.EP: "batch", Axis.CP: "seq"}
         role = axis_roles.get(axis)
         partial_in = any(isinstance((v.layout or Layout()).on(axis), Partial) for v in node.inputs)
         if axis == Axis.TP and self.sequence_parallel and partial_in:
@@ -223,10 +232,10 @@ def _input_layout(value: Value, roles: tuple[str | None, ...], mesh: Mesh, seque
     """Batch on dp, sequence on cp (zig-zag with `zigzag`); with sequence parallelism a float input
     (the residual stream of a block traced alone) also has its sequence on tp."""
     placements = []
-    for axis, role in ((Axis.DP, "batch"), (Axis.CP, "seq"), (Axis.TP, "seq")):
+    for axis, role in ((Axis.DP, "batch"), (Axis.EP, "batch"), (Axis.CP, "seq"), (Axis.TP, "seq")):
         if axis == Axis.TP and not (sequence_parallel and value.type.is_float):
             continue
-        if mesh.axis_size(axis) > 1 and role in roles:
+        if axis in mesh.names and mesh.axis_size(axis) > 1 and role in roles:
             placements.append((axis, Shard(roles.index(role), zigzag=zigzag and axis == Axis.CP)))
     return Layout(tuple(placements))
 

@@ -5,7 +5,8 @@ solver; a graph without a mesh is one device) on the context's cluster, under th
 plan (`ParallelPlan.of`: its text, a plan, a partitioned graph), or, without one, the plan the
 graph records (`plan_of`). The `Estimate` goes to `ctx.options["estimate"]`; the graph is not
 changed. Options are the model's knobs that are not part of the plan: DDP's bucket size (MiB;
-0 keeps DDP's default) and the collective algorithm.
+0 keeps DDP's default), the collective algorithm, and the routing skew of expert-parallel MoE
+layers (`shardc.cost.moe`; 1.0 balanced; the graph's own `routing_skew` attribute otherwise).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Estimate(Pass):
     name: ClassVar[str] = "estimate"
     bucket_mb: float = 0.0
     algorithm: str = "auto"
+    routing_skew: float = 0.0  # 0: the graph's attribute, else DEFAULT_ROUTING_SKEW
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
         cluster = ctx.the_cluster(self.name)
@@ -35,5 +37,14 @@ class Estimate(Pass):
         options = EstimateOptions(algorithm=self.algorithm)
         if self.bucket_mb:
             options = EstimateOptions(bucket_bytes=self.bucket_mb * 2**20, algorithm=self.algorithm)
-        ctx.options["estimate"] = estimate(graph, cluster, plan, options=options)
+        before = graph.attrs.get("routing_skew")
+        if self.routing_skew:
+            graph.attrs["routing_skew"] = float(self.routing_skew)
+        try:
+            ctx.options["estimate"] = estimate(graph, cluster, plan, options=options)
+        finally:
+            if self.routing_skew:
+                graph.attrs.pop("routing_skew")
+                if before is not None:
+                    graph.attrs["routing_skew"] = before
         return graph

@@ -152,6 +152,7 @@ MICRO = Runs("test_microbatch_numerics.py", "test_explicit_micro_batch_and_globa
 PRECISION = Runs("test_precision.py", sets="dtype=bf16")                # mixed precision
 RECOMPUTE = Runs("test_recompute.py", sets="recompute=selective")       # selective recomputation
 COMPILED = Runs("test_compiled.py", "test_compiled_dp2_and_tp2_train_like_one_eager_process", sets="compile=1")
+MOE = Runs("test_moe.py", "test_expert_parallel_training_matches_one_process_on_2_processes")
 
 KIND_TESTS: dict[str, tuple[Runs, ...]] = {
     "spatial-dp": (GPT_CASES,),
@@ -170,6 +171,7 @@ KIND_TESTS: dict[str, tuple[Runs, ...]] = {
     "temporal-chunk": (GPT_CASES,),
     "partial-all-reduce": (GPT_CASES,),
     "partial-reduce-scatter": (GPT_CASES,),
+    "expert-parallel": (MOE,),
 }
 ZERO_BUBBLE = tuple(Runs("test_zero_bubble.py", f"test_zero_bubble_schedules_on_{n}_processes", f"schedule={s}")
                     for s in ("zbv", "interleaved-zb", "dualpipev") for n in ("two", "four"))  # 2 and 4 ranks each
@@ -179,7 +181,7 @@ KEY_TESTS: dict[str, tuple[Runs, ...]] = {
                                                               *ZERO_BUBBLE),
     "recompute": (dataclasses.replace(GPT_CASES, sets="recompute=full"), RECOMPUTE),
     "recompute_layers": (dataclasses.replace(RECOMPUTE, sets="recompute_layers"),),
-    "zero": (GPT_CASES,), "dtype": (PRECISION,), "compile": (COMPILED,),
+    "zero": (GPT_CASES,), "dtype": (PRECISION,), "compile": (COMPILED,), "ep": (MOE,),
 }
 MULTI_PROCESS = ("spawn", "run_and_check", "_run")  # the harnesses that train on gloo processes
 

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from shardc.backends.torch import collectives as C
+from shardc.backends.torch import experts as X
 from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import local_ops as L
 from shardc.backends.torch import precision as P
@@ -153,6 +154,11 @@ class Emitter:
             if axes:
                 kw = {"axis": axes[0], "vocab_start": shard_offset(ins[0], last, mesh, self.coords), **attrs}
                 return self.call(L.vocab_parallel_cross_entropy, (*args, self.mesh_node), kw, name)
+        if node.op == "experts" and 0 in (ins[3].layout or Layout()).sharded_dims():
+            axes = (ins[3].layout or Layout()).sharded_dims()[0]
+            if len(axes) > 1:
+                raise ShardcError("experts split over more than one mesh axis", node=node)
+            return self.call(X.expert_parallel, (*args, self.mesh_node), {"axis": axes[0], **attrs}, name)
         if node.op == "scaled_dot_product_attention":
             attrs["q_offset"] = shard_offset(ins[0], ins[0].type.rank - 2, mesh, self.coords)
             return self.call(L.attention, tuple(args), attrs, name)

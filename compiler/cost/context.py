@@ -15,11 +15,12 @@ from shardc.cost.compute import LocalNode, localize
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import Axis, Graph, Layout, Mesh, Node, Partition, Value
 
-AXIS_CATEGORY: dict[str, str] = {Axis.TP: "tp_comm", Axis.CP: "cp_comm", Axis.DP: "dp_comm", Axis.PP: "pp_comm"}
+AXIS_CATEGORY: dict[str, str] = {Axis.TP: "tp_comm", Axis.CP: "cp_comm", Axis.DP: "dp_comm", Axis.PP: "pp_comm",
+                                 Axis.EP: "ep_comm"}
 
 
 def axis_category(axis: str) -> str:
-    """Time category of a collective on mesh axis `axis` (tp_comm, cp_comm, dp_comm, pp_comm)."""
+    """Time category of a collective on mesh axis `axis` (tp_comm, cp_comm, dp_comm, pp_comm, ep_comm)."""
     return AXIS_CATEGORY.get(axis, "tp_comm")
 
 

@@ -11,7 +11,7 @@ from shardc.ir import Graph
 from shardc.plan.parallel import ParallelPlan
 
 TIME_CATEGORIES = ("compute_fwd", "compute_bwd", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
-                   "bubble", "optimizer")
+                   "bubble", "optimizer", "ep_comm")
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "recompute_working", "working",
                      "buffers", "model_buffers")
 

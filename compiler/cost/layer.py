@@ -59,6 +59,7 @@ from shardc.cost.edges import (
 )
 from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
+from shardc.cost.moe import expert_steps, routed_bytes, routing_skew
 from shardc.cost.ring import as_run
 from shardc.ir import Node, Value
 from shardc.ops.registry import rotating_operands
@@ -392,12 +393,20 @@ def heads(core: Collection[Node]) -> set[Node]:
 
 
 def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[str, float], t: LayerTerms) -> None:
-    """Vocab-parallel loss reductions and temporal splits (chunks; rotations as in ring attention)."""
+    """Vocab-parallel loss reductions, expert parallelism's all-to-alls and temporal splits (chunks;
+    rotations as in ring attention)."""
     local, part = ctx.local(node), ctx.partition(node)
     if ctx.mesh is None or part is None or local.space is None:
         return
     special = dict(local.space.special)
     for axis, dim in part.spatial:
+        if special.get(dim) == "expert":  # expert parallelism (`shardc.cost.moe`)
+            skew = routing_skew(ctx.graph)
+            _add(node_fwd, "compute_fwd", (skew - 1.0) * cost.fwd_s)
+            _add(t.bwd, "compute_bwd", (skew - 1.0) * cost.bwd_s)
+            for phase, step in expert_steps(axis, skew * routed_bytes(local.in_types) * ctx.batch_scale):
+                _add(node_fwd if phase == "fwd" else t.bwd, axis_category(axis), comm_time(ctx, step))
+                t.collectives.append((phase, step))
         if special.get(dim) == "vocab" and len(local.in_types) > 1:
             for step in vocab_steps(axis, local.in_types[1].numel * ctx.batch_scale):
                 _add(node_fwd, axis_category(axis), comm_time(ctx, step))

@@ -152,7 +152,15 @@ def capture_export(model: torch.nn.Module, inputs: tuple[Any, ...], input_names:
 
 
 def capture(model: torch.nn.Module, inputs: tuple[Any, ...], input_names: list[str]) -> Captured:
-    """fx symbolic trace, else torch.export; a model neither can trace is a ShardcError naming both reasons."""
+    """fx symbolic trace, else torch.export; a model neither can trace is a ShardcError naming both reasons.
+    transformers' routed-expert blocks are captured as one op each (`shardc.frontend.moe`)."""
+    from shardc.frontend.moe import one_op_experts
+
+    with one_op_experts(model):
+        return _capture(model, inputs, input_names)
+
+
+def _capture(model: torch.nn.Module, inputs: tuple[Any, ...], input_names: list[str]) -> Captured:
     try:
         return capture_fx(model, inputs, input_names)
     except Exception as fx_err:

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from shardc.frontend import creation, normalize, views  # noqa: F401  (fill the rule tables)
+from shardc.frontend import creation, moe, normalize, views  # noqa: F401  (fill the rule tables)
 from shardc.frontend.aten import (
     emit_aten,
     encode_operands,

@@ -171,6 +171,7 @@ class Axis(StrEnum):
     DP = "dp"  # data: replicas (or ZeRO shards) of the model on different samples
     CP = "cp"  # context: the sequence split, attention as a ring
     TP = "tp"  # tensor: Megatron's column- and row-parallel linears, heads split
+    EP = "ep"  # expert: an MoE layer's experts split, tokens dispatched by all-to-all; the batch elsewhere
     TQ = "tq"  # the second tensor axis of a q x q device grid (PrimePar), beside tp
 
     def __repr__(self) -> str:

@@ -12,4 +12,5 @@ Importing this package registers every op.
 import shardc.ops.builtin  # noqa: F401
 import shardc.ops.collectives  # noqa: F401
 import shardc.ops.fallback  # noqa: F401
+import shardc.ops.moe  # noqa: F401
 import shardc.ops.views  # noqa: F401

@@ -120,6 +120,20 @@ def _vocab_refusal(site: Site) -> str | None:
     return None
 
 
+def _expert_dims(site: Site) -> list[tuple[str, str]]:
+    return [(a, d) for a, d in site.partition.spatial if site.special.get(d) == "expert"]
+
+
+def _expert_refusal(site: Site) -> str | None:
+    if site.op != "experts":
+        return f"an expert-parallel split runs the experts op only, not {site.op}"
+    if len(_expert_dims(site)) > 1:
+        return "experts split over more than one mesh axis"
+    if site.partition.temporal:
+        return "a temporal split of experts split over a mesh axis"
+    return None
+
+
 def _strided_refusal(site: Site) -> str | None:
     dim = POSITIONAL_DIMS.get(site.op)
     split = dict(site.partition.spatial)
@@ -221,6 +235,8 @@ CAPABILITIES: tuple[Capability, ...] = (
                lambda s: bool(_vocab_dims(s)), _vocab_refusal),
     Capability("vocab-parallel-embedding", "an embedding table split by rows: each rank looks up its range",
                lambda s: s.op == "embedding" and any(d in s.space.reductions for _, d in s.partition.spatial)),
+    Capability("expert-parallel", "an MoE layer's experts split over an axis: its tokens dispatched to their "
+               "experts and combined back by all-to-all (dropless)", lambda s: bool(_expert_dims(s)), _expert_refusal),
     Capability("one-temporal-split", "a node runs at most one temporal split (one loop)",
                _has_temporal, _one_split_refusal),
     Capability("rotating-steps", "a rotating or grid split takes one step per device of its axes",

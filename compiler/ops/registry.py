@@ -78,7 +78,8 @@ class OpDef:
     impl: Callable[..., Any]
     unsplittable: frozenset[str] = frozenset()
     # dim -> rule: "ring" (split only in time with rotation: attention's key dim), "vocab" (a
-    # reduction whose split needs max/sum-exp all-reduces: cross entropy's classes).
+    # reduction whose split needs max/sum-exp all-reduces: cross entropy's classes), "expert"
+    # (the experts of an MoE layer: tokens dispatched to them by all-to-all, `shardc.ops.moe`).
     rules: tuple[tuple[str, str], ...] = ()
     flops: Callable[[Sequence[TensorType], Sequence[TensorType], dict[str, Any]], int] | None = None
     # What backward keeps: ("in", i), ("out", i) or ("bytes", n); None means by kind.
@@ -265,6 +266,8 @@ def operand_layout(
     - `f` is a reduction the operand lacks: outputs are `Partial(space.partial_op)` (not for a
       "vocab" dim, whose op reduces across the axis itself); additive inputs (a bias) likewise
       (zero on all but one rank); other inputs `Replicate()`.
+    - `f` has the rule "expert" (`shardc.ops.moe`) and the operand lacks it: `Shard(0)`, the
+      operand's tokens: the op dispatches and combines them over the axis itself.
     - A temporal split rotating along the axis (`time t/4 rotate cp`, or either axis of a grid
       `time k/2 rotate (tp, tq)`): inputs indexing `t` as a major factor, neither split on that
       axis in space nor partial on it, are `Shard` on `t`'s tensor dim (`rotating_operands`):
@@ -297,6 +300,8 @@ def operand_layout(
                     interleave *= max(space.size(g) // divided, 1)
                 outer.append((axis, j))
                 placement = Shard(i, interleave, axis in partition.zigzag)
+            elif special.get(dim) == "expert" and operand:
+                placement = Shard(0)  # expert parallelism: the op exchanges its tokens over the axis
             elif dim in reductions and special.get(dim) != "vocab" and (is_output or additive):
                 placement = Partial(space.partial_op)
         if rotating and not is_output:

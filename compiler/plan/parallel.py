@@ -33,7 +33,7 @@ MESH_AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
 
 # key -> (type, default, meaning); the order here is the printed order.
 # Keys printed only away from their default, so plans that do not use them print as before.
-OPTIONAL_KEYS: tuple[str, ...] = ("recompute_layers", "compile")
+OPTIONAL_KEYS: tuple[str, ...] = ("recompute_layers", "compile", "ep")
 PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     Axis.DP: ("int", "1", "data-parallel degree (DDP, or FSDP when zero>0)"),
     Axis.TP: ("int", "1", "tensor-parallel degree (Megatron column/row parallel linears, heads split)"),
@@ -57,6 +57,9 @@ PLAN_KEYS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     "dtype": ("|".join(PLAN_DTYPES), "bf16", "compute dtype; bf16/fp16 keep fp32 master weights and Adam states"),
     "compile": ("auto|0|1", "auto", "run each rank's module through torch.compile (inductor) and price its fused "
                 "kernels; auto: on for CUDA devices, off for CPU processes; printed only when not auto"),
+    Axis.EP: ("int", "1", "expert-parallel degree: an MoE layer's experts split over ep ranks, tokens dispatched "
+              "and combined by all-to-all; every other op splits each micro-batch over them (mb must be a "
+              "multiple of ep); its mesh axis sits inside dp; printed only when not 1"),
 })
 
 
@@ -114,7 +117,8 @@ class ParallelPlan:
 
     Keys and defaults (see `PLAN_KEYS`): dp=1, tp=1, pp=1, vpp=1, cp=1, sp=0, mb=1, gbs=auto
     (the model's example batch), schedule=1f1b, recompute=none, recompute_layers=all, zero=0,
-    dtype=bf16, compile=auto.
+    dtype=bf16, compile=auto, ep=1 (expert parallelism: an MoE layer's experts over ep ranks,
+    each micro-batch of the other ops split over them; devices = dp*tp*pp*cp*ep).
     mb is the micro-batch size; gbs the global batch (sequences per optimizer step); the
     number of micro-batches per pipeline is gbs / (dp * mb) (gradient accumulation when pp=1).
     vpp>1 makes the schedule `interleaved` (`schedule=1f1b` with vpp>1 is read as interleaved
@@ -151,9 +155,10 @@ class ParallelPlan:
     recompute_layers: int | None = None
     # torch.compile of the rank modules: None (auto) follows the device (`compiled_on`).
     compile: bool | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "vpp", "cp", "mb"):  # the integer fields
+        for key in ("dp", "tp", "pp", "vpp", "cp", "mb", "ep"):  # the integer fields
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ShardcError(f"plan key {key}={v!r}: expected an integer >= 1")
@@ -249,8 +254,12 @@ class ParallelPlan:
                           f"not {type(plan).__name__}")
 
     def mesh(self) -> Mesh:
-        """The device mesh of the plan: pp, dp, cp, tp in that order (`MESH_AXES`)."""
-        return Mesh(tuple((axis, getattr(self, axis)) for axis in MESH_AXES))
+        """The device mesh of the plan: pp, dp, cp, tp in that order (`MESH_AXES`), with ep after
+        dp when ep > 1 (a plan without experts keeps the four axes it always had)."""
+        axes = [(axis, getattr(self, axis)) for axis in MESH_AXES]
+        if self.ep > 1:
+            axes.insert(axes.index((Axis.DP, self.dp)) + 1, (Axis.EP, self.ep))
+        return Mesh(tuple(axes))
 
     def items(self) -> list[tuple[str, str]]:
         """Every key with its value as `parse` reads it, in `PLAN_KEYS` order: the text form
@@ -258,7 +267,8 @@ class ParallelPlan:
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("cp_layout", "recompute_layers") or (f.name == "compile" and v is None):
+            if f.name in ("cp_layout", "recompute_layers") or (f.name == "compile" and v is None) or \
+                    (f.name == Axis.EP and v == 1):
                 continue
             text = "auto" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
             if f.name == Axis.CP and self.cp_layout != "contiguous":
@@ -278,7 +288,7 @@ class ParallelPlan:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dp * self.tp * self.pp * self.cp * self.ep
 
     @property
     def stages(self) -> int:
@@ -447,6 +457,9 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
     if seq is not None and plan.sp and plan.tp > 1 and seq % (plan.tp * plan.cp):
         problems.append(f"sp=1 splits the sequence {seq} over tp*cp = {plan.tp * plan.cp} ranks, which "
                         f"does not divide it; use sp=0 or a tp dividing {seq // math.gcd(seq, plan.cp)}")
+    if plan.ep > 1 and plan.mb % plan.ep:
+        problems.append(f"ep={plan.ep} splits each micro-batch of mb={plan.mb} sequences over its ranks, which "
+                        f"does not divide it; use mb a multiple of {plan.ep}")
     if problems:
         raise ShardcError(f"plan {plan} is not valid for {devices} devices:\n  - " + "\n  - ".join(problems))
 
@@ -496,6 +509,9 @@ def _degree_problem(plan: ParallelPlan, devices: int) -> str:
     degrees = {Axis.DP: plan.dp, Axis.TP: plan.tp, Axis.PP: plan.pp, Axis.CP: plan.cp}
     text = (f"dp*tp*pp*cp = {plan.dp}*{plan.tp}*{plan.pp}*{plan.cp} = {plan.devices} but the cluster has "
             f"{devices} devices")
+    if plan.ep > 1:
+        text = (f"dp*tp*pp*cp*ep = {plan.dp}*{plan.tp}*{plan.pp}*{plan.cp}*{plan.ep} = {plan.devices} but the "
+                f"cluster has {devices} devices")
     fixes = []
     for key, value in degrees.items():
         rest = plan.devices // value
