@@ -11,6 +11,7 @@ import statistics
 from typing import Any
 
 from shardc.plan.parallel import ParallelPlan
+from shardc.study.pipeline_report import findings as pipeline_findings
 from shardc.study.plans import label, parse_study_plan
 
 MiB = 2**20
@@ -214,6 +215,7 @@ def findings(data: dict[str, Any], summary: dict[str, Any]) -> str:
         "### Pipeline vs data parallelism\n" + pp_vs_dp(data),
         "### Stage partition and total memory\n" + partition(data),
         "### Block size and waiting\n" + block_size(data),
+        *pipeline_findings(data),
         "### How far the model is off\n" + accuracy(data, summary),
     ])
 

@@ -6,7 +6,8 @@ memory of pipelined plans (balanced and unbalanced partitions side by side);
 `block_size.png` all_reduce time and bus bandwidth by message size, and step time by DDP
 bucket size; `parallelism.png` DP vs PP vs TP step time and memory at equal process counts;
 `time_breakdown.png` where each plan's measured step goes (compute, exposed communication,
-waiting, other).
+waiting, other); `pipeline_schedules.png` and `p2p_block.png` the pipeline study's schedules and
+point-to-point block sizes (`shardc.study.pipeline_report`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardc.backends.torch.launch import write_json
+from shardc.study import pipeline_report
 from shardc.study.compare import summary as make_summary
 from shardc.study.findings import findings, pure
 from shardc.study.plans import label
@@ -92,6 +94,9 @@ def plot_memory(data: dict[str, Any], path: Path) -> None:
 def plot_pipeline_memory(data: dict[str, Any], path: Path) -> None:
     plt = _plt()
     piped = [p for p in _ok(data) if p["predicted"].get("stages") and len(p["predicted"]["stages"]) > 1]
+    splits = {(p["nproc"], p["plan"].split(",split=")[0]) for p in piped if p.get("split")}
+    if splits:  # a pipeline sweep: the split plans and their balanced twins, not every schedule and mb
+        piped = [p for p in piped if (p["nproc"], p["plan"].split(",split=")[0]) in splits]
     fig, axes = plt.subplots(1, max(1, len(piped)), figsize=(3.2 * max(1, len(piped)) + 1, 4.5), squeeze=False)
     for ax, p in zip(axes[0], piped):
         stages = sorted({r["stage"] for r in p["ranks"]})
@@ -187,7 +192,8 @@ def plot_breakdown(data: dict[str, Any], path: Path) -> None:
 
 PLOTS = {"time.png": plot_time, "memory.png": plot_memory, "pipeline_memory.png": plot_pipeline_memory,
          "block_size.png": plot_block_size, "parallelism.png": plot_parallelism,
-         "time_breakdown.png": plot_breakdown}
+         "time_breakdown.png": plot_breakdown, "pipeline_schedules.png": pipeline_report.plot_schedules,
+         "p2p_block.png": pipeline_report.plot_p2p}
 
 
 def _pct(x: float | None) -> str:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardc.backends.torch.precision import scaled_step, scaler_of
-from shardc.train.memory import ddp_bucket_bytes, track_memory
+from shardc.train.memory import ddp_bucket_bytes, pipeline_buffers, track_memory
 
 if TYPE_CHECKING:
     from shardc.api import CompiledPlan
@@ -291,7 +291,9 @@ def _tracked_step(session: _Session, batch: Sequence[Any]) -> tuple[dict[str, An
     # DDP's gradient buckets live in C++: their size comes from DDP's log (a pipeline: DDP per stage).
     wrappers = [stage.submod for stage in getattr(module, "stages", [])] or [module]
     extra = {"buffers": float(sum(ddp_bucket_bytes(m) for m in wrappers))}
-    with track_memory([module], session.optimizer, extra, session.device) as tracker:
+    stages = getattr(module, "stages", None)
+    held = pipeline_buffers(stages) if stages else None
+    with track_memory([module], session.optimizer, extra, session.device, held) as tracker:
         session.step(batch, tracker)
     return tracker.result(), tracker.collectives
 
