@@ -116,3 +116,22 @@ def test_pipeline_receive_buffers_and_kept_outputs_are_buffers_even_when_saved()
     assert peak["buffers"] == 3 * 256 * 4  # received, grad_in, out (kept by the stage)
     assert peak["activations"] == 256 * 4  # hidden only
     assert after.sum() == 1
+
+
+def test_storages_alive_before_a_run_are_not_its_memory() -> None:
+    """A study worker runs many plans in one process: what it held before a plan began (earlier
+    plans' leftovers) is left out of that plan's memory, but the plan's own state is counted even
+    when it was made before."""
+    from shardc.train.memory import storages_now
+
+    leftover = torch.zeros(64 * 1024)  # 256 KiB an earlier plan left behind
+    model = torch.nn.Linear(32, 32)
+    before = storages_now()
+    with track_memory([model], None) as counted, torch.no_grad():
+        model(torch.ones(4, 32))
+    with track_memory([model], None, ignore=before) as fresh, torch.no_grad():
+        model(torch.ones(4, 32))
+    got, baseline = fresh.result()["peak_breakdown"], counted.result()["peak_breakdown"]
+    assert baseline["other"] - got["other"] >= leftover.nbytes  # the leftover (and others like it) left out
+    assert got["parameters"] == baseline["parameters"] == (32 * 32 + 32) * 4  # the run's own, made before
+    assert got["other"] >= 2 * 4 * 32 * 4  # the run's own input and output are counted

@@ -19,7 +19,9 @@ measured peak, the difference filed as `allocator_extra`.
   exists before the measured step (it follows the first step) and is counted as `optimizer`.
   A `weakref.finalize` on the storage takes it off the books when it is freed. Storages are
   re-measured after every op, so in-place `resize_` (FSDP2's gather buffers) is seen too.
-  Storages are told apart by their StorageImpl, not their data pointer.
+  Storages are told apart by their StorageImpl, not their data pointer. Storages alive before
+  the run began (`storages_now`: a study worker runs many plans in one process, and their
+  leftovers are not this plan's memory) are left out unless they are the run's own state.
 - A pipeline's runtime buffers, as the cost model defines them (`shardc.cost.peak`): the
   receive buffers torch.distributed.pipelining keeps per micro-batch (a stage's inputs and the
   gradients of its outputs), the stage outputs it keeps until their backward (`fwd_cache`) and
@@ -119,8 +121,8 @@ class MemoryTracker(TorchDispatchMode):
     """Live tensor bytes by category during one step (see the module docstring)."""
 
     def __init__(self, known: dict[int, str], extra: dict[str, float] | None = None,
-                 modules: Iterable[torch.nn.Module] = (), held: Callable[[], Iterable[torch.Tensor]] | None = None
-                 ) -> None:
+                 modules: Iterable[torch.nn.Module] = (), held: Callable[[], Iterable[torch.Tensor]] | None = None,
+                 ignore: dict[int, Any] | None = None) -> None:
         super().__init__()
         self.modules = list(modules)
         self.held = held  # the runtime's buffers now (`pipeline_buffers`): filed `buffers` at every sample
@@ -139,8 +141,12 @@ class MemoryTracker(TorchDispatchMode):
             for obj in gc.get_objects():
                 if isinstance(obj, torch.Tensor):
                     s = _storage(obj)
-                    if s is not None:
-                        self._add(obj, known.get(_key(s), "other"))
+                    if s is None:
+                        continue
+                    earlier = (ignore or {}).get(_key(s))
+                    if _key(s) not in known and earlier is not None and earlier() is s:
+                        continue  # alive before this run began (`storages_now`): not its memory
+                    self._add(obj, known.get(_key(s), "other"))
         self._sample()
 
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -306,6 +312,23 @@ def collective_kind(op_name: str) -> str | None:
     return _KINDS.get(base.rstrip("_"))
 
 
+def storages_now() -> dict[int, Any]:
+    """Every tensor storage Python can reach now (after a collection), by key, as weak references:
+    what a process held before a run began (earlier runs' leftovers in a process that runs
+    several), for `track_memory(ignore=...)`. A weak reference, not the key alone: a storage freed
+    since and its key reused by a new one is not mistaken for it."""
+    gc.collect()
+    out: dict[int, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                s = _storage(obj)
+                if s is not None:
+                    out.setdefault(_key(s), weakref.ref(s))
+    return out
+
+
 def pipeline_buffers(stages: Sequence[Any]) -> Callable[[], list[torch.Tensor]]:
     """What torch.distributed.pipelining's `stages` hold as runtime buffers at the moment it is
     called: every micro-batch's receive buffers (inputs, gradients of outputs), the outputs kept
@@ -328,18 +351,20 @@ def pipeline_buffers(stages: Sequence[Any]) -> Callable[[], list[torch.Tensor]]:
 
 @contextmanager
 def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict[str, float] | None = None,
-                 device: torch.device | None = None, held: Callable[[], Iterable[torch.Tensor]] | None = None
-                 ) -> Iterator[MemoryTracker]:
+                 device: torch.device | None = None, held: Callable[[], Iterable[torch.Tensor]] | None = None,
+                 ignore: dict[int, Any] | None = None) -> Iterator[MemoryTracker]:
     """Account every tensor during the `with` body; set `tracker.phase = "optimizer"` around the
     optimizer step. On a CUDA `device` the allocator's peak is reset first and read after.
-    `held`: the runtime's buffers at any moment (`pipeline_buffers`), filed as `buffers`."""
+    `held`: the runtime's buffers at any moment (`pipeline_buffers`), filed as `buffers`;
+    `ignore` (`storages_now()` taken before the run began): storages alive then that are none of
+    the modules' and optimizer's are left out."""
     cuda = device is not None and device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     mods = list(modules)
     gc.collect()
-    tracker = MemoryTracker(roles(mods, optimizer), extra, mods, held)
+    tracker = MemoryTracker(roles(mods, optimizer), extra, mods, held, ignore)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         tracker.mark_saved(t)
