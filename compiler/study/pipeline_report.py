@@ -102,6 +102,7 @@ def plot_schedules(data: dict[str, Any], path: Any) -> None:
             ranks = [r["rank"] for r in p["ranks"]]
             ax2.plot(ranks, _rank_peaks(p, "measured_peak_memory_bytes"), "o-", color=colour, label=f"{_name(plan)} measured")
             ax2.plot(ranks, _rank_peaks(p, "predicted_peak_memory_bytes"), "x--", color=colour, label="predicted")
+        ax2.set_xticks([r["rank"] for r in group[0][1]["ranks"]])
         ax2.set_xlabel("pp rank")
         ax2.set_ylabel("peak memory (MiB)")
         ax2.set_title("peak memory per rank (solid: measured, dashed: predicted)", fontsize=8)
