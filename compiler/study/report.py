@@ -343,7 +343,9 @@ METHOD = """\
   (activations, via saved-tensor hooks), collective buffers (plus DDP's C++ gradient buckets from its
   own log; a bucket written by an op is counted once), model buffers and other (activation and weight
   gradients and temporaries of backward, recomputed activations, which the model calls working and
-  recompute_working). Weights FSDP gathers are buffers. The peak is the largest live total after any op.
+  recompute_working). Weights FSDP gathers are buffers; torch.distributed.pipelining's receive buffers
+  and the stage outputs it keeps are buffers (as the model counts them). Storages the worker held before
+  the plan began (earlier plans' leftovers) are not counted. The peak is the largest live total after any op.
 - Predictions: `shardc.cost.estimate` on the same plan (the plan's stage split and DDP bucket size passed
   as model inputs), on the calibrated `local` profile for that process count; nothing fitted per plan.
   On a CPU the profile holds eager costs measured by `shardc calibrate` (`calibrate_ops`): per op
