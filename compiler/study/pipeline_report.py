@@ -19,6 +19,9 @@ from typing import Any
 
 from shardc.plan.parallel import ParallelPlan
 from shardc.study.plans import parse_study_plan
+from shardc.study.plotting import legend as _legend
+from shardc.study.plotting import pyplot as _plt
+from shardc.study.plotting import save as _save
 
 MiB = 2**20
 
@@ -77,8 +80,6 @@ def _rank_peaks(p: dict[str, Any], key: str) -> list[float]:
 
 
 def plot_schedules(data: dict[str, Any], path: Any) -> None:
-    from shardc.study.report import _legend, _plt, _save
-
     plt = _plt()
     groups = schedule_groups(data)
     fig, axes = plt.subplots(max(1, len(groups)), 2, figsize=(12, 4.5 * max(1, len(groups))), squeeze=False)
@@ -115,8 +116,6 @@ def plot_schedules(data: dict[str, Any], path: Any) -> None:
 
 
 def plot_p2p(data: dict[str, Any], path: Any) -> None:
-    from shardc.study.report import _legend, _plt, _save
-
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, group in enumerate(p2p_groups(data)):

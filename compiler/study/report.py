@@ -22,29 +22,11 @@ from shardc.study import pipeline_report
 from shardc.study.compare import summary as make_summary
 from shardc.study.findings import findings, pure
 from shardc.study.plans import label
+from shardc.study.plotting import legend as _legend
+from shardc.study.plotting import pyplot as _plt
+from shardc.study.plotting import save as _save
 
 MiB = 2**20
-
-
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _legend(ax: Any) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-
-
-def _save(plt: Any, fig: Any, path: Path) -> None:
-    """Lay out, write and close one figure (every plot of the report ends so)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
