@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", default="2,4", help="process counts, e.g. 2 or 2,4")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--plans", metavar="FILE", help="a file with one plan per line")
-    group.add_argument("--sweep", metavar="KEYS", help="vary these plan keys, e.g. dp,tp,pp,zero,recompute,mb")
+    group.add_argument("--sweep", metavar="KEYS", help="vary these plan keys, e.g. dp,tp,pp,zero,recompute,mb; or `pipeline`: "
+                       "pp vs dp, stage splits, schedules and p2p block size")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--cluster", default=None, metavar="PRESET",
                    help="--device cuda: the GPU preset to predict on (default: the visible GPU's, e.g. H200)")

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import ClassVar
 
 from shardc.analysis.dims import model_dims
@@ -96,6 +97,11 @@ class _Planner:
     mesh: Mesh
     roles: Roles
     vocab: int | None
+
+    @cached_property
+    def users(self) -> dict[Value, list[Node]]:
+        """Who reads each value: partitioning annotates nodes and never rewires them, so once."""
+        return self.graph.users()
 
     @property
     def sequence_parallel(self) -> bool:
@@ -167,7 +173,7 @@ class _Planner:
             p = (x.layout or Layout()).on(Axis.TP)
             if isinstance(p, Shard) and p.dim == x.type.rank - 1 and p.interleave == 1:
                 return "k", 1
-            return "n", _equal_split_readers(self.graph, node)
+            return "n", _equal_split_readers(self.users, node)
         if node.op == "embedding" and node.inputs[1].kind == "parameter" and derives_from_input(self.graph,
                                                                                                node.inputs[0]):
             return "v", 1
@@ -208,12 +214,13 @@ def _query_dim(space: IterationSpace, ring: str) -> str | None:
     return None
 
 
-def _equal_split_readers(graph: Graph, node: Node) -> int:
+def _equal_split_readers(users: dict[Value, list[Node]], node: Node) -> int:
     """k when the node's output reaches a split of its last dim into k equal pieces (directly, or
-    through elementwise ops and views that keep the last dim: a bias add, a reshape), else 1."""
+    through elementwise ops and views that keep the last dim: a bias add, a reshape), else 1.
+    `users`: the graph's readers of each value (`Graph.users`)."""
     out = node.outputs[0]
     for _ in range(8):
-        readers = [n for n in graph.nodes if any(v is out for v in n.inputs)]
+        readers = users.get(out, [])
         for reader in readers:
             dim, sizes = reader.attrs.get("dim", 0), reader.attrs.get("sizes", ())
             if reader.op == "split" and reader.inputs[0] is out and dim in (-1, out.type.rank - 1) \

@@ -8,6 +8,8 @@ Several cases share one spawned process group, to keep the suite fast.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -127,7 +129,10 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, object, str]]) -> li
     return results
 
 
+@functools.cache
 def reference(spec: str, meta: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process trained STEPS steps on `spec`: deterministic, so computed once per suite run
+    for every plan compared with it (callers only read it)."""
     torch.use_deterministic_algorithms(True)
     model, inputs, _ = build(spec)
     if meta:

@@ -11,6 +11,7 @@ import statistics
 from typing import Any
 
 from shardc.plan.parallel import ParallelPlan
+from shardc.study.pipeline_report import findings as pipeline_findings
 from shardc.study.plans import label, parse_study_plan
 
 MiB = 2**20
@@ -92,8 +93,9 @@ def partition(data: dict[str, Any]) -> str:
             f"- The unbalanced partition split={'+'.join(map(str, bad['split']))} {verdict} the total memory: "
             f"summed over stages {tb / MiB:.2f} MiB vs {tg / MiB:.2f} MiB balanced ({(tb / tg - 1):+.0%}; "
             f"predicted {pred_b / MiB:.2f} vs {pred_g / MiB:.2f} MiB), largest stage {mb / MiB:.2f} vs "
-            f"{mg / MiB:.2f} MiB. Under 1F1B stage i keeps p-i micro-batches in flight, so moving blocks "
-            f"to the first stage multiplies their activations by more. Step time "
+            f"{mg / MiB:.2f} MiB. Under 1F1B stage i keeps p-i micro-batches in flight, so blocks moved "
+            + ("to the first stage have their activations held more times. " if bad["split"][0] == max(bad["split"])
+               else "towards the last stage have their activations held fewer times. ") + "Step time "
             f"{_ms(bad['measured_step_time_s'])} vs {_ms(good['measured_step_time_s'])} balanced.")
     return "\n".join(lines) or "- Not measured: no pipelined plan with a split= beside its balanced twin."
 
@@ -214,6 +216,7 @@ def findings(data: dict[str, Any], summary: dict[str, Any]) -> str:
         "### Pipeline vs data parallelism\n" + pp_vs_dp(data),
         "### Stage partition and total memory\n" + partition(data),
         "### Block size and waiting\n" + block_size(data),
+        *pipeline_findings(data),
         "### How far the model is off\n" + accuracy(data, summary),
     ])
 

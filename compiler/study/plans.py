@@ -10,6 +10,8 @@ trains in the model's own dtype, so study plans default to `dtype=fp32`; `mb` de
 whole per-replica batch when there is no pipeline (no gradient accumulation) and to a
 quarter of it with a pipeline (4 micro-batches), unless written.
 
+`--sweep pipeline` runs the pipeline study (`pipeline_sweep`: pp vs dp, stage splits,
+schedules, point-to-point block size), filtered by `validate-plan` like the default sweep.
 `--sweep dp,tp,pp,zero,recompute,mb` varies the named keys one at a time around a base plan
 for every factorisation of the process count into the named degrees (dp, tp, pp) that the
 model allows: zero over 0/1/3 where dp > 1, recompute over none/selective/full, mb over
@@ -29,6 +31,7 @@ from shardc.plan.parallel import ParallelPlan
 
 STUDY_KEYS = ("split", "bucket_mb", "plan_file")
 SWEEP_KEYS = ("dp", "tp", "pp", "zero", "recompute", "mb")
+PIPELINE_SWEEP = "pipeline"  # `--sweep pipeline`: `pipeline_sweep`, not keys varied one at a time
 
 DEFAULT_MODEL = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
 
@@ -171,6 +174,31 @@ def default_sweep(n: int, batch: int, layers: int) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def pipeline_sweep(n: int, batch: int, layers: int) -> list[str]:
+    """`--sweep pipeline`'s candidates for `n` processes (n > 1), before validation (the study
+    drops those the `validate-plan` pass refuses, listing why): the seed's pipeline findings
+    measured beside their predictions. pp vs dp at equal devices (`dp=n` and `pp=n`);
+    balanced vs unbalanced stage splits (all but one block per later stage on the first, then
+    on the last); the schedules at the same micro-batches (1F1B, GPipe, and with two virtual
+    stages per device interleaved 1F1B, interleaved zero bubble, ZB-V and DualPipeV); and
+    the point-to-point block size: the same pipeline at every micro-batch size dividing the
+    batch (each size is one stage-to-stage message; fewer, larger blocks leave less waiting
+    per byte but a longer fill and drain). The base micro-batch is the batch over 2*pp."""
+    if n < 2:
+        return []
+    mb = max(1, batch // (2 * n))
+    base = f"pp={n},mb={mb}"
+    out = ([f"dp={n},mb={batch // n}"] if batch % n == 0 else []) + [base]
+    if layers > n:
+        heavy = layers - n + 1
+        out += [f"{base},split=" + "+".join(map(str, [heavy] + [1] * (n - 1))),
+                f"{base},split=" + "+".join(map(str, [1] * (n - 1) + [heavy]))]
+    out.append(f"{base},schedule=gpipe")
+    out += [f"{base},vpp=2,schedule={s}" for s in ("interleaved", "interleaved-zb", "zbv", "dualpipev")]
+    out += [f"pp={n},mb={m}" for m in range(1, batch + 1) if batch % m == 0 and m != mb]
+    return list(dict.fromkeys(out))
+
+
 def read_plans_file(path: str | Path) -> list[str]:
     """One plan a line; blank lines and `#` comments skipped."""
     p = Path(path)
@@ -196,7 +224,7 @@ def sweep_plans(keys: Iterable[str], nprocs: Sequence[int], batch: int) -> list[
     unknown = [k for k in keys if k not in SWEEP_KEYS]
     if unknown:
         raise ShardcError(f"--sweep {','.join(keys)}: unknown key(s) {', '.join(unknown)}; sweepable keys: "
-                          + ", ".join(SWEEP_KEYS))
+                          + ", ".join(SWEEP_KEYS) + f", or --sweep {PIPELINE_SWEEP} alone (the pipeline study)")
     degrees = [k for k in ("dp", "tp", "pp") if k in keys] or ["dp"]
     out: list[str] = []
     for n in nprocs:

@@ -6,7 +6,8 @@ memory of pipelined plans (balanced and unbalanced partitions side by side);
 `block_size.png` all_reduce time and bus bandwidth by message size, and step time by DDP
 bucket size; `parallelism.png` DP vs PP vs TP step time and memory at equal process counts;
 `time_breakdown.png` where each plan's measured step goes (compute, exposed communication,
-waiting, other).
+waiting, other); `pipeline_schedules.png` and `p2p_block.png` the pipeline study's schedules and
+point-to-point block sizes (`shardc.study.pipeline_report`).
 """
 
 from __future__ import annotations
@@ -17,32 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from shardc.backends.torch.launch import write_json
+from shardc.study import pipeline_report
 from shardc.study.compare import summary as make_summary
 from shardc.study.findings import findings, pure
 from shardc.study.plans import label
+from shardc.study.plotting import legend as _legend
+from shardc.study.plotting import pyplot as _plt
+from shardc.study.plotting import save as _save
 
 MiB = 2**20
-
-
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _legend(ax: Any) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-
-
-def _save(plt: Any, fig: Any, path: Path) -> None:
-    """Lay out, write and close one figure (every plot of the report ends so)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _ok(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -92,6 +76,9 @@ def plot_memory(data: dict[str, Any], path: Path) -> None:
 def plot_pipeline_memory(data: dict[str, Any], path: Path) -> None:
     plt = _plt()
     piped = [p for p in _ok(data) if p["predicted"].get("stages") and len(p["predicted"]["stages"]) > 1]
+    splits = {(p["nproc"], p["plan"].split(",split=")[0]) for p in piped if p.get("split")}
+    if splits:  # a pipeline sweep: the split plans and their balanced twins, not every schedule and mb
+        piped = [p for p in piped if (p["nproc"], p["plan"].split(",split=")[0]) in splits]
     fig, axes = plt.subplots(1, max(1, len(piped)), figsize=(3.2 * max(1, len(piped)) + 1, 4.5), squeeze=False)
     for ax, p in zip(axes[0], piped):
         stages = sorted({r["stage"] for r in p["ranks"]})
@@ -187,7 +174,8 @@ def plot_breakdown(data: dict[str, Any], path: Path) -> None:
 
 PLOTS = {"time.png": plot_time, "memory.png": plot_memory, "pipeline_memory.png": plot_pipeline_memory,
          "block_size.png": plot_block_size, "parallelism.png": plot_parallelism,
-         "time_breakdown.png": plot_breakdown}
+         "time_breakdown.png": plot_breakdown, "pipeline_schedules.png": pipeline_report.plot_schedules,
+         "p2p_block.png": pipeline_report.plot_p2p}
 
 
 def _pct(x: float | None) -> str:
@@ -337,7 +325,9 @@ METHOD = """\
   (activations, via saved-tensor hooks), collective buffers (plus DDP's C++ gradient buckets from its
   own log; a bucket written by an op is counted once), model buffers and other (activation and weight
   gradients and temporaries of backward, recomputed activations, which the model calls working and
-  recompute_working). Weights FSDP gathers are buffers. The peak is the largest live total after any op.
+  recompute_working). Weights FSDP gathers are buffers; torch.distributed.pipelining's receive buffers
+  and the stage outputs it keeps are buffers (as the model counts them). Storages the worker held before
+  the plan began (earlier plans' leftovers) are not counted. The peak is the largest live total after any op.
 - Predictions: `shardc.cost.estimate` on the same plan (the plan's stage split and DDP bucket size passed
   as model inputs), on the calibrated `local` profile for that process count; nothing fitted per plan.
   On a CPU the profile holds eager costs measured by `shardc calibrate` (`calibrate_ops`): per op

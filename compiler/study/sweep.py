@@ -1,7 +1,8 @@
 """`shardc study`: run every plan of a sweep for real, predict it, compare, report.
 
 Order of work: the plans (a file's, a `--sweep`, or the default sweep: candidates for this
-model and cluster filtered by the `validate-plan` pass, plus the solver's plan file); every
+model and cluster filtered by the `validate-plan` pass, plus the solver's plan file; `--sweep
+pipeline` is filtered the same way, without the solver's plan); every
 plan is predicted before the first one is launched, and that before-run prediction is the
 headline. For each one not already in `DIR/results.json` (a resumed study keeps what it has),
 partition it once through the driver (`shardc.study.predict`: the study pipeline up to its
@@ -25,14 +26,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from shardc.driver import Flags, Source, open_model
 from shardc.ir.diagnostics import ShardcError
-from shardc.study.plans import StudyPlan, default_sweep, parse_study_plan, read_plans_file, sweep_plans
+from shardc.study.plans import (
+    PIPELINE_SWEEP,
+    StudyPlan,
+    default_sweep,
+    parse_study_plan,
+    pipeline_sweep,
+    read_plans_file,
+    sweep_plans,
+)
 from shardc.study.predict import (
     model_layers,
     partition,
@@ -166,7 +175,9 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     store = ResultsStore(out / "results.json", {"model": model_spec, "device": device, "steps": steps,
                                                 "warmup": warmup})
     store.data.update(rounds=rounds, seed=seed)
-    if plans_file or sweep:
+    if sweep is not None and sweep.strip().lower() == PIPELINE_SWEEP and not plans_file:
+        texts = default_texts(study, nprocs, out, store, False, pipeline_sweep)
+    elif plans_file or sweep:
         texts = plan_texts(nprocs, plans_file, sweep, int(source.inputs[0].shape[0]))
     else:
         texts = default_texts(study, nprocs, out, store, solver)
@@ -239,9 +250,11 @@ def plan_texts(nprocs: list[int], plans_file: str | None, sweep: str | None, bat
     return sweep_plans((sweep or "dp").split(","), nprocs, batch)
 
 
-def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStore, solver: bool) -> list[str]:
+def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStore, solver: bool,
+                  candidates: Callable[[int, int, int], list[str]] = default_sweep) -> list[str]:
     """The default sweep for this model and these process counts: `plans.default_sweep`'s
-    candidates that the `validate-plan` pass accepts on the study's cluster (the others are
+    candidates (or `candidates`': `plans.pipeline_sweep` for `--sweep pipeline`) that the
+    `validate-plan` pass accepts on the study's cluster (the others are
     listed in results.json's `left_out` with the pass's reason), then the solver's plan for each
     process count (`shardc plan` on the same cluster, written to `out/solver-N.plan` and run
     from that file). A solver that fails is recorded as a failed plan, with its message."""
@@ -251,7 +264,7 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
     left: list[dict[str, str]] = []
     grouped: dict[int | None, Any] = {}
     for n in nprocs:
-        for text in default_sweep(n, batch, layers):
+        for text in candidates(n, batch, layers):
             problem = validation_problem(study.source, parse_study_plan(text, batch), study.cluster_for(n), grouped)
             if problem is None:
                 texts.append(text)

@@ -114,11 +114,16 @@ def allreduce_sizes(rank: int, world: int, job: dict[str, Any], device: torch.de
 
 def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | None = None) -> dict[str, Any]:
     """The plan trained by `shardc.train.train` with the study's probe and profiler (see the module doc)."""
+    from shardc.train.memory import storages_now
+
     device = device or torch.device("cpu")
+    # What the process holds before this plan (the jobs' compiled plans, leftovers of the plans
+    # run before it in this group) is not this plan's memory.
+    before = storages_now()
     hooks = _StudyHooks(job, device)
     build = parallelized if job.get("runtime", "shardc") == "shardc" else _ddp_with_bucket(job)
     options = TrainOptions(steps=job["steps"], warmup=job["warmup"], lr=1e-4, seed=job.get("seed", 0))
-    report = train(job["compiled"], job["model"], options, device=device, build=build, hooks=hooks)
+    report = train(job["compiled"], job["model"], options, device=device, build=build, hooks=hooks, before=before)
     return {"step_times_s": list(report.step_times_s), "median_step_s": report.median_step_s,
             "losses": list(report.losses), "cpu_step_times_s": list(report.cpu_step_times_s),
             "speed_probe_s": hooks.probes, "speed_reference_s": hooks.reference, "profile": hooks.profile,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardc.backends.torch.precision import scaled_step, scaler_of
-from shardc.train.memory import ddp_bucket_bytes, track_memory
+from shardc.train.memory import ddp_bucket_bytes, pipeline_buffers, track_memory
 
 if TYPE_CHECKING:
     from shardc.api import CompiledPlan
@@ -234,9 +234,12 @@ def _session(compiled: CompiledPlan, spec: str, options: TrainOptions, device: t
 
 
 def train(compiled: CompiledPlan, spec: str, options: TrainOptions, *, device: torch.device | None = None,
-          build: Build = parallelized, hooks: Hooks | None = None) -> RankReport:
+          build: Build = parallelized, hooks: Hooks | None = None,
+          before: dict[int, Any] | None = None) -> RankReport:
     """Train the model `spec` names under `compiled` on this rank of the current process group
-    (see the module doc); `build` makes this rank's module (default: the plan's runtime)."""
+    (see the module doc); `build` makes this rank's module (default: the plan's runtime).
+    `before` (`memory.storages_now()` taken before this run): storages the process held then
+    are not this run's memory (a process that ran other plans first)."""
     device = device or torch.device("cpu")
     hooks = hooks or Hooks()
     session = _session(compiled, spec, options, device, build)
@@ -257,7 +260,7 @@ def train(compiled: CompiledPlan, spec: str, options: TrainOptions, *, device: t
         synchronize(device)
 
     hooks.after_steps(one_more_step)
-    memory, collectives = _tracked_step(session, session.batch(index + 1))
+    memory, collectives = _tracked_step(session, session.batch(index + 1), before)
     return RankReport(rank=dist.get_rank(), backend=str(dist.get_backend()), device=str(device),
                       losses=_global_means(losses, device), step_times_s=tuple(times["wall"]),
                       cpu_step_times_s=tuple(times["cpu"]), gpu_step_times_s=tuple(times["gpu"]),
@@ -285,13 +288,16 @@ def _timed_step(session: _Session, batch: Sequence[Any], times: dict[str, list[f
     return loss
 
 
-def _tracked_step(session: _Session, batch: Sequence[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _tracked_step(session: _Session, batch: Sequence[Any], before: dict[int, Any] | None = None
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One step under the memory tracker: (its `result()`, the collectives it ran)."""
     module = session.trainee.module
     # DDP's gradient buckets live in C++: their size comes from DDP's log (a pipeline: DDP per stage).
     wrappers = [stage.submod for stage in getattr(module, "stages", [])] or [module]
     extra = {"buffers": float(sum(ddp_bucket_bytes(m) for m in wrappers))}
-    with track_memory([module], session.optimizer, extra, session.device) as tracker:
+    stages = getattr(module, "stages", None)
+    held = pipeline_buffers(stages) if stages else None
+    with track_memory([module], session.optimizer, extra, session.device, held, before) as tracker:
         session.step(batch, tracker)
     return tracker.result(), tracker.collectives
 

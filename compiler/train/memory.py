@@ -19,7 +19,16 @@ measured peak, the difference filed as `allocator_extra`.
   exists before the measured step (it follows the first step) and is counted as `optimizer`.
   A `weakref.finalize` on the storage takes it off the books when it is freed. Storages are
   re-measured after every op, so in-place `resize_` (FSDP2's gather buffers) is seen too.
-  Storages are told apart by their StorageImpl, not their data pointer.
+  Storages are told apart by their StorageImpl, not their data pointer. Storages alive before
+  the run began (`storages_now`: a study worker runs many plans in one process, and their
+  leftovers are not this plan's memory) are left out unless they are the run's own state.
+- A pipeline's runtime buffers, as the cost model defines them (`shardc.cost.peak`): the
+  receive buffers torch.distributed.pipelining keeps per micro-batch (a stage's inputs and the
+  gradients of its outputs), the stage outputs it keeps until their backward (`fwd_cache`) and
+  the last stage's outputs it keeps to the step's end (`output_chunks`) are `buffers` whatever
+  else happens to them: a receive buffer the stage's first op saves for backward stays a
+  buffer, not an activation, and stays one after that backward (`pipeline_buffers`, re-read
+  after every op).
 - The peak is the largest total of live bytes after any op; its breakdown by role is kept,
   and the largest bytes each role reached on its own.
 
@@ -32,7 +41,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -112,9 +121,12 @@ class MemoryTracker(TorchDispatchMode):
     """Live tensor bytes by category during one step (see the module docstring)."""
 
     def __init__(self, known: dict[int, str], extra: dict[str, float] | None = None,
-                 modules: Iterable[torch.nn.Module] = ()) -> None:
+                 modules: Iterable[torch.nn.Module] = (), held: Callable[[], Iterable[torch.Tensor]] | None = None,
+                 ignore: dict[int, Any] | None = None) -> None:
         super().__init__()
         self.modules = list(modules)
+        self.held = held  # the runtime's buffers now (`pipeline_buffers`): filed `buffers` at every sample
+        self.held_keys: set[int] = set()
         self.live: dict[int, tuple[Any, str]] = {}
         self.phase = "forward"
         self.extra = dict(extra or {})
@@ -129,8 +141,12 @@ class MemoryTracker(TorchDispatchMode):
             for obj in gc.get_objects():
                 if isinstance(obj, torch.Tensor):
                     s = _storage(obj)
-                    if s is not None:
-                        self._add(obj, known.get(_key(s), "other"))
+                    if s is None:
+                        continue
+                    earlier = (ignore or {}).get(_key(s))
+                    if _key(s) not in known and earlier is not None and earlier() is s:
+                        continue  # alive before this run began (`storages_now`): not its memory
+                    self._add(obj, known.get(_key(s), "other"))
         self._sample()
 
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -150,6 +166,8 @@ class MemoryTracker(TorchDispatchMode):
         if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
             return
         s = _storage(t)
+        if s is not None and _key(s) in self.held_keys:
+            return  # a pipeline's receive buffer saved by the stage's first op: still the runtime's buffer
         if s is not None and _key(s) in self._parameter_storages():
             self._reclassify(t, ("other",), "buffers")
         elif s is not None and _key(s) in self.casts:
@@ -175,6 +193,14 @@ class MemoryTracker(TorchDispatchMode):
             self.live[_key(s)] = (entry[0], new)
 
     def _sample(self) -> None:
+        if self.held is not None:
+            self.held_keys = set()
+            for t in self.held():
+                s = _storage(t)
+                if s is not None:
+                    self._add(t, "buffers")
+                    self.live[_key(s)] = (self.live[_key(s)][0], "buffers")
+                    self.held_keys.add(_key(s))
         totals = dict.fromkeys(CATEGORIES, 0.0)
         for ref, cat in list(self.live.values()):
             s = ref()
@@ -286,18 +312,59 @@ def collective_kind(op_name: str) -> str | None:
     return _KINDS.get(base.rstrip("_"))
 
 
+def storages_now() -> dict[int, Any]:
+    """Every tensor storage Python can reach now (after a collection), by key, as weak references:
+    what a process held before a run began (earlier runs' leftovers in a process that runs
+    several), for `track_memory(ignore=...)`. A weak reference, not the key alone: a storage freed
+    since and its key reused by a new one is not mistaken for it."""
+    gc.collect()
+    out: dict[int, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                s = _storage(obj)
+                if s is not None:
+                    out.setdefault(_key(s), weakref.ref(s))
+    return out
+
+
+def pipeline_buffers(stages: Sequence[Any]) -> Callable[[], list[torch.Tensor]]:
+    """What torch.distributed.pipelining's `stages` hold as runtime buffers at the moment it is
+    called: every micro-batch's receive buffers (inputs, gradients of outputs), the outputs kept
+    for backward (`fwd_cache`, the outputs only: its inputs are the receive buffers or the batch)
+    and the outputs kept to the step's end (`output_chunks`)."""
+
+    def held() -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for stage in stages:
+            for infos in (*getattr(stage, "args_recv_info", {}).values(),
+                          *getattr(stage, "grad_recv_info", {}).values()):
+                out += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+            for cached in getattr(stage, "fwd_cache", {}).values():
+                out += list(_tensors(cached[0]))
+            out += list(_tensors(getattr(stage, "output_chunks", [])))
+        return out
+
+    return held
+
+
 @contextmanager
 def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict[str, float] | None = None,
-                 device: torch.device | None = None) -> Iterator[MemoryTracker]:
+                 device: torch.device | None = None, held: Callable[[], Iterable[torch.Tensor]] | None = None,
+                 ignore: dict[int, Any] | None = None) -> Iterator[MemoryTracker]:
     """Account every tensor during the `with` body; set `tracker.phase = "optimizer"` around the
-    optimizer step. On a CUDA `device` the allocator's peak is reset first and read after."""
+    optimizer step. On a CUDA `device` the allocator's peak is reset first and read after.
+    `held`: the runtime's buffers at any moment (`pipeline_buffers`), filed as `buffers`;
+    `ignore` (`storages_now()` taken before the run began): storages alive then that are none of
+    the modules' and optimizer's are left out."""
     cuda = device is not None and device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     mods = list(modules)
     gc.collect()
-    tracker = MemoryTracker(roles(mods, optimizer), extra, mods)
+    tracker = MemoryTracker(roles(mods, optimizer), extra, mods, held, ignore)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         tracker.mark_saved(t)
