@@ -1,0 +1,153 @@
+"""The solver's search of pipeline schedules and stage boundaries: zero-bubble schedules, their
+virtual stages, and stages of unequal block counts.
+
+The CP-SAT model (`shardc.search.constraints`) prices 1F1B on one model chunk per device; the
+schedules it does not model are searched here, by the same `evaluate` as every plan (the cost
+model's composition: the schedule simulated in torch's own order with the backward split into
+input- and weight-gradient passes, the activations in flight per device under that schedule,
+the embedding, head and loss on the stages that hold them), so the objective sees per-stage
+time and per-stage memory. Rules:
+- Shapes (`schedule_shapes`): every pipelined shape of Megatron's schedules (pp > 1, vpp = 1,
+  one tensor axis) is also offered under torch's zero-bubble schedules: `zbv` and `dualpipev`
+  with vpp = 2 (a V of 2pp virtual stages), `interleaved-zb` with vpp = 1..`MAX_VPP`; each
+  virtual stage needs a block. Micro-batch counts torch's schedule refuses
+  (`shardc.plan.parallel.microbatch_problem`) are not offered. They run without ZeRO (the torch
+  backend runs them under DDP-style data parallelism), so only ZeRO 0 is searched.
+- Candidate vectors: as for interleaved shapes (`shardc.search.interleave`): the grid's Megatron
+  layouts on the shape and the solver's best vectors of the shape with Megatron's schedule and
+  no interleaving; every virtual stage runs the vector.
+- Stages (`rebalance`): from the even split (`stage_sizes`) with one recomputation for every
+  block (each tried), a local search moves one block between neighbouring virtual stages, or
+  changes one block's recomputation by one step (none <-> selective <-> full) on one stage,
+  taking the best move while it lowers (overflow beyond the limit, step time), every virtual
+  stage keeping a block; so the stages holding the embedding, head and loss, or more
+  micro-batches in flight, end up with fewer blocks where that pays. Interleaved 1F1B plans are
+  rebalanced alike (`search_schedules`), so the two families are compared on equal terms.
+- Bounded: no new evaluation starts past the deadline (the outer search gives these a share of
+  `--time-limit` on the wall clock); problems are visited by lower bound while it beats the
+  best step time so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from shardc.analysis.stages import stage_sizes
+from shardc.plan.parallel import ZB_SCHEDULES, microbatch_problem
+from shardc.search.evaluate import Assignment, Evaluation, evaluate
+from shardc.search.grid import layouts
+from shardc.search.interleave import SOLVED_VECTORS
+from shardc.search.problem import MeshShape, Problem
+
+MAX_ROUNDS = 64  # local-search moves per start point (each round evaluates every neighbour)
+
+
+def schedule_shapes(shapes: list[MeshShape], layers: int, max_vpp: int) -> list[MeshShape]:
+    """The zero-bubble variants of `shapes` (see the module rule), in the order of `shapes`."""
+    out = []
+    for s in shapes:
+        if s.pp <= 1 or s.vpp != 1 or s.schedule or s.tq != 1:
+            continue
+        variants = [("zbv", 2), ("dualpipev", 2)] + [("interleaved-zb", v) for v in range(1, max_vpp + 1)]
+        out += [dataclasses.replace(s, vpp=v, schedule=name) for name, v in variants if s.pp * v <= layers]
+    return out
+
+
+def admissible(problem: Problem) -> bool:
+    """Whether torch's schedule of the problem's shape runs its micro-batch count."""
+    return microbatch_problem(problem.shape.plan(problem.mb, problem.gbs), problem.micro_batches) is None
+
+
+def _key(ev: Evaluation, limit: float) -> tuple[float, float]:
+    return (max(0.0, ev.memory_per_device_bytes - limit), ev.step_time_s)
+
+
+def _neighbours(stages: tuple[tuple[int, int, int], ...]) -> list[tuple[tuple[int, int, int], ...]]:
+    """One block moved between neighbouring virtual stages (of the same recomputation), or one
+    block's recomputation moved one step, every stage keeping a block."""
+    out = []
+    rows = [list(r) for r in stages]
+    for s in range(len(rows)):
+        for t in (s - 1, s + 1):
+            if not 0 <= t < len(rows) or sum(rows[s]) <= 1:
+                continue
+            for r in range(3):
+                if rows[s][r]:
+                    new = [row[:] for row in rows]
+                    new[s][r] -= 1
+                    new[t][r] += 1
+                    out.append(tuple(tuple(x) for x in new))
+        for r, q in ((0, 1), (1, 2), (1, 0), (2, 1)):
+            if rows[s][r]:
+                new = [row[:] for row in rows]
+                new[s][r] -= 1
+                new[s][q] += 1
+                out.append(tuple(tuple(x) for x in new))
+    return list(dict.fromkeys(out))  # type: ignore[arg-type]
+
+
+def rebalance(problem: Problem, a: Assignment, limit: float, deadline: float = float("inf")
+              ) -> tuple[Assignment, Evaluation]:
+    """The local search of the module rule from `a` (its vector and ZeRO stage kept): the best
+    point reached, by (memory overflow beyond `limit`, step time)."""
+    best_a, best_ev = a, evaluate(problem, a, limit)
+    for _ in range(MAX_ROUNDS):
+        step = None
+        for stages in _neighbours(best_a.stages):
+            if time.perf_counter() > deadline:
+                return best_a, best_ev
+            cand = dataclasses.replace(best_a, stages=stages)
+            ev = evaluate(problem, cand, limit)
+            if _key(ev, limit) < _key(step[1] if step else best_ev, limit):
+                step = (cand, ev)
+        if step is None or _key(step[1], limit) >= _key(best_ev, limit):
+            break
+        best_a, best_ev = step
+    return best_a, best_ev
+
+
+def search_problem(problem: Problem, vectors: list[tuple[int, ...]], limit: float, zero: int = 0,
+                   deadline: float = float("inf")) -> tuple[Assignment, Evaluation] | None:
+    """The best fitting point of `problem` from `vectors` (see the module rule), None when none fits."""
+    sizes = stage_sizes(problem.layers, problem.shape.stages)
+    if min(sizes) < 1:
+        return None
+    starts = []
+    for vec in dict.fromkeys(vectors):
+        for r in range(3):
+            if time.perf_counter() > deadline:
+                break
+            stages = tuple(tuple(n if i == r else 0 for i in range(3)) for n in sizes)
+            a = Assignment(vec, stages, zero)  # type: ignore[arg-type]
+            starts.append((a, evaluate(problem, a, limit)))
+    if not starts:
+        return None
+    a, ev = min(starts, key=lambda x: _key(x[1], limit))
+    a, ev = rebalance(problem, a, limit, deadline)
+    return (a, ev) if ev.fits else None
+
+
+def search_schedules(problems: list[Problem], order: list[int], bounds: list[float],
+                     solved: list[tuple[Problem, Assignment, float]], incumbent: float, limit: float,
+                     deadline: float) -> list[tuple[int, Assignment, Evaluation]]:
+    """The zero-bubble problems among `problems`, visited in `order` while their bound beats the
+    best step time so far and the clock is before `deadline`: (problem index, point, evaluation)
+    for every problem where a point fits. `solved`: (problem, assignment, step time) of the plans
+    found so far; the best of each shape without a schedule gives its vectors."""
+    out = []
+    for i in order:
+        problem = problems[i]
+        if problem.shape.schedule not in ZB_SCHEDULES or bounds[i] >= incumbent or time.perf_counter() > deadline:
+            continue
+        if not admissible(problem):
+            continue
+        flat = dataclasses.replace(problem.shape, vpp=1, schedule="")
+        vectors = [choice for _, choice in layouts(problem)]
+        vectors += [a.choice for p, a, _ in sorted(solved, key=lambda x: x[2])
+                    if p.shape == flat and p.mb == problem.mb][:SOLVED_VECTORS]
+        got = search_problem(problem, vectors, limit, 0, deadline)
+        if got is not None:
+            out.append((i, got[0], got[1]))
+            incumbent = min(incumbent, got[1].step_time_s)
+    return out
