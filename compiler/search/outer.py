@@ -341,7 +341,7 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     if grid is not None and (best is None or grid.step_time_s <= best.step_time_s):
         best = grid
     families: dict[str, Found] = {}
-    if any(f.problem.shape.schedule for f in founds):
+    if schedules:
         for name, zb in zip(FAMILIES, (False, True)):
             mine = [f for f in founds + grids if bool(f.problem.shape.schedule) == zb]
             got = _rescore(mine, cluster, limit, RESCORED)
