@@ -63,9 +63,11 @@ def _key(ev: Evaluation, limit: float) -> tuple[float, float]:
     return (max(0.0, ev.memory_per_device_bytes - limit), ev.step_time_s)
 
 
-def _neighbours(stages: tuple[tuple[int, int, int], ...]) -> list[tuple[tuple[int, int, int], ...]]:
+def _neighbours(stages: tuple[tuple[int, int, int], ...], fits: bool = False
+                ) -> list[tuple[tuple[int, int, int], ...]]:
     """One block moved between neighbouring virtual stages (of the same recomputation), or one
-    block's recomputation moved one step, every stage keeping a block."""
+    block's recomputation moved one step (towards more only while the point does not `fit`:
+    more recomputation of a fitting point only costs time), every stage keeping a block."""
     out = []
     rows = [list(r) for r in stages]
     for s in range(len(rows)):
@@ -79,7 +81,7 @@ def _neighbours(stages: tuple[tuple[int, int, int], ...]) -> list[tuple[tuple[in
                     new[t][r] += 1
                     out.append(tuple(tuple(x) for x in new))
         for r, q in ((0, 1), (1, 2), (1, 0), (2, 1)):
-            if rows[s][r]:
+            if rows[s][r] and not (fits and q > r):
                 new = [row[:] for row in rows]
                 new[s][r] -= 1
                 new[s][q] += 1
@@ -94,7 +96,7 @@ def rebalance(problem: Problem, a: Assignment, limit: float, deadline: float = f
     best_a, best_ev = a, evaluate(problem, a, limit)
     for _ in range(MAX_ROUNDS):
         step = None
-        for stages in _neighbours(best_a.stages):
+        for stages in _neighbours(best_a.stages, best_ev.fits):
             if time.perf_counter() > deadline:
                 return best_a, best_ev
             cand = dataclasses.replace(best_a, stages=stages)
