@@ -63,7 +63,9 @@ def solver_part(time_limit: float, all_shapes: bool) -> None:
         cluster = parse_cluster(cluster_name)
         facts = graph_facts(load(spec, batch=solver_batch(gbs)), cluster)
         chosen = None if all_shapes else [MeshShape(*s) for s in shapes]
-        result = search(facts, cluster, gbs, float(cluster.device.usable_memory_bytes), time_limit, shapes=chosen)
+        # wall_stop=inf: the CP-SAT solves stop by deterministic time, not by a loaded machine's clock
+        result = search(facts, cluster, gbs, float(cluster.device.usable_memory_bytes), time_limit, shapes=chosen,
+                        wall_stop=float("inf"))
         for family in FAMILIES:
             f = result.families.get(family)
             if f is None:
@@ -104,7 +106,7 @@ def paper_part() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=["solver", "paper", "both"], default="both")
-    ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--all-shapes", action="store_true", help="every mesh shape, not Megatron's usual ones")
     args = ap.parse_args()
     if args.part in ("paper", "both"):
