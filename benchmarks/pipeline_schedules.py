@@ -82,11 +82,13 @@ def solver_part(time_limit: float, all_shapes: bool) -> None:
                   f" -> {zb.memory_per_device_bytes / 2**30:.1f} GiB ({time.perf_counter() - t0:.0f} s)")
 
 
-def paper_part() -> None:
+def paper_part(only: str | None = None) -> None:
     print("Qi et al., ICLR 2024, Tables 3-4: gain over 1F1B, measured (ZB-1p, ZB-2p) vs predicted")
     print(f"{'model':6} {'pp':>3} {'m':>4} {'1F1B s':>8} " + " ".join(f"{s + ' s':>17}" for s in PAPER_SCHEDULES)
           + f" {'ZB-1p meas':>10} {'ZB-2p meas':>10} " + " ".join(f"{s + ' pred':>19}" for s in PAPER_SCHEDULES))
     for name, layers, heads, hidden, gpus, mb, measured in PAPER:
+        if only is not None and name != only:
+            continue
         spec = (f"examples/gpt.py:gpt?n_layer={layers}&n_embd={hidden}&n_head={heads}&vocab_size=51200"
                 f"&seq=1024&batch=2&tie=false")
         cluster = f"{gpus // 8}x8xA100-80GB" if gpus > 8 else "8xA100-80GB"
@@ -108,9 +110,10 @@ def main() -> None:
     ap.add_argument("--part", choices=["solver", "paper", "both"], default="both")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--all-shapes", action="store_true", help="every mesh shape, not Megatron's usual ones")
+    ap.add_argument("--model", choices=[row[0] for row in PAPER], help="only this model of the paper's")
     args = ap.parse_args()
     if args.part in ("paper", "both"):
-        paper_part()
+        paper_part(args.model)
     if args.part in ("solver", "both"):
         solver_part(args.time_limit, args.all_shapes)
 

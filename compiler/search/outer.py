@@ -329,7 +329,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         if ev.fits and ev.step_time_s < f.evaluation.step_time_s:
             founds.append(Found(f.problem, a, ev, "solver", "FEASIBLE", 0.0))
             incumbent = min(incumbent, ev.step_time_s)
-    for i, a, ev in search_schedules(problems, by_bound, bounds, solved_plans, incumbent, limit, deadline):
+    seen = solved_plans + [(f.problem, f.assignment, f.evaluation.step_time_s) for f in grids]
+    for i, a, ev in search_schedules(problems, by_bound, bounds, seen, incumbent, limit, deadline):
         founds.append(Found(problems[i], a, ev, "solver", "FEASIBLE", 0.0))
         log.append(f"{problems[i].shape} mb={problems[i].mb}: {ev.step_time_s:.4g}s by the schedule search")
         incumbent = min(incumbent, ev.step_time_s)

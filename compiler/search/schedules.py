@@ -124,12 +124,12 @@ def _recomputing(problem: Problem, vec: tuple[int, ...], zero: int, limit: float
     shape = problem.shape
     schedule = shape.plan(problem.mb, problem.gbs).schedule
     held = [device_stages(d, shape.pp, shape.vpp, schedule) for d in range(shape.pp)]
-    need = []
+    need: list[int] = []
     for d, mine in enumerate(held):
         blocks = sum(sizes[s] for s in mine)
         saving = (plain.stages[d].memory_bytes - redone.stages[d].memory_bytes) / max(1, blocks)
-        over = plain.stages[d].memory_bytes - limit
-        need.append(0 if over <= 0 else blocks if saving <= 0 else min(blocks, math.ceil(over / saving)))
+        excess = plain.stages[d].memory_bytes - limit
+        need.append(0 if excess <= 0 else blocks if saving <= 0 else min(blocks, math.ceil(excess / saving)))
 
     def point(counts: list[int]) -> Assignment:
         rows = [[n, 0, 0] for n in sizes]
@@ -140,7 +140,7 @@ def _recomputing(problem: Problem, vec: tuple[int, ...], zero: int, limit: float
                 rows[st][0] -= k
                 rows[st][r] += k
                 left -= k
-        return Assignment(vec, tuple(tuple(row) for row in rows), zero)  # type: ignore[arg-type]
+        return Assignment(vec, tuple((row[0], row[1], row[2]) for row in rows), zero)
 
     a = point(need)
     ev = evaluate(problem, a, limit)
@@ -202,8 +202,18 @@ def search_schedules(problems: list[Problem], order: list[int], bounds: list[flo
     index, point, evaluation) for every problem where a point fits. `solved`: (problem,
     assignment, step time) of the plans found so far; the best of each shape with Megatron's
     schedule and no interleaving gives its vectors."""
+    # The shapes and micro-batch sizes whose Megatron-schedule plans came out fastest first (the
+    # zero-bubble bound, bubble-free and without memory, barely orders them), then by bound.
+    fastest: dict[tuple[MeshShape, int], float] = {}
+    for p, _, t in solved:
+        fastest[(p.shape, p.mb)] = min(t, fastest.get((p.shape, p.mb), float("inf")))
+
+    def promise(i: int) -> tuple[float, float]:
+        flat = dataclasses.replace(problems[i].shape, vpp=1, schedule="")
+        return fastest.get((flat, problems[i].mb), float("inf")), bounds[i]
+
     starts = []
-    for i in order:
+    for i in sorted(order, key=promise):
         problem = problems[i]
         if problem.shape.schedule not in ZB_SCHEDULES or bounds[i] >= incumbent or time.perf_counter() > deadline:
             continue
