@@ -231,9 +231,11 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
            workers: int = 1, warm: tuple[MeshShape, int, Assignment] | None = None, dtype: str = "bf16",
            shapes: list[MeshShape] | None = None, mbs: tuple[int, ...] | None = None,
            grid2d: bool = False, wall_stop: float = WALL_STOP, schedules: bool = True) -> SearchResult:
-    """Grid baseline, then CP-SAT over shapes by lower bound, then the interleaved shapes.
+    """Grid baseline, then CP-SAT over shapes by lower bound, then the interleaved shapes, then
+    (with `schedules`) the zero-bubble shapes and the best interleaved plan's boundaries.
     `time_limit` bounds the search after the baseline: the CP-SAT solves share `SOLVE_SHARE` of
-    it in deterministic seconds, the interleaved shapes `INTERLEAVE_SHARE` on the wall clock,
+    it in deterministic seconds, the interleaved shapes `INTERLEAVE_SHARE` and the zero-bubble
+    shapes `SCHEDULE_SHARE` on the wall clock,
     and solving stops past `wall_stop` times it on the wall clock (infinity: never, so that the
     plan depends on the seed and worker count only). Pricing the problems, scanning the grid
     baseline and the final re-scoring come on top (`SearchResult.baseline_s` holds the first
