@@ -23,12 +23,14 @@ Predictions only (no timings of this machine): `python benchmarks/pipeline_sched
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from shardc.driver import estimate, load, solver_batch
 from shardc.hardware import parse_cluster
+from shardc.search.evaluate import evaluate
 from shardc.search.outer import FAMILIES, Found, search
-from shardc.search.problem import MeshShape, graph_facts
+from shardc.search.problem import MeshShape, build_problem, graph_facts
 from shardc.search.report import describe
 
 SOLVER_CASES = [
@@ -56,9 +58,11 @@ def idle(found: Found) -> float:
     return s.time.get("bubble", 0.0) / found.estimate.step_time_s
 
 
-def solver_part(time_limit: float, all_shapes: bool) -> None:
+def solver_part(time_limit: float, all_shapes: bool, only: str | None = None) -> None:
     print(f"{'case':28} {'family':17} {'step s':>8} {'mem GiB':>8} {'idle':>6}  plan")
     for name, spec, cluster_name, gbs, shapes in SOLVER_CASES:
+        if only is not None and not name.startswith(only):
+            continue
         t0 = time.perf_counter()
         cluster = parse_cluster(cluster_name)
         facts = graph_facts(load(spec, batch=solver_batch(gbs)), cluster)
@@ -76,6 +80,17 @@ def solver_part(time_limit: float, all_shapes: bool) -> None:
         for line in result.log:
             print(f"{'':28} {line}")
         zb, mg = result.families.get("zero-bubble"), result.families.get("1f1b/interleaved")
+        if zb is not None:  # the schedule's own share: the same plan (partitions, stages, ZeRO) under 1F1B
+            flat = dataclasses.replace(zb.problem.shape, vpp=1, schedule="")
+            same = build_problem(facts, cluster, flat, zb.problem.mb, gbs)
+            a = zb.assignment
+            if len(a.stages) != flat.pp:  # virtual stages folded onto their devices' stage
+                a = dataclasses.replace(a, stages=tuple(tuple(int(sum(r[k] for r in a.stages[d::flat.pp]))
+                                                              for k in range(3)) for d in range(flat.pp)))
+            ev = evaluate(same, a, float(cluster.device.usable_memory_bytes))
+            print(f"{'':28} the zero-bubble plan under 1F1B: {ev.step_time_s:.3f} s, "
+                  f"{ev.memory_per_device_bytes / 2**30:.1f} GiB ({'fits' if ev.fits else 'does not fit'}; by "
+                  f"evaluate): the schedule alone {ev.step_time_s / zb.evaluation.step_time_s:.3f}x")
         if zb is not None and mg is not None:
             print(f"{'':28} zero bubble / 1F1B-interleaved: {mg.step_time_s / zb.step_time_s:.3f}x; idle "
                   f"{idle(mg):.1%} -> {idle(zb):.1%} of the step, memory {mg.memory_per_device_bytes / 2**30:.1f}"
@@ -110,12 +125,12 @@ def main() -> None:
     ap.add_argument("--part", choices=["solver", "paper", "both"], default="both")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--all-shapes", action="store_true", help="every mesh shape, not Megatron's usual ones")
-    ap.add_argument("--model", choices=[row[0] for row in PAPER], help="only this model of the paper's")
+    ap.add_argument("--model", help="only this model: one of the paper's (1.5B, ...) or a solver case's name start")
     args = ap.parse_args()
     if args.part in ("paper", "both"):
         paper_part(args.model)
     if args.part in ("solver", "both"):
-        solver_part(args.time_limit, args.all_shapes)
+        solver_part(args.time_limit, args.all_shapes, args.model)
 
 
 if __name__ == "__main__":
