@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-start", metavar="PLAN", help="a plan file from an earlier run")
     p.add_argument("--grid2d", action="store_true",
                    help="also search tp x tq meshes with PrimePar's 2-D grids P(q x q) (more shapes to solve)")
+    p.add_argument("--no-zero-bubble", action="store_true",
+                   help="search Megatron's schedules only (1F1B, interleaved), not torch's zero-bubble ones")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="training precision to plan for (fp32: what `shardc run` trains on CPU processes)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the chosen plan (and its IR) here")
@@ -232,7 +234,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     graph, ctx = solve(_source(args, device="meta"), args.cluster, args.gbs, flags=_flags(args), time_limit=args.time_limit,
                        seed=args.seed, workers=args.workers, memory_limit_gb=args.memory_limit,
-                       warm_start=args.warm_start, grid2d=args.grid2d, dtype=args.dtype)
+                       warm_start=args.warm_start, grid2d=args.grid2d, dtype=args.dtype,
+                       schedules=not args.no_zero_bubble)
     result = ctx.options["search"]
     if args.output:
         write_plan(args.output, graph, result.best, args.gbs)

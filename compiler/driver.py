@@ -360,12 +360,16 @@ def estimate(source: Source | str, cluster: str | Cluster,
 
 def solve_pipeline(gbs: int, *, time_limit: float = 30.0, seed: int = 0, workers: int = 1,
                    memory_limit_gb: float | None = None, warm_start: str | None = None,
-                   grid2d: bool = False, dtype: str = "bf16", wall_stop: float | None = None) -> str:
+                   grid2d: bool = False, dtype: str = "bf16", wall_stop: float | None = None,
+                   schedules: bool = True) -> str:
     """`shardc plan`'s default pipeline: `group-layers,solve{...}` with the command's options
-    (`wall_stop`: the solve pass's `wall-stop`, None its default)."""
+    (`wall_stop`: the solve pass's `wall-stop`, None its default; `schedules=False`: Megatron's
+    schedules only)."""
     from shardc.passes.solve import Solve
 
-    more = {} if wall_stop is None else {"wall_stop": wall_stop}
+    more: dict[str, Any] = {} if wall_stop is None else {"wall_stop": wall_stop}
+    if not schedules:
+        more["schedules"] = False
     solve = Solve(gbs=gbs, time_limit=time_limit, seed=seed, workers=workers,
                   memory_limit_gb=memory_limit_gb or 0.0, warm_start=warm_start or "", grid2d=grid2d, dtype=dtype,
                   **more)

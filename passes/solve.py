@@ -1,4 +1,4 @@
-"""`solve{gbs=8,time-limit=30,seed=0,workers=1,memory-limit-gb=0,warm-start="",grid2d=false,dtype=bf16}`:
+"""`solve{gbs=8,time-limit=30,seed=0,workers=1,memory-limit-gb=0,warm-start="",grid2d=false,dtype=bf16,schedules=true}`:
 choose and write a plan into the IR.
 
 Rule: runs the outer search (`shardc.search.outer.search`: grid baseline, then one CP-SAT
@@ -9,7 +9,8 @@ writes the best plan into the graph (`annotate_graph`: mesh, partitions, layouts
 stage/recompute/ZeRO per layer). `warm-start` names a plan file from an earlier run (`shardc
 plan -o`) whose assignment hints the solver; `grid2d` adds PrimePar's tp x tq meshes; `dtype`
 is the training precision the plan is priced (and written) for (fp32: what CPU processes run);
-`wall-stop` is the multiple of the time limit after which an overloaded machine stops solving
+`schedules=false` leaves torch's zero-bubble schedules out (Megatron's 1F1B and interleaved 1F1B
+only); `wall-stop` is the multiple of the time limit after which an overloaded machine stops solving
 (`inf`: never, so that the plan depends on the seed and worker count only). The
 search result is left in `ctx.options["search"]`. Fails with a ShardcError when no plan fits.
 
@@ -58,6 +59,7 @@ class Solve(Pass):
     grid2d: bool = False
     dtype: str = "bf16"
     wall_stop: float = WALL_STOP
+    schedules: bool = True
 
     def __post_init__(self) -> None:
         if self.time_limit <= 0:
@@ -74,7 +76,7 @@ class Solve(Pass):
         ctx.options["candidates"] = facts.candidates
         warm = warm_hint(self.warm_start, facts, cluster, self.gbs, self.dtype) if self.warm_start else None
         result = search(facts, cluster, self.gbs, limit, self.time_limit, self.seed, self.workers, warm,
-                        dtype=self.dtype, grid2d=self.grid2d, wall_stop=self.wall_stop)
+                        dtype=self.dtype, grid2d=self.grid2d, wall_stop=self.wall_stop, schedules=self.schedules)
         ctx.options["search"] = result
         ctx.options["memory_limit"] = limit
         if result.best is None:

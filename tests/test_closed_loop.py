@@ -55,7 +55,7 @@ from shardc.cli import main
 from shardc.ir import Axis, Graph, Shard
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.file import PlanFile
-from shardc.plan.parallel import ParallelPlan
+from shardc.plan.parallel import ZB_SCHEDULES, ParallelPlan
 from shardc.run import launch, launch_all, predict, resolve_file, resolve_plan, summarize
 from shardc.train import default_loss, input_ranges, synthetic_batch, vocab_of
 
@@ -126,10 +126,19 @@ PIPELINED_SP = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (hf-gpt2, pp=
                                  "each with its own send/recv: +64 KiB of receive buffers), and sdpa saves its bool "
                                  "mask converted to float per micro-batch (+64 KiB)")
 
+# The solver's zero-bubble plans (issue 16) train as one process does; their memory is not yet
+# priced within 5% (tests/test_zero_bubble_memory.py: zbv +27%/+36%).
+ZERO_BUBBLE_MEMORY = pytest.mark.xfail(strict=True, reason="zero-bubble plan's peak memory above the prediction "
+                                       "(gpt-pipeline, pp=2 schedule=interleaved-zb m=2: rank 1 +14.2%, 1,601,368 B "
+                                       "against 1,401,856 B; rank 0 -0.5%); losses and parameters match one "
+                                       "process; what rank 1 holds beyond the prediction is not isolated")
+
 
 CASES = [
     # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
-    case("gpt-pipeline", "examples/gpt.py:tiny?batch=4", 2, 4, 0.0014, "pipeline"),
+    # The solver picks a zero-bubble schedule (the backward split into input and weight gradients).
+    case("gpt-pipeline", "examples/gpt.py:tiny?batch=4", 2, 4, 0.0014, "pipeline", "zero-bubble",
+         marks=(ZERO_BUBBLE_MEMORY,)),
     # Four blocks in two pipeline stages, each recomputing its blocks in full.
     case("gpt-pipeline-recompute", "examples/gpt.py:tiny?batch=8&n_layer=4&seq=64", 2, 8, 0.0025, "pipeline",
          "recompute-full"),
@@ -260,6 +269,8 @@ def features(graph: Graph) -> set[str]:
         found.add({"bf16": "bf16", "f16": "fp16"}[str(graph.attrs["dtype"])])
     if graph.mesh.axis_size(Axis.PP) > 1:
         found.add("pipeline")
+    if graph.attrs.get("schedule") in ZB_SCHEDULES:
+        found.add("zero-bubble")
     found |= {f"recompute-{layer.annotation.recompute}" for layer in graph.layers.values()
               if layer.annotation.recompute != "none"}
     # per-stage recomputation: the repeated blocks of two stages recompute differently

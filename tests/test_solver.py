@@ -86,12 +86,14 @@ def test_memory_limit_changes_the_plan():
     assert max(lin.memory_bytes) <= tight_limit * (1 + 1e-3) and lin.step_time_s >= free.step_time_s
 
 
-def _plan(seed=0, limit=80e9, time_limit=20.0, name="tiny", cluster="8xH100", gbs=16, wall_stop=1.5, **dims):
+def _plan(seed=0, limit=80e9, time_limit=20.0, name="tiny", cluster="8xH100", gbs=16, wall_stop=1.5, schedules=True,
+          **dims):
     g = transformer_graph(dataclasses.replace(PRESETS[name], **dims))
     c = parse_cluster(cluster)
     # Priced eager (compile=0), as these cases were set up: the auto default on GPUs prices fused
     # kernels, under which e.g. selective recomputation is nearly free (tests/test_compiled.py).
-    return search(graph_facts(g, c, compiled=False), c, gbs, limit, time_limit, seed, wall_stop=wall_stop)
+    return search(graph_facts(g, c, compiled=False), c, gbs, limit, time_limit, seed, wall_stop=wall_stop,
+                  schedules=schedules)
 
 
 def test_deterministic_for_a_fixed_seed():
@@ -126,8 +128,10 @@ def test_ties_the_grid_where_the_grid_is_optimal():
     # everywhere, so no recomputation can save time. The grid's best (dp=2: a pp=2 pipeline
     # needs at least 2 micro-batches, as torch's 1F1B refuses fewer) is optimal: the solver must
     # return a plan of the same predicted time, proven optimal on its shape; the overall gap
-    # also holds the other shapes' lower bounds (interleaved shapes have no CP-SAT proof).
-    result = _plan(cluster="2x1xA100-40GB", gbs=8, time_limit=4)
+    # also holds the other shapes' lower bounds (interleaved shapes have no CP-SAT proof). The
+    # zero-bubble shapes are left out: their bound is the bubble-free ideal (no proof either),
+    # 2.2% under the grid here, which would widen the gap this test is about.
+    result = _plan(cluster="2x1xA100-40GB", gbs=8, time_limit=4, schedules=False)
     grid = _grid_best(result, 80e9, "2x1xA100-40GB")
     assert grid.grid_point.plan_string(8).startswith("dp=2,tp=1,pp=1,vpp=1,cp=1,sp=0,mb=4,")
     assert result.best.estimate.step_time_s == pytest.approx(grid.estimate.step_time_s, rel=1e-9)
@@ -141,9 +145,11 @@ def test_memory_tight_case_beats_every_megatron_point():
     # recomputes alike on every stage (its best: 1 of each stage's 2 blocks fully recomputed);
     # the solver recomputes per stage (nothing on the first, selective on the last) and wins.
     dims = {"layers": 4, "hidden": 512, "heads": 8, "seq": 1024, "vocab": 8192}
-    roomy = _plan(cluster="2x1xA100-40GB", gbs=4, time_limit=4, **dims)
+    # Megatron's schedules only, so the plan is CP-SAT's (with the zero-bubble ones the best is
+    # interleaved-zb on the same stages, its last recomputing 1 selective + 1 full block).
+    roomy = _plan(cluster="2x1xA100-40GB", gbs=4, time_limit=4, schedules=False, **dims)
     limit = 0.6 * _grid_best(roomy, 80e9, "2x1xA100-40GB").memory_per_device_bytes
-    tight = _plan(cluster="2x1xA100-40GB", gbs=4, limit=limit, time_limit=4, **dims)
+    tight = _plan(cluster="2x1xA100-40GB", gbs=4, limit=limit, time_limit=4, schedules=False, **dims)
     grid = _grid_best(tight, limit, "2x1xA100-40GB")
     assert grid.grid_point.recompute_layers == 1  # Megatron's best here is partial recomputation
     best = tight.best

@@ -114,8 +114,10 @@ TIGHT = [
 
 @pytest.mark.parametrize(("spec", "nproc", "limit"), TIGHT, ids=["gpt", "llama", "bert", "hf-gpt2"])
 def test_tight_solver_plans_verify_and_compile(spec: str, nproc: int, limit: float, tmp_path: Path) -> None:
+    # Megatron's schedules only: with the zero-bubble ones the gpt case's best plan is a pipeline
+    # without tensor parallelism (pp=2, interleaved-zb), which holds no partial sums.
     graph, ctx = driver.solve(spec, f"local{nproc}", 4, time_limit=3, seed=0, workers=1, memory_limit_gb=limit,
-                              dtype="fp32", wall_stop=float("inf"))
+                              dtype="fp32", wall_stop=float("inf"), schedules=False)
     resolved = _resolved(graph)
     assert resolved, f"{graph.attrs['plan']}: no partial sum held resolved; the case no longer covers the defect"
     best = ctx.options["search"].best

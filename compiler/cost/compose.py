@@ -136,6 +136,22 @@ class Composition:
     step_time_s: float
     stages: tuple[StageEstimate, ...]
     pipe: PipelineTimes
+    schedule: PipelineInputs | None = None  # what the simulation ran on (a timeline redraws from it)
+
+
+@dataclass(frozen=True)
+class PipelineInputs:
+    """What `pipeline.simulate` was given: the schedule, pp devices, micro-batches, virtual
+    stages per device, and per virtual stage one micro-batch's forward, backward (sends
+    included) and weight-gradient seconds (all zero unless the schedule splits the backward)."""
+
+    schedule: str
+    pp: int
+    micro_batches: int
+    vpp: int
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    wgrad: tuple[float, ...]
 
 
 def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
@@ -247,7 +263,9 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         saved = sum(l.cost.saved_bytes for l in mine if l.cost is not None)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes))
-    return Composition(step, tuple(stages), pipe)
+    inputs = PipelineInputs(plan.schedule if p > 1 else "1f1b", p, m, plan.vpp, tuple(fwd), tuple(bwd),
+                            tuple(wgrad or [0.0] * len(fwd)))
+    return Composition(step, tuple(stages), pipe, inputs)
 
 
 def weight_gradients(layers: Sequence[LayerWork], plan: ParallelPlan) -> list[float]:

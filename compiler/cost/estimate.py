@@ -64,6 +64,8 @@ class Estimate:
     # (`DeviceSpec.usable_memory_bytes`); 0: the capacity. `memory_headroom` says which.
     memory_usable_bytes: float = 0.0
     memory_headroom: str = ""
+    # What the pipeline simulation ran on (`compose.PipelineInputs`): the timeline plot redraws it.
+    pipeline: Any = None
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -129,7 +131,7 @@ class Estimate:
 
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, plan: ParallelPlan, layers, stages, step: float, m: int,
-              gbs: int, seq: int, bubble: float, capacity: float, ctx) -> Estimate:
+              gbs: int, seq: int, bubble: float, capacity: float, ctx, pipeline: Any = None) -> Estimate:
         # Each layer's matmul FLOPs cover `sequences` sequences; a step processes `gbs`.
         sequences = ctx.batch_scale * (graph.inputs[0].type.shape[0] if graph.inputs and graph.inputs[0].type.shape
                                        else 1)
@@ -145,4 +147,4 @@ class Estimate:
         return cls(str(plan), str(cluster), devices, step, gbs * seq / step, model / (step * devices * peak),
                    hardware / (step * devices * peak), hardware / (step * devices) / 1e12, model, hardware,
                    m, gbs, seq, bubble, tuple(stages), float(capacity), table, notes,
-                   float(cluster.device.usable_memory_bytes), cluster.device.describe_headroom())
+                   float(cluster.device.usable_memory_bytes), cluster.device.describe_headroom(), pipeline)

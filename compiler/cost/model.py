@@ -142,7 +142,8 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
     result = compose(layers, sends, ctx, plan, m, options, send_bytes, _output_bytes(ctx, graph))
     return Estimate.build(graph, cluster, plan, layers, list(result.stages), result.step_time_s, m, gbs,
-                          _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp, plan.schedule), cluster.device.memory_bytes, ctx)
+                          _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp, plan.schedule), cluster.device.memory_bytes, ctx,
+                          result.schedule)
 
 
 def _output_bytes(ctx: CostContext, graph: Graph) -> float:

@@ -159,11 +159,13 @@ def in_flight_order(schedule: str, p: int, d: int, m: int, v: int) -> int:
 
 def simulate(schedule: str, fwd: Sequence[float], bwd: Sequence[float], micro_batches: int,
              devices: int, send: Sequence[float] | None = None,
-             wgrad: Sequence[float] | None = None) -> PipelineTimes:
+             wgrad: Sequence[float] | None = None,
+             events: list[tuple[int, str, int, int, float, float]] | None = None) -> PipelineTimes:
     """Run the schedule. `fwd[s]`, `bwd[s]`: per micro-batch times of virtual stage s (on the
     device the schedule's order places it); `send[s]`: the transfer from stage s to s+1 (and its
     gradient back); `wgrad[s]`: the weight-gradient part of `bwd[s]` (W; I is the rest), for
-    schedules that split the backward (default: none of it)."""
+    schedules that split the backward (default: none of it). `events`, when given, receives
+    every op run as (device, F|B|I|W, micro-batch, virtual stage, start, end): the timeline."""
     S, p, m = len(fwd), devices, micro_batches
     v = S // p
     send = list(send) if send is not None else [0.0] * S
@@ -194,6 +196,8 @@ def simulate(schedule: str, fwd: Sequence[float], bwd: Sequence[float], micro_ba
                 length = fwd[s] if kind == "F" else w[s] if kind == "W" else bwd[s] - w[s] if kind == "I" else bwd[s]
                 start = max(free[d], ready)
                 done[(kind, j, s)] = free[d] = start + length
+                if events is not None:
+                    events.append((d, kind, j, s, start, free[d]))
                 if kind in ("B", "I"):
                     done[("G", j, s)] = free[d]  # the input gradient leaves for stage s-1
                 busy[d] += length

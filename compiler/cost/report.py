@@ -52,15 +52,63 @@ def tables(estimate: Estimate) -> list[Any]:
     return [summary, time, memory]
 
 
+def timeline(estimate: Estimate) -> list[tuple[int, str, int, int, float, float]]:
+    """The pipeline's ops as the estimate's simulation ran them: (device, F|B|I|W, micro-batch,
+    virtual stage, start, end) seconds within one step's pipeline (empty without a pipeline)."""
+    from shardc.cost.pipeline import simulate
+
+    inputs = estimate.pipeline
+    if inputs is None or inputs.pp <= 1:
+        return []
+    events: list[tuple[int, str, int, int, float, float]] = []
+    simulate(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp, wgrad=inputs.wgrad,
+             events=events)
+    return events
+
+
+COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#C44E52"}
+
+
+def _draw_timeline(ax: Any, estimate: Estimate, scale: float, unit: str) -> None:
+    """One row per pipeline device, one bar per op (F blue, B or I green, W red; later virtual
+    stages of a device lighter), the micro-batch written on it; gaps are the bubbles."""
+    inputs = estimate.pipeline
+    events = timeline(estimate)
+    end = max(e[5] for e in events)
+    busy = sum(e[5] - e[4] for e in events)
+    for d, kind, j, s, start, stop in events:
+        chunk = sorted({e[3] for e in events if e[0] == d}).index(s)
+        ax.barh(d, (stop - start) / scale, left=start / scale, height=0.8, color=COLOURS[kind],
+                alpha=1.0 - 0.35 * chunk / max(1, inputs.vpp - 1) if inputs.vpp > 1 else 1.0,
+                edgecolor="white", linewidth=0.3)
+        if (stop - start) / end > 0.012:
+            ax.text((start + stop) / 2 / scale, d, str(j), ha="center", va="center", fontsize=5, color="white")
+    ax.set_yticks(range(inputs.pp), [f"device {d}" for d in range(inputs.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    idle = 1 - busy / (inputs.pp * end)
+    ax.set_title(f"schedule {inputs.schedule}, {inputs.micro_batches} micro-batches, vpp={inputs.vpp}: "
+                 f"idle {idle:.1%} of the pipeline (F blue, B/I green, W red)", fontsize=8)
+
+
 def plot(estimate: Estimate, path: str) -> None:
-    """Stacked bars per pipeline stage: memory by category (left) and step time by category (right)."""
+    """With a pipeline, its schedule as a timeline (which micro-batch each device runs when, F,
+    B or I and W, the bubbles as gaps) beside stacked bars per pipeline stage of memory by
+    category and step time by category; without one, the two bar charts."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     stages = [f"stage {s.stage}" for s in estimate.stages]
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(stages) + 6), 4.5))
+    piped = estimate.pipeline is not None and estimate.pipeline.pp > 1
+    width = max(8, 1.2 * len(stages) + 6) + (10 if piped else 0)
+    if piped:
+        fig, axes = plt.subplots(1, 3, figsize=(width, max(4.5, 0.35 * len(stages) + 2)),
+                                 gridspec_kw={"width_ratios": [3, 1, 1]})
+        ax_line, ax_mem, ax_time = axes
+    else:
+        fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(width, 4.5))
     mem_unit, mem_scale = ("GiB", 2**30) if estimate.memory_per_device_bytes >= 2**30 else ("MiB", 2**20)
     time_unit, time_scale = ("s", 1.0) if estimate.step_time_s >= 1 else ("ms", 1e-3)
     for ax, cats, get, unit, scale in (
@@ -81,6 +129,8 @@ def plot(estimate: Estimate, path: str) -> None:
     ax_mem.set_title(f"memory per device (usable {format_bytes(estimate.memory_limit_bytes)} of "
                      f"{format_bytes(estimate.memory_capacity_bytes)})")
     ax_time.set_title(f"step time {estimate.step_time_s:.3g} s, MFU {estimate.mfu:.1%}")
+    if piped:
+        _draw_timeline(ax_line, estimate, time_scale, time_unit)
     fig.suptitle(f"{estimate.plan}\non {estimate.cluster}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,7 +2,8 @@
 
 A plan file holds the uniform plan (`ParallelPlan`: degrees, micro-batch size, global batch,
 ZeRO stage, dtype; written as `mesh`, `mb`, `gbs`, `zero`, `dtype`, with `tq` in the mesh when
-tensor parallelism is split over a second axis, and `vpp` when stages interleave), per pipeline
+tensor parallelism is split over a second axis, `vpp` when stages interleave, and `schedule`
+when it is a zero-bubble one), per pipeline
 stage (per model chunk, pp*vpp of them, when interleaved) the block counts under
 each recomputation, and per node group its chosen partition by group key (layer, position)
 and candidate label, so that it loads back onto a freshly traced graph of the same model
@@ -29,7 +30,7 @@ from typing import Any
 from shardc.ir import RECOMPUTE_CHOICES, Axis, Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.files import write_text_atomic
-from shardc.plan.parallel import ParallelPlan
+from shardc.plan.parallel import ZB_SCHEDULES, ParallelPlan
 
 FORMAT = "shardc-plan/1"
 
@@ -91,6 +92,7 @@ class PlanFile:
             "model": self.model,
             "mesh": {str(k): v for k, v in mesh.items()} | ({"tq": self.tq} if self.tq > 1 else {}),
             **({"vpp": p.vpp} if p.vpp > 1 else {}),  # interleaved: `stages` lists the pp*vpp model chunks
+            **({"schedule": p.schedule} if p.schedule in ZB_SCHEDULES else {}),  # a zero-bubble schedule
             "mb": p.mb, "gbs": p.gbs, "micro_batches": self.micro_batches, "zero": p.zero, "dtype": p.dtype,
             "stages": [dict(zip(RECOMPUTE_CHOICES, row)) for row in self.stages],
             "groups": [g.to_json() for g in self.groups],
@@ -112,7 +114,7 @@ class PlanFile:
             m = data["mesh"]
             tq = int(m.get("tq", 1))
             plan = ParallelPlan(dp=int(m["dp"]), tp=int(m["tp"]) * tq, pp=int(m["pp"]), cp=int(m["cp"]),
-                                vpp=int(data.get("vpp", 1)),
+                                vpp=int(data.get("vpp", 1)), schedule=str(data.get("schedule", "1f1b")),
                                 mb=int(data["mb"]), gbs=int(data["gbs"]), zero=int(data["zero"]),
                                 dtype=str(data.get("dtype", "bf16")))
             return cls(str(data["model"]), plan, int(data["micro_batches"]),

@@ -25,7 +25,8 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
     its micro-batches in flight, every quantity at its smallest candidate: `_makespan`); with
     interleaved stages (vpp = v), at least the ideal interleaved schedule on the cheapest blocks
     and m times the busiest device's work, a device's stage time as above with its chunks'
-    micro-batches in flight (`in_flight` / v in blocks' worth); plus
+    micro-batches in flight (`in_flight` / v in blocks' worth); with a zero-bubble schedule, m
+    times an even share of the cheapest per-micro-batch work (no memory term); plus
     the optimizer on an even share of the parameters and the last gradient bucket. Infinite
     when no split of the blocks fits `limit` at any ZeRO stage."""
     co = coefficients(problem)
@@ -66,6 +67,9 @@ def lower_bound(problem: Problem, limit: float = float("inf")) -> float:
         after = co.optimizer[z] * params / p + co.gather[z][0] + co.gather[z][1] * co.w_elem * params / p
         vpp = problem.shape.vpp
         slowest = max(total / p, _makespan(problem, limit, tl, act, numel, co.state[z], extra, vpp))
+        if problem.shape.schedule:  # zero bubble: every device busy on an even share, no bubble, no memory term
+            best = min(best, float(total / p * m + after + co.tail[z]))
+            continue
         if vpp > 1:  # interleaved: the ideal schedule (bubble (p-1)/(v m) of the work), the busiest device's work
             best = min(best, float(max(total / p * (m + (p - 1) / vpp), m * slowest) + after + co.tail[z]))
             continue

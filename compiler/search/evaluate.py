@@ -291,7 +291,7 @@ class _Layers:
         key = (section, vec)
         t = self.terms.setdefault(key, section_terms(self.problem, section, vec))
         params = _params(self.problem, self.a.choice, section)
-        return LayerWork(name, section, LayerAnnotation(stage, "none", self.a.zero), stage=stage,
+        return LayerWork(name, section, LayerAnnotation(stage, "none", self.a.zero), self._nodes(name), stage=stage,
                          cost=self._cost(key, t, "none"), params=params,
                          memory=self._memory(self._timeline(None, vec), section, t, "none", stage, params))
 
@@ -309,9 +309,19 @@ class _Layers:
             self.block_params[cur] = _params(self.problem, cur, "block")
         name = self.problem.facts.layering.blocks[i]
         own = {f"{name}/{k}": v for k, v in self.block_params[cur].items()}
-        return LayerWork(name, "block", LayerAnnotation(s, recompute, a.zero), stage=s,
+        return LayerWork(name, "block", LayerAnnotation(s, recompute, a.zero), self._nodes(name), stage=s,
                          cost=self._cost(key, self.terms[key], recompute), params=own,
                          memory=self._memory(self._timeline(prev, cur), kind, self.terms[key], recompute, s, own))
+
+    def _nodes(self, layer: str) -> list:
+        """The layer's nodes (what a zero-bubble schedule's weight-gradient share is read from)."""
+        facts = self.problem.facts
+        by_layer = facts.__dict__.get("_nodes_by_layer")
+        if by_layer is None:
+            by_layer = facts.__dict__["_nodes_by_layer"] = {}
+            for node in facts.graph.nodes:
+                by_layer.setdefault(node.layer, []).append(node)
+        return by_layer.get(layer, [])
 
     def _timeline(self, prev: tuple[int, ...] | None, cur: tuple[int, ...]) -> Timelines:
         across = prev if prev is not None and prev != cur else None  # only a stage boundary changes the layouts

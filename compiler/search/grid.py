@@ -228,8 +228,8 @@ def grid_points(problem: Problem, limit: float, recomputes: tuple[str, ...] = RE
     """Every grid point of one (mesh shape with its vpp, micro-batch size) problem, evaluated
     against `limit` bytes per device (see the module rule for partial recomputation). On a
     tp x tq shape the points are the solver's warm starts, not grid points."""
-    if not vpp_admissible(problem.layers, problem.shape.pp, problem.shape.vpp):
-        return []
+    if problem.shape.schedule or not vpp_admissible(problem.layers, problem.shape.pp, problem.shape.vpp):
+        return []  # Megatron's schedules only: no zero-bubble points
     if problem.shape.vpp > 1 and problem.micro_batches % problem.shape.pp:
         return []  # interleaved 1F1B needs the micro-batches to be a multiple of pp
     if zero_group(problem.shape.mesh())[1] == 1:
@@ -257,7 +257,7 @@ def grid_assignments(problem: Problem, recomputes: tuple[str, ...] = RECOMPUTE_C
                      zeros: tuple[int, ...] = GRID_ZEROS) -> list[tuple[GridPoint, Assignment]]:
     """The uniform grid points of one problem without evaluating them (no partial recomputation,
     which depends on the memory limit): warm starts for the solver."""
-    if problem.shape.vpp != 1 or not vpp_admissible(problem.layers, problem.shape.pp, 1):
+    if problem.shape.vpp != 1 or problem.shape.schedule or not vpp_admissible(problem.layers, problem.shape.pp, 1):
         return []
     out = []
     for sp, choice in layouts(problem):

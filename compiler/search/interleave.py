@@ -108,7 +108,7 @@ def search_interleaved(problems: list[Problem], order: list[int], bounds: list[f
     out = []
     for i in order:
         problem = problems[i]
-        if problem.shape.vpp == 1 or bounds[i] >= incumbent or time.perf_counter() > deadline:
+        if problem.shape.vpp == 1 or problem.shape.schedule or bounds[i] >= incumbent or time.perf_counter() > deadline:
             continue
         if problem.micro_batches % problem.shape.pp or not vpp_admissible(problem.layers, problem.shape.pp,
                                                                           problem.shape.vpp):

@@ -29,6 +29,15 @@ Rules:
   order of bound and while the wall clock allows; their `lower_bound` is the interleaved
   schedule's ideal time on the cheapest blocks (no memory term), and it stays their floor in
   the gap (the enumeration proves nothing).
+- Every pipelined shape is also offered under torch's zero-bubble schedules (`zbv`,
+  `dualpipev` with vpp = 2, `interleaved-zb` with vpp = 1..`MAX_VPP`; `schedules=False` leaves
+  them out), priced as their shape, searched by `shardc.search.schedules` after the interleaved
+  shapes (the same vectors, stage boundaries and per-stage recomputation by a local search on
+  `evaluate`) in `SCHEDULE_SHARE` of the time limit on the wall clock; the best interleaved plan
+  gets the same boundary search. Their `lower_bound` is m times an even share of the cheapest
+  per-micro-batch work (no bubble, no memory term). The grid baseline holds none of them
+  (Megatron's schedules only), and `SearchResult.families` keeps the best plan of each family
+  (Megatron's 1F1B/interleaved, zero bubble), scored by the estimate, for comparison.
 - Shapes are solved in order of their bound; a shape whose bound cannot beat the incumbent is
   pruned without solving, and the others are solved cut off at the incumbent (CP-SAT looks
   only for better plans; proving there is none bounds the shape by the incumbent). The solves share `SOLVE_SHARE` of the time limit in CP-SAT's
@@ -65,6 +74,7 @@ from shardc.search.interleave import search_interleaved
 from shardc.search.objective import objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
+from shardc.search.schedules import rebalance, schedule_shapes, search_schedules
 
 LONG_SEQUENCE = 8192
 MAX_VPP = 4  # model chunks per device offered (the interleaving depths Megatron users run; bounds the shapes)
@@ -75,6 +85,8 @@ SOLVE_SHARE = 0.3  # of the time limit, in CP-SAT deterministic seconds, shared 
 WALL_STOP = 1.5  # an overloaded machine stops solving at this multiple of the limit (not deterministic)
 RETRY_MARGIN = 1e-3  # a solve whose plan overflows by evaluation is retried this far below the overshoot
 INTERLEAVE_SHARE = 0.3  # of the time limit, on the wall clock, for the interleaved shapes' search
+SCHEDULE_SHARE = 0.3  # of the time limit, on the wall clock, for the zero-bubble shapes and the boundaries
+FAMILIES = ("1f1b/interleaved", "zero-bubble")  # `SearchResult.families`' keys
 
 
 @dataclass
@@ -112,6 +124,8 @@ class SearchResult:
     # Seconds of `solve_time_s` spent pricing the problems and scanning the grid baseline, which
     # `time_limit` does not bound (their cost grows with the model and the device count).
     baseline_s: float = 0.0
+    # Per schedule family (`FAMILIES`), the best plan found that fits, by the estimate.
+    families: dict[str, Found] = field(default_factory=dict)
 
 
 def score(found: Found, cluster: Cluster) -> Found:
@@ -125,7 +139,8 @@ def _rescore(founds: list[Found], cluster: Cluster, limit: float, keep: int) -> 
     """The fastest of the `keep` best plans by evaluation, by the estimate, among those that fit."""
     best = None
     for found in sorted(founds, key=lambda f: f.evaluation.step_time_s)[:keep]:
-        score(found, cluster)
+        if found.estimate is None:
+            score(found, cluster)
         assert found.estimate is not None
         if found.estimate.memory_per_device_bytes <= limit and (best is None or found.step_time_s < best.step_time_s):
             best = found
@@ -215,10 +230,12 @@ def _linear_hint(problem: Problem, limit: float) -> Assignment | None:
 def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_limit: float, seed: int = 0,
            workers: int = 1, warm: tuple[MeshShape, int, Assignment] | None = None, dtype: str = "bf16",
            shapes: list[MeshShape] | None = None, mbs: tuple[int, ...] | None = None,
-           grid2d: bool = False, wall_stop: float = WALL_STOP) -> SearchResult:
-    """Grid baseline, then CP-SAT over shapes by lower bound, then the interleaved shapes.
+           grid2d: bool = False, wall_stop: float = WALL_STOP, schedules: bool = True) -> SearchResult:
+    """Grid baseline, then CP-SAT over shapes by lower bound, then the interleaved shapes, then
+    (with `schedules`) the zero-bubble shapes and the best interleaved plan's boundaries.
     `time_limit` bounds the search after the baseline: the CP-SAT solves share `SOLVE_SHARE` of
-    it in deterministic seconds, the interleaved shapes `INTERLEAVE_SHARE` on the wall clock,
+    it in deterministic seconds, the interleaved shapes `INTERLEAVE_SHARE` and the zero-bubble
+    shapes `SCHEDULE_SHARE` on the wall clock,
     and solving stops past `wall_stop` times it on the wall clock (infinity: never, so that the
     plan depends on the seed and worker count only). Pricing the problems, scanning the grid
     baseline and the final re-scoring come on top (`SearchResult.baseline_s` holds the first
@@ -231,6 +248,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
                                    grid2d)
     if not facts.layering.blocks:
         shapes = [s for s in shapes if s.pp == 1] or shapes
+    if schedules:
+        shapes = shapes + [s for s in schedule_shapes(shapes, facts.layering.count, MAX_VPP) if s not in shapes]
     problems: list[Problem] = []
     cache: PricingCache = {}
     for shape in shapes:
@@ -252,7 +271,7 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
             if problem.shape == warm[0] and problem.mb == warm[1] and len(warm[2].choice) == len(problem.groups):
                 hints[i] = (warm[2], 0.0)
     incumbent = min((f.evaluation.step_time_s for f in grids), default=float("inf"))
-    order = sorted((i for i in by_bound if problems[i].shape.vpp == 1),
+    order = sorted((i for i in by_bound if problems[i].shape.vpp == 1 and not problems[i].shape.schedule),
                    key=lambda i: (i not in hints or warm is None, bounds[i], i))
     solved = pruned = 0
     floor = dict(enumerate(bounds))  # per problem, the best proven lower bound
@@ -304,6 +323,19 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     for i, a, ev in search_interleaved(problems, by_bound, bounds, solved_plans, incumbent, limit, deadline):
         founds.append(Found(problems[i], a, ev, "solver", "FEASIBLE", 0.0))
         incumbent = min(incumbent, ev.step_time_s)
+    deadline = min(start + wall_stop * time_limit, time.perf_counter() + SCHEDULE_SHARE * time_limit)
+    interleaved = [f for f in founds if f.problem.shape.vpp > 1]
+    if interleaved:  # the best interleaved plan's boundaries, as the zero-bubble plans get theirs
+        f = min(interleaved, key=lambda f: f.evaluation.step_time_s)
+        a, ev = rebalance(f.problem, f.assignment, limit, deadline)
+        if ev.fits and ev.step_time_s < f.evaluation.step_time_s:
+            founds.append(Found(f.problem, a, ev, "solver", "FEASIBLE", 0.0))
+            incumbent = min(incumbent, ev.step_time_s)
+    seen = solved_plans + [(f.problem, f.assignment, f.evaluation.step_time_s) for f in grids]
+    for i, a, ev in search_schedules(problems, by_bound, bounds, seen, incumbent, limit, deadline):
+        founds.append(Found(problems[i], a, ev, "solver", "FEASIBLE", 0.0))
+        log.append(f"{problems[i].shape} mb={problems[i].mb}: {ev.step_time_s:.4g}s by the schedule search")
+        incumbent = min(incumbent, ev.step_time_s)
     proven = min(floor.values(), default=float("inf"))
     gap = max(0.0, 1.0 - proven / incumbent) if incumbent < float("inf") else 1.0
     # The reported numbers are `estimate`'s, on the graph annotated with each plan.
@@ -311,7 +343,15 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     best = _rescore(founds + ([grid] if grid is not None else []), cluster, limit, RESCORED + 1)
     if grid is not None and (best is None or grid.step_time_s <= best.step_time_s):
         best = grid
+    families: dict[str, Found] = {}
+    if schedules:
+        for name, zb in zip(FAMILIES, (False, True)):
+            mine = [f for f in founds + grids if bool(f.problem.shape.schedule) == zb]
+            got = _rescore(mine, cluster, limit, RESCORED)
+            if got is not None:
+                families[name] = got
     if best is not None:
         annotate_graph(facts.graph, best.problem, best.assignment)
-    return SearchResult(best, grid, closest, time.perf_counter() - began, gap, solved, pruned, log, start - began)
+    return SearchResult(best, grid, closest, time.perf_counter() - began, gap, solved, pruned, log, start - began,
+                        families)
 

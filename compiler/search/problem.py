@@ -30,7 +30,7 @@ from shardc.hardware import Cluster
 from shardc.ir import Axis, Graph, Layout, Mesh, Node, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import ir_dtype
-from shardc.plan.parallel import ParallelPlan
+from shardc.plan.parallel import ZB_SCHEDULES, ParallelPlan
 from shardc.search.costs import CandCost, ExternalGrad, Pricer
 from shardc.search.follow import Candidate
 from shardc.search.table import CandidateTable
@@ -42,8 +42,10 @@ class MeshShape:
     parallelism (outermost first); `tq` > 1 splits tensor parallelism over a second axis
     (tp x tq), as PrimePar's grids need, which a plan writes as tp = tp*tq. `vpp` > 1 gives
     every pipeline device that many model chunks (interleaved 1F1B: pp*vpp virtual stages,
-    virtual stage s on device s % pp); it is no mesh axis. `of` and `plan` are the one
-    conversion between the two; `mesh` is the plan's mesh with tq split off tp."""
+    virtual stage s on device s % pp); it is no mesh axis. `schedule` names a zero-bubble
+    schedule (`ZB_SCHEDULES`: zbv and dualpipev with vpp=2, interleaved-zb with any vpp), empty
+    for Megatron's (1F1B, interleaved when vpp > 1); no mesh axis either. `of` and `plan` are the
+    one conversion between the two; `mesh` is the plan's mesh with tq split off tp."""
 
     pp: int = 1
     dp: int = 1
@@ -51,19 +53,21 @@ class MeshShape:
     tp: int = 1
     tq: int = 1
     vpp: int = 1
+    schedule: str = ""
 
     @classmethod
     def of(cls, plan: ParallelPlan, tq: int = 1) -> MeshShape:
         """`plan`'s degrees, `tq` of its tensor parallelism on the second tensor axis."""
         if plan.tp % tq:
             raise ShardcError(f"plan {plan}: tq={tq} does not divide tp={plan.tp}")
-        return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq, plan.vpp)
+        return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq, plan.vpp,
+                   plan.schedule if plan.schedule in ZB_SCHEDULES else "")
 
     def plan(self, mb: int, gbs: int, zero: int = 0, dtype: str = "bf16", compile: bool | None = None) -> ParallelPlan:
-        """The plan with these degrees (tp*tq as tp, vpp) and the given micro-batch, batch, ZeRO
-        and `compile` key (None: auto)."""
+        """The plan with these degrees (tp*tq as tp, vpp, schedule) and the given micro-batch,
+        batch, ZeRO and `compile` key (None: auto)."""
         return ParallelPlan(dp=self.dp, tp=self.tp * self.tq, pp=self.pp, vpp=self.vpp, cp=self.cp, mb=mb, gbs=gbs,
-                            zero=zero, dtype=dtype, compile=compile)
+                            zero=zero, dtype=dtype, compile=compile, schedule=self.schedule or "1f1b")
 
     @property
     def stages(self) -> int:
@@ -88,7 +92,7 @@ class MeshShape:
 
     def __str__(self) -> str:
         return (f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}" + (f", tq={self.tq}" if self.tq > 1 else "")
-                + (f", vpp={self.vpp}" if self.vpp > 1 else ""))
+                + (f", vpp={self.vpp}" if self.vpp > 1 else "") + (f", schedule={self.schedule}" if self.schedule else ""))
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardc.analysis.stages import stage_device, stage_sizes
 from shardc.ir import RECOMPUTE_CHOICES, Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.files import write_text_atomic
@@ -29,6 +30,60 @@ def describe(found: Found) -> str:
     return text
 
 
+def stage_rows(found: Found) -> list[dict[str, Any]]:
+    """Per virtual stage of the plan's pipeline: its device, blocks by recomputation, the
+    prefix (embedding) or suffix (head, loss) it holds, one micro-batch's forward and backward
+    seconds (sends included; W, the weight-gradient part, when the schedule splits it), and its
+    device's memory and micro-batches in flight (by the estimate)."""
+    est, a = found.estimate, found.assignment
+    if est is None or est.pipeline is None:
+        return []
+    shape, lay = found.problem.shape, found.problem.facts.layering
+    S = len(a.stages)
+    rows = []
+    for st, row in enumerate(a.stages):
+        d = stage_device(st, shape.pp, shape.plan(found.problem.mb, found.problem.gbs).schedule)
+        holds = (["the embedding"] if st == 0 and lay.pre else []) + (["the head and loss"] if st == S - 1 and lay.post
+                                                                      else [])
+        rows.append({"stage": st, "device": d, "blocks": sum(row), "recompute": dict(zip(RECOMPUTE_CHOICES, row)),
+                     "holds": holds, "fwd_s": est.pipeline.fwd[st], "bwd_s": est.pipeline.bwd[st],
+                     "wgrad_s": est.pipeline.wgrad[st], "memory_bytes": est.stages[d].memory_bytes,
+                     "in_flight": est.stages[d].in_flight})
+    return rows
+
+
+def boundary_reasons(found: Found) -> list[str]:
+    """Why the stage boundaries fell where they did: per stage whose block count differs from the
+    even split (`stage_sizes`), what it holds besides blocks or what bounds it (its device's
+    memory near the limit, the micro-batches in flight), and per stage that recomputes, why."""
+    rows = stage_rows(found)
+    if len(rows) <= 1:
+        return []
+    even = stage_sizes(found.problem.layers, len(rows))
+    limit = found.evaluation.limit
+    mean = sum(r["fwd_s"] + r["bwd_s"] for r in rows) / len(rows)
+    out = []
+    for r, n in zip(rows, even):
+        what = f"stage {r['stage']} (device {r['device']})"
+        t = r["fwd_s"] + r["bwd_s"]
+        if r["blocks"] < n:
+            cause = (f"holds {' and '.join(r['holds'])}" if r["holds"] else
+                     f"its device holds {r['in_flight']} micro-batches in flight "
+                     f"({r['memory_bytes'] / 2**30:.3g} of {limit / 2**30:.3g} GiB)"
+                     if r["memory_bytes"] >= 0.9 * limit else "gives a block to a slower neighbour")
+            out.append(f"{what} {cause}: {r['blocks']} blocks vs {n} (even split); {t * 1e3:.4g} ms per "
+                       f"micro-batch vs {mean * 1e3:.4g} ms mean")
+        elif r["blocks"] > n:
+            out.append(f"{what} takes the blocks others gave up: {r['blocks']} vs {n} (even split); "
+                       f"{t * 1e3:.4g} ms per micro-batch vs {mean * 1e3:.4g} ms mean")
+        redone = {k: v for k, v in r["recompute"].items() if k != "none" and v}
+        if redone:
+            out.append(f"{what} recomputes {', '.join(f'{v} blocks {k}' for k, v in redone.items())}: its device "
+                       f"holds {r['in_flight']} micro-batches in flight ({r['memory_bytes'] / 2**30:.3g} of "
+                       f"{limit / 2**30:.3g} GiB)")
+    return out or ["the even split (no stage gains by giving or taking a block)"]
+
+
 def no_fit_error(result: SearchResult, limit: float) -> ShardcError:
     c = result.closest
     if c is None:
@@ -40,6 +95,12 @@ def no_fit_error(result: SearchResult, limit: float) -> ShardcError:
         f"{c.evaluation.memory_per_device_bytes / 2**30:.1f} GiB ({describe(c)}); the category that overflows "
         f"is {category} ({parts[category] / 2**30:.1f} GiB)",
         hint="raise --memory-limit, use more devices, or a smaller --gbs")
+
+
+def best_by_family(summary: dict[str, Any]) -> dict[str, str]:
+    """One line per schedule family: its best plan, predicted step time and memory."""
+    return {name: f"{f['plan']} -> {f['step_time_s']:.4g} s, {f['memory_per_device_bytes'] / 2**30:.2f} GiB"
+            for name, f in summary.get("families", {}).items()}
 
 
 def write_plan(out: str, graph: Graph, best: Found, gbs: int) -> None:
@@ -73,6 +134,11 @@ def plan_summary(graph: Graph, result: SearchResult, gbs: int, total_time_s: flo
         "shapes_pruned": result.shapes_pruned,
         "time_breakdown": est.time_breakdown(),
         "memory_breakdown": est.memory_breakdown,
+        "pipeline_stages": stage_rows(best),
+        "stage_boundaries": boundary_reasons(best),
+        "families": {name: {"plan": describe(f), "step_time_s": f.step_time_s,
+                            "memory_per_device_bytes": f.memory_per_device_bytes}
+                     for name, f in result.families.items()},
         "replicated_ops": sorted({n.op for n in graph.nodes if not has_op(n.op)}),
         "plan": plan_file(best.problem, best.assignment, est, gbs).to_json(),
     }
@@ -93,6 +159,21 @@ def print_plan(console: Any, best: Found, grid: Found | None, summary: dict[str,
                   f"{est.memory_per_device_bytes / 2**30:.2f} GiB (shardc.cost.estimate on the partitioned IR)")
     for table in tables(est):
         console.print(table)
+    rows = stage_rows(best)
+    if len(rows) > 1:
+        st = Table(title=f"pipeline stages ({best.problem.shape.plan(best.problem.mb, gbs).schedule})")
+        for col in ("stage", "device", "blocks", "holds", "F ms/mb", "B ms/mb (W)", "device memory", "in flight"):
+            st.add_column(col, justify="left" if col == "holds" else "right")
+        for r in rows:
+            recompute = "+".join(f"{v}{k[0]}" for k, v in r["recompute"].items() if v)
+            st.add_row(str(r["stage"]), str(r["device"]), recompute, ", ".join(r["holds"]), f"{r['fwd_s'] * 1e3:.4g}",
+                       f"{r['bwd_s'] * 1e3:.4g}" + (f" ({r['wgrad_s'] * 1e3:.3g})" if r["wgrad_s"] else ""),
+                       f"{r['memory_bytes'] / 2**30:.3g} GiB", str(r["in_flight"]))
+        console.print(st)
+        for line in summary["stage_boundaries"]:
+            console.print(f"  boundaries: {line}")
+    for name, f in best_by_family(summary).items():
+        console.print(f"best {name} plan: {f}")
     p = Table(title="partitions of the node groups")
     p.add_column("group")
     p.add_column("partition")
