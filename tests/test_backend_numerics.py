@@ -197,7 +197,21 @@ def _rotating_fc2(graph: object) -> None:
     assert edited, "no MLP down projection to rotate: the edit no longer matches the model's graph"
 
 
-EDITS = {"": None, "chunks": _sequence_chunks, "rotate": _rotating_fc2}
+def _head_chunks(graph: object) -> None:
+    """Cut the LM head's token rows (its sequence dim e1) into 4 chunks: with the loss after it,
+    it runs as one chunked linear cross entropy (`shardc.analysis.head_loss`; the fusion itself is
+    checked in `tests/test_head_loss.py`)."""
+    from shardc.analysis.head_loss import head_chain
+    from shardc.ir import Partition, TemporalSplit
+
+    users = graph.users()  # type: ignore[attr-defined]
+    heads = [c[0] for n in graph.nodes if (c := head_chain(n, users)) is not None]  # type: ignore[attr-defined]
+    assert len(heads) == 1, "no LM head before a loss to chunk: the edit no longer matches the model's graph"
+    part = heads[0].partition or Partition(())
+    heads[0].partition = Partition(part.spatial, (TemporalSplit("e1", 4),), part.strides)
+
+
+EDITS = {"": None, "chunks": _sequence_chunks, "rotate": _rotating_fc2, "head-chunks": _head_chunks}
 
 
 def run_and_check(world: int, cases: list[tuple[str, str, str]]) -> list[str]:
@@ -226,6 +240,8 @@ GPT_CASES = [
     (GPT, "dp=2,tp=2", "rotate"),                    # PrimePar-style rotating fc2
     (GPT, "dp=2,tp=2", "chunks"),                    # sequence chunking (temporal, no rotation)
     (GPT, "dp=2,tp=2", "meta"),                      # meta-device model, materialised shard by shard
+    (GPT, "dp=4", "head-chunks"),                    # LM head + loss over 4 token chunks, fused
+    (GPT, "dp=2,tp=2", "head-chunks"),               # the same, vocab-parallel
 ]
 LLAMA_CASES = [
     (LLAMA, "dp=2,tp=2", ""),
@@ -245,6 +261,7 @@ HF_CASES = [
     (HF_GPT2, "cp=2", ""),
     (HF_GPT2, "dp=2,zero=3", ""),
     (HF_GPT2, "dp=2", ""),                           # DDP
+    (HF_GPT2, "dp=2", "head-chunks"),                # LM head + loss over 4 token chunks, fused
     (HF_GPT2, "dp=2,zero=1", ""),
     (HF_GPT2, "dp=2,zero=2", ""),
     (HF_GPT2, "tp=2,sp=1,recompute=full", ""),       # TP + SP, checkpointed layers

@@ -9,7 +9,7 @@ from traced import PRESETS, transformer_graph
 from shardc.analysis.groups import build_groups
 from shardc.analysis.roles import dim_roles
 from shardc.hardware import parse_cluster
-from shardc.ir import Graph, Layer, Location, Mesh, Node, TensorType, Value
+from shardc.ir import Graph, Layer, Location, Mesh, Node, Partition, TensorType, Value
 from shardc.search.candidates import Shapes, enumerate_group
 from shardc.search.evaluate import Assignment
 from shardc.search.planfile import annotate_graph
@@ -83,8 +83,9 @@ def test_ring_attention_and_vocab_parallel_loss():
     # the ring attention's rotation runs over cp.
     cluster = parse_cluster("8xH100")
     problem = build_problem(graph_facts(g, cluster), cluster, MeshShape(1, 1, 2, 2), 2, 8)
-    loss = next(v for v in problem.groups if v.group.anchor.op == "cross_entropy")
-    vocab = [cost for c, cost in zip(loss.cands, loss.costs) if "tp:v" in c.label]
+    # the loss follows the LM head in its group (`build_groups`): vocab-parallel where the head splits n
+    loss = next(v for v in problem.groups if v.group.members[-1].op == "cross_entropy")
+    vocab = [cost for c, cost in zip(loss.cands, loss.costs) if ("tp", "v") in (c.partitions[-1] or Partition()).spatial]
     assert vocab and all(cost.terms.fwd.get("tp_comm", 0.0) > 0 for cost in vocab)
     assert all(any(s.kind == "all_reduce" and s.axis == "tp" for _, s in cost.terms.collectives) for cost in vocab)
     attn = next(v for v in problem.groups if v.group.anchor.op == "scaled_dot_product_attention")

@@ -155,7 +155,12 @@ def test_memory_tight_case_beats_every_megatron_point():
     best = tight.best
     assert best.source == "solver" and best.estimate.memory_per_device_bytes <= limit
     assert best.estimate.step_time_s < 0.99 * grid.estimate.step_time_s
-    assert best.assignment.stages == ((2, 0, 0), (0, 2, 0))  # per-stage recomputation
+    # What saves the last stage's memory without recomputing the first's: its blocks selectively
+    # recomputed, or (since the loss joined the LM head's group) the head and loss in token chunks,
+    # run fused (`shardc.analysis.head_loss`), which Megatron's grid does not have.
+    head = next(i for i, v in enumerate(best.problem.groups) if v.group.members[-1].op == "cross_entropy")
+    chunked = "; time " in best.problem.groups[head].cands[best.assignment.choice[head]].label
+    assert best.assignment.stages == ((2, 0, 0), (0, 2, 0)) or (chunked and best.assignment.stages[0] == (2, 0, 0))
 
 
 def test_no_plan_fits_names_the_smallest_memory_and_category():

@@ -27,11 +27,13 @@ import torch.fx as fx
 from torch import nn
 
 from shardc.analysis.attention import attention_core, batch_dependent, core_runs, layer_nodes
+from shardc.analysis.head_loss import HeadLoss, fused_heads
 from shardc.backends.torch import collectives as C
 from shardc.backends.torch import grid2d as G
 from shardc.backends.torch import ring as R
 from shardc.backends.torch.emit import Emitter, local_shape, py_name
 from shardc.backends.torch.precision import compute_dtype
+from shardc.cost.compute import localize
 from shardc.cost.edges import regathered_by
 from shardc.ir import Graph, Layout, Mesh, Node, Shard, Value
 from shardc.ir.diagnostics import ShardcError
@@ -130,6 +132,7 @@ class _Rank:
     last_read: dict[Value, int]
     compute: torch.dtype | None = None  # mixed precision's compute dtype (`precision.py`)
     regather: dict[Node, list[Node]] = field(default_factory=dict)  # `regathered`: gather -> its linears
+    heads: dict[Node, HeadLoss] = field(default_factory=dict)  # `head_losses`: each node of a fused head and loss
 
     def state_path(self, v: Value) -> str:
         return f"{self.home[v]}.{_under(self.home[v], v.name)}" if v in self.home else v.name
@@ -221,6 +224,9 @@ def _layer_module(rank: _Rank, region: Region, k: int,
             if n in rank.regather:
                 sub_env[n.outputs[0]] = _gather_linears(emit, rank, n, arg)
                 continue
+            if n in rank.heads:
+                _head_loss(emit, rank.heads[n], n, arg, sub_env)
+                continue
             args = [arg(v) for v in n.inputs]
             for v, out in zip(n.outputs, emit.node(n, args)):
                 sub_env[v] = out
@@ -293,6 +299,9 @@ class _Root:
             if n in self.rank.regather:
                 self.env[n.outputs[0]] = _gather_linears(self.emit, self.rank, n, self.value)
                 continue
+            if n in self.rank.heads:
+                _head_loss(self.emit, self.rank.heads[n], n, self.value, self.env)
+                continue
             args = [self.value(v) for v in n.inputs]
             for v, out in zip(n.outputs, self.emit.node(n, args)):
                 self.env[v] = out
@@ -328,7 +337,7 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
     regions = regions_of(graph)
     home, last_read = _placement(graph, regions, kinds)
     ctx = _Rank(mesh, coords, groups or C.MeshGroups(dict(mesh.axes), coords), kinds, objects, home, last_read,
-                compute_dtype(graph), regathered(graph))
+                compute_dtype(graph), regathered(graph), head_losses(graph))
     cores = selective_cores(graph)
     root = _Root(ctx)
     root.inputs(graph.inputs, local_inputs, device)
@@ -384,6 +393,31 @@ def _gather_linears(emit: Emitter, rank: _Rank, gather: Node, value: Callable[[V
         params += [value(u.inputs[1]), value(u.inputs[2]) if len(u.inputs) > 2 else None]
     kinds = tuple(u.op for u in readers)
     return emit.gather_linears(gather, value(gather.inputs[0]), readers, params, kinds)
+
+
+def head_losses(graph: Graph) -> dict[Node, HeadLoss]:
+    """The fused head-and-loss regions of a lowered graph (`shardc.analysis.head_loss`, the rule
+    the cost model prices), by each of their nodes: each runs as one `chunked_linear_cross_entropy`."""
+    mesh = graph.mesh
+
+    def layouts(node: Node) -> tuple[tuple[Layout, ...], tuple[Layout, ...]]:
+        local = localize(node, mesh, "f32")
+        return local.in_layouts, local.out_layouts
+
+    return fused_heads(graph.nodes, graph.users(), lambda n: n.partition, lambda v: v.layout or Layout(), layouts,
+                       graph.outputs)
+
+
+def _head_loss(emit: Emitter, region: HeadLoss, node: Node, value: Callable[[Value], fx.Node],
+               env: dict[Value, fx.Node]) -> None:
+    """A node of a fused head and loss: the loss emits the region's one call; the linear and the
+    reshapes before it emit nothing (their values are never made)."""
+    if node is not region.loss:
+        return
+    head = region.linear
+    bias = value(head.inputs[2]) if len(head.inputs) > 2 else None
+    env[node.outputs[0]] = emit.head_loss(region, value(head.inputs[0]), value(head.inputs[1]), bias,
+                                          value(node.inputs[1]))
 
 
 def selective_cores(graph: Graph) -> dict[str | None, frozenset[Node]]:

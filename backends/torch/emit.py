@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from shardc.analysis.head_loss import HeadLoss
 from shardc.backends.torch import collectives as C
 from shardc.backends.torch import experts as X
 from shardc.backends.torch import grid2d as G
@@ -28,6 +29,7 @@ from shardc.backends.torch import local_ops as L
 from shardc.backends.torch import precision as P
 from shardc.backends.torch import ring as R
 from shardc.backends.torch import temporal as T
+from shardc.backends.torch.fused_loss import chunked_linear_cross_entropy
 from shardc.ir import Layout, Mesh, Node, Shard, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.lowering import Site, refusal
@@ -83,6 +85,25 @@ class Emitter:
             self.fused[reader] = self.g.create_node("call_function", operator.getitem, (call, j), {},
                                                     name=py_name(reader.outputs[0].name))
         return call
+
+    def head_loss(self, region: HeadLoss, x: fx.Node, weight: fx.Node, bias: fx.Node | None,
+                  targets: fx.Node) -> fx.Node:
+        """A fused head and loss (`shardc.analysis.head_loss`) as one `chunked_linear_cross_entropy`
+        call over the region's chunks; the loss reads the logits in fp32 inside it."""
+        loss = region.loss
+        site = Site.of(loss, self.mesh)
+        reason = refusal(site) if site is not None else None
+        if reason is not None:
+            raise ShardcError(reason, node=loss, hint="the solver never offers this partition; fix the hand edit "
+                              "or the plan that wrote it")
+        attrs: dict[str, Any] = {k: v for k, v in loss.attrs.items() if k in ("ignore_index", "reduction")}
+        logits = loss.inputs[0]
+        axes = (logits.layout or Layout()).sharded_dims().get(logits.type.rank - 1, [])
+        if axes:  # vocab-parallel: `vocab_refusal` allows one axis
+            attrs.update(mesh=self.mesh_node, axis=axes[0],
+                         vocab_start=shard_offset(logits, logits.type.rank - 1, self.mesh, self.coords))
+        return self.call(chunked_linear_cross_entropy, (x, weight, bias, targets, region.steps), attrs,
+                         loss.outputs[0].name)
 
     def read(self, v: Value, node: fx.Node) -> fx.Node:
         """A parameter, buffer or graph input as the IR's ops read it: float ones cast to the

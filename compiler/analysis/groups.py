@@ -2,7 +2,9 @@
 
 Rule: an elementwise or view node joins the group of the latest producer among its
 activation inputs when that producer is in the same layer (among the inputs of the output's
-own shape, when there are any: a broadcast addend does not decide); every other node anchors
+own shape, when there are any: a broadcast addend does not decide); a loss the LM head feeds
+through reshapes (`shardc.analysis.head_loss.head_chain`) joins the head's group, so that the
+two are chosen together (the head's chunks run fused with the loss); every other node anchors
 a new group. A group's partition is its anchor's; followers inherit it through their inputs'
 layouts (see `shardc.search.candidates`).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardc.analysis.head_loss import head_chain
 from shardc.analysis.roles import node_space
 from shardc.ir import Graph, Node
 from shardc.ops.registry import IterationSpace, get_op, has_op
@@ -42,11 +45,15 @@ def build_groups(graph: Graph) -> list[NodeGroup]:
     group_of: dict[Node, NodeGroup] = {}
     order: dict[Node, int] = {}
     groups: list[NodeGroup] = []
+    users = graph.users()
     for i, node in enumerate(graph.nodes):
         order[node] = i
         target: NodeGroup | None = None
         kind = get_op(node.op).kind if has_op(node.op) else "opaque"
-        if kind in FOLLOWER_KINDS:
+        chain = head_chain(node, users, graph.outputs) if kind == "loss" else None
+        if chain is not None and chain[0] in group_of:
+            target = group_of[chain[0]]
+        elif kind in FOLLOWER_KINDS:
             inputs = [v for v in node.inputs if v.producer is not None and v.producer in group_of
                       and v.producer.layer == node.layer]
             # Prefer an input of the output's own shape over a broadcast one (a position embedding).

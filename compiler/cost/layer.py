@@ -38,6 +38,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shardc.analysis.attention import attention_core as core_of
+from shardc.analysis.head_loss import HeadLoss
 from shardc.cost.comm import CommStep
 from shardc.cost.compute import (
     NodeCost,
@@ -59,6 +60,7 @@ from shardc.cost.edges import (
 )
 from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
+from shardc.cost.head import head_regions, head_saved_bytes, head_working
 from shardc.cost.moe import expert_steps, routed_bytes, routing_skew
 from shardc.cost.ring import as_run
 from shardc.ir import Node, Value
@@ -201,11 +203,14 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
     inside = set(nodes)
     produced = {v for n in nodes for v in n.outputs}
     core = attention_core(ctx, nodes) if core is None else core
+    regions = head_regions(ctx, nodes)
     t = LayerTerms()
     for node in nodes:
         in_core, local = node in core, ctx.local(node)
-        cost = _compute(ctx, node, in_core, t)
+        cost = _compute(ctx, node, in_core, t, node in regions)
         saves = saved_bytes_of(local.op, local.in_types, local.out_types, node.attrs)
+        if node in regions:
+            saves = _charge_head(ctx, regions[node], node, cost, saves, t)
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
         _forward_edges(ctx, node, cost, {idx for kind, idx, _ in saves if kind == "in"}, produced, internal_only,
                        node_fwd, t)
@@ -224,6 +229,30 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
     return t
 
 
+def _charge_head(ctx: CostContext, region: HeadLoss, node: Node, cost: NodeCost,
+                 saves: list[tuple[str, int, float]], t: LayerTerms) -> list[tuple[str, int, float]]:
+    """A node of a fused head and loss (module rule): the head's matmul again in backward and the
+    chunks' launches (at the loss); the loss's saved log-sum-exps instead of its logits. Returns
+    what `node` saves under the fusion."""
+    if node is not region.loss:
+        return saves
+    again = _eager_cost(ctx, region.linear)
+    launches = (region.steps - 1) * ctx.device.kernel_latency
+    _add(t.fwd, "compute_fwd", launches)  # the loss's kernels per chunk (the head's: its own chunk split)
+    _add(t.bwd, "compute_bwd", again.fwd_s + 2 * launches)
+    t.bwd_flops += again.fwd_flops
+    t.transient = max(t.transient, head_working(ctx, region, False), head_working(ctx, region, True))
+    local, part = ctx.local(node), ctx.partition(node)
+    rows = local.in_types[1].numel * ctx.batch_scale / region.steps
+    for axis, dim in part.spatial if part is not None else ():
+        if dim == "v":  # per chunk: the rows' maximum, then (sum of exponentials, target logit); not `vocab_steps`
+            fused = [CommStep("all_reduce", axis, 4.0 * rows), CommStep("all_reduce", axis, 8.0 * rows)] * region.steps
+            extra = sum(comm_time(ctx, c) for c in fused) - sum(comm_time(ctx, c) for c in vocab_steps(axis, rows * region.steps))
+            _add(t.fwd, axis_category(axis), extra)
+    t.saved_entries[(node, -1 - len(node.inputs))] = (head_saved_bytes(ctx, region), False)
+    return [s for s in saves if not (s[0] == "in" and s[1] == 0)]
+
+
 def _batched_scale(ctx: CostContext, values: Sequence[Value]) -> float:
     """The batch scale when any of `values` depends on the batch, else 1."""
     return ctx.batch_scale if any(v in ctx.batched for v in values) else 1.0
@@ -240,9 +269,10 @@ def _eager_cost(ctx: CostContext, node: Node) -> NodeCost:
     return as_run(cost, node, part)
 
 
-def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> NodeCost:
+def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms, fused: bool = False) -> NodeCost:
     """The node's compute (`_eager_cost`, or its part of the fused kernels when the plan runs
-    compiled), added to `t` with its FLOPs and its transient; returns its `NodeCost`."""
+    compiled), added to `t` with its FLOPs and its transient (a fused head's and loss's is the
+    region's, `_charge_head`); returns its `NodeCost`."""
     local = ctx.local(node)
     op, part = local.op, ctx.partition(node)
     cost = _eager_cost(ctx, node)
@@ -257,8 +287,9 @@ def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms) -> Node
         t.core_matmul_flops += g if in_core else 0.0
     t.core_flops += cost.fwd_flops if in_core else 0.0
     chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
-    t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
-                                                 _batched_scale(ctx, node.outputs)))
+    if not fused:
+        t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
+                                                     _batched_scale(ctx, node.outputs)))
     return cost
 
 

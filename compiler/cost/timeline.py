@@ -36,6 +36,9 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   at the first step, three times at the later ones, where over two steps the last one has
   already freed the input itself (twice again). Gradients an op
   passes through (views, adds) share the output gradient's storage: counted once.
+- A fused head and loss (`shardc.cost.head`): the head makes no logits; the loss holds one
+  chunk's working set (`head_working`) in forward and in backward, where it allocates the head
+  input's gradient and the weight's at once and the head's and reshapes' backward is its own.
 - A graph without its own loss: the layer making its output also holds the training loop's
   loss on the gathered output (`default_loss_bytes`) on top of what it keeps.
 The result is each phase's peak and what is live at it, which `compose` stacks on the layers
@@ -48,8 +51,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from shardc.analysis.aliasing import passes_gradient
+from shardc.analysis.head_loss import HeadLoss
 from shardc.cost.context import CostContext
 from shardc.cost.edges import GATHERED, gathered_source, regather_group
+from shardc.cost.head import head_regions, head_working
 from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
 from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
@@ -113,9 +118,10 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
                 exported.add(ctx.root(v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
     fused = _fused(ctx, nodes, inside)
-    fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload, fused)
+    regions = head_regions(ctx, nodes)
+    fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload, fused, regions)
     if recompute == "full":  # the forward again, inputs kept and output gradients arriving
-        again, _ = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload, fused)
+        again, _ = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload, fused, regions)
         incoming = _incoming(ctx, nodes, inside)
         recompute_peak = again + incoming
         live_saved, recomputed = {}, dict(saved_all)
@@ -124,7 +130,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         live_saved, recomputed = dict(kept), {}
     peak, at_saved, at_recomputed, param_grads, held = _backward(
         ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
-        hold_param_grads, fused)
+        hold_param_grads, fused, regions)
     if recompute_peak > peak:
         peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
     tail = default_loss_bytes(ctx, nodes)
@@ -201,14 +207,20 @@ def _saved_keys(ctx: CostContext, node: Node, known: Collection[object], terms: 
     return keys
 
 
-def _new_outputs(ctx: CostContext, node: Node) -> dict[Value, float]:
+def _new_outputs(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | None = None) -> dict[Value, float]:
+    if regions and node in regions and node is not regions[node].loss:
+        return {}  # a fused head makes no logits
     return {v: ctx.local_bytes(v) for v in node.outputs if ctx.root(v) is v}
 
 
-def _loss_extra(ctx: CostContext, node: Node) -> float:
-    """A loss holds log-probabilities (forward) or their gradient (backward) the size of its input."""
+def _loss_extra(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | None = None,
+                backward: bool = False) -> float:
+    """A loss holds log-probabilities (forward) or their gradient (backward) the size of its input;
+    a fused head and loss one chunk's working set (`head_working`)."""
     if get_op(node.op).kind != "loss" or not node.inputs:
         return 0.0
+    if regions and node in regions:
+        return head_working(ctx, regions[node], backward)
     return ctx.local_bytes(node.inputs[0])
 
 
@@ -228,13 +240,14 @@ def _fused(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> dict[N
 
 def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, last_read: dict[Value, int],
              exported: set[Value], preload: dict,
-             fused: dict[Node, tuple[list[Node], float]] | None = None) -> tuple[float, float]:
+             fused: dict[Node, tuple[list[Node], float]] | None = None,
+             regions: dict[Node, HeadLoss] | None = None) -> tuple[float, float]:
     saved: dict[object, float] = dict(preload)
     temp: dict[Value, float] = {}
     peak, at_saved = 0.0, 0.0
     for idx, node in enumerate(nodes):
-        new = _new_outputs(ctx, node)
-        total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node)
+        new = _new_outputs(ctx, node, regions)
+        total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node, regions)
         if fused and node in fused:  # the gathered copy, freed once the readers have run
             total += fused[node][1]
         if rotation(ctx, node) is not None:  # the running sum, this step's partial product and their sum
@@ -265,7 +278,8 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
-              hold: bool, fused: dict[Node, tuple[list[Node], float]]) -> tuple[float, float, float, float, float]:
+              hold: bool, fused: dict[Node, tuple[list[Node], float]],
+              regions: dict[Node, HeadLoss]) -> tuple[float, float, float, float, float]:
     # Activation gradients by value, each with the storage it lives in: a gradient passed through
     # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
@@ -285,6 +299,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     remaining = {k: len(v) for k, v in savers.items()}
     position = {n: i for i, n in enumerate(nodes)}
     later_readers = {m for members, _ in fused.values() for m in members[1:]}
+    later_readers |= {m for m, region in regions.items() if m is not region.loss}  # run at the loss's turn
     peak, at_saved, at_recomputed = 0.0, 0.0, 0.0
     core_pending = bool(core)
     for idx in range(len(nodes) - 1, -1, -1):
@@ -294,6 +309,11 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         if node in later_readers:
             continue  # its backward runs with its first reader's (`_fused`)
         members, gathered = fused.get(node, ([node], 0.0))
+        region = regions.get(node)
+        made: set[Value] = set()
+        if region is not None:  # the fused loss: its own backward and the head's and reshapes'
+            members = [node, *reversed(region.views), region.linear]
+            made = {v for m in members[1:] for v in m.outputs}
         rot = rotation(ctx, node)
         indexed = set(rot[2]) if rot is not None else set()
         if core_pending and node in core:
@@ -304,7 +324,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         new_params: dict[str, float] = {}
         passed: list[Value] = []
         for reader, i, v in ((r, i, v) for r in members for i, v in enumerate(r.inputs)):
-            if v not in ctx.needs_grad:
+            if v not in ctx.needs_grad or v in made:
                 continue
             if v.kind == "parameter":
                 new_params[v.name] = ctx.local_bytes(v)
@@ -317,7 +337,8 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         if gathered and node.inputs[0] in ctx.needs_grad:  # the input gradient at the gathered size, and the
             padding += 2 * gathered  # pieces gathered again (then the reduce-scatter's full-size sum)
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
-        total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node)
+        total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node, regions,
+                                                                                               backward=True)
         if total > peak:
             peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
         outs = [(grads.pop(o), owner.pop(o)) for m in members for o in m.outputs if o in grads]

@@ -209,6 +209,9 @@ def _chunk_refusal(site: Site) -> str | None:
         return f"a temporal split of {site.op} is not supported; split its consumers instead"
     if split.dim in site.special:
         return f"a temporal chunk of {site.op} cannot cut {split.dim} (its {site.special[split.dim]} rule)"
+    if site.kind == "loss" and _vocab_dims(site):
+        return (f"a temporal chunk of {site.op} with its classes split (vocab-parallel) is not lowered; keep the "
+                f"classes whole or the rows unchunked")
     if split.dim in site.space.reductions and site.space.partial_op not in CHUNK_PARTIALS:
         return f"a temporal chunk of {site.op}'s reduction {split.dim} cannot combine by {site.space.partial_op}"
     if split.dim in site.space.unsplittable:

@@ -18,7 +18,10 @@ Rules (one place):
   tq of equal size, contractions by a 2-d weight also get `time k/q rotate (tp, tq)` grids.
   Otherwise the second model axis `tq` splits whatever `tp` splits (tp x tq acts as one tp).
 - Temporal chunks: a sequence dim cut into 4 steps on the same devices lowers the node's
-  working memory (`time e1/4`), at a kernel-launch cost per step.
+  working memory (`time e1/4`), at a kernel-launch cost per step. The LM head's chunks extend
+  to the loss in its group (`shardc.analysis.groups`): the two run as one chunked linear cross
+  entropy that never holds the whole logits (`shardc.analysis.head_loss`), as the backend lowers
+  it and the cost model prices it.
 - A linear whose output a member splits into k equal pieces (a fused qkv) splits that dim
   strided (`tp:n/3`), so the split follows with every piece sharded alike.
 - A reduction split leaves the anchor's output Partial(sum); each candidate resolves it inside

@@ -4,8 +4,10 @@ Rules: every operand read from outside the group is an `ExternalInput` with the 
 reading member requires and its gradient's layout (Partial(sum) on every axis the member
 splits but the operand does not, unless the operand rotates along that axis); the anchor's
 outputs take their resolved layouts; each follower inherits the partition through its first
-in-group input's layout (a strided shard of a fused dim splits into its pieces; what cannot be
-inherited is not split); an op without a rule runs replicated on every device.
+in-group input's layout (a loss following the LM head, `shardc.analysis.groups`, inherits a
+split of the classes: vocab-parallel cross entropy; a strided shard of a fused dim splits into
+its pieces; what cannot be inherited is not split); an op without a rule runs replicated on
+every device.
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ def _follow(node, space: IterationSpace | None, acc: _Acc, mesh: Mesh) -> Partit
                 continue
             factors = operand[p.dim]
             dim = factors[0] if factors else None
-            if dim is not None and dim not in space.unsplittable and dim not in dict(space.special):
-                spatial.append((axis, dim))
+            if dim is not None and dim not in space.unsplittable and dict(space.special).get(dim, "vocab") == "vocab":
+                spatial.append((axis, dim))  # a loss following its head keeps the classes split (vocab-parallel)
             elif dim in space.unsplittable and len(factors) > 1 and p.interleave == space.size(dim):
                 spatial.append((axis, factors[1]))  # a strided shard split into its pieces (fused qkv)
     partition = Partition(tuple(spatial)) if space is not None else None

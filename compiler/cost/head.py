@@ -1,0 +1,49 @@
+"""A fused LM head and loss as the cost model sees it (`shardc.analysis.head_loss`: the rule
+codegen runs): the regions among a layer's nodes, read through the context's partitions and
+layouts, and the sizes the backend's `chunked_linear_cross_entropy` allocates. `layer.py` prices
+its time and saved bytes, `timeline.py` its live memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shardc.analysis.head_loss import HeadLoss, fused_heads
+from shardc.cost.context import CostContext
+from shardc.ir import Layout, Node
+
+LOSS_BYTES = 4.0  # the loss reads its logits in fp32 whatever the compute dtype
+
+
+def head_regions(ctx: CostContext, nodes: Sequence[Node]) -> dict[Node, HeadLoss]:
+    """The fused heads and losses among `nodes` (`shardc.analysis.head_loss`, the rule codegen
+    runs), by each of their nodes, read through the context's partitions and layouts."""
+    def layouts(node: Node) -> tuple[tuple[Layout, ...], tuple[Layout, ...]]:
+        local = ctx.local(node)
+        return local.in_layouts, local.out_layouts
+
+    return fused_heads(nodes, ctx.users, ctx.partition, ctx.layout, layouts, ctx.graph.outputs)
+
+
+def head_chunk_bytes(ctx: CostContext, region: HeadLoss) -> float:
+    """One chunk of the region's logits in fp32 (as the loss reads them), on one device."""
+    logits = region.loss.inputs[0]
+    return ctx.local(region.loss).in_types[0].numel * ctx.scale_of(logits) * LOSS_BYTES / region.steps
+
+
+def head_saved_bytes(ctx: CostContext, region: HeadLoss) -> float:
+    """What the fused loss saves besides its inputs x and targets: an fp32 log-sum-exp per row."""
+    target = region.loss.inputs[1]
+    return ctx.local(region.loss).in_types[1].numel * ctx.scale_of(target) * LOSS_BYTES
+
+
+def head_working(ctx: CostContext, region: HeadLoss, backward: bool) -> float:
+    """What the fused loss holds beyond its inputs and gradients while it runs, one chunk at a time:
+    forward, the chunk's fp32 logits and log-sum-exp's two temporaries (the shifted logits and
+    their exponentials); backward, the chunk's fp32 logits turned in place into their gradient,
+    plus that gradient in the compute dtype under mixed precision (the matmuls' operand)."""
+    chunk = head_chunk_bytes(ctx, region)
+    if not backward:
+        return 3 * chunk
+    compute = ctx.elem_bytes(region.loss.inputs[0])
+    return chunk + (chunk * compute / LOSS_BYTES if compute < LOSS_BYTES else 0.0)
