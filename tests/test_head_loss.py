@@ -20,7 +20,7 @@ from shardc.hardware import parse_cluster
 from shardc.ir import Partition, TemporalSplit
 from shardc.search.evaluate import Assignment, evaluate
 from shardc.search.grid import grid_assignments
-from shardc.search.linear import objective
+from shardc.search.objective import objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import MeshShape, build_problem, graph_facts
 
