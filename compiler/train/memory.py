@@ -301,7 +301,11 @@ def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         tracker.mark_saved(t)
-        return t
+        # An alias without the autograd history: a tensor saved whole would hold its own grad_fn
+        # (an op that saves its output: softmax, exp), a reference cycle autograd breaks only
+        # when backward frees the node, which a retained graph's input-only nodes never are
+        # (torch's split backward, `stage_backward_input`): the tracker would keep them alive.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
         yield tracker
