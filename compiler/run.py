@@ -124,7 +124,7 @@ def _predicted_memory(est: Any, plan: ParallelPlan | PlanFile, rank: int) -> int
     plan = _plan_of(plan)
     pp_rank = rank // (plan.dp * plan.cp * plan.tp)
     stage = est.stages[min(pp_rank, len(est.stages) - 1)]
-    return int(stage.memory_bytes)
+    return int(stage.rank_memory_bytes(plan.mesh().coordinates(rank)))
 
 
 def launch(spec: str, plan: ParallelPlan | PlanFile, *, nproc: int, steps: int, seed: int, timeout_s: float,
