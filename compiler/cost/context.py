@@ -65,6 +65,11 @@ class CostContext:
         trainable parameters through float values. `compiled`: price fused kernels."""
         ctx = cls(graph, cluster, graph.mesh, dtype, batch_scale, algorithm, compiled)
         ctx.batched = set(graph.inputs)
+        # Constants the trace folded with the traced batch as dim 0 (a mask transformers expands
+        # over the batch): the runtime folds them again at the micro-batch's shape.
+        traced = graph.inputs[0].type.shape[0] if graph.inputs and graph.inputs[0].type.shape else 0
+        ctx.batched |= {b for b in graph.buffers if traced > 1 and b.name.startswith("const.") and b.type.shape
+                        and b.type.shape[0] == traced}
         any_marked = any(p.requires_grad for p in graph.params)
         ctx.needs_grad = {p for p in graph.params if p.type.is_float and (p.requires_grad or not any_marked)}
         for node in graph.nodes:

@@ -341,6 +341,7 @@ def rotation(ctx: CostContext, node: Node) -> tuple[int, list[int], list[int]] |
 
 
 RING_SAVED = -100  # a saved-entry key (node, RING_SAVED): causal ring attention's blocks (`ring.causal_ring_saved`)
+MASK_SAVED = -101  # (node, MASK_SAVED): sdpa's bool mask as the float copy its kernel saves (one per call)
 
 
 def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]]) -> dict[int, float]:
@@ -368,6 +369,10 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
     ring = causal_ring_saved(ctx, node)
     if ring:  # eager causal ring attention's blocks beyond the fused kernel's saves (`ring.causal_ring_saved`)
         t.saved_entries[(node, RING_SAVED)] = (ring, in_core)
+    mask = node.inputs[3] if node.op == "scaled_dot_product_attention" and len(node.inputs) > 3 else None
+    if mask is not None and not mask.type.is_float:  # the kernel saves a bool mask converted to the query's dtype
+        copy = ctx.local_bytes(mask) / max(1, ctx.elem_bytes(mask)) * ctx.elem_bytes(node.inputs[0])
+        t.saved_entries[(node, MASK_SAVED)] = (copy, in_core)
     for k, (kind, idx, nbytes) in enumerate(saves):
         if kind == "bytes":
             t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)

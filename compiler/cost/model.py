@@ -37,7 +37,7 @@ from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.ring import causal_ring_axis
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.hardware import Cluster
-from shardc.ir import Axis, Graph, LayerAnnotation, Value
+from shardc.ir import DATA_AXES, Axis, Graph, LayerAnnotation, Layout, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan, plan_of
@@ -165,11 +165,14 @@ def _cost_layers(ctx: CostContext, layers: Sequence[LayerWork], plan: ParallelPl
 
 
 def _output_bytes(ctx: CostContext, graph: Graph) -> float:
-    """Bytes of what the last stage returns per micro-batch before the loss (the loss's input)."""
+    """Bytes of what the last stage returns per micro-batch before the loss (the loss's input);
+    a graph without a loss returns its outputs as `lower` makes them: gathered on every axis but
+    the data axes (where each rank keeps its share)."""
     for node in reversed(graph.nodes):
         if get_op(node.op).kind == "loss" and node.inputs:
             return ctx.local_bytes(node.inputs[0])
-    return sum(ctx.local_bytes(v) for v in graph.outputs)
+    return sum(ctx.local_bytes(v, Layout(tuple((a, p) for a, p in ctx.layout(v).placements if a in DATA_AXES)))
+               for v in graph.outputs)
 
 
 def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int,
