@@ -6,8 +6,8 @@ measured peak, the difference filed as `allocator_extra`.
 - At the start of the measured step, every tensor Python can reach (`gc.get_objects()`, a
   DTensor counted as its local shard) is filed by its role: `parameters` (the module's
   parameters), `gradients` (their `.grad`), `optimizer` (the optimizer's state), `buffers`
-  (communication buffers; DDP's gradient buckets live in C++ and are added from DDP's own
-  `bucket_sizes` log), `model_buffers` (registered module buffers) and `other` (inputs,
+  (communication buffers: torch pipelining's receive buffers; DDP's gradient buckets live in
+  C++ and are added from DDP's own `bucket_sizes` log), `model_buffers` (registered module buffers) and `other` (inputs,
   leftovers). Each storage is counted once.
 - During the step a `TorchDispatchMode` sees every op the rank runs (backward included: the
   autograd engine carries the mode) and files each new output storage: saved for backward
@@ -89,6 +89,12 @@ def roles(modules: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, str]:
             put(p.grad, "gradients")
         for b in m.buffers():
             put(b, "model_buffers")
+        for stage in getattr(m, "stages", None) or ():  # torch pipelining's receive buffers, made before the step
+            for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
+                for info in infos:
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor):
+                        put(buffer, "buffers")
     if optimizer is not None:
         for state in optimizer.state.values():
             for t in _tensors(state):
