@@ -305,15 +305,20 @@ def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict
     gc.collect()
     tracker = MemoryTracker(roles(mods, optimizer), extra, mods)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         tracker.mark_saved(t)
-        # An alias without the autograd history: a tensor saved whole would hold its own grad_fn
-        # (an op that saves its output: softmax, exp), a reference cycle autograd breaks only
-        # when backward frees the node, which a retained graph's input-only nodes never are
-        # (torch's split backward, `stage_backward_input`): the tracker would keep them alive.
-        return t.detach()
+        # An alias without the autograd history, and the base a view keeps alive (as autograd's own
+        # saved view does: `precision.weight_copy` shares one weight copy while a view of it is
+        # saved). A tensor saved whole would hold its own grad_fn (an op saving its output:
+        # softmax, exp), a reference cycle autograd breaks only when backward frees the node, which
+        # a retained graph's input-only nodes never are (torch's split backward,
+        # `stage_backward_input`): the tracker would keep them alive to the step's end and beyond.
+        return t.detach(), t._base
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+    def unpack(packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        return packed[0]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), tracker:
         yield tracker
     if cuda:
         torch.cuda.synchronize(device)
