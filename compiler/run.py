@@ -124,7 +124,7 @@ def _predicted_memory(est: Any, plan: ParallelPlan | PlanFile, rank: int) -> int
     plan = _plan_of(plan)
     pp_rank = rank // (plan.dp * plan.cp * plan.tp)
     stage = est.stages[min(pp_rank, len(est.stages) - 1)]
-    return int(stage.memory_bytes)
+    return int(stage.rank_memory_bytes(plan.mesh().coordinates(rank)))
 
 
 def launch(spec: str, plan: ParallelPlan | PlanFile, *, nproc: int, steps: int, seed: int, timeout_s: float,
@@ -249,6 +249,7 @@ def _train_one(path: Path, spec: str, options: TrainOptions, device: Any, rank: 
             os.replace(tmp, state_out)
     return {"rank": rank, "losses": list(report.losses), "step_times_s": list(report.step_times_s),
             "median_step_time_s": report.median_step_s, "peak_memory_bytes": report.peak_memory_bytes,
+            "peak_memory_breakdown": dict(report.memory.get("peak_breakdown", {})),
             "backend": report.backend, "device": report.device}
 
 

@@ -26,7 +26,9 @@ and collectives carry the backward they need as their `grad` attribute. Graph ou
 data axes (the loss is each rank's mean: `P(avg)`). Where an activation crosses pipeline
 stages, a `send` (producer's layer) and `recv` (consumer's layer) pair cuts the graph: the send
 goes right after its producer and the recv (with the steps after it) right before the first
-consumer, so stages never decrease along the node list. A parameter read on several stages
+consumer, so stages never decrease along the node list; the edges of one value that cross the
+same cut at the producer's layout share that pair (one receive per stage input, as the cost
+model sends each value once). A parameter read on several stages
 (a tied embedding and head) is held by each of them: it gets one `grad_sync` per stage and is
 never sent; the runtime sums its gradient over those stages.
 """
@@ -121,6 +123,9 @@ class _Emit:
     # (source value, steps so far) -> the value they made: edges of one value whose steps begin
     # alike (readers that need the same layout with different gradients) share those nodes
     shared: dict[tuple[str, tuple[ReshardStep, ...]], Value] | None = None
+    # sent value -> its recv: edges of one value that cross the same cut in the same layout (a
+    # stage input read at two layouts, by a norm and by the residual) share one send and one recv
+    received: dict[str, Value] | None = None
 
     def __call__(self, op: str, attrs: dict[str, Any], src: Value, layout: Layout, near: Node, tag: str) -> Value:
         name, k = f"{src.name}.{tag}", 1
@@ -149,7 +154,12 @@ class _Emit:
                 attrs = {"axis": Axis.PP, "src": edge.src_stage, "dst": edge.dst_stage}
                 if sent is None:
                     sent = self.send(cur, edge, src.producer or near)
+                if self.received is not None and sent.name in self.received:
+                    cur = self.received[sent.name]
+                    continue
                 cur = self("recv", attrs, sent, cur.layout or Layout(), near, "recv")
+                if self.received is not None:
+                    self.received[sent.name] = cur
                 continue
             op, attrs = step_node_attrs(step)
             cur = self(op, attrs, cur, step.layout_after, near, op)
@@ -254,8 +264,10 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
         if edge.consumers and edges[edge][0].kind == "send_recv" and producer is not None:
             after.setdefault(position[producer], []).append(edge)
     sent: dict[Edge, Value] = {}
+    sends: dict[tuple[str, int | None, int | None], Value] = {}  # (value, src, dst stage) -> its one send
     emit.nodes = []
     emit.shared = {}
+    emit.received = {}
     for index, node in enumerate(old):
         for edge in before.get(index, []):
             new = emit.chain(by_name[edge.value], edge, edges[edge], node, sent.get(edge))
@@ -263,8 +275,12 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
                 old[i].inputs[pos] = new
         emit.nodes.append(node)
         for edge in after.get(index, []):
-            sent[edge] = emit.send(by_name[edge.value], edge, node)
+            key = (edge.value, edge.src_stage, edge.dst_stage)
+            if key not in sends:
+                sends[key] = emit.send(by_name[edge.value], edge, node)
+            sent[edge] = sends[key]
     emit.shared = None
+    emit.received = None
     for edge, steps in edges.items():
         if not edge.consumers:
             k = next(j for j, v in enumerate(graph.outputs) if v.name == edge.value)

@@ -101,24 +101,8 @@ def case(id: str, spec: str, nproc: int, gbs: int, limit_gb: float, *features: s
     return pytest.param(Case(id, spec, nproc, gbs, limit_gb, frozenset(features), dtype), id=id, marks=marks)
 
 
-# Strict xfails: defects the retuned corpus measures (the limits merged on `corpus2`), each with its
-# figures. When a fix merges, its case passes and the mark must go (strict: an unexpected pass fails).
-# two of the three plans with sequence-parallel norms measure above their prediction; neither plan
-# all-gathers into a linear (they move the sequence shard by all_to_all and rotate their weights),
-# so Megatron's saved shard (`collectives.gather_linears`) does not reach them. What each holds is
-# in its mark (the memory tracker's live storages at the measured peak against the timeline).
-SP_MEMORY = "sequence-parallel plans' peak memory above the prediction"
-RING = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (llama-ring, tp=2 ring attention zero=3: rank 1 +8.4%, "
-                         "2,255,992 B against 2,081,280 B; rank 0 +2.1%): causal ring attention's last rank computes "
-                         "both blocks and keeps each block's exp (64 KiB) and the received key and value shards "
-                         "(64 KiB), which rank 0 skips; the model prices it as a fused kernel (q, k, v, out, lse) "
-                         "alike on every rank, and one figure per stage cannot be within 5% of both ranks (6.2% apart)")
-PIPELINED_SP = pytest.mark.xfail(strict=True, reason=f"{SP_MEMORY} (hf-gpt2, pp=2 tp=2 zero=3: stage 0 +11.9%, "
-                                 "1,632,356 B against 1,458,176 B; stage 1 +14.3%, 1,928,828 B against 1,687,040 B): "
-                                 "stage 1 keeps its 4 micro-batches' outputs gathered over tp (priced sharded: +64 KiB), "
-                                 "receives the stage input twice (two edges, S(1) for ln_1 and S(2) for the residual, "
-                                 "each with its own send/recv: +64 KiB of receive buffers), and sdpa saves its bool "
-                                 "mask converted to float per micro-batch (+64 KiB)")
+# Strict xfails (none left): a defect the corpus measures is marked with its figures, and the mark
+# goes when the fix merges (strict: an unexpected pass fails). `case(..., marks=(...,))` takes them.
 
 # The solver's zero-bubble plans (issue 16) train as one process does; their memory is not yet
 # priced within 5% (tests/test_zero_bubble_memory.py: zbv +27%/+36%).
@@ -155,14 +139,22 @@ CASES = [
     # Llama (sdpa): tensor parallel over two whose blocks recompute in full.
     case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.0019, "recompute-full", "rotate", "zero"),
     # One attention head: tensor parallelism cannot split heads, so attention runs as a ring (the
-    # plan has 2 micro-batches of one sequence).
-    case("llama-ring", "examples/llama.py:tiny?batch=2&seq=256&n_head=1&n_kv_head=1", 2, 2, 0.002,
-         "ring-attention", "rotate", "sp", "zero", "recompute-full", marks=(RING,)),
-    # transformers' GPT-2 on four, tight: two stages of two tensor-parallel devices (rotating
-    # matmuls, sequence-parallel norms, ZeRO-3), the first stage's block recomputing in full, the
-    # last's selectively.
-    case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.0016, "pipeline", "rotate", "sp", "zero",
-         "recompute-selective", "recompute-full", "stages-differ", marks=(PIPELINED_SP,)),
+    # plan has 2 micro-batches of one sequence). Causal ring attention's last rank computes both
+    # blocks and keeps their exponentials and the received key and value shards, which rank 0
+    # skips: each rank is compared with its own prediction (`StageEstimate.memory_by_coordinate`).
+    # (At 0.002, where it was a strict xfail at +8.4% / +2.1% on one figure for both ranks, the
+    # ring priced so no longer fits and the solver gathers the keys instead.)
+    case("llama-ring", "examples/llama.py:tiny?batch=2&seq=256&n_head=1&n_kv_head=1", 2, 2, 0.0021,
+         "ring-attention", "rotate", "sp", "zero", "recompute-full"),
+    # transformers' GPT-2 on four, tight: two stages of two tensor-parallel devices, each stage's
+    # block recomputing in full. (This case was a strict xfail at +11.9% / +14.3% with a richer
+    # plan (rotating matmuls, sequence-parallel norms, ZeRO-3, selective on the last stage): the
+    # stage input was received twice (two edges; `lower` now sends it once), the last stage's
+    # outputs were held gathered but priced sharded, sdpa saved its bool mask as a float copy per
+    # call, and the mask, a constant folded at the traced batch, was priced at that batch. With
+    # those priced, the solver no longer picks that mix at any limit tried (0.0013-0.0017 GB);
+    # the other cases cover each of its parts.)
+    case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.0016, "pipeline", "recompute-full"),
     # BERT (an encoder, token types in [0, 2): `shardc.train.input_ranges`) on two, its layers
     # recomputing in full. (At 0.0032 it recomputed selectively with ZeRO until the loss joined the
     # LM head's group; then no limit from 0.0027 to 0.0032 gives selective with ZeRO: 2.75-3.0 MB

@@ -46,7 +46,7 @@ from shardc.cost.memory import (
     weight_copy_bytes,
 )
 from shardc.cost.peak import device_memory, pipeline_buffers
-from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, simulate, weight_gradient_share
+from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, device_order, simulate, weight_gradient_share
 from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
@@ -351,7 +351,11 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     if sharded:
         unsharded_grads = local * w_elem if w_elem != GRADIENT_BYTES else 0.0
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
+    order = device_order(plan.schedule, p, d, m, v) if p > 1 else None
+    split = plan.schedule in ZB_SCHEDULES and send_bytes is not None
+    input_grads = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if split and send_bytes else {}
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
                          regather=zero >= 3, accumulate=m > 1 and p == 1,
-                         copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0)
+                         copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0,
+                         order=order, stage_ids=mine_stages, input_grads=input_grads)

@@ -51,6 +51,9 @@ class CostContext:
     # Fused-kernel roles per layer (`shardc.cost.fusion.role_of`): partition-free, shared by overlays.
     fusion: dict = field(default_factory=dict)
     _levels: dict[tuple[str, ...], LinkLevels] = field(default_factory=dict)
+    # The coordinate along its ring axis of the rank causal ring attention is priced for (ranks
+    # differ: `ring.causal_ring_saved`); None: the last, which computes and keeps the most.
+    ring_rank: int | None = None
 
     @property
     def device(self) -> DeviceSpec:
@@ -63,6 +66,11 @@ class CostContext:
         trainable parameters through float values. `compiled`: price fused kernels."""
         ctx = cls(graph, cluster, graph.mesh, dtype, batch_scale, algorithm, compiled)
         ctx.batched = set(graph.inputs)
+        # Constants the trace folded with the traced batch as dim 0 (a mask transformers expands
+        # over the batch): the runtime folds them again at the micro-batch's shape.
+        traced = graph.inputs[0].type.shape[0] if graph.inputs and graph.inputs[0].type.shape else 0
+        ctx.batched |= {b for b in graph.buffers if traced > 1 and b.name.startswith("const.") and b.type.shape
+                        and b.type.shape[0] == traced}
         any_marked = any(p.requires_grad for p in graph.params)
         ctx.needs_grad = {p for p in graph.params if p.type.is_float and (p.requires_grad or not any_marked)}
         for node in graph.nodes:
@@ -87,13 +95,14 @@ class CostContext:
         """The same dataflow facts on another mesh and batch scale (no overlays, fresh caches)."""
         return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.compiled,
                            self.batched, self.needs_grad, self.users, self.layer_of, storage=self.storage,
-                           copies=self.copies, fusion=self.fusion)
+                           copies=self.copies, fusion=self.fusion, ring_rank=self.ring_rank)
 
     def with_overlay(self, partitions: dict[Node, Partition | None], layouts: dict[Value, Layout]) -> CostContext:
         """This context with nodes partitioned and values laid out as given."""
         return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
                            self.compiled, self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
-                           self.storage, self.copies, _levels=self._levels, fusion=self.fusion)
+                           self.storage, self.copies, _levels=self._levels, fusion=self.fusion,
+                           ring_rank=self.ring_rank)
 
     def partition(self, node: Node) -> Partition | None:
         return self.partitions[node] if node in self.partitions else node.partition

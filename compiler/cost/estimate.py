@@ -32,10 +32,20 @@ class StageEstimate:
     activation_bytes_per_microbatch: float
     dp_grad_bytes: float
     dp_comm_bytes: float
+    # Where the ranks of this pipeline device differ (causal ring attention: `ring.causal_ring_saved`):
+    # (mesh axis, peak bytes per coordinate along it); `memory` is the largest of them.
+    memory_by_coordinate: tuple[str, tuple[float, ...]] | None = None
 
     @property
     def memory_bytes(self) -> float:
         return sum(self.memory.values())
+
+    def rank_memory_bytes(self, coordinates: dict[str, int]) -> float:
+        """The peak bytes of the rank at mesh `coordinates` (`memory_by_coordinate`, else `memory_bytes`)."""
+        if self.memory_by_coordinate is None:
+            return self.memory_bytes
+        axis, figures = self.memory_by_coordinate
+        return figures[min(coordinates.get(axis, len(figures) - 1), len(figures) - 1)]
 
 
 @dataclass(frozen=True)

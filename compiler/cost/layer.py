@@ -62,7 +62,7 @@ from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.head import head_regions, head_saved_bytes, head_working
 from shardc.cost.moe import expert_steps, routed_bytes, routing_skew
-from shardc.cost.ring import as_run
+from shardc.cost.ring import as_run, causal_ring_saved
 from shardc.ir import Node, Value
 from shardc.ops.registry import rotating_operands
 
@@ -372,6 +372,10 @@ def rotation(ctx: CostContext, node: Node) -> tuple[int, list[int], list[int]] |
     return None
 
 
+RING_SAVED = -100  # a saved-entry key (node, RING_SAVED): causal ring attention's blocks (`ring.causal_ring_saved`)
+MASK_SAVED = -101  # (node, MASK_SAVED): sdpa's bool mask as the float copy its kernel saves (one per call)
+
+
 def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]]) -> dict[int, float]:
     """Input index -> bytes of the rotated shards a rotating node saves for backward: each step
     receives its operand's next shard into a new buffer, and an op that saves that operand saves
@@ -394,6 +398,13 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
     shards keyed by (node, -1 - input index) (`received_entries`)."""
     for i, nbytes in received_entries(ctx, node, saves).items():
         t.saved_entries[(node, -1 - i)] = (nbytes, in_core)
+    ring = causal_ring_saved(ctx, node)
+    if ring:  # eager causal ring attention's blocks beyond the fused kernel's saves (`ring.causal_ring_saved`)
+        t.saved_entries[(node, RING_SAVED)] = (ring, in_core)
+    mask = node.inputs[3] if node.op == "scaled_dot_product_attention" and len(node.inputs) > 3 else None
+    if mask is not None and not mask.type.is_float:  # the kernel saves a bool mask converted to the query's dtype
+        copy = ctx.local_bytes(mask) / max(1, ctx.elem_bytes(mask)) * ctx.elem_bytes(node.inputs[0])
+        t.saved_entries[(node, MASK_SAVED)] = (copy, in_core)
     for k, (kind, idx, nbytes) in enumerate(saves):
         if kind == "bytes":
             t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)

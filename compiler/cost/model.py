@@ -22,6 +22,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from shardc.analysis.dims import graph_batch_scale
 from shardc.analysis.stages import layer_stages, stage_device
@@ -33,9 +34,10 @@ from shardc.cost.estimate import Estimate
 from shardc.cost.fusion import is_cpu
 from shardc.cost.layer import LayerCost, LayerTerms, finish_layer, layer_terms
 from shardc.cost.pipeline import bubble_fraction
+from shardc.cost.ring import causal_ring_axis
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.hardware import Cluster
-from shardc.ir import Axis, Graph, LayerAnnotation, Value
+from shardc.ir import DATA_AXES, Axis, Graph, LayerAnnotation, Layout, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan, plan_of
@@ -118,9 +120,31 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     ctx = CostContext.build(graph, cluster, plan.ir_dtype, batch.factor, options.algorithm,
                             compiled=plan.compiled_on(not is_cpu(cluster.device)))
     layers = _layers(graph, plan)
+    _cost_layers(ctx, layers, plan, options)
+    sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
+    result = compose(layers, sends, ctx, plan, m, options, send_bytes, _output_bytes(ctx, graph))
+    stages = list(result.stages)
+    ring = causal_ring_axis(ctx, graph.nodes)
+    if ring is not None:  # ranks along a causal ring keep different blocks: each coordinate's memory
+        axis, n = ring
+        figures = []
+        for c in range(n):
+            mine = [replace(l, cost=None, memory=None, params={}) for l in layers]
+            _cost_layers(replace(ctx, ring_rank=c, _local={}), mine, plan, options)
+            figures.append([s.memory_bytes for s in compose(mine, sends, ctx, plan, m, options, send_bytes,
+                                                            _output_bytes(ctx, graph)).stages])
+        stages = [replace(s, memory_by_coordinate=(axis, tuple(f[i] for f in figures))) for i, s in enumerate(stages)]
+    return Estimate.build(graph, cluster, plan, layers, stages, result.step_time_s, m, gbs,
+                          _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp, plan.schedule), cluster.device.memory_bytes, ctx,
+                          result.schedule)
+
+
+def _cost_layers(ctx: CostContext, layers: Sequence[LayerWork], plan: ParallelPlan, options: EstimateOptions) -> None:
+    """Each layer's cost, parameters and micro-batch timeline, in place; copies of one block
+    with equal partitions are costed once."""
     cache: dict[tuple, tuple[LayerCost, list[tuple[float, frozenset[str]]], LayerTerms]] = {}
     memories: dict[tuple, LayerMemory] = {}
-    _, shard = zero_group(graph.mesh)
+    _, shard = zero_group(ctx.graph.mesh)
     earlier: dict[int, set[str]] = {}
     for layer in layers:
         key = _fingerprint(layer)
@@ -139,19 +163,17 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
             memories[(key, tied, hold)] = layer_memory(ctx, layer.nodes, terms, layer.annotation.recompute, tied, hold)
         layer.memory = memories[(key, tied, hold)]
         mine.update(names)
-    sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
-    result = compose(layers, sends, ctx, plan, m, options, send_bytes, _output_bytes(ctx, graph))
-    return Estimate.build(graph, cluster, plan, layers, list(result.stages), result.step_time_s, m, gbs,
-                          _sequence(graph), bubble_fraction(plan.pp, m, plan.vpp, plan.schedule), cluster.device.memory_bytes, ctx,
-                          result.schedule)
 
 
 def _output_bytes(ctx: CostContext, graph: Graph) -> float:
-    """Bytes of what the last stage returns per micro-batch before the loss (the loss's input)."""
+    """Bytes of what the last stage returns per micro-batch before the loss (the loss's input);
+    a graph without a loss returns its outputs as `lower` makes them: gathered on every axis but
+    the data axes (where each rank keeps its share)."""
     for node in reversed(graph.nodes):
         if get_op(node.op).kind == "loss" and node.inputs:
             return ctx.local_bytes(node.inputs[0])
-    return sum(ctx.local_bytes(v) for v in graph.outputs)
+    return sum(ctx.local_bytes(v, Layout(tuple((a, p) for a, p in ctx.layout(v).placements if a in DATA_AXES)))
+               for v in graph.outputs)
 
 
 def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int,

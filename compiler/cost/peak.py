@@ -65,12 +65,16 @@ def recompute_copies(layers: Sequence[Any], copy_bytes: float) -> tuple[float, d
 
 
 def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool,
-                 running: dict[str, float]) -> tuple[dict[str, float], dict[str, float], float]:
-    """(forward peak split, backward peak split, kept bytes) of one virtual stage's micro-batch;
-    `running`: the weight copies a layer holds only while it runs (`recompute_copies`)."""
+                 running: dict[str, float]) -> tuple[dict[str, float], dict[str, float], float, dict[str, float]]:
+    """(forward peak split, backward peak split, kept bytes, input-gradient pass peak split) of
+    one virtual stage's micro-batch; `running`: the weight copies a layer holds only while it
+    runs (`recompute_copies`). The input-gradient pass of a split backward keeps the graph
+    (`retain_graph`): every saved activation of the stage stays, and the output gradients
+    captured for the weight pass (`LayerMemory.weight_inputs`) of the layers already passed."""
     kept = [l.memory.kept for l in layers]
     fwd = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
     bwd = dict(fwd)
+    inp = dict(fwd)
     for i, layer in enumerate(layers):
         mem = layer.memory
         copies = running.get(layer.name, 0.0)
@@ -83,7 +87,49 @@ def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool,
         if before + mem.bwd_peak + held + copies > sum(bwd.values()):
             bwd = {"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
                    "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}
-    return fwd, bwd, sum(kept)
+        working = max(0.0, mem.input_peak - mem.kept) + held + sum(l.memory.weight_inputs for l in later)
+        if sum(kept) + copies + working > sum(inp.values()):
+            inp = {"activations": sum(kept), "recompute_working": copies, "working": working}
+    return fwd, bwd, sum(kept), inp
+
+
+def order_peaks(order: Sequence[tuple[str, int, int]], splits: dict[int, tuple[dict[str, float], dict[str, float],
+                float, dict[str, float]]], held_for_weights: dict[int, float],
+                first: int = 0) -> list[tuple[int, dict[str, float]]]:
+    """The device's candidate peaks walking its schedule `order` ((F|B|I|W, micro-batch, virtual
+    stage), `pipeline.device_order`): per op, (phase: 0 forward, 1 backward; the live bytes by
+    category), each the op's own split (`_stage_peaks`) over what the micro-batches before it
+    still hold. A forward keeps its stage's saved activations until its backward, or, split,
+    until its weight pass (B, or I then W). Between I and W torch's `stage_backward_input` keeps
+    `held_for_weights[s]` (the captured output gradients and the stage input's gradient, `.grad`
+    of the received activation); the first stage's I runs nothing and its W the whole backward
+    (its inputs need no gradient: torch's `backward_weight_one_chunk`)."""
+    held: dict[tuple[int, int], tuple[float, float]] = {}  # (j, s) -> (activations, working)
+    out: list[tuple[int, dict[str, float]]] = []
+
+    def others(key: tuple[int, int]) -> tuple[float, float]:
+        return (sum(a for k, (a, _) in held.items() if k != key), sum(w for k, (_, w) in held.items() if k != key))
+
+    for kind, j, s in order:
+        fwd, bwd, kept, inp = splits[s]
+        act, work = others((j, s))
+        if kind == "F":
+            part, phase = fwd, 0
+            held[(j, s)] = (kept, 0.0)
+        elif kind == "B" or (kind == "W" and s == first):
+            part, phase = bwd, 1
+            held.pop((j, s), None)
+        elif kind == "I":
+            if s == first:
+                continue
+            part, phase = inp, 1
+            held[(j, s)] = (kept, held_for_weights.get(s, 0.0))
+        else:
+            part, phase = {"activations": kept, "working": held_for_weights.get(s, 0.0)}, 1
+            held.pop((j, s), None)
+        out.append((phase, {**part, "activations": part.get("activations", 0.0) + act,
+                            "working": part.get("working", 0.0) + work}))
+    return out
 
 
 _REPEATED = re.compile(r"^(.*?\.)\d+(\..*)$")  # `blocks.3.attn.future` -> (`blocks.`, `.attn.future`)
@@ -128,7 +174,8 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
 def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *, flight: int, virtual: int,
                   interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float,
                   after_backward: float = 0.0, regather: bool = False, accumulate: bool = False,
-                  copy_bytes: float = 0.0) -> dict[str, float]:
+                  copy_bytes: float = 0.0, order: Sequence[tuple[str, int, int]] | None = None,
+                  stage_ids: Sequence[int] = (), input_grads: dict[int, float] | None = None) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
     `after_backward`: a transient buffer once backward is over (a flat gradient copy);
@@ -138,7 +185,10 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     the whole device stay from the first micro-batch's backward to the step's end and the later
     micro-batches run on top of them (working memory: the device's local parameter bytes);
     `copy_bytes`: mixed precision's weight copy per local parameter where `states` holds one at
-    rest (taken off there for layers that recompute in full: `recompute_copies`)."""
+    rest (taken off there for layers that recompute in full: `recompute_copies`); `order`: the
+    device's pipeline schedule, its virtual stages `stage_ids` (those of `by_stage`), walked op by
+    op (`order_peaks`; `input_grads[s]`: stage s's received activation's gradient, held from a
+    split backward's I to its W) instead of counting `flight` micro-batches of the average stage."""
     off, running = recompute_copies([l for stage in by_stage for l in stage], copy_bytes)
     states = {**states, "parameters": states.get("parameters", 0.0) - off, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
@@ -152,17 +202,23 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     accumulate = accumulate and fsdp
     splits = [_stage_peaks(stage, fsdp and not accumulate, running) for stage in by_stage if stage]
     unsharded_grads = local_param_bytes if accumulate else 0.0
-    kept = sum(k for _, _, k in splits)
+    kept = sum(k for _, _, k, _ in splits)
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
     best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
                               "buffers": buffers + after_backward}
     gathered = (2.0 if regather else 1.0) * local_param_bytes if fsdp else 0.0
-    for phase, extra in ((0, 2.0 * local_param_bytes if fsdp else 0.0), (1, gathered)):
-        for fwd, bwd, _ in splits:
-            part = bwd if phase else fwd
-            candidate = {**states, "activations": others + part["activations"],
-                         "recompute_working": part["recompute_working"], "working": part["working"] + unsharded_grads,
-                         "buffers": buffers + extra}
-            if sum(candidate.values()) > sum(best.values()):
-                best = candidate
+    extras = (2.0 * local_param_bytes if fsdp else 0.0, gathered)
+    if order is not None and len(stage_ids) == len(by_stage) and all(by_stage):
+        weights = {s: sum(l.memory.weight_inputs for l in stage) + (input_grads or {}).get(s, 0.0)
+                   for s, stage in zip(stage_ids, by_stage)}
+        parts = order_peaks(order, dict(zip(stage_ids, splits)), weights)
+    else:
+        parts = [(phase, (bwd if phase else fwd) | {"activations": others + (bwd if phase else fwd)["activations"]})
+                 for phase in (0, 1) for fwd, bwd, _, _ in splits]
+    for phase, part in parts:
+        candidate = {**states, "activations": part["activations"],
+                     "recompute_working": part.get("recompute_working", 0.0),
+                     "working": part["working"] + unsharded_grads, "buffers": buffers + extras[phase]}
+        if sum(candidate.values()) > sum(best.values()):
+            best = candidate
     return best

@@ -219,7 +219,7 @@ def makespan_closed_form(fwd: Sequence[float], bwd: Sequence[float], micro_batch
     return (micro_batches - 1) * max(per) + sum(per)
 
 
-def _param_root(value: Any, depth: int = 4) -> bool:
+def param_root(value: Any, depth: int = 4) -> bool:
     """Whether `value` is a parameter, or a view or cast of one (a transposed or bf16 weight)."""
     while depth and value is not None:
         if value.kind == "parameter":
@@ -244,6 +244,6 @@ def weight_gradient_share(nodes: Sequence[Any]) -> float:
             continue
         flops = float(op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs))
         total += 2.0 * flops
-        if op.kind == "contraction" and any(_param_root(v) for v in node.inputs[1:]):
+        if op.kind == "contraction" and any(param_root(v) for v in node.inputs[1:]):
             weights += flops
     return weights / total if total else 0.0

@@ -17,9 +17,18 @@ the queries' future and masks only the diagonal ones, so ranks differ:
 
 `causal_ring_blocks(n, zigzag)` is the per-rank count and `causal_ring_cost` scales a node's
 n-step cost by slowest / n; anything else (not attention, not causal, not rotating) keeps its cost.
+
+Memory (`causal_ring_saved`), contiguous: the backend's ring runs eager ops, not a fused
+kernel, so beyond the kernel's q, k, v, output and log-sum-exp (what the op registry saves) each
+block it computes keeps its exponentials (local queries x one key shard per head), and each block
+of a received shard keeps that key and value shard (the matmuls save them): rank c keeps c + 1
+blocks and c received shards, so the last rank keeps the most (measured, Llama tiny, seq 256,
+one head, tp=2: rank 1 holds 128 KiB more than rank 0 at its peak, one block and one k/v pair).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from shardc.analysis.aliasing import aliases
 from shardc.cost.compute import NodeCost, repeated, rotation_steps
@@ -44,6 +53,32 @@ def ring_balance(node: Node, partition: Partition | None) -> tuple[int, bool] | 
         if split.rotate is not None and split.grid is None and split.steps > 1 and \
                 any(a == split.rotate for a, _ in partition.spatial):
             return split.steps, split.rotate in partition.zigzag
+    return None
+
+
+def causal_ring_saved(ctx: Any, node: Node) -> float:
+    """Bytes contiguous causal ring attention saves for backward on the rank of coordinate
+    `ctx.ring_rank` along its ring (None: the last) beyond the fused kernel's (module rules);
+    0 for any other node (zig-zag rings do equal work on every rank and are not priced so)."""
+    ring = ring_balance(node, ctx.partition(node))
+    if ring is None or ring[1]:
+        return 0.0
+    n = ring[0]
+    blocks = min(n - 1, n - 1 if ctx.ring_rank is None else ctx.ring_rank) + 1
+    q, k, v = ctx.local(node).in_types[:3]
+    exponentials = q.nbytes // max(1, q.shape[-1]) * k.shape[-2]
+    return ctx.scale_of(node.inputs[0]) * (blocks * exponentials + (blocks - 1) * (k.nbytes + v.nbytes))
+
+
+def causal_ring_axis(ctx: Any, nodes: Any) -> tuple[str, int] | None:
+    """(ring axis, size) of the first contiguous causal ring attention among `nodes`, else None."""
+    for node in nodes:
+        part = ctx.partition(node)
+        ring = ring_balance(node, part)
+        if ring is not None and not ring[1]:
+            for split in part.temporal:
+                if split.rotate is not None:
+                    return split.rotate, ring[0]
     return None
 
 

@@ -70,7 +70,11 @@ class LayerMemory:
     a loss's log-probability gradient). `param_grads`: the weight gradients the layer computes
     (what FSDP2 keeps unsharded until the end of backward); `held`: tied weights' gradients
     it leaves held for an earlier layer. `kept`: what it saves per micro-batch. `buffers`: the
-    model buffers it reads (name, local bytes), resident all step."""
+    model buffers it reads (name, local bytes), resident all step. `weight_inputs`: the output
+    gradients a split backward keeps from its input-gradient pass to its weight-gradient pass
+    (`weight_gradient_inputs`); `input_peak`: the live bytes at the peak of that input-gradient
+    pass, which keeps the graph (`retain_graph`: no saved tensor is freed), computes no weight
+    gradient and keeps the captured output gradients as it goes."""
 
     fwd_peak: float
     fwd_saved: float
@@ -81,6 +85,27 @@ class LayerMemory:
     param_grads: float = 0.0
     held: float = 0.0
     buffers: tuple[tuple[str, float], ...] = ()
+    weight_inputs: float = 0.0
+    input_peak: float = 0.0
+
+
+def _meets_weights(node: Node, ctx: CostContext) -> bool:
+    """Whether `node` reads a parameter (or a view or cast of one) and an activation that needs a
+    gradient: where a weight's gradient path meets the input's in autograd's graph."""
+    from shardc.cost.pipeline import param_root
+
+    return (any(param_root(v) for v in node.inputs)
+            and any(v in ctx.needs_grad and not param_root(v) for v in node.inputs))
+
+
+def weight_gradient_inputs(ctx: CostContext, nodes: Sequence[Node]) -> float:
+    """Bytes torch's split backward (`stage_backward_input`) captures per micro-batch for the
+    weight-gradient pass: the gradient of the output of every op that reads a parameter (or a
+    view or cast of one) and an activation that needs a gradient (a linear, a norm's affine,
+    a head on tied weights): the autograd nodes where a weight's gradient path meets the
+    input's, whose incoming gradients it keeps until the weight pass."""
+    return sum(ctx.local_bytes(v) for node in nodes if _meets_weights(node, ctx)
+               for v in node.outputs if v in ctx.needs_grad)
 
 
 def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, recompute: str = "none",
@@ -128,6 +153,8 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     else:
         recompute_peak = 0.0
         live_saved, recomputed = dict(kept), {}
+    split_peak = _backward(ctx, nodes, dict(live_saved), dict(recomputed), savers, inside, core, saved_all, in_core,
+                           set(earlier_params), hold_param_grads, fused, regions, split=True)[0]
     peak, at_saved, at_recomputed, param_grads, held = _backward(
         ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
         hold_param_grads, fused, regions)
@@ -138,7 +165,8 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         peak, at_saved, at_recomputed = sum(kept.values()) + tail, sum(kept.values()), 0.0
     buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
-                       tuple(sorted(buffers.items())))
+                       tuple(sorted(buffers.items())), weight_gradient_inputs(ctx, nodes),
+                       max(split_peak, recompute_peak, sum(kept.values()) + tail))
 
 
 def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[SavedKey, tuple[float, bool, Value]],
@@ -279,7 +307,7 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool, fused: dict[Node, tuple[list[Node], float]],
-              regions: dict[Node, HeadLoss]) -> tuple[float, float, float, float, float]:
+              regions: dict[Node, HeadLoss], split: bool = False) -> tuple[float, float, float, float, float]:
     # Activation gradients by value, each with the storage it lives in: a gradient passed through
     # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
@@ -302,6 +330,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     later_readers |= {m for m, region in regions.items() if m is not region.loss}  # run at the loss's turn
     peak, at_saved, at_recomputed = 0.0, 0.0, 0.0
     core_pending = bool(core)
+    captured = 0.0  # split: output gradients kept for the weight pass (`weight_gradient_inputs`)
     for idx in range(len(nodes) - 1, -1, -1):
         node = nodes[idx]
         if not any(o in ctx.needs_grad for o in node.outputs):
@@ -337,10 +366,14 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         if gathered and node.inputs[0] in ctx.needs_grad:  # the input gradient at the gathered size, and the
             padding += 2 * gathered  # pieces gathered again (then the reduce-scatter's full-size sum)
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
+        if split:  # the input-gradient pass computes no weight gradient
+            new_params = {}
         total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node, regions,
-                                                                                               backward=True)
+                                                                                               backward=True) + captured
         if total > peak:
             peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
+        if split and _meets_weights(node, ctx):
+            captured += sum(ctx.local_bytes(o) for o in node.outputs if o in ctx.needs_grad)
         outs = [(grads.pop(o), owner.pop(o)) for m in members for o in m.outputs if o in grads]
         out_grad, out_owner = max(outs, key=lambda g: g[0], default=(0.0, None))
         for key in passed:
@@ -356,7 +389,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 held[name] = max(held.get(name, 0.0), nbytes)
             else:  # its last contribution: summed and added into .grad
                 held.pop(name, None)
-        for done in (k for m in members for k in _keys_of(savers, position[m])):
+        for done in (k for m in members for k in _keys_of(savers, position[m]) if not split):
             remaining[done] -= 1
             if remaining[done] <= 0:
                 saved.pop(done, None)

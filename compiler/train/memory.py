@@ -6,8 +6,8 @@ measured peak, the difference filed as `allocator_extra`.
 - At the start of the measured step, every tensor Python can reach (`gc.get_objects()`, a
   DTensor counted as its local shard) is filed by its role: `parameters` (the module's
   parameters), `gradients` (their `.grad`), `optimizer` (the optimizer's state), `buffers`
-  (communication buffers; DDP's gradient buckets live in C++ and are added from DDP's own
-  `bucket_sizes` log), `model_buffers` (registered module buffers) and `other` (inputs,
+  (communication buffers: torch pipelining's receive buffers; DDP's gradient buckets live in
+  C++ and are added from DDP's own `bucket_sizes` log), `model_buffers` (registered module buffers) and `other` (inputs,
   leftovers). Each storage is counted once.
 - During the step a `TorchDispatchMode` sees every op the rank runs (backward included: the
   autograd engine carries the mode) and files each new output storage: saved for backward
@@ -98,6 +98,12 @@ def roles(modules: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, str]:
             put(p.grad, "gradients")
         for b in m.buffers():
             put(b, "model_buffers")
+        for stage in getattr(m, "stages", None) or ():  # torch pipelining's receive buffers, made before the step
+            for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
+                for info in infos:
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor):
+                        put(buffer, "buffers")
     if optimizer is not None:
         for state in optimizer.state.values():
             for t in _tensors(state):
@@ -366,11 +372,20 @@ def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict
     gc.collect()
     tracker = MemoryTracker(roles(mods, optimizer), extra, mods, held, ignore)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         tracker.mark_saved(t)
-        return t
+        # An alias without the autograd history, and the base a view keeps alive (as autograd's own
+        # saved view does: `precision.weight_copy` shares one weight copy while a view of it is
+        # saved). A tensor saved whole would hold its own grad_fn (an op saving its output:
+        # softmax, exp), a reference cycle autograd breaks only when backward frees the node, which
+        # a retained graph's input-only nodes never are (torch's split backward,
+        # `stage_backward_input`): the tracker would keep them alive to the step's end and beyond.
+        return t.detach(), t._base
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+    def unpack(packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        return packed[0]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), tracker:
         yield tracker
     if cuda:
         torch.cuda.synchronize(device)
