@@ -24,12 +24,13 @@ import argparse
 import contextlib
 import io
 import json
-import multiprocessing
 import re
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ SHAPE = "batch=2&seq=16&labels=true"
 # Per type: what the generic tiny config gets wrong (None: leave the key out).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "falcon": {"head_dim": None},
+    "deepseek_v3": {"head_dim": 8, "num_key_value_heads": 4},  # head_dim: its rotary part, qk_rope_head_dim
     "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},
     "deberta-v2": {"pooler_hidden_size": 64},
 }
@@ -312,8 +314,19 @@ def write_readme(rows: Iterable[Row], path: Path = README) -> None:
     path.write_text(f"{head}{BEGIN}\n{table(rows)}\n{END}{tail}")
 
 
-def _one(item: tuple[str, str]) -> Row:
-    return check_type(*item)
+def _in_subprocess(model_type: str, kind: str, verbose: bool) -> Row:
+    """One type checked by a fresh interpreter (`--one`): its spawned ranks need a parent that is
+    no daemon, and a crash there loses one row only."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--one", f"{model_type}:{kind}"]
+    done = subprocess.run(command + (["--verbose"] if verbose else []), capture_output=True, text=True, cwd=ROOT)
+    if verbose:
+        sys.stderr.write(done.stderr)
+    last = done.stdout.strip().splitlines()[-1:] or [""]
+    try:
+        return Row(**json.loads(last[0]))
+    except (json.JSONDecodeError, TypeError):
+        why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return Row(model_type, kind, "", dict.fromkeys(COLUMNS, f"fail: {why[:160]}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,25 +338,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--readme", type=Path, default=README)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--one", metavar="TYPE:KIND", help=argparse.SUPPRESS)  # print one row as JSON
     args = parser.parse_args(argv)
-    rows = load_results(args.results)
+    if args.one:
+        model_type, _, kind = args.one.partition(":")
+        print(json.dumps(asdict(check_type(model_type, kind))))
+        return 0
     kinds = dict(TYPES)
     if not args.readme_only:
+        stored = load_results(args.results)
         wanted = args.types.split(",") if args.types else [t for t, _ in TYPES]
-        todo = [(t, kinds.get(t, "other")) for t in wanted if not (args.skip_done and t in rows and rows[t].passed)]
-        if args.jobs > 1:
-            with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
-                results: Iterable[Row] = pool.imap_unordered(_one, todo)
-                for row in results:
-                    rows[row.model_type] = row
-                    save_results(rows, args.results)
-                    print(f"{row.model_type}: {row.results} ({row.seconds} s)", flush=True)
-        else:
-            for item in todo:
-                row = check_type(*item)
-                rows = load_results(args.results) | {row.model_type: row}  # others may run beside us
+        todo = [t for t in wanted if not (args.skip_done and t in stored and stored[t].passed)]
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            futures = [pool.submit(_in_subprocess, t, kinds.get(t, "other"), args.verbose) for t in todo]
+            for future in as_completed(futures):
+                row = future.result()
+                rows = load_results(args.results) | {row.model_type: row}  # other runs may write beside us
                 save_results(rows, args.results)
                 print(f"{row.model_type}: {row.results} ({row.seconds} s)", flush=True)
+    rows = load_results(args.results)
     write_readme([rows[t] for t, _ in TYPES if t in rows] + [r for t, r in rows.items() if t not in kinds], args.readme)
     return 0
 

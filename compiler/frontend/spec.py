@@ -19,7 +19,6 @@ built under `with torch.device(device)`, so `device="meta"` builds even a 175B m
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import importlib.util
@@ -223,7 +222,6 @@ def _load_hf(model_type: str, kwargs: dict[str, Any], spec: str, device: str | t
     return LoadedModel(model, tuple(inputs.values()), re.sub(r"\W", "_", f"hf_{model_type}"), tuple(inputs))
 
 
-@functools.cache
 def _keyword_class(base: type, names: tuple[str, ...]) -> type:
     """`base` with a forward taking exactly `names` (input_ids, then decoder_input_ids and/or
     labels) positionally and passing them on by keyword: transformers' forwards put attention
