@@ -67,7 +67,7 @@ TINY: dict[str, Any] = {
     "rotary_dim": 8, "embedding_size": 64, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 0,
     "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": None, "pad_token_id": 0,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "pad_token_id": 0,
     "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0, "tie_word_embeddings": False,
 }
 SHAPE = "batch=2&seq=16&labels=true"
@@ -112,26 +112,33 @@ class Row:
         return all(self.results.get(c) == "pass" for c in COLUMNS)
 
 
-def failing_op(err: BaseException) -> str:
-    """The op an error names (`unsupported op aten.topk`), else its first line, short."""
+def failing_op(err: BaseException | str) -> str:
+    """The op an error (or a command's error output) names (`unsupported op aten.topk`), else
+    its first line, short."""
     text = str(err)
     match = re.search(r"unsupported op (\S+)", text) or re.search(r"lowering (\S+) gave", text) \
         or re.search(r"(aten\.[\w.]+|torch\.ops\.aten\.[\w.]+)", text)
     if match:
         return match.group(1)
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    return f"{type(err).__name__}: {first}"[:160]
+    return (first if isinstance(err, str) else f"{type(err).__name__}: {first}")[:200]
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    """`shardc ARGV` in this process: exit code, stdout, stderr."""
+    from shardc.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
 
 
 def check_inspect(spec: str) -> tuple[str, dict[str, Any]]:
-    from shardc.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(["inspect", spec, "--json", "--no-ir"])
+    code, out, err = _cli(["inspect", spec, "--json", "--no-ir"])
     if code != 0:
-        return f"fail: shardc inspect returned {code}", {}
-    return "pass", json.loads(out.getvalue())
+        return f"fail: {failing_op(err.removeprefix('shardc inspect: error: ') or f'exit code {code}')}", {}
+    return "pass", json.loads(out)
 
 
 def check_params(spec: str, inspected: dict[str, Any]) -> str:
@@ -143,15 +150,12 @@ def check_params(spec: str, inspected: dict[str, Any]) -> str:
 
 
 def check_estimate(spec: str) -> str:
-    from shardc.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(["estimate", spec, "--cluster", "2xA100-80GB", "--plan", "tp=2", "--json"])
+    code, out, err = _cli(["estimate", spec, "--cluster", "2xA100-80GB", "--plan", "tp=2", "--json"])
     if code != 0:
-        return f"fail: shardc estimate returned {code}"
-    step = json.loads(out.getvalue()).get("step_time_s")
-    return "pass" if step is None or float(step) > 0 else f"fail: step time {step}"
+        return f"fail: {failing_op(err.removeprefix('shardc estimate: error: ') or f'exit code {code}')}"
+    result = json.loads(out)
+    step, memory = float(result["step_time_s"]), float(result["memory_per_device_bytes"])
+    return "pass" if step > 0 and memory > 0 else f"fail: predicted step {step} s, memory {memory} bytes"
 
 
 # ---- tp=2 numerics: two gloo processes against one ---------------------------------------------
@@ -233,8 +237,8 @@ def check_tp2(spec: str) -> str:
     return "pass"
 
 
-def check_type(model_type: str, kind: str) -> Row:
-    """Every column for one type; a column whose prerequisite failed is skipped."""
+def check_type(model_type: str, kind: str, columns: tuple[str, ...] = COLUMNS) -> Row:
+    """`columns` (default: all) for one type; a column whose prerequisite failed is skipped."""
     start = time.perf_counter()
     row = Row(model_type, kind, "")
     try:
@@ -243,7 +247,7 @@ def check_type(model_type: str, kind: str) -> Row:
         row.results = dict.fromkeys(COLUMNS, f"fail: {failing_op(err)}")
         return row
     inspected: dict[str, Any] = {}
-    for column in COLUMNS:
+    for column in columns:
         if column != "inspect" and row.results.get("inspect") != "pass":
             row.results[column] = "skip: not traced"
             continue

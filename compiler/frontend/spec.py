@@ -222,7 +222,7 @@ def _load_hf(model_type: str, kwargs: dict[str, Any], spec: str, device: str | t
     return LoadedModel(model, tuple(inputs.values()), re.sub(r"\W", "_", f"hf_{model_type}"), tuple(inputs))
 
 
-def _keyword_class(base: type, names: tuple[str, ...]) -> type:
+def _keyword_class(base: type[torch.nn.Module], names: tuple[str, ...]) -> type:
     """`base` with a forward taking exactly `names` (input_ids, then decoder_input_ids and/or
     labels) positionally and passing them on by keyword: transformers' forwards put attention
     masks and caches between them."""
