@@ -73,7 +73,7 @@ TINY: dict[str, Any] = {
 SHAPE = "batch=2&seq=16&labels=true"
 # Per type: what the generic tiny config gets wrong (None: leave the key out).
 OVERRIDES: dict[str, dict[str, Any]] = {
-    "falcon": {"head_dim": None},
+    "falcon": {"head_dim": None, "multi_query": False},  # one key/value head cannot split on tp=2
     "deepseek_v3": {"head_dim": 8, "num_key_value_heads": 4},  # head_dim: its rotary part, qk_rope_head_dim
     "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},
     "deberta-v2": {"pooler_hidden_size": 64},

@@ -54,3 +54,19 @@ def test_the_readme_table_is_the_script_output_for_its_stored_results() -> None:
     assert {r.kind for r in ordered} >= {"decoder", "encoder", "encoder-decoder", "moe"}
     passed = sum(r.passed for r in ordered)
     assert f"{passed} of {len(ordered)} types pass every column." in _readme_table()
+
+
+def test_an_aten_copy_node_has_a_gradient() -> None:
+    """DeepSeek-V3's attention writes a slice with copy_: its out-of-place `copy` fallback node
+    must train (autograd has no derivative for aten::copy itself)."""
+    import torch
+
+    from shardc.ops.fallback import call
+
+    base, src = torch.zeros(2, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = call("torch.ops.aten.copy.default", [base, src], ("$0", "$1"), ())
+    out.sum().backward()
+    torch.testing.assert_close(out, src.detach().expand(2, 3))
+    assert base.grad is not None and src.grad is not None
+    torch.testing.assert_close(base.grad, torch.zeros(2, 3))
+    torch.testing.assert_close(src.grad, torch.full((3,), 2.0))
