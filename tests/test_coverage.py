@@ -14,7 +14,7 @@ import coverage as bench  # noqa: E402  (a script beside its results, not a pack
 
 def test_a_decoder_passes_every_column_through_the_model_own_loss() -> None:
     row = bench.check_type("gpt2", "decoder")
-    assert row.spec.startswith("hf:gpt2?") and "labels=true" in row.spec and "n_layer=1" in row.spec
+    assert row.spec.startswith("hf:gpt2?") and "labels=true" in row.spec and "num_hidden_layers=1" in row.spec
     assert row.results["inspect"] == "pass"
     assert row.results["params"] == "pass"
     assert row.results["estimate"] == "pass"
