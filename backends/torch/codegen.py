@@ -85,7 +85,9 @@ def regions_of(graph: Graph) -> list[Region]:
         if node.layer is not None:
             path = base = module_path(node.layer)
             k = 1
-            while path in used:
+            # a path nested in another region's (T5's `encoder` after `encoder.block.0`) is
+            # renamed too: placing one module would replace or hide the other
+            while any(path == u or u.startswith(path + ".") or path.startswith(u + ".") for u in used):
                 k += 1
                 path = f"{base}_{k}"
             used.add(path)

@@ -81,6 +81,8 @@ class Microbatched(nn.Module):
 
     def _loss(self, out: Any, target: torch.Tensor | None, index: int) -> torch.Tensor:
         if self.loss_fn is None:
+            if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor) and out[0].dim() == 0:
+                out = out[0]  # a model returning its own loss first (transformers with labels)
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
                 raise ShardcError("step needs a scalar loss from the model", hint="pass loss_fn=fn(outputs, target) "
                                   "to plan.parallelize and step(*inputs, target=...)")

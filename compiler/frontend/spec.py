@@ -4,8 +4,12 @@
   `(model, example_inputs)`; the query gives it keyword arguments.
 - `hf:MODEL_TYPE[?k=v&...]`: a transformers model built offline with random weights; keys that
   are config fields set the config, `batch` and `seq` set the shape of the example token ids,
-  `task=causal|masked|base` picks the head (default: masked LM for encoders that have one,
-  else causal LM, else the bare model).
+  `task=seq2seq|masked|causal|base` picks the head (default: the first of these transformers has
+  for the type, so encoder-decoders get their conditional-generation head). Encoder-decoders
+  (T5, BART) take `decoder_input_ids` too, shaped like `input_ids` unless `decoder_seq` is given.
+  `labels=true` passes `labels` (the token ids the head predicts: the decoder's ids for an
+  encoder-decoder, else the input ids, which causal heads shift themselves) so the model returns
+  its own loss first, and training trains on that loss.
 - `path/to/model.onnx[?seed=N&NAME=DxD...]`: imported by `shardc.frontend.onnx.load_onnx_module`;
   keys other than `seed` give static shapes to dynamic inputs.
 
@@ -168,7 +172,7 @@ def _input_names(model: torch.nn.Module, inputs: tuple[Any, ...]) -> tuple[str, 
 
 # ---- transformers -------------------------------------------------------------------------
 
-_SHAPE_KEYS = ("batch", "seq", "task")
+_SHAPE_KEYS = ("batch", "seq", "decoder_seq", "task", "labels")
 
 
 def _load_hf(model_type: str, kwargs: dict[str, Any], spec: str, device: str | torch.device) -> LoadedModel:
@@ -188,7 +192,7 @@ def _load_hf(model_type: str, kwargs: dict[str, Any], spec: str, device: str | t
     if unknown:
         known = sorted(k for k in defaults.to_dict() if not k.startswith("_"))
         raise ShardcError(f"model spec {spec!r}: {', '.join(map(repr, unknown))} is not a field of the "
-                          f"{model_type} config and not batch, seq or task",
+                          f"{model_type} config and not batch, seq, decoder_seq, task or labels",
                           hint=f"{model_type} config fields: {', '.join(known)}")
     config = transformers.AutoConfig.for_model(model_type, **fields)
     if hasattr(config, "use_cache"):
@@ -202,9 +206,41 @@ def _load_hf(model_type: str, kwargs: dict[str, Any], spec: str, device: str | t
             raise ShardcError(f"model spec {spec!r}: transformers rejected the config: {err}") from err
         vocab = int(getattr(config, "vocab_size", 0) or 2)
         limit = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 128)
-        seq = int(kwargs.get("seq", min(128, limit)))
-        ids = torch.randint(0, vocab, (int(kwargs.get("batch", 2)), seq))
-    return LoadedModel(model, (ids,), re.sub(r"\W", "_", f"hf_{model_type}"), ("input_ids",))
+        batch, seq = int(kwargs.get("batch", 2)), int(kwargs.get("seq", min(128, limit)))
+        inputs = {"input_ids": torch.randint(0, vocab, (batch, seq))}
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = torch.randint(0, vocab, (batch, int(kwargs.get("decoder_seq", seq))))
+        elif "decoder_seq" in kwargs:
+            raise ShardcError(f"model spec {spec!r}: decoder_seq is for encoder-decoder models; {model_type} is not one")
+    if kwargs.get("labels", False) is True:
+        inputs["labels"] = inputs.get("decoder_input_ids", inputs["input_ids"]).clone()
+    elif kwargs.get("labels", False) is not False:
+        raise ShardcError(f"model spec {spec!r}: labels={kwargs['labels']!r}; write labels=true (the model "
+                          "returns its own loss) or leave it out")
+    if list(inputs) != ["input_ids"]:
+        _call_by_keyword(model, tuple(inputs))
+    return LoadedModel(model, tuple(inputs.values()), re.sub(r"\W", "_", f"hf_{model_type}"), tuple(inputs))
+
+
+def _keyword_class(base: type[torch.nn.Module], names: tuple[str, ...]) -> type:
+    """`base` with a forward taking exactly `names` (input_ids, then decoder_input_ids and/or
+    labels) positionally and passing them on by keyword: transformers' forwards put attention
+    masks and caches between them."""
+    def seq2seq(self: Any, input_ids: Any, decoder_input_ids: Any, labels: Any = None) -> Any:
+        return base.forward(self, input_ids=input_ids, decoder_input_ids=decoder_input_ids, labels=labels)
+
+    def with_labels(self: Any, input_ids: Any, labels: Any) -> Any:
+        return base.forward(self, input_ids=input_ids, labels=labels)
+
+    forward = seq2seq if "decoder_input_ids" in names else with_labels
+    return type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})
+
+
+def _call_by_keyword(model: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Make `model(*inputs)` mean `model(**dict(zip(names, inputs)))`, keeping its class's name,
+    parameters and module paths (a wrapper module would prefix every path)."""
+    model.__class__ = _keyword_class(type(model), names)
 
 
 def _fit_heads(config: Any, defaults: Any, user_keys: set[str]) -> None:
@@ -233,14 +269,16 @@ def _hf_class(transformers: Any, config: Any, task: str | None, spec: str) -> An
         "masked": (transformers.AutoModelForMaskedLM, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
         "causal": (transformers.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         "base": (transformers.AutoModel, auto.MODEL_MAPPING_NAMES),
+        "seq2seq": (transformers.AutoModelForSeq2SeqLM, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
     }
     if task is not None:
         if task not in heads:
-            raise ShardcError(f"model spec {spec!r}: task={task!r}; use task=causal, task=masked or task=base")
+            raise ShardcError(f"model spec {spec!r}: task={task!r}; use task=seq2seq, task=masked, task=causal "
+                              "or task=base")
         if config.model_type not in heads[task][1]:
             raise ShardcError(f"model spec {spec!r}: {config.model_type} has no {task} head in transformers")
         return heads[task][0]
-    for name in ("masked", "causal", "base"):
+    for name in ("seq2seq", "masked", "causal", "base"):
         if config.model_type in heads[name][1]:
             return heads[name][0]
     raise ShardcError(f"model spec {spec!r}: transformers has no model class for {config.model_type}")

@@ -5,11 +5,9 @@ Lowering interprets the captured graph on meta tensors. Each call runs once as t
 ints), then a rule from `rules.py` emits registry ops whose types come from the registry's own
 impls; the two must agree. Calls that return no tensor (sizes, dtypes, asserts) leave no node.
 
-Constants: a call that reads no input, parameter or buffer (`torch.arange(s)`, a causal mask
-built from sizes) is evaluated for real on the CPU. When the graph needs it, its computation is
-lowered to IR ops if every step has a rule; otherwise (transformers' mask helpers use cumsum
-and gathers) it becomes a buffer named `const.N` whose value is in `TraceResult.constants`.
-Pass those to `shardc.backends.reference.model_state(model, graph, constants)`.
+Constants (calls that read no input, parameter or buffer) are folded on the CPU and lowered or
+kept as `const.N` buffers (`shardc.frontend.constants`); their values are in
+`TraceResult.constants`. Pass those to `shardc.backends.reference.model_state(model, graph, constants)`.
 """
 
 from __future__ import annotations
@@ -32,8 +30,17 @@ from shardc.frontend.aten import (
     writes_first_argument,
 )
 from shardc.frontend.capture import Captured, capture, module_path_of, source_of
-from shardc.frontend.emit import Emitter, Unsupported, tensor_type, to_meta, typed_key
-from shardc.frontend.rules import ATEN, FUNCTIONS, METHODS, Rule, target_name
+from shardc.frontend.constants import (
+    Const,
+    ConstantFolding,
+    call_node,
+    flat_leaves,
+    lookup,
+    map_tree,
+    tensors_in,
+)
+from shardc.frontend.emit import Emitter, Unsupported, tensor_type, typed_key
+from shardc.frontend.rules import target_name
 from shardc.ir import Graph, Location, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.targets import resolve_target
@@ -47,18 +54,6 @@ class TraceResult:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     tracer: str = "fx"
     seconds: float = 0.0
-
-
-def lookup(kind: str, target: Any) -> Rule | None:
-    """The rule for an fx node (`call_function` or `call_method`), or None."""
-    if kind == "call_method":
-        return METHODS.get(target)
-    if isinstance(target, torch._ops.OpOverload):
-        return ATEN.get(target.overloadpacket)
-    try:
-        return FUNCTIONS.get(target)
-    except TypeError:  # an unhashable callable
-        return None
 
 
 def trace(model: torch.nn.Module, example_inputs: Any, *, name: str | None = None, allow_opaque: bool = False,
@@ -105,65 +100,14 @@ def _default_input_names(model: torch.nn.Module, n: int) -> list[str]:
     return [params[i] if i < len(params) else f"input{i}" for i in range(n)]
 
 
-@dataclass(eq=False)
-class _Const:
-    """A tensor computed from constants only: its real value and where in which call it came from."""
-
-    value: torch.Tensor
-    node: torch.fx.Node | None
-    path: tuple[int, ...] = ()
-
-
-def _leaves(tree: Any) -> list[Any]:
-    out: list[Any] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, list | tuple):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-        elif isinstance(x, slice):
-            walk((x.start, x.stop, x.step))
-        else:
-            out.append(x)
-    walk(tree)
-    return out
-
-
-def _map(tree: Any, fn: Any) -> Any:
-    if isinstance(tree, tuple) and hasattr(tree, "n_fields"):  # torch.return_types.max and friends
-        return type(tree)(tuple(_map(x, fn) for x in tree))
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_map(x, fn) for x in tree)
-    if isinstance(tree, list):
-        return [_map(x, fn) for x in tree]
-    if isinstance(tree, dict):
-        return {k: _map(v, fn) for k, v in tree.items()}
-    if isinstance(tree, slice):
-        return slice(_map(tree.start, fn), _map(tree.stop, fn), _map(tree.step, fn))
-    return fn(tree)
-
-
-def _call(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
-    if node.op == "call_method":
-        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
-    return node.target(*args, **kwargs)  # type: ignore[operator]
-
-
-def _tensors_in(res: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)]
-
-
-class _Lowering:
+class _Lowering(ConstantFolding):
     def __init__(self, captured: Captured, name: str, allow_opaque: bool) -> None:
         self.captured = captured
         self.allow_opaque = allow_opaque
         self.e = Emitter(name)
         self.env: dict[torch.fx.Node, Any] = {}
         self.declared: dict[str, Value] = {}
-        self.const_values: dict[_Const, Value] = {}
+        self.const_values: dict[Const, Value] = {}
         self.const_nodes: dict[torch.fx.Node, Any] = {}
         self.results: dict[Any, Any] = {}  # a call's meta result by its argument types
 
@@ -180,7 +124,7 @@ class _Lowering:
                 if self.captured.user_outputs is not None:
                     result = [result[i] for i in self.captured.user_outputs]
                 for leaf in pytree.tree_leaves(result):
-                    if isinstance(leaf, _Const):
+                    if isinstance(leaf, Const):
                         leaf = self.materialize(leaf)
                     if isinstance(leaf, Value):
                         outputs.append(leaf)
@@ -207,16 +151,13 @@ class _Lowering:
         for name in [n for n in self.e.constants if not any(v.name == n for v in graph.buffers)]:
             del self.e.constants[name]
 
-    def env_args(self, tree: Any) -> Any:
-        return torch.fx.node.map_arg(tree, lambda n: self.env[n])
-
     # ---- leaves ---------------------------------------------------------------------------
     def leaf(self, node: torch.fx.Node) -> Any:
         kind, *rest = self.captured.leaves.get(node.name, ("python", None))
         if kind == "python":
             return rest[0]
         if kind == "constant":
-            return _Const(rest[0], None)
+            return Const(rest[0], None)
         name, tensor = rest
         if kind == "input" and not isinstance(tensor, torch.Tensor):
             return tensor
@@ -232,87 +173,17 @@ class _Lowering:
     # ---- calls ----------------------------------------------------------------------------
     def call(self, node: torch.fx.Node) -> Any:
         args, kwargs = self.env_args(node.args), self.env_args(node.kwargs)
-        leaves = _leaves((args, kwargs))
+        leaves = flat_leaves((args, kwargs))
         if not any(isinstance(x, Value) for x in leaves):
             folded = self.fold(node, args, kwargs)
             if folded is not None:
                 return folded[0]
-        args, kwargs = _map(args, self.as_value), _map(kwargs, self.as_value)
+        args, kwargs = map_tree(args, self.as_value), map_tree(kwargs, self.as_value)
         out = self.lower(node, args, kwargs, None)
         if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("__") \
                 and isinstance(node.args[0], torch.fx.Node) and isinstance(out, Value):
             self.env[node.args[0]] = out  # an in-place method rebinds its receiver
         return out
-
-    def fold(self, node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any] | None:
-        """Evaluate a call on constants and Python values only; None when it cannot be."""
-        def real(x: Any) -> Any:
-            if isinstance(x, _Const):
-                return x.value
-            return torch.device("cpu") if isinstance(x, torch.device) else x
-        try:
-            res = _call(node, _map(args, real), _map(kwargs, real))
-        except Exception:
-            return None
-        tensors = _tensors_in(res)
-        if not tensors:
-            return (res,)
-        if any(t.device.type == "meta" for t in tensors):
-            return None
-        if isinstance(res, torch.Tensor):
-            return (_Const(res, node),)
-        if isinstance(res, tuple | list) and all(isinstance(t, torch.Tensor) for t in res):
-            return (tuple(_Const(t, node, (i,)) for i, t in enumerate(res)),)
-        return None
-
-    def as_value(self, x: Any) -> Any:
-        return self.materialize(x) if isinstance(x, _Const) else x
-
-    def materialize(self, c: _Const) -> Value:
-        """A constant as a graph value: its computation lowered to ops when every step of it has a
-        rule (an `arange`, a `full`), else one `const.N` buffer holding its value."""
-        if c in self.const_values:
-            return self.const_values[c]
-        value: Value | None = None
-        if c.node is not None and self.lowerable(c.node):
-            mark, location = self.e.checkpoint(), self.e.location
-            saved = dict(self.const_values), dict(self.const_nodes)
-            try:
-                out = self.lower_const_node(c.node)
-                for i in c.path:
-                    out = out[i]
-                value = out if isinstance(out, Value) else None
-            except Unsupported:
-                value = None
-            if value is None:  # a rule refused after all: forget what this attempt emitted
-                self.e.rollback(mark)
-                self.const_values, self.const_nodes = saved
-            self.e.location = location
-        if value is None:
-            value = self.e.constant(c.value)
-        self.const_values[c] = value
-        return value
-
-    def lowerable(self, node: torch.fx.Node) -> bool:
-        """Whether every call computing this constant has a rule (constants from outside do not)."""
-        if node in self.const_nodes:
-            return True
-        if node.op not in ("call_function", "call_method") or lookup(node.op, node.target) is None:
-            return False
-        for leaf in _leaves((self.env_args(node.args), self.env_args(node.kwargs))):
-            if isinstance(leaf, _Const) and leaf not in self.const_values and (
-                    leaf.node is None or not self.lowerable(leaf.node)):
-                return False
-        return True
-
-    def lower_const_node(self, node: torch.fx.Node) -> Any:
-        if node not in self.const_nodes:
-            args = _map(self.env_args(node.args), self.as_value)
-            kwargs = _map(self.env_args(node.kwargs), self.as_value)
-            self.e.location = Location(module_path_of(node), source_of(node.stack_trace))
-            res = _map(self.env[node], lambda x: to_meta(x.value) if isinstance(x, _Const) else x)
-            self.const_nodes[node] = self.lower(node, args, kwargs, res, strict=True)
-        return self.const_nodes[node]
 
     def lower(self, node: torch.fx.Node, args: Any, kwargs: Any, res: Any, strict: bool = False) -> Any:
         def meta(x: Any) -> Any:
@@ -320,7 +191,7 @@ class _Lowering:
                 return torch.device("meta")
             return self.e.meta(x) if isinstance(x, Value) else x
         if res is None:
-            margs, mkwargs = _map(args, meta), _map(kwargs, meta)
+            margs, mkwargs = map_tree(args, meta), map_tree(kwargs, meta)
             in_place = node.op == "call_method" and str(node.target).endswith("_")
             try:
                 key: Any = None if in_place else (node.op, node.target, typed_key(margs), typed_key(mkwargs))
@@ -332,12 +203,12 @@ class _Lowering:
                 if in_place and isinstance(margs[0], torch.Tensor):
                     margs = (margs[0].clone(),) + tuple(margs[1:])
                 try:
-                    res = _call(node, margs, mkwargs)
+                    res = call_node(node, margs, mkwargs)
                 except Exception as err:
                     raise self.error(node, f"torch cannot run it on meta tensors ({type(err).__name__}: {err})") from err
                 if key is not None:
                     self.results[key] = res
-        if not _tensors_in(res):
+        if not tensors_in(res):
             return res
         rule = lookup(node.op, node.target)
         try:
@@ -375,7 +246,7 @@ class _Lowering:
 
     def check(self, node: torch.fx.Node, out: Any, res: Any) -> None:
         got = [v.type for v in pytree.tree_leaves(out) if isinstance(v, Value)]
-        want = [tensor_type(t) for t in _tensors_in(res)]
+        want = [tensor_type(t) for t in tensors_in(res)]
         if got != want:
             raise ShardcError(
                 f"frontend bug: lowering {target_name(node.op, node.target)} gave {[str(t) for t in got]} "

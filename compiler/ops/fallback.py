@@ -70,22 +70,22 @@ def _decode(x: Any, tensors: Sequence[Any], device: Any) -> Any:
     return decode_operands(x, tensors, device, list)
 
 
-def _copy(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    return src.to(x.dtype).expand_as(x).clone()
-
-
-# aten ops torch has no derivative for, as differentiable torch code computing the same values
-# (`aten.copy(x, src)`: the out-of-place twin of `x[...].copy_(src)`, DeepSeek's attention).
-DIFFERENTIABLE: dict[str, Any] = {"torch.ops.aten.copy.default": _copy}
+# Out-of-place ops autograd has no derivative for (DeepSeek-V3's attention writes a slice with
+# `copy_`, which the frontend makes `copy`): run as their in-place twin on a copy, which it has.
+_VIA_IN_PLACE_TWIN = frozenset({"torch.ops.aten.copy.default"})
 
 
 def call(target: str, tensors: Sequence[Any], args: Any, kwargs: Any) -> Any:
-    """Run the aten op with `$k` replaced by `tensors[k]` (or its `DIFFERENTIABLE` twin)."""
-    op = DIFFERENTIABLE.get(target) or overload_of(target)
+    """Run the aten op with `$k` replaced by `tensors[k]`."""
+    op = overload_of(target)
     if op is None:
         raise ValueError(f"aten fallback: {target!r} is not an aten op overload")
     device = tensors[0].device if tensors else torch.device("cpu")
-    return op(*_decode(tuple(args), tensors, device), **{k: _decode(v, tensors, device) for k, v in kwargs})
+    decoded = _decode(tuple(args), tensors, device)
+    named = {k: _decode(v, tensors, device) for k, v in kwargs}
+    if target in _VIA_IN_PLACE_TWIN:
+        return _in_place_twin(op)(decoded[0].clone(), *decoded[1:], **named)
+    return op(*decoded, **named)
 
 
 def _impl(*tensors: torch.Tensor, target: str, args: Any = (), kwargs: Any = (), outputs: int = 1) -> Any:
