@@ -126,7 +126,9 @@ def test_stage_classes_bound_the_model():
 
 
 def test_interleaved_shapes_recompute_per_device():
-    # pp=2 x vpp=2 with one block per model chunk at 80% of the roomy grid plan's memory: the
+    # pp=2 x vpp=2 with one block per model chunk at 85% of the roomy grid plan's memory (80% until
+    # the pipeline memory walked each device's schedule order: the first device's two chunks in
+    # flight now cost it more, and at 80% both devices recompute fully, as the grid does): the
     # last device holds the head's logits and must recompute fully; the first has room for
     # selective recomputation. Megatron recomputes alike everywhere (its best here: full), the
     # interleaved search chooses per device, and `estimate` agrees with its evaluation.
@@ -134,7 +136,7 @@ def test_interleaved_shapes_recompute_per_device():
     cluster = parse_cluster("2x1xA100-40GB")
     problem = build_problem(graph_facts(g, cluster), cluster, MeshShape(2, 1, 1, 1, 1, 2), 1, 4)
     roomy = min((ev for _, _, ev in grid_points(problem, 80e9)), key=lambda ev: ev.step_time_s)
-    limit = 0.8 * roomy.memory_per_device_bytes
+    limit = 0.85 * roomy.memory_per_device_bytes
     grid = min((ev.step_time_s, point.recompute) for point, _, ev in grid_points(problem, limit) if ev.fits)
     assert grid[1] == "full"
     got = interleaved(problem, [choice for _, choice in layouts(problem)], limit)

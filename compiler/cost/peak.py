@@ -153,17 +153,19 @@ def _model_buffers(by_stage: Sequence[Sequence[Any]]) -> float:
 
 
 def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, send_bytes: Sequence[float],
-                     output_bytes: float) -> float:
+                     output_bytes: float, pending_send: bool = True) -> float:
     """torch.distributed.pipelining's buffers on a device holding virtual `stages` of `total`: per
     stage, a receive buffer per micro-batch for its input, and one more input-sized tensor, the
     input gradient of the previous backward, which the schedule's pending send (`bwd_sends`)
     holds while the next backward runs (measured: gpt-4l-zero's solver plan on local4, every
     stage but the first); a gradient-receive buffer per micro-batch and the outputs in flight;
-    the last stage's outputs of every micro-batch."""
+    the last stage's outputs of every micro-batch. `pending_send=False` under a split backward
+    (zero-bubble schedules): that input gradient is the one held from I to W, priced there
+    (`device_memory`'s `input_grads`), not again here."""
     out = 0.0
     for s in stages:
         if s > 0:
-            out += (m + 1) * send_bytes[s - 1]
+            out += (m + pending_send) * send_bytes[s - 1]
         if s < total - 1:
             out += (m + flight) * send_bytes[s]
         else:
