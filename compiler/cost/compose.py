@@ -341,9 +341,9 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)
+    split = plan.schedule in ZB_SCHEDULES  # the backward split into input- and weight-gradient passes
     if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
-        buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes,
-                                    pending_send=plan.schedule not in ZB_SCHEDULES)
+        buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes, pending_send=not split)
     by_stage = [[l for l in mine if l.stage == s] for s in mine_stages]
     # FSDP2 once backward is over (measured, torch 2.13): the unsharded compute-dtype parameters
     # and, in mixed precision, the unsharded compute-dtype gradients, the fp32 reduce-scatter
@@ -353,7 +353,6 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         unsharded_grads = local * w_elem if w_elem != GRADIENT_BYTES else 0.0
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     order = device_order(plan.schedule, p, d, m, v) if p > 1 else None
-    split = plan.schedule in ZB_SCHEDULES and send_bytes is not None
     input_grads = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if split and send_bytes else {}
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
