@@ -87,3 +87,18 @@ def test_pipeline_sends_use_the_measured_send_recv_fit_not_a_ring_step() -> None
     assert local_cluster(2, at_speed(_profile(True), 2.0)).intra.p2p == pytest.approx((1.2e-4, 2e9))
     with pytest.raises(ValueError, match="p2p"):
         LinkSpec("bad", 1e9, 1e-6, p2p=(1e-6, 0.0))
+
+
+def test_the_profile_is_moved_to_the_speed_the_machine_mostly_ran_at() -> None:
+    from shardc.calibration.local import at_typical_speed
+
+    speed = SpeedIndex(reference=6e-3)  # the calibration's first reading: the slow mode
+    speed.readings[:] = [6e-3, 4e-3, 4e-3, 4.2e-3, 3.9e-3]
+    assert speed.typical() == pytest.approx(4e-3)  # the median: the usual mode
+    profile = dataclasses.replace(_profile(True), probe_alone_rate=1.0 / 6e-3)
+    moved = at_typical_speed(profile, speed.typical())
+    assert moved.probe_alone_rate == pytest.approx(1.0 / 4e-3)
+    assert moved.peak_fp32 == pytest.approx(60e9 * 1.5)  # every rate 1.5x faster, every time 1.5x shorter
+    assert moved.kernel_latency == pytest.approx(3e-6 / 1.5)
+    assert moved.collectives[0].fit.alpha == pytest.approx(1e-3 / 1.5)
+    assert at_typical_speed(dataclasses.replace(profile, probe_alone_rate=0.0), 4e-3).peak_fp32 == 60e9

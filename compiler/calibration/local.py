@@ -36,6 +36,7 @@ from shardc.calibration.profile import (
     CollectiveFit,
     EagerCosts,
     LocalProfile,
+    at_speed,
     default_profile_path,
     read_profile,
     write_profile,
@@ -110,7 +111,7 @@ def _measure_alone(cfg: dict[str, Any], say: Callable[[str], None], step: Callab
         torch.set_num_threads(threads)
     return {"matmul_points": points, "peak_fp32": peak, "matmul_half_flops": fit.alpha * peak, "dtype_ratio": ratios,
             "memory_bandwidth": bandwidth, "kernel_latency": latency, "eager": eager,
-            "probe_alone_rate": 1.0 / speed.reference}
+            "probe_alone_rate": 1.0 / speed.reference, "typical_probe_s": speed.typical()}
 
 
 def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> dict[str, Any]:
@@ -201,6 +202,7 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
     cfg = _settings(quick)
     alone = _measure_alone(cfg, say, step)
     eager: EagerCosts = alone.pop("eager")
+    typical = alone.pop("typical_probe_s")
     concurrent, fits, overhead, sync_steps = [], [], [], []
     for n in nprocs:
         say(f"{n} processes: matmul, copy, gloo collectives")
@@ -211,11 +213,25 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
         sync_steps += together["sync_steps"]
         eager = together["eager"]
         step()
-    return LocalProfile(
+    profile = LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(), os.cpu_count() or 1,
         _machine_memory(), torch.__version__, quick, concurrent=tuple(concurrent), collectives=tuple(fits),
         eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead),
         sync_steps=tuple(sync_steps), **alone)
+    return at_typical_speed(profile, typical)
+
+
+def at_typical_speed(profile: LocalProfile, typical_probe_s: float) -> LocalProfile:
+    """`profile` re-expressed at the speed the machine mostly ran at while it was measured.
+
+    Every figure was first taken to the probe's time at the calibration's start, which is
+    whichever of the cores' modes (1.45x apart) they happened to be in; a plan predicted before
+    it runs (`shardc study`, `shardc plan` for `local`) meets the usual mode, so the reference is
+    moved to the median of all the probe's readings through the calibration."""
+    start = 1.0 / profile.probe_alone_rate if profile.probe_alone_rate > 0 else 0.0
+    if start <= 0 or typical_probe_s <= 0:
+        return profile
+    return replace(at_speed(profile, typical_probe_s / start), probe_alone_rate=1.0 / typical_probe_s)
 
 
 def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool = True) -> LocalProfile:

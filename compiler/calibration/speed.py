@@ -55,6 +55,7 @@ class SpeedIndex:
 
         self._run = probe_workload()
         self._buffer = torch.zeros(EVICT_BYTES // 4)
+        self.readings: list[float] = []  # every `seconds` read, for `typical`
         for _ in range(WARMUP_CALLS):  # a fresh process's first calls fault their pages in
             self._run()
         self.reference = reference if reference is not None else self.seconds(calls)
@@ -69,7 +70,13 @@ class SpeedIndex:
             t0 = time.thread_time()
             self._run()
             samples.append(time.thread_time() - t0)
-        return statistics.median(samples)
+        self.readings.append(statistics.median(samples))
+        return self.readings[-1]
+
+    def typical(self) -> float:
+        """The median of every reading so far: the speed the machine mostly ran at, where the
+        first reading (`reference`, when measured here) is whichever mode the cores were in."""
+        return statistics.median(self.readings) if self.readings else self.reference
 
     def scale(self, probes: Sequence[float]) -> float:
         """The factor that takes a time measured beside `probes` (seconds per probe call) to the
