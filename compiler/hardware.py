@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from shardc.calibration.profile import EagerCosts, LocalProfile, read_profile
+from shardc.calibration.profile import EagerCosts, LocalProfile, at_speed, read_profile
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import precision
 
@@ -404,10 +404,12 @@ def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
     """This machine as one node of `nproc` CPU processes sharing its cores and memory, with gloo
     links, from `profile` (default: the cached one, `read_profile`; measuring it is
     `shardc calibrate`'s business). Everything a process does slows by the profile's sharing
-    model (`LocalProfile.slowdown`), never below the speed of a process alone."""
+    model (`LocalProfile.slowdown`), never below the speed of a process alone, and by the CPU
+    time it loses to the others (`LocalProfile.contention_factor`)."""
     if nproc < 1:
         raise ShardcError(f"local cluster needs >= 1 process, got {nproc}")
     prof = profile or read_profile()
+    prof = at_speed(prof, prof.contention_factor(nproc))  # the probe's own slowdown among nproc processes
     slow = max(1.0, prof.slowdown(nproc))
     flops = prof.per_process_flops(nproc)
     peaks = (("fp32", flops),) + tuple((d, flops * r) for d, r in prof.dtype_ratio)

@@ -60,6 +60,7 @@ def test_measured_numbers_are_positive_and_fits_sane(measured) -> None:
     assert 0 < eager.optimizer_per_tensor < 1e-3 and 0 < eager.optimizer_per_param < 1e-6
     assert 0 < eager.sharded_optimizer_per_tensor < 1e-2  # FSDP2's DTensor parameters, from the gloo run
     assert 1 < profile.probe_alone_rate < 1e6  # the study's eager-workload probe, calls/s alone
+    assert [n for n, _ in profile.contention] == [2] and 0.3 < profile.contention[0][1] < 5  # probe among 2 / alone
     cluster = local_cluster(2, profile)
     assert cluster.device.eager is not None
     assert cluster.num_devices == 2 and cluster.device.peak("fp32") > 0 and cluster.device.peak("bf16") > 0

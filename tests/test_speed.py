@@ -102,3 +102,16 @@ def test_the_profile_is_moved_to_the_speed_the_machine_mostly_ran_at() -> None:
     assert moved.kernel_latency == pytest.approx(3e-6 / 1.5)
     assert moved.collectives[0].fit.alpha == pytest.approx(1e-3 / 1.5)
     assert at_typical_speed(dataclasses.replace(profile, probe_alone_rate=0.0), 4e-3).peak_fp32 == 60e9
+
+
+def test_a_process_among_others_is_priced_with_the_cpu_time_it_loses_to_them() -> None:
+    base = _profile(True)
+    shared = dataclasses.replace(base, contention=((2, 1.12), (4, 1.3)))
+    assert shared.contention_factor(1) == 1.0 and base.contention_factor(4) == 1.0
+    assert shared.contention_factor(2) == pytest.approx(1.12)
+    assert shared.contention_factor(3) == pytest.approx(1.3)  # nearest count, ties to the larger
+    alone, among = local_cluster(2, base).device, local_cluster(2, shared).device
+    assert alone.peak("fp32") / among.peak("fp32") == pytest.approx(1.12)
+    assert among.kernel_latency / alone.kernel_latency == pytest.approx(1.12)
+    assert dataclasses.replace(shared, contention=((2, 0.9),)).contention_factor(2) == 1.0  # never faster
+    assert LocalProfile.from_json(shared.to_json()).contention == ((2, 1.12), (4, 1.3))

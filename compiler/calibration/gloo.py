@@ -105,6 +105,9 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in _fsdp_overhead(nprocs))
         scale = _scale_now(speed)
         results["sync_steps"] = [(w, g, *(x * scale for x in fit)) for w, g, *fit in _sync_steps(nprocs)]
+        probe = torch.tensor([speed.typical()], dtype=torch.float64)  # the median over this worker's run
+        dist.all_reduce(probe)
+        results["probe_s"] = probe.item() / nprocs
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
     finally:

@@ -128,7 +128,7 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
                         sharded_optimizer_per_param=res["sharded_optimizer"][1],
                         fsdp_per_tensor=res["fsdp_overhead"][0], fsdp_per_param=res["fsdp_overhead"][1])
     steps = tuple((str(w), nprocs, int(g), float(c), float(a), float(b)) for w, g, c, a, b in res.get("sync_steps", ()))
-    return {"concurrent": (nprocs, res["flops"], res["bandwidth"]), "collectives": fits,
+    return {"concurrent": (nprocs, res["flops"], res["bandwidth"]), "collectives": fits, "probe_s": res["probe_s"],
             "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "sync_steps": steps}
 
 
@@ -203,7 +203,7 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
     alone = _measure_alone(cfg, say, step)
     eager: EagerCosts = alone.pop("eager")
     typical = alone.pop("typical_probe_s")
-    concurrent, fits, overhead, sync_steps = [], [], [], []
+    concurrent, fits, overhead, sync_steps, contention = [], [], [], [], []
     for n in nprocs:
         say(f"{n} processes: matmul, copy, gloo collectives")
         together = _measure_together(n, cfg, eager)
@@ -211,13 +211,14 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
         fits += together["collectives"]
         overhead.append(together["wrapper_overhead"])
         sync_steps += together["sync_steps"]
+        contention.append((n, together["probe_s"] / typical))
         eager = together["eager"]
         step()
     profile = LocalProfile(
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(), os.cpu_count() or 1,
         _machine_memory(), torch.__version__, quick, concurrent=tuple(concurrent), collectives=tuple(fits),
         eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead),
-        sync_steps=tuple(sync_steps), **alone)
+        sync_steps=tuple(sync_steps), contention=tuple(contention), **alone)
     return at_typical_speed(profile, typical)
 
 

@@ -224,6 +224,8 @@ class LocalProfile:
     # (wrapper, nprocs running, group size, s per step, s per tensor, s per element): `EagerCosts.sync_step`
     sync_steps: tuple[tuple[str, int, int, float, float, float], ...] = ()
     conditions: Conditions | None = None  # how busy the machine was while measured (None: not recorded)
+    # (nprocs, the probe's CPU time with nprocs running over its time alone): `contention_factor`
+    contention: tuple[tuple[int, float], ...] = ()
 
     @property
     def busy(self) -> bool:
@@ -246,6 +248,16 @@ class LocalProfile:
         if not self.wrapper_overhead or nproc <= 1:
             return 0.0
         return min(self.wrapper_overhead, key=lambda c: (abs(c[0] - nproc), -c[0]))[1]
+
+    def contention_factor(self, nproc: int) -> float:
+        """How much more CPU time the same work takes in one of `nproc` processes running at once
+        than alone (shared caches, memory and the cores' sibling threads), from the nearest
+        measured count (1 alone or unmeasured). Every other concurrent figure is taken to the
+        reference speed by the probe timed beside it, which divides this factor out; a plan
+        predicted before it runs (`hardware.local_cluster`) puts it back."""
+        if nproc <= 1 or not self.contention:
+            return 1.0
+        return max(1.0, min(self.contention, key=lambda c: (abs(c[0] - nproc), -c[0]))[1])
 
     def eager_slowdown(self, nproc: int) -> float:
         """How much slower one of `nproc` concurrent processes runs than alone, measured like
@@ -291,6 +303,7 @@ class LocalProfile:
         kwargs["sync_steps"] = tuple((str(w), int(n), int(g), float(c), float(a), float(b))
                                      for w, n, g, c, a, b in data.get("sync_steps", ()))
         kwargs["conditions"] = Conditions(**data["conditions"]) if data.get("conditions") else None
+        kwargs["contention"] = tuple((int(n), float(f)) for n, f in data.get("contention", ()))
         return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
 
