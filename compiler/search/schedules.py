@@ -9,7 +9,8 @@ the embedding, head and loss on the stages that hold them), so the objective see
 time and per-stage memory. Rules:
 - Shapes (`schedule_shapes`): every pipelined shape of Megatron's schedules (pp > 1, vpp = 1,
   one tensor axis) is also offered under torch's zero-bubble schedules: `zbv` and `dualpipev`
-  with vpp = 2 (a V of 2pp virtual stages), `interleaved-zb` with vpp = 1..`MAX_VPP`; each
+  with vpp = 2 (a V of 2pp virtual stages), `interleaved-zb` with vpp = 1..`max_vpp` and every
+  deeper interleaving Megatron runs (`grid.interleavings`: up to one block per chunk); each
   virtual stage needs a block. Micro-batch counts torch's schedule refuses
   (`shardc.plan.parallel.microbatch_problem`) are not offered. ZeRO 0, 1 and 3 are searched
   where there is a data-parallel group to shard over (`SCHEDULE_ZEROS`; the torch backend runs
@@ -42,7 +43,7 @@ from shardc.analysis.stages import device_stages, stage_sizes
 from shardc.cost.compose import zero_group
 from shardc.plan.parallel import ZB_SCHEDULES, microbatch_problem
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
-from shardc.search.grid import layouts
+from shardc.search.grid import interleavings, layouts
 from shardc.search.interleave import SOLVED_VECTORS
 from shardc.search.problem import MeshShape, Problem
 
@@ -57,7 +58,8 @@ def schedule_shapes(shapes: list[MeshShape], layers: int, max_vpp: int) -> list[
     for s in shapes:
         if s.pp <= 1 or s.vpp != 1 or s.schedule or s.tq != 1:
             continue
-        variants = [("zbv", 2), ("dualpipev", 2)] + [("interleaved-zb", v) for v in range(1, max_vpp + 1)]
+        depths = sorted({*range(1, max_vpp + 1), *interleavings(layers, s.pp)})
+        variants = [("zbv", 2), ("dualpipev", 2)] + [("interleaved-zb", v) for v in depths]
         out += [dataclasses.replace(s, vpp=v, schedule=name) for name, v in variants if s.pp * v <= layers]
     return out
 
