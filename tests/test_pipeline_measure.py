@@ -22,7 +22,8 @@ def test_the_measured_case_runs_every_schedule_at_the_same_micro_batches() -> No
     assert texts == ["pp=4,mb=1", "pp=4,mb=1,vpp=2,schedule=interleaved", "pp=4,mb=1,vpp=2,schedule=zbv",
                      "pp=4,mb=1,vpp=2,schedule=interleaved-zb", "pp=4,mb=1,vpp=2,schedule=dualpipev"]
     batch = 8  # the case's model: m = 8 micro-batches of 1, DualPipeV's least at pp=4
-    assert "batch=8" in pm.MEASURE_MODEL and "n_layer=8" in pm.MEASURE_MODEL  # a block per virtual stage
+    assert "batch=8" in pm.measure_model(4) and "n_layer=8" in pm.measure_model(4)  # a block per virtual stage
+    assert "batch=4" in pm.measure_model(2) and "n_layer=4" in pm.measure_model(2)
     for text in texts:
         plan = parse_study_plan(text, batch).plan
         assert microbatch_problem(plan, batch // plan.mb) is None, text
@@ -90,7 +91,7 @@ def test_run_measure_hands_the_plans_to_the_study_in_rounds(tmp_path: Path, monk
 
     monkeypatch.setattr("shardc.study.run_study", fake_study)
     data = pm.run_measure(tmp_path / "m", repeats=3, steps=4, warmup=1)
-    assert seen["model"] == pm.MEASURE_MODEL and seen["nproc"] == 4
+    assert seen["model"] == pm.measure_model(4) and seen["nproc"] == 4
     assert (seen["rounds"], seen["steps"], seen["warmup"], seen["solver"], seen["report"]) == (3, 4, 1, False, False)
     assert Path(seen["plans_file"]).read_text().split() == pm.measure_plans()
     assert data == _results()
