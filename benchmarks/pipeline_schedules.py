@@ -131,7 +131,15 @@ def paper_part(only: str | None = None) -> None:
 
 
 def measure_part(args: argparse.Namespace) -> None:
-    from shardc.study.pipeline_measure import format_tables, measure_model, oversubscribed, run_measure
+    import os
+
+    from shardc.study.pipeline_measure import (
+        format_tables,
+        measure_model,
+        oversubscribed,
+        run_measure,
+        shared_core_ratios,
+    )
 
     model = args.measure_model or measure_model(args.pp)
     note = oversubscribed(args.pp)
@@ -141,9 +149,11 @@ def measure_part(args: argparse.Namespace) -> None:
                        pp=args.pp, fresh_profile=args.fresh_profile)
     print(f"{model}, pp={args.pp}: {args.repeats} round(s) of {args.steps} measured steps "
           f"(results in {args.out}/results.json)")
-    print(format_tables(data))
+    shared = shared_core_ratios(data, model, args.pp, os.cpu_count() or 1) if note else None
+    print(format_tables(data, shared))
     if note:
-        print(f"note: {note}")
+        print(f"note: {note}; the last column is the model with the cores shared that way "
+              "(`shardc.cost.pipeline_shared`), a secondary figure")
 
 
 def main() -> None:

@@ -97,3 +97,46 @@ def test_run_measure_hands_the_plans_to_the_study_in_rounds(tmp_path: Path, monk
     assert data == _results()
     with pytest.raises(ShardcError, match="at least one round"):
         pm.run_measure(tmp_path / "n", repeats=0)
+
+
+# ---- processor sharing: what a CPU with fewer cores than processes makes of the bubble --------
+
+def test_shared_cores_fill_the_bubble_and_leave_enough_cores_alone() -> None:
+    from shardc.cost.pipeline import simulate
+    from shardc.cost.pipeline_shared import simulate_shared
+
+    # Enough cores: the plain simulation, whatever the schedule.
+    for schedule, v, w in (("1f1b", 1, None), ("zbv", 2, [0.5] * 4), ("interleaved", 2, None)):
+        fwd, bwd = [1.0 / v] * 2 * v, [2.0 / v] * 2 * v
+        plain = simulate(schedule, fwd, bwd, 4, 2, wgrad=w).makespan
+        assert simulate_shared(schedule, fwd, bwd, 4, 2, 2, wgrad=w) == pytest.approx(plain)
+    # One core for two processes: lengths are at half a core each, so a process alone runs
+    # twice as fast; 1F1B (m=2, F=1, B=2) keeps the core busy throughout: 12 units of half a
+    # core = 6 s, where one device per process takes (m+p-1)(F+B) = 9 s.
+    assert simulate("1f1b", [1.0] * 2, [2.0] * 2, 2, 2).makespan == pytest.approx(9.0)
+    assert simulate_shared("1f1b", [1.0] * 2, [2.0] * 2, 2, 2, 1) == pytest.approx(6.0)
+    # ZB-V does the same work: on one core it gains nothing over 1F1B.
+    assert simulate_shared("zbv", [0.5] * 4, [1.0] * 4, 2, 2, 1, wgrad=[0.5] * 4) == pytest.approx(6.0)
+    # A lone micro-batch: every op alone, all twice as fast.
+    assert simulate_shared("1f1b", [1.0] * 2, [2.0] * 2, 1, 2, 1) == pytest.approx(3.0)
+
+
+def test_shared_core_ratios_re_estimate_each_plan(tmp_path: Path) -> None:
+    """The secondary column: each plan estimated again on the study's cluster, its makespan swapped
+    for the shared one; with enough cores it is the headline ratio, with one it moves towards 1."""
+    from test_hardware import fixed_local_profile
+
+    from shardc.driver import estimate
+    from shardc.study.predict import study_cluster
+
+    model = pm.measure_model(2)
+    with fixed_local_profile(tmp_path):
+        cluster = study_cluster(2)
+        predicted = {t: estimate(model, cluster, parse_study_plan(t).plan)[0].step_time_s
+                     for t in pm.measure_plans(2)[:3:2]}  # 1F1B and ZB-V
+        data = {"plans": [_entry(t.replace("pp=4", "pp=2"), predicted[t], [1.0], []) for t in predicted]}
+        roomy = pm.shared_core_ratios(data, model, 2, cores=64)
+        tight = pm.shared_core_ratios(data, model, 2, cores=1)
+    headline = predicted["pp=2,mb=1,vpp=2,schedule=zbv"] / predicted["pp=2,mb=1"]
+    assert roomy == pytest.approx({"1f1b": 1.0, "zbv vpp=2": headline})
+    assert headline < tight["zbv vpp=2"] <= 1.0 + 1e-6

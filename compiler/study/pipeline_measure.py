@@ -151,15 +151,43 @@ def memory_rows(data: dict[str, Any]) -> list[MemoryRow]:
     return out
 
 
-def format_tables(data: dict[str, Any]) -> str:
-    """The two tables of the measurement as text (step times and ratios; memory per rank)."""
+def shared_core_ratios(data: dict[str, Any], model: str, pp: int, cores: int) -> dict[str, float]:
+    """Per schedule that ran, its predicted ratio to 1F1B had the model let the `pp` processes
+    share `cores` cores (`shardc.cost.pipeline_shared`: a rank idle in a bubble lends its core):
+    each plan estimated again on the study's cluster, its pipeline makespan swapped for the
+    shared one. A secondary figure beside the headline prediction, which prices one device per
+    process."""
+    from shardc.cost.pipeline import simulate
+    from shardc.cost.pipeline_shared import simulate_shared
+    from shardc.driver import estimate
+    from shardc.study.predict import study_cluster
+
+    cluster = study_cluster(pp)
+    steps: dict[str, float] = {}
+    for p in _ran(data)[1]:
+        est, _ = estimate(model, cluster, parse_study_plan(p["plan"]).plan)
+        inputs = est.pipeline
+        plain = simulate(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp,
+                         wgrad=inputs.wgrad).makespan
+        shared = simulate_shared(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp, cores,
+                                 wgrad=inputs.wgrad)
+        steps[schedule_name(p["plan"])] = est.step_time_s - plain + shared
+    base = steps[BASELINE]
+    return {name: t / base for name, t in steps.items()}
+
+
+def format_tables(data: dict[str, Any], shared: dict[str, float] | None = None) -> str:
+    """The two tables of the measurement as text (step times and ratios, with `shared`'s ratios
+    when given; memory per rank)."""
     rows = schedule_rows(data)
+    extra = f" {'pred/1F1B cores shared':>22}" if shared else ""
     lines = [f"{'schedule':18} {'pred s':>8} {'meas s (median [min-max])':>28} {'rounds':>6} "
-             f"{'pred/1F1B':>9} {'meas/1F1B':>9} {'ratio err':>9}  within {RATIO_TOLERANCE:.0%}"]
+             f"{'pred/1F1B':>9} {'meas/1F1B':>9} {'ratio err':>9}  within {RATIO_TOLERANCE:.0%}{extra}"]
     for r in rows:
         span = f"{r.measured_s:.3f} [{r.measured_min_s:.3f}-{r.measured_max_s:.3f}]"
+        more = f" {shared[r.schedule]:22.3f}" if shared and r.schedule in shared else ""
         lines.append(f"{r.schedule:18} {r.predicted_s:8.3f} {span:>28} {r.rounds:6d} {r.predicted_ratio:9.3f} "
-                     f"{r.measured_ratio:9.3f} {r.ratio_error:+9.1%}  {'yes' if r.within else 'NO'}")
+                     f"{r.measured_ratio:9.3f} {r.ratio_error:+9.1%}  {'yes' if r.within else 'NO '}{more}")
     lines += ["", f"{'schedule':18} {'rank':>4} {'stages':>7} {'meas MiB':>9} {'pred MiB':>9} {'error':>7}  "
               f"within {MEMORY_TOLERANCE:.0%}"]
     for m in memory_rows(data):
