@@ -22,8 +22,8 @@ Predictions only (no timings of this machine): `python benchmarks/pipeline_sched
 Part 3 (`--measure`, timings of this machine): the zero-bubble target measured. A pipeline-bound
 4-stage GPT (`shardc.study.pipeline_measure`: 8 equal blocks, 8 micro-batches, 1F1B's bubble
 27%; `--pp 2`: 4 blocks, 4 micro-batches, 20%) runs under 1F1B, interleaved 1F1B, ZB-V,
-interleaved zero bubble and DualPipeV on pp gloo processes, alternating over `--repeats` rounds (each round every schedule once, in a shuffled
-order), and the table gives per schedule the predicted step, the measured one (median and
+interleaved zero bubble and DualPipeV on pp gloo processes, alternating over `--repeats`
+rounds (each round every schedule once, in a shuffled order), and the table gives per schedule the predicted step, the measured one (median and
 range over rounds), the ratio to 1F1B predicted and measured (paired round by round) and
 whether they agree within 10%, then every rank's peak memory measured against predicted. Run
 it on a quiet machine with at least pp cores: `python benchmarks/pipeline_schedules.py --measure

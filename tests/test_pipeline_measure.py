@@ -139,4 +139,4 @@ def test_shared_core_ratios_re_estimate_each_plan(tmp_path: Path) -> None:
         tight = pm.shared_core_ratios(data, model, 2, cores=1)
     headline = predicted["pp=2,mb=1,vpp=2,schedule=zbv"] / predicted["pp=2,mb=1"]
     assert roomy == pytest.approx({"1f1b": 1.0, "zbv vpp=2": headline})
-    assert headline < tight["zbv vpp=2"] <= 1.0 + 1e-6
+    assert headline < tight["zbv vpp=2"] < 1.05  # on one core the bubble is no loss: about the same work

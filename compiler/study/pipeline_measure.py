@@ -40,7 +40,8 @@ from shardc.study.plans import parse_study_plan
 
 RATIO_TOLERANCE = 0.10
 MEMORY_TOLERANCE = 0.05
-MEASURE_MODEL = "examples/gpt.py:gpt?n_layer={layers}&n_embd=256&n_head=4&vocab_size=256&seq=128&batch={batch}&tie=false"
+MEASURE_MODEL = ("examples/gpt.py:gpt?n_layer={layers}&n_embd=256&n_head=4&vocab_size=256&seq=128"
+                 "&batch={batch}&tie=false")
 BASELINE = "1f1b"
 SCHEDULES = ("1f1b", "interleaved", "zbv", "interleaved-zb", "dualpipev")
 
@@ -225,6 +226,6 @@ def run_measure(out_dir: str | Path, *, repeats: int = 5, steps: int = 6, warmup
     out.mkdir(parents=True, exist_ok=True)
     plans = out / "schedules.plans"
     plans.write_text("\n".join(measure_plans(pp, mb)) + "\n")
-    run_study(model or measure_model(pp), pp, plans_file=str(plans), out_dir=out, steps=steps, warmup=warmup, rounds=repeats,
-              seed=seed, report=False, solver=False, fresh_profile=fresh_profile)
+    run_study(model or measure_model(pp), pp, plans_file=str(plans), out_dir=out, steps=steps, warmup=warmup,
+              rounds=repeats, seed=seed, report=False, solver=False, fresh_profile=fresh_profile)
     return json.loads((out / "results.json").read_text())
