@@ -67,7 +67,7 @@ def test_zero_bubble_schedules_with_zero_on_four_processes() -> None:
     run_and_check(4, [
         (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=zbv,zero=1"),
         (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=interleaved-zb,zero=2"),
-        (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=dualpipev,zero=3"),
+        (LLAMA + FOUR_LAYERS + "&batch=8", "dp=2,pp=2,vpp=2,schedule=dualpipev,zero=3"),  # m = 4 = 2pp
         (GPT + "&tie=false", "dp=2,pp=2,schedule=interleaved-zb,zero=3"),
     ], wrapper="FSDPUnviewed")
 
