@@ -63,7 +63,9 @@ def test_zero_bubble_schedules_on_four_processes() -> None:
 def test_zero_bubble_schedules_with_zero_on_four_processes() -> None:
     """ZeRO under a split backward: every stage one FSDP2 unit, kept from syncing during its
     input- and weight-gradient passes and reduce-scattered by torch's runtime after the stage's
-    last weight-gradient pass (REDUCE_GRAD); ZeRO-3 regathers the weights the W pass needs."""
+    last weight-gradient pass (REDUCE_GRAD). ZeRO-3 keeps the weights gathered through the step
+there: resharding after each forward gave wrong weight gradients (losses off by 1e-4 relative at
+the second step, zbv and interleaved-zb) where a W pass ran after a later forward."""
     run_and_check(4, [
         (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=zbv,zero=1"),
         (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=interleaved-zb,zero=2"),

@@ -25,7 +25,9 @@ input- and weight-gradient passes, which DDP's reducer does not follow: without 
 modules run without DDP and the gradients are all-reduced (averaged, as DDP does) over the data
 group once the schedule is over (`schedules.sync_data_parallel`, one flat buffer); with ZeRO
 each stage is one FSDP2 unit, which torch's runtime keeps from syncing during the passes and
-reduce-scatters once, after that stage's last weight-gradient pass (its REDUCE_GRAD action).
+reduce-scatters once, after that stage's last weight-gradient pass (its REDUCE_GRAD action);
+ZeRO-3 there does not reshard after forward (its weights stay gathered through the step, as
+ZeRO-1/2's do, and are priced so).
 Either way the module torch drives returns no views (`schedules.Unviewed`, inside the FSDP2
 unit). Stages get their input and output shapes up front (the
 IR knows them), so torch skips the first-step metadata inference: that extra forward runs the
@@ -314,9 +316,13 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
 
         _check_unshared(graph, modules, "FSDP2")
         policy = mixed_precision_policy(compute_dtype(graph))
+        # Under a split backward ZeRO-3 keeps the weights gathered from the stage's first forward
+        # to its reduce-scatter (torchtitan's choice for pipelines): resharding after each forward
+        # loses the weight gradients of passes deferred past a later forward (measured, torch 2.13).
+        reshard = zero >= 3 and not split_backward
         for m in wrapped:
             if any(p.requires_grad for p in m.parameters()):
-                fully_shard(m, mesh=sub, reshard_after_forward=zero >= 3, **({"mp_policy": policy} if policy else {}))
+                fully_shard(m, mesh=sub, reshard_after_forward=reshard, **({"mp_policy": policy} if policy else {}))
     elif sub is not None and not split_backward:
         _check_unshared(graph, modules, "DDP")
         wrapped = [_ddp(m, sub.get_group()) for m in modules]
