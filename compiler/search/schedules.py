@@ -12,10 +12,11 @@ time and per-stage memory. Rules:
   with vpp = 2 (a V of 2pp virtual stages), `interleaved-zb` with vpp = 1..`max_vpp` and every
   deeper interleaving Megatron runs (`grid.interleavings`: up to one block per chunk); each
   virtual stage needs a block. Micro-batch counts torch's schedule refuses
-  (`shardc.plan.parallel.microbatch_problem`) are not offered. ZeRO 0, 1 and 3 are searched
+  (`shardc.plan.parallel.microbatch_problem`) are not offered. ZeRO 0 and 1 are searched
   where there is a data-parallel group to shard over (`SCHEDULE_ZEROS`; the torch backend runs
   ZeRO there as one FSDP2 unit per stage, reduce-scattered after the stage's last weight-gradient
-  pass; ZeRO-2 runs as ZeRO-1 does under FSDP2, so it is not tried apart).
+  pass, its weights gathered through the step whatever the stage: ZeRO-2 and 3 run and are
+  priced as ZeRO-1, so they are not tried apart).
 - Candidate vectors: as for interleaved shapes (`shardc.search.interleave`): the grid's Megatron
   layouts on the shape and the solver's best vectors of the shape with Megatron's schedule and
   no interleaving; every virtual stage runs the vector.
@@ -47,7 +48,7 @@ from shardc.search.grid import interleavings, layouts
 from shardc.search.interleave import SOLVED_VECTORS
 from shardc.search.problem import MeshShape, Problem
 
-SCHEDULE_ZEROS = (0, 1, 3)  # where the data-parallel group has more than one device
+SCHEDULE_ZEROS = (0, 1)  # ZeRO 1 only where the data-parallel group has more than one device
 MAX_ROUNDS = 64  # local-search moves per start point (each the best neighbour)
 REBALANCE_MARGIN = 0.1  # a start this far above the best step time so far is not searched further
 
