@@ -68,7 +68,7 @@ def test_memory_rows_name_each_ranks_virtual_stages() -> None:
     assert rows[0].error == pytest.approx(0.3 / 12.0) and rows[0].within
     assert rows[1].error == pytest.approx(-1.0 / 12.0) and not rows[1].within
     text = pm.format_tables(_results())
-    assert "zbv vpp=2             0.800" in text and "0.900 [0.850-1.700]" in text
+    assert "zbv vpp=2               0.800" in text and "0.900 [0.850-1.700]" in text
     assert "+6.2%  yes" in text and "+26.7%  NO" in text  # the step ratios' agreement
     assert "   0     0+7     12.00     12.30   +2.5%  yes" in text
 

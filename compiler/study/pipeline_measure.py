@@ -182,17 +182,17 @@ def format_tables(data: dict[str, Any], shared: dict[str, float] | None = None) 
     when given; memory per rank)."""
     rows = schedule_rows(data)
     extra = f" {'pred/1F1B cores shared':>22}" if shared else ""
-    lines = [f"{'schedule':18} {'pred s':>8} {'meas s (median [min-max])':>28} {'rounds':>6} "
+    lines = [f"{'schedule':20} {'pred s':>8} {'meas s (median [min-max])':>28} {'rounds':>6} "
              f"{'pred/1F1B':>9} {'meas/1F1B':>9} {'ratio err':>9}  within {RATIO_TOLERANCE:.0%}{extra}"]
     for r in rows:
         span = f"{r.measured_s:.3f} [{r.measured_min_s:.3f}-{r.measured_max_s:.3f}]"
         more = f" {shared[r.schedule]:22.3f}" if shared and r.schedule in shared else ""
-        lines.append(f"{r.schedule:18} {r.predicted_s:8.3f} {span:>28} {r.rounds:6d} {r.predicted_ratio:9.3f} "
+        lines.append(f"{r.schedule:20} {r.predicted_s:8.3f} {span:>28} {r.rounds:6d} {r.predicted_ratio:9.3f} "
                      f"{r.measured_ratio:9.3f} {r.ratio_error:+9.1%}  {'yes' if r.within else 'NO '}{more}")
-    lines += ["", f"{'schedule':18} {'rank':>4} {'stages':>7} {'meas MiB':>9} {'pred MiB':>9} {'error':>7}  "
+    lines += ["", f"{'schedule':20} {'rank':>4} {'stages':>7} {'meas MiB':>9} {'pred MiB':>9} {'error':>7}  "
               f"within {MEMORY_TOLERANCE:.0%}"]
     for m in memory_rows(data):
-        lines.append(f"{m.schedule:18} {m.rank:4d} {m.stages:>7} {m.measured_bytes / 2**20:9.2f} "
+        lines.append(f"{m.schedule:20} {m.rank:4d} {m.stages:>7} {m.measured_bytes / 2**20:9.2f} "
                      f"{m.predicted_bytes / 2**20:9.2f} {m.error:+7.1%}  {'yes' if m.within else 'NO'}")
     return "\n".join(lines)
 
