@@ -18,6 +18,16 @@ The schedules differ (ZB-1p/2p are sail-sg's searched schedules; zbv is their la
 they report near ZB-2p at ZB-1p's memory), so the comparison is of gains, not of schedules.
 
 Predictions only (no timings of this machine): `python benchmarks/pipeline_schedules.py`.
+
+Part 3 (`--measure`, timings of this machine): the zero-bubble target measured. A pipeline-bound
+4-stage GPT (`shardc.study.pipeline_measure`: 8 equal blocks, 8 micro-batches, 1F1B's bubble
+27%; `--pp 2`: 4 blocks, 4 micro-batches, 20%) runs under 1F1B, interleaved 1F1B, ZB-V,
+interleaved zero bubble and DualPipeV on pp gloo processes, alternating over `--repeats`
+rounds (each round every schedule once, in a shuffled order), and the table gives per schedule the predicted step, the measured one (median and
+range over rounds), the ratio to 1F1B predicted and measured (paired round by round) and
+whether they agree within 10%, then every rank's peak memory measured against predicted. Run
+it on a quiet machine with at least pp cores: `python benchmarks/pipeline_schedules.py --measure
+--repeats 5` (with fewer cores than processes it says why the measured gain falls short).
 """
 
 from __future__ import annotations
@@ -120,13 +130,50 @@ def paper_part(only: str | None = None) -> None:
                   + " ".join(f"{t['1f1b'] / t[s] - 1:19.1%}" if s in t else f"{'n/a':>19}" for s in PAPER_SCHEDULES))
 
 
+def measure_part(args: argparse.Namespace) -> None:
+    import os
+
+    from shardc.study.pipeline_measure import (
+        format_tables,
+        measure_model,
+        oversubscribed,
+        run_measure,
+        shared_core_ratios,
+    )
+
+    model = args.measure_model or measure_model(args.pp)
+    note = oversubscribed(args.pp)
+    if note:
+        print(f"note: {note}")
+    data = run_measure(args.out, repeats=args.repeats, steps=args.steps, warmup=args.warmup, model=model,
+                       pp=args.pp, fresh_profile=args.fresh_profile)
+    print(f"{model}, pp={args.pp}: {args.repeats} round(s) of {args.steps} measured steps "
+          f"(results in {args.out}/results.json)")
+    shared = shared_core_ratios(data, model, args.pp, os.cpu_count() or 1) if note else None
+    print(format_tables(data, shared))
+    if note:
+        print(f"note: {note}; the last column is the model with the cores shared that way "
+              "(`shardc.cost.pipeline_shared`), a secondary figure")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=["solver", "paper", "both"], default="both")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--all-shapes", action="store_true", help="every mesh shape, not Megatron's usual ones")
     ap.add_argument("--model", help="only this model: one of the paper's (1.5B, ...) or a solver case's name start")
+    ap.add_argument("--measure", action="store_true", help="measure the schedules on local processes (part 3) instead")
+    ap.add_argument("--repeats", type=int, default=5, help="--measure: rounds, each running every schedule once")
+    ap.add_argument("--steps", type=int, default=6, help="--measure: measured steps per plan per round")
+    ap.add_argument("--warmup", type=int, default=2, help="--measure: steps before those")
+    ap.add_argument("--pp", type=int, default=4, help="--measure: pipeline stages (processes)")
+    ap.add_argument("--measure-model", help="--measure: the model spec (default: 2pp equal GPT blocks, batch 2pp)")
+    ap.add_argument("--out", default="out/pipeline-measure", help="--measure: the study directory (resumed if there)")
+    ap.add_argument("--fresh-profile", action="store_true", help="--measure: calibrate this machine first")
     args = ap.parse_args()
+    if args.measure:
+        measure_part(args)
+        return
     if args.part in ("paper", "both"):
         paper_part(args.model)
     if args.part in ("solver", "both"):

@@ -21,10 +21,15 @@ pipelining intends (`backward_maybe_with_nosync`): with ZeRO an FSDP2 `fully_sha
 `DistributedDataParallel` module (forwards and the first micro-batches' backwards under
 `no_sync`; the last micro-batch's backward arms DDP's reducer, whose buckets all-reduce while
 that backward is still running). Under a zero-bubble schedule the backward is split into
-input- and weight-gradient passes, which DDP's reducer does not follow: the stage modules run
-unwrapped and the gradients are all-reduced (averaged, as DDP does) over the data group once
-the schedule is over (`schedules.sync_data_parallel`, one flat buffer), and the stage outputs
-are never views (`schedules.Unviewed`). Stages get their input and output shapes up front (the
+input- and weight-gradient passes, which DDP's reducer does not follow: without ZeRO the stage
+modules run without DDP and the gradients are all-reduced (averaged, as DDP does) over the data
+group once the schedule is over (`schedules.sync_data_parallel`, one flat buffer); with ZeRO
+each stage is one FSDP2 unit, which torch's runtime keeps from syncing during the passes and
+reduce-scatters once, after that stage's last weight-gradient pass (its REDUCE_GRAD action);
+ZeRO-3 there does not reshard after forward (its weights stay gathered through the step, as
+ZeRO-1/2's do, and are priced so).
+Either way the module torch drives returns no views (`schedules.Unviewed`, inside the FSDP2
+unit). Stages get their input and output shapes up front (the
 IR knows them), so torch skips the first-step metadata inference: that extra forward runs the
 DDP wrapper outside `no_sync` and would make it all-reduce every micro-batch. Then gradients
 are divided by the micro-batch count (the loss is a mean over micro-batches) and a parameter
@@ -301,20 +306,26 @@ def parallelize_pipeline(compiled: Any, model: nn.Module, *, init: Any = None, s
     axes, via, zero = data_parallel_info(graph)
     sub = None if not axes else dm[axes[0]] if len(axes) == 1 else _flattened(dm, axes)
     fsdp = sub is not None and (via == "fsdp" or zero > 0)
+    split_backward = schedule in ZERO_BUBBLE
+    # The split backward detaches stage outputs in place, so what torch drives never returns views;
+    # under ZeRO that module is the FSDP2 unit, for torch's runtime to unshard, reshard and
+    # reduce-scatter it (after the stage's last weight-gradient pass) as a stage of its own.
+    wrapped: list[nn.Module] = [Unviewed(m) for m in modules] if split_backward else list(modules)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        _check_unshared(graph, modules, "FSDP2")
         policy = mixed_precision_policy(compute_dtype(graph))
-        for m in modules:
+        # Under a split backward ZeRO-3 keeps the weights gathered from the stage's first forward
+        # to its reduce-scatter (torchtitan's choice for pipelines): resharding after each forward
+        # loses the weight gradients of passes deferred past a later forward (measured, torch 2.13).
+        reshard = zero >= 3 and not split_backward
+        for m in wrapped:
             if any(p.requires_grad for p in m.parameters()):
-                fully_shard(m, mesh=sub, reshard_after_forward=zero >= 3, **({"mp_policy": policy} if policy else {}))
-    wrapped = list(modules)
-    split_backward = schedule in ZERO_BUBBLE
-    if sub is not None and not fsdp and not split_backward:
+                fully_shard(m, mesh=sub, reshard_after_forward=reshard, **({"mp_policy": policy} if policy else {}))
+    elif sub is not None and not split_backward:
+        _check_unshared(graph, modules, "DDP")
         wrapped = [_ddp(m, sub.get_group()) for m in modules]
-        _check_unshared(graph, modules)
-    if split_backward:
-        wrapped = [Unviewed(m) for m in wrapped]
     data_group = sub.get_group() if sub is not None and not fsdp and split_backward else None
     full_inputs = [(v.name, tuple(v.type.shape)) for v in compiled.graph.inputs]
     module = PipelinedModule(graph, plan, stage_ids, modules, wrapped, loss_module, dm, full_inputs, loss_fn, dev,
@@ -340,16 +351,19 @@ def _ddp(module: nn.Module, group: Any) -> nn.Module:
     return DistributedDataParallel(module, process_group=group, init_sync=False, forward_sync_buffers=False)
 
 
-def _check_unshared(graph: Graph, modules: list[nn.Module]) -> None:
-    """Two of this rank's stages holding one parameter cannot each have a DDP: both would
-    all-reduce it, each after its own last backward, so one of them would miss the other's part."""
+def _check_unshared(graph: Graph, modules: list[nn.Module], wrapper: str) -> None:
+    """Two of this rank's stages holding one parameter cannot each have a DDP or FSDP2 unit:
+    DDP would all-reduce it after each stage's own last backward (one missing the other's
+    part), FSDP2 would shard it twice (the second unit training a stale copy)."""
     owner: dict[int, int] = {}
     for k, m in enumerate(modules):
         for name, p in m.named_parameters():
             if owner.setdefault(id(p), k) != k:
                 raise ShardcError(f"parameter {name} of graph @{graph.name} is read by two virtual stages on one "
-                                  "pipeline rank; DDP cannot sync it there", hint="use vpp=1, or tie parameters "
-                                  "only between stages on different pipeline ranks")
+                                  f"pipeline rank; {wrapper} cannot sync it there (the V schedules zbv and "
+                                  "dualpipev put the first and last stage on rank 0)",
+                                  hint="untie it (e.g. tie=false), use vpp=1, or tie parameters only between "
+                                  "stages on different pipeline ranks")
 
 
 def _examples(values: list[Any], mesh: Any, compute: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:

@@ -127,7 +127,8 @@ class ParallelPlan:
     The zero-bubble schedules (`ZB_SCHEDULES`, torch's) keep their name whatever vpp:
     `interleaved-zb` (torch's ScheduleInterleavedZeroBubble, the round-robin placement, any vpp),
     `zbv` and `dualpipev` (two virtual stages per device in a V: vpp must be 2); all need pp > 1
-    and zero=0 (`_check_zero_bubble`).
+    (`_check_zero_bubble`); with ZeRO each stage is an FSDP2 unit that torch's runtime
+    reduce-scatters after its last weight-gradient pass.
     `cp=N:zigzag` sets `cp_layout`: the sequence is cut into 2N chunks and cp rank i holds chunks
     i and 2N-1-i, so causal ring attention costs every rank the same (contiguous, the last rank
     computes all N key shards and sets the pace). Opt-in: the default keeps the contiguous
@@ -338,7 +339,7 @@ class ParallelPlan:
 def _check_zero_bubble(schedule: str, pp: int, vpp: int, zero: int) -> None:
     """The combinations torch's zero-bubble schedules run (their constructors' rules, and what
     the torch backend executes): pp > 1; zbv and dualpipev exactly two virtual stages per device
-    (vpp=2, the V); no ZeRO (FSDP2 stage modules are not run under a split backward)."""
+    (vpp=2, the V)."""
     if pp == 1:
         raise ShardcError(f"plan key schedule={schedule} with pp=1; a zero-bubble schedule splits a pipeline's "
                           "backward: set pp>1 or leave schedule out")
@@ -346,10 +347,6 @@ def _check_zero_bubble(schedule: str, pp: int, vpp: int, zero: int) -> None:
         raise ShardcError(f"plan key schedule={schedule} with vpp={vpp}; {schedule} places exactly two virtual "
                           "stages on each device in a V (pp rank r holds stages r and 2pp-1-r)",
                           hint="set vpp=2, or use schedule=interleaved-zb (any vpp)")
-    if zero:
-        raise ShardcError(f"plan key schedule={schedule} with zero={zero}; the torch backend runs zero-bubble "
-                          "schedules with DDP-style data parallelism only (FSDP2 stage modules are not run "
-                          "under a split backward)", hint=f"use zero=0, or schedule=1f1b with zero={zero}")
 
 
 def plan_of(graph: Graph) -> ParallelPlan:

@@ -3,7 +3,8 @@
 A grid point sets what Megatron-LM / Megatron-Core users set: a factorisation pp*dp*cp*tp of
 the device count (the outer search's mesh shapes), interleaved stages (vpp: pp*vpp model
 chunks, each at least one block, the blocks dealt evenly as Megatron requires: the count
-divisible by pp*vpp), a micro-batch size, sequence parallelism (sp, with tp > 1), context
+divisible by pp*vpp; every such vpp, up to one block per chunk, `interleavings`), a
+micro-batch size, sequence parallelism (sp, with tp > 1), context
 parallelism (cp: every op split over the sequence, attention as a ring where the candidates
 have one), one recomputation for every block (none, selective, full) or Megatron's partial
 full recomputation (`--recompute-num-layers N`, block method: the first N blocks of every
@@ -188,6 +189,16 @@ def vpp_admissible(layers: int, pp: int, vpp: int) -> bool:
     """Megatron's rule for interleaved stages: pp > 1 and the blocks divisible by pp*vpp (every
     model chunk the same number of blocks, at least one)."""
     return vpp == 1 or (pp > 1 and layers % (pp * vpp) == 0)
+
+
+def interleavings(layers: int, pp: int) -> list[int]:
+    """Every interleaving depth vpp >= 2 Megatron runs on `pp` stages of `layers` blocks: those
+    dealing the blocks into pp*vpp equal chunks (`vpp_admissible`), up to one block per chunk
+    (vpp = layers/pp, `--num-layers-per-virtual-pipeline-stage 1`). They are the divisors of
+    layers/pp, so few (96 blocks on pp=8: 2, 3, 4, 6, 12)."""
+    if pp <= 1:
+        return []
+    return [v for v in range(2, layers // pp + 1) if vpp_admissible(layers, pp, v)]
 
 
 def partial_stages(layers: int, stages: int, k: int) -> tuple[tuple[int, int, int], ...] | None:

@@ -7,8 +7,10 @@ Rules:
   of 8192 tokens or more; with `grid2d`, a tp that is a square q*q is also offered as tp=q x
   tq=q, the two equal model axes PrimePar's 2-D grids run on (`shardc.search.candidates`;
   opt-in: more shapes to price and solve in the same time limit); every shape with pp > 1 is
-  also offered interleaved, vpp = v in 2..`MAX_VPP` model chunks per device wherever the
-  blocks divide into pp*v equal chunks (Megatron's rule, `shardc.search.grid.vpp_admissible`). Micro-batch
+  also offered interleaved, vpp = v model chunks per device wherever the blocks divide into
+  pp*v equal chunks (Megatron's rule, `shardc.search.grid.interleavings`: up to one block per
+  chunk, v = layers/pp, as Megatron users may set; only the divisors of layers/pp, so a few
+  shapes more, searched in the interleaved share of the time limit). Micro-batch
   sizes are the powers of two up to 8 that divide the per-replica batch and leave at least pp
   micro-batches (torch's 1F1B refuses fewer micro-batches than stages).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
@@ -30,7 +32,8 @@ Rules:
   schedule's ideal time on the cheapest blocks (no memory term), and it stays their floor in
   the gap (the enumeration proves nothing).
 - Every pipelined shape is also offered under torch's zero-bubble schedules (`zbv`,
-  `dualpipev` with vpp = 2, `interleaved-zb` with vpp = 1..`MAX_VPP`; `schedules=False` leaves
+  `dualpipev` with vpp = 2, `interleaved-zb` with vpp = 1..`MAX_VPP` and Megatron's depths
+  above it; `schedules=False` leaves
   them out), priced as their shape, searched by `shardc.search.schedules` after the interleaved
   shapes (the same vectors, stage boundaries and per-stage recomputation by a local search on
   `evaluate`) in `SCHEDULE_SHARE` of the time limit on the wall clock; the best interleaved plan
@@ -69,7 +72,7 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.search.bounds import grid_bound, lower_bound
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
-from shardc.search.grid import GridPoint, grid_assignments, grid_points, vpp_admissible
+from shardc.search.grid import GridPoint, grid_assignments, grid_points, interleavings
 from shardc.search.interleave import search_interleaved
 from shardc.search.objective import objective
 from shardc.search.planfile import annotate_graph
@@ -77,7 +80,7 @@ from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, 
 from shardc.search.schedules import rebalance, schedule_shapes, search_schedules
 
 LONG_SEQUENCE = 8192
-MAX_VPP = 4  # model chunks per device offered (the interleaving depths Megatron users run; bounds the shapes)
+MAX_VPP = 4  # interleaved zero bubble's depths offered whether or not the blocks divide (beside Megatron's)
 MICRO_BATCHES = (1, 2, 4, 8)
 RESCORED = 3  # plans per source (grid, solver) re-scored by `estimate` at the end
 GRID_MARGIN = 0.02  # grid problems whose bound is this far above the best grid point are skipped
@@ -171,8 +174,7 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
                 if gbs % dp:
                     continue
                 out.append(MeshShape(pp, dp, cp, tp))
-                out += [MeshShape(pp, dp, cp, tp, 1, v) for v in range(2, min(MAX_VPP, layers // max(pp, 1)) + 1)
-                        if pp > 1 and vpp_admissible(layers, pp, v)]
+                out += [MeshShape(pp, dp, cp, tp, 1, v) for v in interleavings(layers, pp)]
                 q = math.isqrt(tp)
                 if grid2d and q > 1 and q * q == tp:  # tp as a q x q grid (tp x tq) for PrimePar's P(q x q)
                     out.append(MeshShape(pp, dp, cp, q, q))

@@ -9,10 +9,14 @@ the embedding, head and loss on the stages that hold them), so the objective see
 time and per-stage memory. Rules:
 - Shapes (`schedule_shapes`): every pipelined shape of Megatron's schedules (pp > 1, vpp = 1,
   one tensor axis) is also offered under torch's zero-bubble schedules: `zbv` and `dualpipev`
-  with vpp = 2 (a V of 2pp virtual stages), `interleaved-zb` with vpp = 1..`MAX_VPP`; each
+  with vpp = 2 (a V of 2pp virtual stages), `interleaved-zb` with vpp = 1..`max_vpp` and every
+  deeper interleaving Megatron runs (`grid.interleavings`: up to one block per chunk); each
   virtual stage needs a block. Micro-batch counts torch's schedule refuses
-  (`shardc.plan.parallel.microbatch_problem`) are not offered. They run without ZeRO (the torch
-  backend runs them under DDP-style data parallelism), so only ZeRO 0 is searched.
+  (`shardc.plan.parallel.microbatch_problem`) are not offered. ZeRO 0 and 1 are searched
+  where there is a data-parallel group to shard over (`SCHEDULE_ZEROS`; the torch backend runs
+  ZeRO there as one FSDP2 unit per stage, reduce-scattered after the stage's last weight-gradient
+  pass, its weights gathered through the step whatever the stage: ZeRO-2 and 3 run and are
+  priced as ZeRO-1, so they are not tried apart).
 - Candidate vectors: as for interleaved shapes (`shardc.search.interleave`): the grid's Megatron
   layouts on the shape and the solver's best vectors of the shape with Megatron's schedule and
   no interleaving; every virtual stage runs the vector.
@@ -37,12 +41,14 @@ import math
 import time
 
 from shardc.analysis.stages import device_stages, stage_sizes
+from shardc.cost.compose import zero_group
 from shardc.plan.parallel import ZB_SCHEDULES, microbatch_problem
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
-from shardc.search.grid import layouts
+from shardc.search.grid import interleavings, layouts
 from shardc.search.interleave import SOLVED_VECTORS
 from shardc.search.problem import MeshShape, Problem
 
+SCHEDULE_ZEROS = (0, 1)  # ZeRO 1 only where the data-parallel group has more than one device
 MAX_ROUNDS = 64  # local-search moves per start point (each the best neighbour)
 REBALANCE_MARGIN = 0.1  # a start this far above the best step time so far is not searched further
 
@@ -53,7 +59,8 @@ def schedule_shapes(shapes: list[MeshShape], layers: int, max_vpp: int) -> list[
     for s in shapes:
         if s.pp <= 1 or s.vpp != 1 or s.schedule or s.tq != 1:
             continue
-        variants = [("zbv", 2), ("dualpipev", 2)] + [("interleaved-zb", v) for v in range(1, max_vpp + 1)]
+        depths = sorted({*range(1, max_vpp + 1), *interleavings(layers, s.pp)})
+        variants = [("zbv", 2), ("dualpipev", 2)] + [("interleaved-zb", v) for v in depths]
         out += [dataclasses.replace(s, vpp=v, schedule=name) for name, v in variants if s.pp * v <= layers]
     return out
 
@@ -223,9 +230,11 @@ def search_schedules(problems: list[Problem], order: list[int], bounds: list[flo
         vectors = [choice for _, choice in layouts(problem)]
         vectors += [a.choice for p, a, _ in sorted(solved, key=lambda x: x[2])
                     if p.shape == flat and p.mb == problem.mb][:SOLVED_VECTORS]
-        got = start_point(problem, vectors, limit, 0, deadline)
-        if got is not None:
-            starts.append((i, *got))
+        zeros = SCHEDULE_ZEROS if zero_group(problem.shape.mesh())[1] > 1 else SCHEDULE_ZEROS[:1]
+        for z in zeros:
+            got = start_point(problem, vectors, limit, z, deadline)
+            if got is not None:
+                starts.append((i, *got))
     out = []
     for i, a, ev in sorted(starts, key=lambda x: _key(x[2], limit)):
         if time.perf_counter() <= deadline and _key(ev, limit)[1] < incumbent * (1 + REBALANCE_MARGIN):
