@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import published_moe  # noqa: E402  (the MoE rows, printed after these: issue 15)
 from published_data import ROWS, PublishedRun, calibration_rows  # noqa: E402  (the data beside this script)
 
 from shardc.cost import estimate  # noqa: E402
@@ -204,8 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"- {r.name} ({r.gpus}x {r.device}; {r.interconnect}): {r.source}" + (f" Note: {r.note}" if r.note else "")
                   + (f" TP overlap: {r.overlap_source}" if r.tp_comm_overlap else ""))
+        published_moe.print_sources(published_moe.select(args.only))
         return 0
-    print_table([predict(r) for r in rows], args.markdown)
+    if rows:
+        print_table([predict(r) for r in rows], args.markdown)
+    moe_rows = published_moe.select(args.only)
+    if moe_rows:
+        print()
+        published_moe.print_table([published_moe.predict(r) for r in moe_rows], args.markdown)
     return 0
 
 
