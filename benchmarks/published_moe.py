@@ -36,7 +36,7 @@ from pathlib import Path
 
 from shardc.cost import estimate
 from shardc.cost.compose import EstimateOptions
-from shardc.cost.moe import DEFAULT_ROUTING_SKEW
+from shardc.cost.moe import default_routing_skew
 from shardc.frontend import trace
 from shardc.frontend.spec import load_model
 from shardc.hardware import Cluster, make_cluster
@@ -76,8 +76,9 @@ class MegatronFlops:
 class MoeRun:
     """One published MoE run. `model`: an `hf:` spec without seq/batch; `plan`: a `ParallelPlan`
     string (with `ep`); `gpus` H100s/A100s of preset `device`, 8 per node; `metric` in `METRICS`;
-    `routing_skew`: the skew the run had when its source says (`skew_source`), else None for
-    `shardc.cost.moe.DEFAULT_ROUTING_SKEW`; `flops`: the publisher's FLOP count for `tflops`."""
+    `routing_skew`: the skew the run had when its source says (`skew_source`), else None for the
+    measured default (`shardc.cost.moe.default_routing_skew`); `flops`: the publisher's FLOP
+    count for `tflops`."""
 
     name: str
     model: str
@@ -189,8 +190,14 @@ def row_graph(row: MoeRun) -> tuple[Graph, ParallelPlan]:
     for name, layer in graph.layers.items():
         if layer_of_path(name) != name:  # embedding, final norm, LM head: never checkpointed
             graph.layers[name] = Layer(name, layer.block, replace(layer.annotation, recompute="none"))
-    graph.attrs["routing_skew"] = row.routing_skew if row.routing_skew is not None else DEFAULT_ROUTING_SKEW
+    if row.routing_skew is not None:
+        graph.attrs["routing_skew"] = row.routing_skew
     return graph, plan
+
+
+def row_skew(row: MoeRun) -> float:
+    """The routing skew the row is priced at: its own, else the measured default for its ep."""
+    return row.routing_skew if row.routing_skew is not None else default_routing_skew(ParallelPlan.parse(row.plan).ep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +246,7 @@ def table_rows(predictions: list[MoePrediction]) -> list[list[str]]:
 
     return [[p.row.name, f"{p.row.device} x{p.row.gpus}", p.row.plan, _UNIT[p.row.metric], fmt(p.predicted),
              fmt(p.row.published), f"{p.error:+.1%}" + ("" if p.fits else " (does not fit)"),
-             f"{p.row.routing_skew if p.row.routing_skew is not None else DEFAULT_ROUTING_SKEW:g}"]
+             f"{row_skew(p.row):.2f}" + (" (measured default)" if p.row.routing_skew is None else "")]
             for p in predictions]
 
 
