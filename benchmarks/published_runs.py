@@ -11,6 +11,9 @@ row's cluster with the row's runtime (`options_for`). The table gives the predic
 published metric, the published figure and the error (predicted / published - 1), then the
 mean and worst absolute error over the rows that are not calibration rows.
 
+The Mixture-of-Experts rows (`published_moe.py`: their own table and summary line, none of
+them calibration) follow the dense table, and `--sources` lists them too.
+
 `--fit DEVICE` finds the one matmul efficiency of that device (`DeviceSpec.matmul_efficiency`,
 with the half-rate size that goes with it) that puts its calibration rows on their published
 figures on average (mean log error zero, by bisection); `shardc.hardware` records the result.

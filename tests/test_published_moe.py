@@ -115,3 +115,22 @@ def test_routing_skew_slows_the_expert_work(graphs: dict[str, Graph]) -> None:
         del graph.attrs["routing_skew"]
     assert times[1.0] < default < times[1.5] < 1.5 * times[1.0]
     assert default < published_moe.row_skew(row) * times[1.0]
+
+
+def test_the_measured_default_skew_and_how_it_is_measured() -> None:
+    """`benchmarks/routing_skew.py`'s figure per ep degree is the default: one rank is balanced,
+    degrees beyond the largest measured take its figure; the busiest rank's share over the mean
+    is computed over contiguous expert ranges."""
+    import torch
+    from routing_skew import skew
+
+    from shardc.cost.moe import MEASURED_ROUTING_SKEW
+
+    assert default_routing_skew(1) == 1.0
+    assert [default_routing_skew(n) for n in (2, 4, 8, 64)] == [MEASURED_ROUTING_SKEW[n] for n in (2, 4, 8, 8)]
+    assert 1.0 < MEASURED_ROUTING_SKEW[2] < MEASURED_ROUTING_SKEW[4] < MEASURED_ROUTING_SKEW[8]
+    # 8 experts, top-2 of 4 tokens: experts 0-3 get 5 pairs, 4-7 get 3 (two ranks: 5 over a mean
+    # of 4); expert 0 gets 2 pairs (eight ranks: 2 over a mean of 1).
+    index = torch.tensor([[0, 1], [2, 3], [0, 4], [5, 6]])
+    assert skew(index, 2) == pytest.approx(5 / 4)
+    assert skew(index, 8) == pytest.approx(2 / 1)
