@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/published_moe.py [--only TEXT] [--markdown] [--sources]
 
-(`benchmarks/published_runs.py` prints this table after the dense one.) Every row is one MoE run
+(`benchmarks/published_runs.py` prints this table after the dense one; the README states its
+errors and `tests/test_published_moe.py` holds them.) Every row is one MoE run
 someone else measured and published: the model (a transformers `hf:` spec at the published
 sizes, built on the meta device), the plan it ran, the cluster, the published figure and where it
 was published. As for the dense rows (`published_data.py`), figures are copied from their source
@@ -17,10 +18,12 @@ splits the tokens entering the experts over tp, so each rank routes its own toke
 expert tensor parallelism does in FLOPs (not in its GEMM shapes or all-to-all volume).
 
 Runs left out, and why (each was read from its source):
-- DeepSeek-V3 671B on 512/1024 H100 (NVIDIA/dgxc-benchmarking deepseek_v3/pretraining): it runs
-  EP=64 folded over TP x DP (Megatron's MoE parallel folding, ETP=1) with 61 layers over PP=8/16,
-  which shardc's `ep` inside `dp` cannot express (ep would be 32 with every expert replicated over
-  tp).
+- DeepSeek-V3 671B on 512/1024 H100 (NVIDIA/dgxc-benchmarking deepseek_v3/pretraining, 48.9 /
+  52.0 s per step): it runs EP=64 folded over TP x DP (Megatron's MoE parallel folding, ETP=1),
+  which shardc's `ep` inside `dp` cannot express (ep=32 at most: the same expert FLOPs per rank,
+  twice the expert weights), NeMo's performance script puts 64/PP - 1 layers on the first stage and
+  64/PP - 2 on the last (shardc's even split differs) and adds a token-drop callback whose capacity
+  the README does not state; too many guesses for a check.
 - Megatron-Bridge's H100 MoE rows (Qwen3 30B-A3B, Qwen3 235B-A22B, DeepSeek-V3) run FP8, which
   shardc does not price; its one BF16 H100 MoE row is GPT-OSS 120B, whose experts (biases,
   clamped SwiGLU) transformers does not build with the 3-D expert block shardc captures.
