@@ -11,6 +11,9 @@ row's cluster with the row's runtime (`options_for`). The table gives the predic
 published metric, the published figure and the error (predicted / published - 1), then the
 mean and worst absolute error over the rows that are not calibration rows.
 
+The Mixture-of-Experts rows (`published_moe.py`: their own table and summary line, none of
+them calibration) follow the dense table, and `--sources` lists them too.
+
 `--fit DEVICE` finds the one matmul efficiency of that device (`DeviceSpec.matmul_efficiency`,
 with the half-rate size that goes with it) that puts its calibration rows on their published
 figures on average (mean log error zero, by bisection); `shardc.hardware` records the result.
@@ -25,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import published_moe  # noqa: E402  (the MoE rows, printed after these: issue 15)
 from published_data import ROWS, PublishedRun, calibration_rows  # noqa: E402  (the data beside this script)
 
 from shardc.cost import estimate  # noqa: E402
@@ -204,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"- {r.name} ({r.gpus}x {r.device}; {r.interconnect}): {r.source}" + (f" Note: {r.note}" if r.note else "")
                   + (f" TP overlap: {r.overlap_source}" if r.tp_comm_overlap else ""))
+        published_moe.print_sources(published_moe.select(args.only))
         return 0
-    print_table([predict(r) for r in rows], args.markdown)
+    if rows:
+        print_table([predict(r) for r in rows], args.markdown)
+    moe_rows = published_moe.select(args.only)
+    if moe_rows:
+        print()
+        published_moe.print_table([published_moe.predict(r) for r in moe_rows], args.markdown)
     return 0
 
 

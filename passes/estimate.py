@@ -29,7 +29,7 @@ class Estimate(Pass):
     name: ClassVar[str] = "estimate"
     bucket_mb: float = 0.0
     algorithm: str = "auto"
-    routing_skew: float = 0.0  # 0: the graph's attribute, else DEFAULT_ROUTING_SKEW
+    routing_skew: float = 0.0  # 0: the graph's attribute, else the measured default per ep degree
 
     def apply(self, graph: Graph, ctx: PassContext) -> Graph:
         cluster = ctx.the_cluster(self.name)

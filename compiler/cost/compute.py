@@ -8,11 +8,11 @@ Rules:
   rate is the device's matmul curve for contractions and attention
   (`peak * matmul_efficiency * f / (f + matmul_half_flops)`) and the fp32 vector peak for the
   rest. Views (reshape, permute, split, ...) and creation ops launch nothing and cost nothing.
-- Backward: a contraction does one matmul of the forward's size per input that needs a
-  gradient (dgrad and wgrad: 2x forward when both do); any other op reads the saved tensors
-  and the output gradient and writes input gradients: 2x the forward FLOPs and forward bytes
-  plus the output gradient read, one more kernel. Ops with no input needing a gradient have
-  no backward.
+- Backward: a contraction does one matmul of the forward's size per multiplied input
+  (`OpDef.operands`) that needs a gradient (dgrad and wgrad: 2x forward when both do); any
+  other op reads the saved tensors and the output gradient and writes input gradients: 2x the
+  forward FLOPs and forward bytes plus the output gradient read, one more kernel. Ops with no
+  input needing a gradient have no backward.
 - A device with measured eager costs (`DeviceSpec.eager`, the calibrated local CPU) is costed
   by them instead: per op class (`op_class`), forward `call + units * per_unit` and backward
   likewise, where units are the FLOPs of a matmul (its backward: FLOPs x inputs needing a
@@ -175,7 +175,7 @@ def eager_time(op: OpDef, attrs: dict, flops: float, in_bytes: Sequence[float], 
     fit = device.eager.fit("attention_matmul" if op.name == "matmul" else op.name, kind)
     if kind == "matmul":
         per_flop = device.peak("fp32") / device.peak(dtype)  # calibrated in fp32
-        n = sum(1 for g in grads[:2] if g) or 1
+        n = sum(1 for i in op.operands if i < len(grads) and grads[i]) or 1
         bwd_flops = n * flops if needs else 0.0
         fwd = fit.fwd_call + flops * fit.fwd_per_unit * per_flop
         bwd = fit.bwd_call + bwd_flops * fit.bwd_per_unit * per_flop if needs else 0.0
@@ -241,9 +241,9 @@ def node_compute_time(op: OpDef, in_types: Sequence[TensorType], out_types: Sequ
         return NodeCost(fwd, 0.0, flops, 0.0, nbytes)
     if matmul:
         # One matmul per input needing a gradient (a bias gradient is a cheap reduction).
-        n = sum(1 for i, g in enumerate(grads[:2]) if g) or 1
+        n = sum(1 for i in op.operands if i < len(grads) and grads[i]) or 1
         per = kernel_time(flops, nbytes, device, dtype, matmul=True)
-        extra = sum(b for i, b in enumerate(in_bytes) if i >= 2 and grads[i])
+        extra = sum(b for i, b in enumerate(in_bytes) if i >= 2 and grads[i] and i not in op.operands)
         bwd = n * (per + latency) + (extra / device.memory_bandwidth + latency if extra else 0.0)
         return NodeCost(fwd, bwd, flops, n * flops, nbytes)
     if op.kind == "index":

@@ -443,7 +443,7 @@ def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict
     special = dict(local.space.special)
     for axis, dim in part.spatial:
         if special.get(dim) == "expert":  # expert parallelism (`shardc.cost.moe`)
-            skew = routing_skew(ctx.graph)
+            skew = routing_skew(ctx.graph, ctx.mesh.axis_size(axis))
             _add(node_fwd, "compute_fwd", (skew - 1.0) * cost.fwd_s)
             _add(t.bwd, "compute_bwd", (skew - 1.0) * cost.bwd_s)
             for phase, step in expert_steps(axis, skew * routed_bytes(local.in_types) * ctx.batch_scale):

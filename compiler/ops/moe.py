@@ -96,6 +96,7 @@ def _saves(i: Types, o: Types, a: dict[str, Any]) -> list[tuple[str, int]]:
 
 register(OpDef(
     "experts", "contraction", experts_space, local_experts, flops=_flops, saves=_saves,
+    operands=(0, 3),  # backward: dgrad through x, wgrad of gate_up and down together: 2x forward
     doc="routed experts of a sparse MoE layer: top-k dispatch, gated MLP per expert, weighted combine",
 ))
 

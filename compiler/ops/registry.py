@@ -88,6 +88,9 @@ class OpDef:
     doc: str = ""
     # Input positions added to the result (linear's bias), see IterationSpace.additive.
     additive: tuple[int, ...] = ()
+    # A contraction's multiplied inputs, one per backward matmul of the forward's size when it
+    # needs a gradient (dgrad, wgrad); the others (a bias, routing weights) are cheap.
+    operands: tuple[int, ...] = (0, 1)
 
     def iteration_space(
         self, in_types: Sequence[TensorType], out_types: Sequence[TensorType], attrs: dict[str, Any]
