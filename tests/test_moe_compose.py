@@ -45,3 +45,13 @@ def test_expert_parallel_with_sp_zero_and_recompute_matches_one_process_on_4_pro
     cases = [(QWEN3_MOE, "ep=2,tp=2,sp=1,mb=4", ""), (MIXTRAL, "dp=2,ep=2,zero=1,mb=2", ""),
              (MIXTRAL, "dp=2,ep=2,zero=3,recompute=full,mb=2", "")]
     assert run_and_check(4, cases) == []
+
+
+def test_expert_parallel_under_the_zero_bubble_v_schedule_matches_one_process_on_4_processes() -> None:
+    """ep x pp under torch's zbv (two virtual stages per rank, the backward split into input and
+    weight gradients: the all-to-alls' gradients run in the input pass). The solver offers ep with
+    1F1B only (`shardc.search.outer`); this is what a hand-written plan gets."""
+    from test_pipeline_numerics import run_and_check as run_pipelines
+
+    run_pipelines(4, [(MIXTRAL.replace("num_hidden_layers=1", "num_hidden_layers=4"),
+                       "ep=2,pp=2,vpp=2,schedule=zbv,mb=2")])
