@@ -49,8 +49,8 @@ def test_expert_parallel_with_sp_zero_and_recompute_matches_one_process_on_4_pro
 
 def test_expert_parallel_under_the_zero_bubble_v_schedule_matches_one_process_on_4_processes() -> None:
     """ep x pp under torch's zbv (two virtual stages per rank, the backward split into input and
-    weight gradients: the all-to-alls' gradients run in the input pass). The solver offers ep with
-    1F1B only (`shardc.search.outer`); this is what a hand-written plan gets."""
+    weight gradients: the all-to-alls' gradients run in the input pass): the one zero-bubble
+    schedule the solver offers with ep (`shardc.search.schedules`)."""
     from test_pipeline_numerics import run_and_check as run_pipelines
 
     run_pipelines(4, [(MIXTRAL.replace("num_hidden_layers=1", "num_hidden_layers=4"),

@@ -16,8 +16,8 @@ Rules:
   each micro-batch, so its micro-batch sizes are ep times the above. Whether an `experts` op
   splits its experts over ep (dispatch and combine by all-to-all, priced by `shardc.cost.moe`)
   or its tokens (ep then a data axis for it too) is the candidates' choice, as any partition.
-  Pipelines with ep run 1F1B only (no interleaved or zero-bubble variants: the backend's
-  expert-parallel numerics are tested under 1F1B).
+  Pipelines with ep run 1F1B or zbv only (no interleaved, dualpipev or interleaved-zb
+  variants: the backend's expert-parallel numerics are tested under those two).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
 - Every problem gets two lower bounds (`shardc.search.bounds`): `grid_bound` (every group at
