@@ -154,8 +154,9 @@ def model_source(model: Any, example_inputs: Any, *, name: str | None = None,
 def batch_for(plan: ParallelPlan, batch: int | None) -> int | None:
     """The batch to trace at for `plan`: the example `batch` when the plan splits it (dp divides
     it, and dp*mb too when gbs=auto takes it for the global batch), else one micro-batch of
-    every replica, dp*mb sequences (gbs=auto then means that many). None: keep the example's."""
-    need = plan.dp if plan.gbs is not None else plan.dp * plan.mb
+    every replica, dp*mb sequences (gbs=auto then means that many). None: keep the example's.
+    ep splits the batch further (each micro-batch over its ranks), so dp*ep must divide it."""
+    need = plan.dp * plan.ep if plan.gbs is not None else plan.dp * plan.mb
     if batch is not None and batch % need == 0:
         return None
     return plan.dp * plan.mb

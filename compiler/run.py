@@ -122,7 +122,7 @@ def _predicted_memory(est: Any, plan: ParallelPlan | PlanFile, rank: int) -> int
     if est is None or not est.stages:
         return None
     plan = _plan_of(plan)
-    pp_rank = rank // (plan.dp * plan.cp * plan.tp)
+    pp_rank = rank // (plan.dp * plan.ep * plan.cp * plan.tp)
     stage = est.stages[min(pp_rank, len(est.stages) - 1)]
     return int(stage.rank_memory_bytes(plan.mesh().coordinates(rank)))
 

@@ -32,6 +32,10 @@ Rules, node by node in graph order; each mesh axis picks the iteration dim it sp
   a row-parallel bias is then zeroed on all but one rank, `to_partial`).
 - a split dim must divide evenly by the axes splitting it, except the vocabulary on tp (shards
   padded; torch's Shard does the same).
+- tp on an `experts` node (expert tensor parallelism, `shardc.ops.moe`): every expert's
+  intermediate dim `i` splits (gate/up column-parallel, down row-parallel, the output
+  `P(sum)`, resolved like a row-parallel linear's), when tp divides it; else the experts stay
+  whole on tp.
 - ep (expert parallelism, `shardc.ops.moe`): an `experts` node splits its expert dim (rule
   "expert": its weights sharded, its tokens where they are, exchanged by all-to-all inside the
   op); every other node splits the batch on ep as on dp (graph inputs `{dp:S(0), ep:S(0)}`), so
@@ -177,6 +181,8 @@ class _Planner:
         if node.op == "embedding" and node.inputs[1].kind == "parameter" and derives_from_input(self.graph,
                                                                                                node.inputs[0]):
             return "v", 1
+        if node.op == "experts" and space.size("i") % self.mesh.axis_size(Axis.TP) == 0:
+            return "i", 1  # expert tensor parallelism (`shardc.ops.moe`): gate/up column-, down row-parallel
         return None
 
     def check(self, node: Node, space: IterationSpace, partition: Partition) -> None:

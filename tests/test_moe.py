@@ -51,7 +51,7 @@ def test_expert_parallel_training_matches_one_process_on_2_processes() -> None:
 
 def test_expert_parallel_with_data_and_tensor_parallel_matches_one_process_on_4_processes() -> None:
     """ep inside dp (DeepSeek-V3: MLA attention, a dense first layer, shared experts) and ep x tp
-    (the router's linear column-parallel, the experts replicated over tp)."""
+    (the router's linear column-parallel, each expert's intermediate dim split over tp)."""
     assert run_and_check(4, [(DEEPSEEK_V3, "dp=2,ep=2,mb=2", ""), (MIXTRAL, "ep=2,tp=2,mb=4", "")]) == []
 
 

@@ -6,17 +6,21 @@ e = index[t, j] computes `down[e] @ (act(g) * u)` with `g, u = (gate_up[e] @ x[t
 scaled by weights[t, j]; the slots' results are summed. Routing is dropless: every routed token
 is computed (no capacity factor), so a split run computes exactly what one process does.
 
-Iteration space: tokens `t`, slots `k`, experts `e`, hidden `h`, the fused gate/up width `n` and
-the expert's intermediate width `i`:
+Iteration space: tokens `t`, slots `k`, experts `e`, hidden `h`, the expert's intermediate width
+`i`, and the gate/up pair `c` (size 2) that the fused gate_up weight stacks, gate rows then up rows:
 
-    x: t h   index: t k   weights: t k   gate_up: e n h   down: e h i   ->   out: t h
+    x: t h   index: t k   weights: t k   gate_up: e (c i) h   down: e h i   ->   out: t h
 
 `t` splits plainly (each rank routes its own tokens through every expert). `e` carries the rule
 "expert" (expert parallelism): a mesh axis splitting it shards the expert weights on dim 0 and
 every token operand on its first dim (`registry.operand_layout`), and the op itself exchanges
 the routed tokens over that axis: an all-to-all dispatches each token to the rank holding its
-expert and another combines the results (`shardc.backends.torch.experts`). `h`, `k`, `n`, `i`
-stay whole (expert tensor parallelism is not lowered yet).
+expert and another combines the results (`shardc.backends.torch.experts`). `i` splits plainly:
+expert tensor parallelism (Megatron's column-parallel gate/up, row-parallel down inside every
+expert): a rank keeps rows r of both the gate and the up half of `gate_up` (a strided shard, two
+pieces, `Shard(1)` interleaved by 2) and the matching columns of `down`, so `act(gate) * up` is
+local and the output is `Partial(sum)` over the axis (all-reduced, or reduce-scattered with
+sequence parallelism, like any row-parallel linear). `h`, `k`, `c` stay whole.
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ EXPERT_RULE = "expert"
 def experts_space(i: Types, o: Types, a: dict[str, Any]) -> IterationSpace:
     t, h = i[0].shape
     k = i[1].shape[1]
-    e, n, _ = i[3].shape
+    e = i[3].shape[0]
     inner = i[4].shape[2]
-    sizes = (("t", t), ("k", k), ("e", e), ("h", h), ("n", n), ("i", inner))
-    ins = ((("t",), ("h",)), (("t",), ("k",)), (("t",), ("k",)), (("e",), ("n",), ("h",)), (("e",), ("h",), ("i",)))
-    return IterationSpace(sizes, ins, ((("t",), ("h",)),), unsplittable=frozenset({"k", "h", "n", "i"}),
+    sizes = (("t", t), ("k", k), ("e", e), ("h", h), ("c", 2), ("i", inner))
+    ins = ((("t",), ("h",)), (("t",), ("k",)), (("t",), ("k",)), (("e",), ("c", "i"), ("h",)),
+           (("e",), ("h",), ("i",)))
+    return IterationSpace(sizes, ins, ((("t",), ("h",)),), unsplittable=frozenset({"k", "h", "c"}),
                           special=(("e", EXPERT_RULE),))
 
 

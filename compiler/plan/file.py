@@ -2,7 +2,7 @@
 
 A plan file holds the uniform plan (`ParallelPlan`: degrees, micro-batch size, global batch,
 ZeRO stage, dtype; written as `mesh`, `mb`, `gbs`, `zero`, `dtype`, with `tq` in the mesh when
-tensor parallelism is split over a second axis, `vpp` when stages interleave, and `schedule`
+tensor parallelism is split over a second axis, `ep` when experts are split (expert parallelism), `vpp` when stages interleave, and `schedule`
 when it is a zero-bubble one), per pipeline
 stage (per model chunk, pp*vpp of them, when interleaved) the block counts under
 each recomputation, and per node group its chosen partition by group key (layer, position)
@@ -86,7 +86,8 @@ class PlanFile:
 
     def to_json(self) -> dict[str, Any]:
         p = self.plan
-        mesh = {Axis.PP: p.pp, Axis.DP: p.dp, Axis.CP: p.cp, Axis.TP: p.tp // self.tq}
+        mesh = {Axis.PP: p.pp, Axis.DP: p.dp, Axis.CP: p.cp, Axis.TP: p.tp // self.tq} | (
+            {Axis.EP: p.ep} if p.ep > 1 else {})
         return {
             "format": FORMAT,
             "model": self.model,
@@ -116,7 +117,7 @@ class PlanFile:
             plan = ParallelPlan(dp=int(m["dp"]), tp=int(m["tp"]) * tq, pp=int(m["pp"]), cp=int(m["cp"]),
                                 vpp=int(data.get("vpp", 1)), schedule=str(data.get("schedule", "1f1b")),
                                 mb=int(data["mb"]), gbs=int(data["gbs"]), zero=int(data["zero"]),
-                                dtype=str(data.get("dtype", "bf16")))
+                                dtype=str(data.get("dtype", "bf16")), ep=int(m.get("ep", 1)))
             return cls(str(data["model"]), plan, int(data["micro_batches"]),
                        tuple(tuple(int(row[r]) for r in RECOMPUTE_CHOICES) for row in data["stages"]),
                        tuple(GroupChoice.from_json(g) for g in data["groups"]),

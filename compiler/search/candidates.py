@@ -5,8 +5,10 @@ model (`shardc.cost`), node by node, as `estimate` would price the graph partiti
 
 Rules (one place):
 - Spatial: every mesh axis is assigned one iteration dim of the anchor or none. The data
-  axis `dp` always splits a batch dim, the context axis `cp` a sequence dim (or none), any
-  other axis (`tp`) any splittable dim; a dim split by several axes must be divisible by the
+  axis `dp` always splits a batch dim, the context axis `cp` a sequence dim (or none), the
+  expert axis `ep` an `experts` op's expert dim (expert parallelism: dispatch and combine by
+  all-to-all, `shardc.ops.moe`) or, like dp, a batch dim (every other op: ep ranks are data
+  ranks outside the experts), any other axis (`tp`) any splittable dim; a dim split by several axes must be divisible by the
   product of their sizes. Special-rule dims split only by their rule: "ring" (attention's key
   dim, rotated) and "vocab" (cross entropy's classes, with max/sum-exp all-reduces).
 - Rotating (PrimePar's temporal primitive; ring attention): for an axis A splitting d1, a
@@ -102,6 +104,10 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
             opts: list[str | None] = [batch_dims[0] if batch_dims else None]
         elif axis == Axis.CP:
             opts = [None] + [d for d in plain if roles.get(d) == "seq"]
+        elif axis == Axis.EP:
+            experts = [d for d, rule in special.items() if rule == "expert" and sizes[d] > 1]
+            batch_dims = [d for d in plain if roles.get(d) == "batch"]
+            opts = experts + batch_dims[:1] or [None]
         else:
             opts = [None] + plain + [d for d, rule in special.items() if rule == "vocab"]
         per_axis.append(opts)

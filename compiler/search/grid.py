@@ -10,7 +10,8 @@ have one), one recomputation for every block (none, selective, full) or Megatron
 full recomputation (`--recompute-num-layers N`, block method: the first N blocks of every
 model chunk fully recomputed, the rest not), and ZeRO 0 or 1 (the distributed optimizer).
 The tensor-parallel layout is Megatron's (`megatron_choice`): column-parallel then
-row-parallel linears (a fused qkv split strided), heads split in attention (an unfused
+row-parallel linears (a fused qkv split strided), an MoE layer's experts split over ep (expert
+parallelism, on shapes with ep > 1) and their intermediate dim over tp (expert tensor parallelism), heads split in attention (an unfused
 attention's softmax and dropout follow the heads), a vocabulary-parallel embedding and loss,
 everything else replicated along tp, partial sums all-reduced, or with sp reduce-scattered onto
 the sequence (the norms and dropouts between follow it); the embedding and the head are not
@@ -84,10 +85,16 @@ def _megatron_legal(var: GroupVar, cand: Candidate, sp: bool = False, cp: bool =
         return False  # sequence-parallel reduce_scatter: only in the sp points
     if any(a == Axis.CP for a, _ in part.spatial) and not cp:
         return False
+    node = var.group.anchor
+    space = var.group.spaces[0]
+    experts = [d for d, rule in (space.special if space is not None else ()) if rule == "expert"]
+    if node.op == "experts" and any(a == Axis.EP and d not in experts for a, d in part.spatial):
+        return False  # Megatron's expert parallelism: the experts split over ep
     dims = [d for a, d in part.spatial if a == Axis.TP]
     if not dims:
         return True
-    node = var.group.anchor
+    if node.op == "experts":
+        return dims[0] == "i"  # expert tensor parallelism: each expert's intermediate dim
     kind = get_op(node.op).kind if has_op(node.op) else "opaque"
     if kind == "contraction" and len(node.inputs) > 1 and node.inputs[1].kind == "parameter":
         return dims[0] in ("n", "k")

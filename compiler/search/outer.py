@@ -13,6 +13,13 @@ Rules:
   shapes more, searched in the interleaved share of the time limit). Micro-batch
   sizes are the powers of two up to 8 that divide the per-replica batch and leave at least pp
   micro-batches (torch's 1F1B refuses fewer micro-batches than stages).
+- An MoE model (`experts` ops, `shardc.ops.moe`) also gets shapes with an expert axis ep > 1
+  inside dp (pp*dp*ep*cp*tp), ep dividing its experts and dp*ep the global batch; ep splits
+  each micro-batch, so its micro-batch sizes are ep times the above. Whether an `experts` op
+  splits its experts over ep (dispatch and combine by all-to-all, priced by `shardc.cost.moe`)
+  or its tokens (ep then a data axis for it too) is the candidates' choice, as any partition.
+  Pipelines with ep run 1F1B or zbv only (no interleaved, dualpipev or interleaved-zb
+  variants: the backend's expert-parallel numerics are tested under those two).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates.
 - Every problem gets two lower bounds (`shardc.search.bounds`): `grid_bound` (every group at
@@ -61,6 +68,7 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -68,6 +76,7 @@ from dataclasses import dataclass, field
 from shardc.cost.estimate import Estimate
 from shardc.cost.model import estimate
 from shardc.hardware import Cluster
+from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.search.bounds import grid_bound, lower_bound
 from shardc.search.cpsat import solve
@@ -150,10 +159,17 @@ def _rescore(founds: list[Found], cluster: Cluster, limit: float, keep: int) -> 
     return best
 
 
-def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, grid2d: bool = False
-                ) -> list[MeshShape]:
-    """Every admissible (pp, dp, cp, tp) for `devices` (see the module rule); with `grid2d`
-    also tp=q x tq=q for a square tp."""
+def expert_count(graph: Graph) -> int:
+    """The experts every MoE layer of `graph` holds in common (the gcd of its `experts` ops'
+    expert counts; `shardc.ops.moe`), 0 for a model without experts."""
+    return math.gcd(*[n.inputs[3].type.shape[0] for n in graph.nodes if n.op == "experts"] or [0])
+
+
+def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, grid2d: bool = False,
+                experts: int = 0) -> list[MeshShape]:
+    """Every admissible (pp, dp, ep, cp, tp) for `devices` (see the module rule); with `grid2d`
+    also tp=q x tq=q for a square tp; ep > 1 only for an MoE model (`experts` > 0), dividing its
+    experts."""
     if devices < 1:
         raise ShardcError(f"cannot factor {devices} devices into a mesh; the cluster needs at least one device")
     out = []
@@ -167,17 +183,18 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
             rest = devices // (tp * cp) if devices % (tp * cp) == 0 else 0
             if not rest:
                 continue
-            for pp in divisors:
-                if rest % pp or pp > max(layers, 1):
+            for pp, ep in itertools.product(divisors, [e for e in divisors if e == 1 or (experts and experts % e == 0)]):
+                if rest % (pp * ep) or pp > max(layers, 1):
                     continue
-                dp = rest // pp
-                if gbs % dp:
+                dp = rest // (pp * ep)
+                if gbs % (dp * ep):
                     continue
-                out.append(MeshShape(pp, dp, cp, tp))
-                out += [MeshShape(pp, dp, cp, tp, 1, v) for v in interleavings(layers, pp)]
+                out.append(MeshShape(pp, dp, cp, tp, ep=ep))
+                if ep == 1:
+                    out += [MeshShape(pp, dp, cp, tp, 1, v) for v in interleavings(layers, pp)]
                 q = math.isqrt(tp)
                 if grid2d and q > 1 and q * q == tp:  # tp as a q x q grid (tp x tq) for PrimePar's P(q x q)
-                    out.append(MeshShape(pp, dp, cp, q, q))
+                    out.append(MeshShape(pp, dp, cp, q, q, ep=ep))
     if not out:
         raise ShardcError(
             f"no mesh shape pp x dp x cp x tp fits {devices} devices with {layers} blocks and global batch {gbs}: "
@@ -186,11 +203,12 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
     return out
 
 
-def micro_batch_sizes(gbs: int, dp: int, pp: int = 1) -> list[int]:
+def micro_batch_sizes(gbs: int, dp: int, pp: int = 1, ep: int = 1) -> list[int]:
     """The micro-batch sizes a shape may use: those dividing the per-replica batch that leave at
-    least `pp` micro-batches (the solver's plans run 1F1B, which torch refuses with fewer)."""
+    least `pp` micro-batches (the solver's plans run 1F1B, which torch refuses with fewer); with
+    ep > 1, `ep` times those (ep splits each micro-batch: every ep rank gets 1, 2, 4 or 8 sequences)."""
     per = gbs // dp
-    return [mb for mb in MICRO_BATCHES if per % mb == 0 and per // mb >= pp]
+    return [mb * ep for mb in MICRO_BATCHES if per % (mb * ep) == 0 and per // (mb * ep) >= pp]
 
 
 def _grid(problems: list[Problem], order: list[int], bounds: list[float], limit: float
@@ -247,7 +265,7 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     began = time.perf_counter()
     seq = max((v.type.shape[1] for v in facts.graph.inputs if v.type.rank >= 2), default=1)
     shapes = shapes or mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, gbs, seq,
-                                   grid2d)
+                                   grid2d, expert_count(facts.graph))
     if not facts.layering.blocks:
         shapes = [s for s in shapes if s.pp == 1] or shapes
     if schedules:
@@ -255,8 +273,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
     problems: list[Problem] = []
     cache: PricingCache = {}
     for shape in shapes:
-        for mb in (mbs or micro_batch_sizes(gbs, shape.dp, shape.pp)):
-            if (gbs // shape.dp) % mb == 0 and gbs // (shape.dp * mb) >= shape.pp:
+        for mb in (mbs or micro_batch_sizes(gbs, shape.dp, shape.pp, shape.ep)):
+            if (gbs // shape.dp) % mb == 0 and gbs // (shape.dp * mb) >= shape.pp and mb % shape.ep == 0:
                 problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
     if not problems:
         raise ShardcError(f"no mesh shape and micro-batch size give the 1F1B schedule at least as many "

@@ -45,7 +45,9 @@ class MeshShape:
     virtual stage s on device s % pp); it is no mesh axis. `schedule` names a zero-bubble
     schedule (`ZB_SCHEDULES`: zbv and dualpipev with vpp=2, interleaved-zb with any vpp), empty
     for Megatron's (1F1B, interleaved when vpp > 1); no mesh axis either. `of` and `plan` are the
-    one conversion between the two; `mesh` is the plan's mesh with tq split off tp."""
+    one conversion between the two; `mesh` is the plan's mesh with tq split off tp. `ep` > 1 is
+    expert parallelism (the plan's `ep` axis, inside dp): an MoE model's `experts` ops may split
+    their experts over it, every other op splits its batch over it as over dp."""
 
     pp: int = 1
     dp: int = 1
@@ -54,6 +56,7 @@ class MeshShape:
     tq: int = 1
     vpp: int = 1
     schedule: str = ""
+    ep: int = 1
 
     @classmethod
     def of(cls, plan: ParallelPlan, tq: int = 1) -> MeshShape:
@@ -61,13 +64,13 @@ class MeshShape:
         if plan.tp % tq:
             raise ShardcError(f"plan {plan}: tq={tq} does not divide tp={plan.tp}")
         return cls(plan.pp, plan.dp, plan.cp, plan.tp // tq, tq, plan.vpp,
-                   plan.schedule if plan.schedule in ZB_SCHEDULES else "")
+                   plan.schedule if plan.schedule in ZB_SCHEDULES else "", plan.ep)
 
     def plan(self, mb: int, gbs: int, zero: int = 0, dtype: str = "bf16", compile: bool | None = None) -> ParallelPlan:
         """The plan with these degrees (tp*tq as tp, vpp, schedule) and the given micro-batch,
         batch, ZeRO and `compile` key (None: auto)."""
         return ParallelPlan(dp=self.dp, tp=self.tp * self.tq, pp=self.pp, vpp=self.vpp, cp=self.cp, mb=mb, gbs=gbs,
-                            zero=zero, dtype=dtype, compile=compile, schedule=self.schedule or "1f1b")
+                            zero=zero, dtype=dtype, compile=compile, schedule=self.schedule or "1f1b", ep=self.ep)
 
     @property
     def stages(self) -> int:
@@ -76,14 +79,14 @@ class MeshShape:
 
     @property
     def devices(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp * self.tq
+        return self.pp * self.dp * self.ep * self.cp * self.tp * self.tq
 
     def _tq(self) -> tuple[tuple[str, int], ...]:
         return ((Axis.TQ, self.tq),) if self.tq > 1 else ()
 
     def mesh(self) -> Mesh:
-        """The plan's mesh (`ParallelPlan.mesh`: pp, dp, cp, tp), then tq innermost when > 1."""
-        axes = ParallelPlan(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp).mesh().axes
+        """The plan's mesh (`ParallelPlan.mesh`: pp, dp, ep when > 1, cp, tp), then tq innermost when > 1."""
+        axes = ParallelPlan(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp, ep=self.ep).mesh().axes
         return Mesh(axes + self._tq())
 
     def intra(self) -> Mesh:
@@ -92,6 +95,7 @@ class MeshShape:
 
     def __str__(self) -> str:
         return (f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}" + (f", tq={self.tq}" if self.tq > 1 else "")
+                + (f", ep={self.ep}" if self.ep > 1 else "")
                 + (f", vpp={self.vpp}" if self.vpp > 1 else "") + (f", schedule={self.schedule}" if self.schedule else ""))
 
 
@@ -230,9 +234,10 @@ def pricing_shape(facts: GraphFacts | CandidateTable, shape: MeshShape) -> MeshS
     So a shape whose dp is at least the traced batch is priced with dp equal to the traced
     batch (one traced sequence per replica, scaled to `mb` by `shardc.analysis.dims.batch_scale`,
     as on the shape itself), where every local shape divides exactly; a smaller dp is priced as
-    it is."""
-    dp = max(min(shape.dp, facts.batch), 2) if shape.dp > 1 else 1
-    return MeshShape(1, dp, shape.cp, shape.tp, shape.tq)
+    it is. `ep` splits the batch further (and the experts), so its size is priced as it is, dp
+    capped at the traced batch over ep."""
+    dp = max(min(shape.dp, facts.batch // shape.ep), 2) if shape.dp > 1 else 1
+    return MeshShape(1, dp, shape.cp, shape.tp, shape.tq, ep=shape.ep)
 
 
 def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate: bool,
