@@ -36,6 +36,7 @@ from shardc.analysis.stages import device_stages, stage_device
 from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbour_link
 from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
+from shardc.cost.fsdp import pipeline_gathers
 from shardc.cost.layer import LayerCost
 from shardc.cost.memory import (
     GRADIENT_BYTES,
@@ -143,7 +144,8 @@ class Composition:
 class PipelineInputs:
     """What `pipeline.simulate` was given: the schedule, pp devices, micro-batches, virtual
     stages per device, and per virtual stage one micro-batch's forward, backward (sends
-    included) and weight-gradient seconds (all zero unless the schedule splits the backward)."""
+    included) and weight-gradient seconds (all zero unless the schedule splits the backward);
+    `extra`: seconds single ops spend beyond that (FSDP2's ZeRO-3 gathers, `fsdp.pipeline_gathers`)."""
 
     schedule: str
     pp: int
@@ -152,6 +154,7 @@ class PipelineInputs:
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
+    extra: tuple[tuple[tuple[str, int, int], float], ...] = ()
 
 
 def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
@@ -233,7 +236,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
              else t for s, t in enumerate(sends)]
     times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
     wgrad = weight_gradients(layers, plan) if plan.schedule in ZB_SCHEDULES else None
-    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad)
+    gathers = pipeline_gathers(layers, plan, m, links, zero_axes, shard, w_elem) if options.zero_runtime == "fsdp2" else {}
+    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=gathers)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
     if links.device.eager is not None:  # a CPU's measured eager optimizer step
         dtensors = options.zero_runtime == "fsdp2"
@@ -252,7 +256,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         for part in (times[s] for s in device_stages(d, p, plan.vpp, plan.schedule)):
             for key, val in part.items():
                 cat[key] = cat.get(key, 0.0) + val
-        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
+        in_schedule = sum(t for (_, _, s), t in gathers.items() if stage_device(s, p, plan.schedule) == d)
+        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather + in_schedule
         if shared[d]:
             cat["pp_comm"] = cat.get("pp_comm", 0.0) + shared[d]
         cat["optimizer"] = syncs[d].optimizer
@@ -262,9 +267,9 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                                 output_bytes)
         saved = sum(l.cost.saved_bytes for l in mine if l.cost is not None)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
-                                    syncs[d].grad_bytes, syncs[d].comm_bytes))
+                                    syncs[d].grad_bytes, syncs[d].comm_bytes, dp_collectives=syncs[d].collectives))
     inputs = PipelineInputs(plan.schedule if p > 1 else "1f1b", p, m, plan.vpp, tuple(fwd), tuple(bwd),
-                            tuple(wgrad or [0.0] * len(fwd)))
+                            tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())))
     return Composition(step, tuple(stages), pipe, inputs)
 
 
