@@ -101,5 +101,21 @@ def test_model_counts_the_collectives_a_pipelined_and_a_flat_zero_run_records() 
             assert gathers == (3 if zero3 else 1), (text, stage.dp_collectives)
 
 
+def test_interleaved_stage_modules_each_gather_as_counted() -> None:
+    """Interleaved 1F1B, two virtual stages per device (two FSDP2 units each), ZeRO-3, 2
+    micro-batches: every unit gathers 3 times and reduce-scatters once, as the model lists.
+    (With more than 3 virtual stages per device torch's runtime would also reshard and regather
+    between them, `_add_unshard_reshard`: not counted here.)"""
+    spec, text = "examples/llama.py:tiny?batch=4&seq=32&n_layer=4", "pp=2,vpp=2,dp=2,mb=1,gbs=4,zero=3"
+    plan = resolve_plan(text, 4, on_gpus=False)
+    (ranks,) = launch_all([(spec, plan)], nproc=4, steps=1, seed=0, timeout_s=300)
+    est, note = predict(spec, plan, "4xA100-80GB", 4)
+    assert est is not None, note
+    for report in ranks:
+        stage = est.stages[report["rank"] // 2]
+        assert len(stage.dp_collectives) == 4  # two units, a gather and a reduce-scatter entry each
+        assert _recorded(report) == _counted(stage), (text, report["rank"])
+
+
 def test_micro_batches_without_a_pipeline_keep_the_weights_gathered_and_train_like_one_process() -> None:
     run_and_check(2, [(GPT, "dp=2,mb=1,gbs=4,zero=1"), (LLAMA, "dp=2,mb=1,gbs=4,zero=3")])
