@@ -101,20 +101,26 @@ def test_model_counts_the_collectives_a_pipelined_and_a_flat_zero_run_records() 
             assert gathers == (3 if zero3 else 1), (text, stage.dp_collectives)
 
 
-def test_interleaved_stage_modules_each_gather_as_counted() -> None:
-    """Interleaved 1F1B, two virtual stages per device (two FSDP2 units each), ZeRO-3, 2
-    micro-batches: every unit gathers 3 times and reduce-scatters once, as the model lists.
-    (With more than 3 virtual stages per device torch's runtime would also reshard and regather
-    between them, `_add_unshard_reshard`: not counted here.)"""
-    spec, text = "examples/llama.py:tiny?batch=4&seq=32&n_layer=4", "pp=2,vpp=2,dp=2,mb=1,gbs=4,zero=3"
+@pytest.mark.parametrize("zero", [1, 3])
+def test_interleaved_stage_modules_each_gather_as_counted(zero: int) -> None:
+    """Interleaved 1F1B, four virtual stages per device (four FSDP2 units each), 2 micro-batches:
+    torch's runtime keeps only the next three units a device runs unsharded (`runtime_window`),
+    so even ZeRO-1 regathers a unit; every unit's gathers and its one reduce-scatter are as the
+    model lists them."""
+    spec, text = "examples/llama.py:tiny?batch=4&seq=32&n_layer=8", f"pp=2,vpp=4,dp=2,mb=1,gbs=4,zero={zero}"
     plan = resolve_plan(text, 4, on_gpus=False)
     (ranks,) = launch_all([(spec, plan)], nproc=4, steps=1, seed=0, timeout_s=300)
     est, note = predict(spec, plan, "4xA100-80GB", 4)
     assert est is not None, note
     for report in ranks:
         stage = est.stages[report["rank"] // 2]
-        assert len(stage.dp_collectives) == 4  # two units, a gather and a reduce-scatter entry each
+        assert len(stage.dp_collectives) == 8  # four units, a gather and a reduce-scatter entry each
         assert _recorded(report) == _counted(stage), (text, report["rank"])
+    gathers = [n for kind, n, _ in est.stages[0].dp_collectives if kind == "all_gather"]
+    if zero == 1:
+        assert sum(gathers) > 4  # more than one per unit
+    else:
+        assert gathers == [3, 3, 3, 3]  # m + 1 per unit: resharded after every forward anyway
 
 
 def test_micro_batches_without_a_pipeline_keep_the_weights_gathered_and_train_like_one_process() -> None:

@@ -11,6 +11,9 @@ memory-tracked step; `tests/test_fsdp_counts.py` compares them with this model):
   The weight-gradient pass gathers nothing. So per unit and step, in the unit's own order of
   forwards and backwards: ZeRO-1/2 gather once (the first forward), ZeRO-3 once plus once per
   op that follows a forward: m + 1 with m micro-batches, whatever the schedule (`gather_ops`).
+  Under torch's `_PipelineScheduleRuntime` (interleaved 1F1B, zero-bubble schedules) the runtime
+  itself also reshards a device's units beyond the next three it will run and gathers them again
+  when they come within three (`runtime_window`): with vpp > 3 even ZeRO-1/2 regather.
 - Gradients are reduce-scattered once per unit and step, after its last backward (gradient sync
   off before it: `set_requires_gradient_sync(False)`), in fp32 (`reduce_dtype`); gathers move
   the compute dtype. `step_collectives` lists them with their full (unsharded) buffer bytes,
@@ -40,12 +43,45 @@ def runtime_order(pp: int, d: int, microbatches: int, vpp: int, schedule: str) -
     return device_order(schedule, pp, d, m, vpp)
 
 
-def gather_ops(order: Sequence[Op], zero: int) -> list[Op]:
-    """The ops of `order` at which their unit (virtual stage) all-gathers its weights (module rules)."""
+TORCH_ACTIVE_STAGES = 3  # torch's `_add_unshard_reshard(max_active_stages=3)`
+
+
+def runtime_window(pp: int, vpp: int, schedule: str) -> int | None:
+    """How many units torch's pipeline runtime keeps unsharded at once on a device, where it
+    manages them: `_PipelineScheduleRuntime` (interleaved 1F1B, the zero-bubble schedules)
+    unshards the next `TORCH_ACTIVE_STAGES` stages an order will run and reshards the others
+    (UNSHARD/RESHARD actions); None under GPipe, 1F1B and without a pipeline."""
+    from shardc.cost.pipeline import ZB_SCHEDULES
+
+    return TORCH_ACTIVE_STAGES if pp > 1 and (vpp > 1 or schedule in ZB_SCHEDULES) else None
+
+
+def gather_ops(order: Sequence[Op], zero: int, window: int | None = None) -> list[Op]:
+    """The ops of `order` at which their unit (virtual stage) all-gathers its weights (module
+    rules). `window` (`runtime_window`): before each op, the units outside the next `window`
+    distinct units of the order are resharded and those inside gathered (the gather is put on
+    that unit's next op)."""
     unsharded: set[int] = set()
+    active: set[int] = set()
     out: list[Op] = []
-    for op in order:
+    for i, op in enumerate(order):
         kind, _, s = op
+        if window:
+            upcoming: list[int] = []
+            for _, _, t in order[i:]:
+                if t not in upcoming:
+                    upcoming.append(t)
+                    if len(upcoming) == window:
+                        break
+            for t in active - set(upcoming):
+                active.discard(t)
+                unsharded.discard(t)
+            for t in upcoming:
+                if t not in active:
+                    active.add(t)
+                    if t not in unsharded:
+                        out.append(next(o for o in order[i:] if o[2] == t))
+                        unsharded.add(t)
         if kind == "W":
             continue
         if s not in unsharded:
@@ -62,10 +98,11 @@ def gather_counts(zero: int, pp: int, microbatches: int, schedule: str = "1f1b",
     the first such unit of the lowest device): ZeRO-1/2 (1, 0); ZeRO-3 m + 1 in all, split as
     the schedule orders the unit's forwards and backwards."""
     best = (0, 0)
+    window = runtime_window(pp, vpp, schedule)
     for d in range(max(1, pp)):
         order = runtime_order(pp, d, microbatches, vpp, schedule)
         for unit in sorted({s for _, _, s in order}):
-            counts = gathers_by_phase(order, zero, unit)
+            counts = gathers_by_phase(order, zero, unit, window)
             if sum(counts) > sum(best):
                 best = counts
     return best
@@ -77,9 +114,9 @@ def fsdp_gathers(zero: int, pp: int, microbatches: int, schedule: str = "1f1b", 
     return sum(gather_counts(zero, pp, microbatches, schedule, vpp))
 
 
-def gathers_by_phase(order: Sequence[Op], zero: int, unit: int) -> tuple[int, int]:
-    """(forward gathers, backward gathers) of virtual stage `unit` over `order`."""
-    ops = [op for op in gather_ops(order, zero) if op[2] == unit]
+def gathers_by_phase(order: Sequence[Op], zero: int, unit: int, window: int | None = None) -> tuple[int, int]:
+    """(forward gathers, backward gathers) of virtual stage `unit` over `order` (`gather_ops`)."""
+    ops = [op for op in gather_ops(order, zero, window) if op[2] == unit]
     forward = sum(1 for kind, _, _ in ops if kind == "F")
     return forward, len(ops) - forward
 
@@ -123,12 +160,12 @@ def fsdp_units(params: Sequence[tuple[float, int]], unit_of: Sequence[int]) -> l
 
 
 def step_collectives(order: Sequence[Op], zero: int, units: dict[int, float], w_elem: int,
-                     g_elem: int) -> tuple[tuple[str, int, float], ...]:
+                     g_elem: int, window: int | None = None) -> tuple[tuple[str, int, float], ...]:
     """FSDP2's collectives on one device per step as (kind, count, bytes of each: the unsharded
     buffer), one entry per unit and kind: its all-gathers (`gather_ops`) and its one
     reduce-scatter. `units`: elements per virtual stage the device holds."""
     out: list[tuple[str, int, float]] = []
-    ops = gather_ops(order, zero)
+    ops = gather_ops(order, zero, window)
     for s in sorted(units):
         if units[s] <= 0:
             continue
@@ -141,7 +178,8 @@ def pipeline_gathers(layers: Sequence, plan, microbatches: int, links, zero_axes
                      w_elem: int) -> dict[Op, float]:
     """Seconds each op of a pipelined step spends in FSDP2 all-gathers beyond its unit's first
     (that one is priced with the step's sync, `sync.gradient_sync`): ZeRO-3's gathers before
-    forwards and backwards (`gather_ops`), each the collective of the unit's weights plus its
+    forwards and backwards, and any unit's regathers after torch's runtime resharded it
+    (`gather_ops`), each the collective of the unit's weights plus its
     work (forward: `fsdp_forward_work`; backward: `fsdp_copy_time`). They block the stage where
     they run (gloo collectives on the compute thread), so the pipeline simulation adds them to
     those ops (`pipeline.simulate`'s `extra`). Each parameter belongs to the first unit of its
@@ -158,7 +196,7 @@ def pipeline_gathers(layers: Sequence, plan, microbatches: int, links, zero_axes
     for d in range(p):
         mine = [layer for layer in layers if stage_device(layer.stage, p, plan.schedule) == d]
         zero = max((layer.annotation.zero for layer in mine), default=0)
-        if zero < 3:
+        if zero < 1:
             continue
         units: dict[int, tuple[int, float]] = {}
         seen: set[str] = set()
@@ -169,7 +207,8 @@ def pipeline_gathers(layers: Sequence, plan, microbatches: int, links, zero_axes
                     tensors, elements = units.get(layer.stage, (0, 0.0))
                     units[layer.stage] = (tensors + 1, elements + numel)
         first: set[int] = set()
-        for op in gather_ops(runtime_order(p, d, microbatches, plan.vpp, plan.schedule), zero):
+        order = runtime_order(p, d, microbatches, plan.vpp, plan.schedule)
+        for op in gather_ops(order, zero, runtime_window(p, plan.vpp, plan.schedule)):
             s = op[2]
             if s not in units or s not in first:
                 first.add(s)

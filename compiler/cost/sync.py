@@ -60,6 +60,7 @@ from shardc.cost.fsdp import (  # noqa: F401  (fsdp_gathers, fsdp_microbatch_tim
     fsdp_units,
     gathers_by_phase,
     runtime_order,
+    runtime_window,
     step_collectives,
 )
 from shardc.cost.pipeline import PipelineTimes
@@ -212,7 +213,8 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
             elements = {s: 0.0 for s in unit_of}
             for (numel, _), s in zip(params, unit_of):
                 elements[s] += numel
-            collectives = step_collectives(order, zero, elements, w_elem, g_elem)
+            collectives = step_collectives(order, zero, elements, w_elem, g_elem,
+                                           runtime_window(p, plan.vpp, plan.schedule))
             for s, (t, n) in zip(sorted(elements), units):
                 # In a pipeline only each unit's first gather is here; ZeRO-3's later ones block the
                 # schedule's ops and are priced there (`fsdp.pipeline_gathers`).
