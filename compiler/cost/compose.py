@@ -13,7 +13,8 @@ Rules:
   `pipeline.weight_gradient_share`); their micro-batches in flight count from a forward to its
   weight-gradient pass, in torch's order (`pipeline.in_flight_order`).
 - Gradient sync, the post-optimizer gather and the optimizer step per pipeline device are
-  `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
+  `sync.gradient_sync`'s; FSDP2's gathers after a unit's first (ZeRO-3, torch's resharding of
+  interleaved units) lengthen the pipeline ops they block (`fsdp.pipeline_gathers`); a parameter held on several pipeline devices (a tied embedding and
   LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
   and its exposed sync, plus the slowest device's gather and optimizer step.
 - Bytes by dtype (`memory`): gradients are synchronised in fp32, weights gathered in the
