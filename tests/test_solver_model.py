@@ -185,4 +185,8 @@ def test_measured_sync_steps_are_priced_alike_by_the_linearisation() -> None:
         for _, plan in grid_assignments(problem)[:2]:
             for zero in (0, 1, 3):
                 a = Assignment(plan.choice, plan.stages, zero)
-                _agree(graph, problem, a, cluster, linear_tol=0.005)
+                # ZeRO-3 in a pipeline gathers m more times per step: serial in the linearisation, on
+                # the schedule's ops in the simulation (`cost.fsdp.pipeline_gathers`), where the
+                # lighter stage's gathers hide in its waiting (here 3.2% of the step, 8 micro-batches)
+                pipelined_zero3 = zero == 3 and shape.pp > 1
+                _agree(graph, problem, a, cluster, linear_tol=0.05 if pipelined_zero3 else 0.005)

@@ -4,7 +4,7 @@
 
 The best Megatron point (every shape and micro-batch the search could pose, no pruning:
 `grid.best_grid`) is dp=8 with ZeRO-1, micro-batch 4, nothing recomputed (Megatron's tp cannot split
-25 heads or the 50257 vocabulary by 2): FSDP2's reduce-scatter and gathers after backward are exposed.
+25 heads or the 50257 vocabulary by 2): FSDP2's reduce-scatter after backward and its gather are exposed.
 The solver keeps ZeRO off on dp=4 and uses the tensor axis of 2 as a second batch split with the
 weights rotated around it, so DDP's buckets overlap the backward, and recomputes 5 of 48 blocks
 selectively to fit. The search runs on that one shape (`shapes`, `mbs`: the whole search is
@@ -54,8 +54,9 @@ def test_gpt2_xl_on_a100_40gb_the_solver_beats_every_megatron_point(solved) -> N
     best = result.best
     assert best.source == "solver"
     assert best.estimate.memory_per_device_bytes <= limit
-    # predicted 0.600 s (grid) vs 0.567 s (solver): 1.058x
-    assert grid.estimate.step_time_s / best.estimate.step_time_s >= 1.04
+    # predicted 0.579 s (grid) vs 0.563 s (solver): 1.030x (1.058x before FSDP2 kept the grid's
+    # ZeRO-1 weights gathered from its first micro-batch into its second: one gather less per step)
+    assert grid.estimate.step_time_s / best.estimate.step_time_s >= 1.02
     # the win is the exposed ZeRO-1 sync the grid pays and the solver's overlapped DDP does not
     assert _seconds(grid, "dp_comm") - _seconds(best, "dp_comm") > 0.04
     assert best.assignment.zero == 0

@@ -6,7 +6,8 @@ j of the whole group is `x.view(dp, microbatches, mb, ...)[:, j]`, the batch the
 micro-batch graph was traced for. `step(*inputs)` runs forward and backward per micro-batch on
 the loss divided by the count (the mean over micro-batches is the batch mean, the micro-batches
 being equal), with the data-parallel gradient reduction only on the last one (DDP `no_sync`,
-FSDP2 `set_requires_gradient_sync`). Calling the module runs all micro-batches inside one
+FSDP2 `set_requires_gradient_sync`, whose weights also stay gathered from one micro-batch to the
+next: `set_reshard_after_backward`, so ZeRO-1/2 gather once per step and ZeRO-3 m + 1 times). Calling the module runs all micro-batches inside one
 forward and returns their mean loss (outputs that are not scalars are concatenated along the
 batch), for a user loop that calls `loss.backward()` itself.
 """
@@ -121,11 +122,16 @@ class DataParallel(DistributedDataParallel):
 
 
 def _sync(caller: nn.Module, last: bool) -> Any:
+    """DDP: `no_sync` but for the last micro-batch. FSDP2: no reduce-scatter and no reshard after
+    backward but for the last, so the gradients accumulate unsharded and the weights stay gathered
+    into the next micro-batch's forward (torch 2.13 reshards after every backward unless told not
+    to, and the next forward would gather them again)."""
     if isinstance(caller, DistributedDataParallel):
         return contextlib.nullcontext() if last else caller.no_sync()
-    setter = getattr(caller, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(last)
+    for name in ("set_requires_gradient_sync", "set_reshard_after_backward"):
+        setter = getattr(caller, name, None)
+        if setter is not None:
+            setter(last)
     return contextlib.nullcontext()
 
 

@@ -13,7 +13,8 @@ Rules:
   `pipeline.weight_gradient_share`); their micro-batches in flight count from a forward to its
   weight-gradient pass, in torch's order (`pipeline.in_flight_order`).
 - Gradient sync, the post-optimizer gather and the optimizer step per pipeline device are
-  `sync.gradient_sync`'s; a parameter held on several pipeline devices (a tied embedding and
+  `sync.gradient_sync`'s; FSDP2's gathers after a unit's first (ZeRO-3, torch's resharding of
+  interleaved units) lengthen the pipeline ops they block (`fsdp.pipeline_gathers`); a parameter held on several pipeline devices (a tied embedding and
   LM head) has its gradient all-reduced between them after backward (`shared_gradients`). The step ends when the slowest device has finished its last backward
   and its exposed sync, plus the slowest device's gather and optimizer step.
 - Bytes by dtype (`memory`): gradients are synchronised in fp32, weights gathered in the
@@ -36,6 +37,7 @@ from shardc.analysis.stages import device_stages, stage_device
 from shardc.cost.comm import LinkLevels, collective_time, group_levels, neighbour_link
 from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
+from shardc.cost.fsdp import pipeline_gathers
 from shardc.cost.layer import LayerCost
 from shardc.cost.memory import (
     GRADIENT_BYTES,
@@ -143,7 +145,8 @@ class Composition:
 class PipelineInputs:
     """What `pipeline.simulate` was given: the schedule, pp devices, micro-batches, virtual
     stages per device, and per virtual stage one micro-batch's forward, backward (sends
-    included) and weight-gradient seconds (all zero unless the schedule splits the backward)."""
+    included) and weight-gradient seconds (all zero unless the schedule splits the backward);
+    `extra`: seconds single ops spend beyond that (FSDP2's ZeRO-3 gathers, `fsdp.pipeline_gathers`)."""
 
     schedule: str
     pp: int
@@ -152,6 +155,7 @@ class PipelineInputs:
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
+    extra: tuple[tuple[tuple[str, int, int], float], ...] = ()
 
 
 def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
@@ -233,7 +237,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
              else t for s, t in enumerate(sends)]
     times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
     wgrad = weight_gradients(layers, plan) if plan.schedule in ZB_SCHEDULES else None
-    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad)
+    gathers = pipeline_gathers(layers, plan, m, links, zero_axes, shard, w_elem) if options.zero_runtime == "fsdp2" else {}
+    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=gathers)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
     if links.device.eager is not None:  # a CPU's measured eager optimizer step
         dtensors = options.zero_runtime == "fsdp2"
@@ -252,7 +257,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         for part in (times[s] for s in device_stages(d, p, plan.vpp, plan.schedule)):
             for key, val in part.items():
                 cat[key] = cat.get(key, 0.0) + val
-        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather
+        in_schedule = sum(t for (_, _, s), t in gathers.items() if stage_device(s, p, plan.schedule) == d)
+        cat["dp_comm"] = cat.get("dp_comm", 0.0) + syncs[d].tail + syncs[d].gather + in_schedule
         if shared[d]:
             cat["pp_comm"] = cat.get("pp_comm", 0.0) + shared[d]
         cat["optimizer"] = syncs[d].optimizer
@@ -262,9 +268,9 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                                 output_bytes)
         saved = sum(l.cost.saved_bytes for l in mine if l.cost is not None)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
-                                    syncs[d].grad_bytes, syncs[d].comm_bytes))
+                                    syncs[d].grad_bytes, syncs[d].comm_bytes, dp_collectives=syncs[d].collectives))
     inputs = PipelineInputs(plan.schedule if p > 1 else "1f1b", p, m, plan.vpp, tuple(fwd), tuple(bwd),
-                            tuple(wgrad or [0.0] * len(fwd)))
+                            tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())))
     return Composition(step, tuple(stages), pipe, inputs)
 
 

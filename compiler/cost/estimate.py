@@ -35,6 +35,9 @@ class StageEstimate:
     # Where the ranks of this pipeline device differ (causal ring attention: `ring.causal_ring_saved`):
     # (mesh axis, peak bytes per coordinate along it); `memory` is the largest of them.
     memory_by_coordinate: tuple[str, tuple[float, ...]] | None = None
+    # The data-parallel collectives one step runs on this device, where the model counts them
+    # (FSDP2: `cost.fsdp.step_collectives`): (kind, count per step, bytes of each).
+    dp_collectives: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def memory_bytes(self) -> float:
@@ -135,7 +138,9 @@ class Estimate:
             "fits": self.fits, "overflow": self.overflow,
             "stages": [{"stage": s.stage, "layers": list(s.layers), "time": s.time, "memory": s.memory,
                         "memory_bytes": s.memory_bytes, "in_flight_microbatches": s.in_flight,
-                        "dp_grad_bytes": s.dp_grad_bytes} for s in self.stages],
+                        "dp_grad_bytes": s.dp_grad_bytes,
+                        "dp_collectives": [{"kind": k, "count": n, "bytes": b} for k, n, b in s.dp_collectives]}
+                       for s in self.stages],
             "notes": list(self.notes),
         }
 

@@ -23,7 +23,9 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   of (both the local parameter bytes); for ZeRO-3 it frees both after forward and gathers
   again for backward (the buffer and the parameters once more). Accumulating micro-batches
   without syncing (all but the last), FSDP2 keeps every unsharded gradient from the first
-  micro-batch's backward to the end of the step. Textbook ZeRO-3: the largest layer's gathered weights
+  micro-batch's backward to the end of the step, and the unsharded parameters from one
+  micro-batch's backward into the next one's forward (no reshard after backward but the last:
+  only the first forward gathers). Textbook ZeRO-3: the largest layer's gathered weights
   twice (the current and the prefetched one). torch.distributed.pipelining
   (`pipeline_runtime="torch"`) preallocates a receive buffer per micro-batch for a stage's
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
@@ -209,7 +211,10 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
                               "buffers": buffers + after_backward}
     gathered = (2.0 if regather else 1.0) * local_param_bytes if fsdp else 0.0
-    extras = (2.0 * local_param_bytes if fsdp else 0.0, gathered)
+    # Accumulating, only the first micro-batch's forward gathers (the later ones find the weights
+    # unsharded: no reshard after a backward but the last), and it runs before any gradient: each
+    # forward holds the unsharded weights and one more copy's worth, the buffer or the gradients.
+    extras = ((1.0 if accumulate else 2.0) * local_param_bytes if fsdp else 0.0, gathered)
     if order is not None and len(stage_ids) == len(by_stage) and all(by_stage):
         weights = {s: sum(l.memory.weight_inputs for l in stage) + (input_grads or {}).get(s, 0.0)
                    for s, stage in zip(stage_ids, by_stage)}

@@ -160,12 +160,15 @@ def in_flight_order(schedule: str, p: int, d: int, m: int, v: int) -> int:
 def simulate(schedule: str, fwd: Sequence[float], bwd: Sequence[float], micro_batches: int,
              devices: int, send: Sequence[float] | None = None,
              wgrad: Sequence[float] | None = None,
-             events: list[tuple[int, str, int, int, float, float]] | None = None) -> PipelineTimes:
+             events: list[tuple[int, str, int, int, float, float]] | None = None,
+             extra: dict[Op, float] | None = None) -> PipelineTimes:
     """Run the schedule. `fwd[s]`, `bwd[s]`: per micro-batch times of virtual stage s (on the
     device the schedule's order places it); `send[s]`: the transfer from stage s to s+1 (and its
     gradient back); `wgrad[s]`: the weight-gradient part of `bwd[s]` (W; I is the rest), for
     schedules that split the backward (default: none of it). `events`, when given, receives
-    every op run as (device, F|B|I|W, micro-batch, virtual stage, start, end): the timeline."""
+    every op run as (device, F|B|I|W, micro-batch, virtual stage, start, end): the timeline.
+    `extra[(kind, j, s)]`: seconds one op spends beyond its stage's time (FSDP2's gathers before
+    some forwards and backwards of ZeRO-3: `fsdp.pipeline_gathers`)."""
     S, p, m = len(fwd), devices, micro_batches
     v = S // p
     send = list(send) if send is not None else [0.0] * S
@@ -194,6 +197,8 @@ def simulate(schedule: str, fwd: Sequence[float], bwd: Sequence[float], micro_ba
                     break
                 ready = done[dep] + lag if dep is not None else 0.0
                 length = fwd[s] if kind == "F" else w[s] if kind == "W" else bwd[s] - w[s] if kind == "I" else bwd[s]
+                if extra:
+                    length += extra.get((kind, j, s), 0.0)
                 start = max(free[d], ready)
                 done[(kind, j, s)] = free[d] = start + length
                 if events is not None:

@@ -62,7 +62,7 @@ def timeline(estimate: Estimate) -> list[tuple[int, str, int, int, float, float]
         return []
     events: list[tuple[int, str, int, int, float, float]] = []
     simulate(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp, wgrad=inputs.wgrad,
-             events=events)
+             events=events, extra=dict(getattr(inputs, "extra", ())))
     return events
 
 

@@ -22,24 +22,24 @@ Rules:
   layer's backward ends, every micro-batch, on the link that gathers the next layer's weights:
   priced per layer with the gathers (`compose.zero3_exposed`), not in buckets here.
 - After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). As the torch backend
-  runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) every gradient is
-  reduce-scattered once after backward and the weights all-gathered before forward, both
-  exposed; each stage module a device holds is its own FSDP2 unit (`fsdp_units`: interleaved
-  schedules hold `vpp`), with its own gathers, reduce-scatter and measured step. Without a pipeline FSDP2 reshards after every micro-batch's backward (torch 2.13
-  `reshard_after_backward` stays True under `set_requires_gradient_sync(False)`), so it gathers
-  once per micro-batch with ZeRO-1/2 and twice (forward and backward) with ZeRO-3
-  (`fsdp_gathers`); in a pipeline once per step (torch's stage keeps the weights unsharded
-  until its last micro-batch). Each gather also copies the local shard into the flat buffer and
-  the gathered buffer out to the parameters, and the reduce-scatter copies the gradients in and
-  the shard out, at the device's copy bandwidth (`fsdp_copy_time`). Where FSDP2's work per
-  micro-batch was measured (the local profile), that figure, per parameter tensor and element,
-  replaces the copies of the forward gathers (`fsdp_microbatch_time`). The optimizer step
-  reads and writes 28 bytes per local parameter at memory bandwidth.
+  runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) each stage module a device holds
+  is its own FSDP2 unit (`fsdp_units`: interleaved schedules hold `vpp`), with its own gathers,
+  one reduce-scatter after its last backward (exposed) and its own measured step. Which ops
+  all-gather is `fsdp.gather_ops`'s walk of the unit's forwards and backwards (ZeRO-1/2: the
+  first forward only; ZeRO-3: m + 1 per step), and `DeviceSync.collectives` lists what one step
+  sends (`fsdp.step_collectives`). Without a pipeline every gather is exposed here; in a pipeline
+  only each unit's first, the later ones (ZeRO-3) block the schedule's ops and are priced in the
+  pipeline simulation (`fsdp.pipeline_gathers`). Each gather also copies the local shard into
+  the flat buffer and the gathered buffer out to the parameters, and the reduce-scatter copies
+  the gradients in and the shard out, at the device's copy bandwidth (`fsdp_copy_time`). Where
+  FSDP2's work per micro-batch was measured (the local profile), that figure, per parameter
+  tensor and element, replaces the copies of the forward gathers (`fsdp_forward_work`). The
+  optimizer step reads and writes 28 bytes per local parameter at memory bandwidth.
 - Where a whole synchronising step was measured for the wrapper and the data-parallel group
   size (the local profile: wall time with the processes sharing the cores,
   `EagerCosts.sync_step`), that figure prices the sync (`measured_sync_step`): under FSDP2 the
   step's first gather, its micro-batch work and the reduce-scatter with their copies and waits
-  (further gathers and micro-batches come on top as above); under DDP its hooks, buckets and
+  (further gathers come on top as above); under DDP its hooks, buckets and
   all-reduces, exposed after the last backward, nothing overlapped: it is used only where the
   local processes outnumber the machine's cores (`hardware.local_cluster`), so no core is idle
   to overlap the sync on, and the figure was measured exposed.
@@ -52,6 +52,17 @@ from dataclasses import dataclass
 
 from shardc.analysis.stages import stage_device
 from shardc.cost.comm import collective_time
+from shardc.cost.fsdp import (  # noqa: F401  (fsdp_gathers, fsdp_microbatch_time: importable from here too)
+    fsdp_copy_time,
+    fsdp_forward_work,
+    fsdp_gathers,
+    fsdp_microbatch_time,
+    fsdp_units,
+    gathers_by_phase,
+    runtime_order,
+    runtime_window,
+    step_collectives,
+)
 from shardc.cost.pipeline import PipelineTimes
 from shardc.plan.parallel import ParallelPlan
 
@@ -70,6 +81,8 @@ class DeviceSync:
     params: tuple[tuple[float, int], ...]  # (local elements, ZeRO stage) per parameter
     grad_bytes: float  # gradient bytes synchronised over the data-parallel group per step
     comm_bytes: float  # bytes this device sends for that sync (ring volume)
+    # FSDP2's collectives per step (`fsdp.step_collectives`: kind, count, bytes each); empty otherwise
+    collectives: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def after(self) -> float:
@@ -112,62 +125,12 @@ def bucket_tail(ready: Sequence[tuple[float, float]], window: float, levels, kin
     return max(0.0, finish - window)
 
 
-def fsdp_gathers(zero: int, pp: int, microbatches: int) -> int:
-    """All-gathers of the weights per step as the torch backend runs ZeRO through FSDP2 (module
-    rules): one per micro-batch (ZeRO-1/2) or two (ZeRO-3) without a pipeline, one with one."""
-    if pp > 1:
-        return 1
-    return max(1, microbatches) * (2 if zero >= 3 else 1)
-
-
-def fsdp_copy_time(nbytes: float, shard: int, device) -> float:
-    """Seconds FSDP2 spends copying around one all-gather (or reduce-scatter) of `nbytes`
-    (unsharded): the 1/`shard` local part into the flat buffer and the whole buffer out, each
-    read and written at `device.memory_bandwidth` (bytes moved, read plus write, per second)."""
-    return 2.0 * nbytes * (1.0 + 1.0 / max(shard, 1)) / device.memory_bandwidth
-
-
-def fsdp_microbatch_time(device, tensors: float, elements: float, zero: int, pp: int, microbatches: int,
-                         nbytes: float, shard: int) -> float:
-    """Seconds per step of FSDP2's own work around its gathers (module rules), beyond the
-    collectives: on a device with the measured per-micro-batch figures (`EagerCosts.fsdp_*`),
-    those per forward-gathering micro-batch (over the unit's `tensors` and `elements`) plus the
-    copies of ZeRO-3's backward gathers; else the copies of every gather (`fsdp_copy_time`)."""
-    gathers = fsdp_gathers(zero, pp, microbatches)
-    copy = fsdp_copy_time(nbytes, shard, device)
-    eager = device.eager
-    if eager is None or not eager.fsdp_measured():
-        return gathers * copy
-    forward = 1 if pp > 1 else max(1, microbatches)
-    return forward * fsdp_forward_work(device, tensors, elements, nbytes, shard) + (gathers - forward) * copy
-
-
-def fsdp_forward_work(device, tensors: float, elements: float, nbytes: float, shard: int) -> float:
-    """Seconds of FSDP2's own work in one forward-gathering micro-batch (module rules): the measured
-    per-micro-batch figure where there is one, else the copies of one gather."""
-    eager = device.eager
-    if eager is None or not eager.fsdp_measured():
-        return fsdp_copy_time(nbytes, shard, device)
-    return tensors * eager.fsdp_per_tensor + elements * eager.fsdp_per_param
-
-
 def measured_sync_step(device, wrapper: str, tensors: float, elements: float, shard: int) -> float | None:
     """Seconds a whole synchronising step under `wrapper` ("fsdp2" or "ddp") adds on a device
     where it was measured for groups of `shard` (module rules; None elsewhere), for `tensors`
     parameter tensors of `elements` in all."""
     eager = device.eager
     return eager.sync_step_time(wrapper, shard, tensors, elements) if eager is not None and shard > 1 else None
-
-
-def fsdp_units(params: Sequence[tuple[float, int]], unit_of: Sequence[int]) -> list[tuple[int, float]]:
-    """(parameter tensors, elements) per FSDP2 unit of a device: the torch backend wraps each stage
-    module it holds on its own (`fully_shard` per virtual stage: interleaved schedules hold
-    several), in stage order; one empty unit when the device holds no parameter."""
-    units: dict[int, tuple[int, float]] = {}
-    for (numel, _), stage in zip(params, unit_of):
-        tensors, elements = units.get(stage, (0, 0.0))
-        units[stage] = (tensors + 1, elements + numel)
-    return [units[s] for s in sorted(units)] or [(0, 0.0)]
 
 
 def _sum_or_none(values: Sequence[float | None]) -> float | None:
@@ -244,17 +207,26 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
         grad_bytes = sum(b for _, b in ready) + reduced
         gather = 0.0
-        if fsdp:  # per stage module: before each forward (and ZeRO-3: each backward); a measured step holds the first
-            count = fsdp_gathers(zero, p, microbatches) - (measured is not None)
-            for t, n in units:
-                work = fsdp_microbatch_time(device, t, n, zero, p, microbatches, n * w_elem, shard)
-                if measured is not None:
-                    work -= fsdp_forward_work(device, t, n, n * w_elem, shard)
-                gather += count * collective_time("all_gather", n * w_elem, levels, ctx.algorithm) + work
+        collectives: tuple[tuple[str, int, float], ...] = ()
+        if fsdp:  # per stage module (`fsdp` module rules); a measured step holds the first forward gather
+            order = runtime_order(p, d, microbatches, plan.vpp, plan.schedule)
+            elements = {s: 0.0 for s in unit_of}
+            for (numel, _), s in zip(params, unit_of):
+                elements[s] += numel
+            collectives = step_collectives(order, zero, elements, w_elem, g_elem,
+                                           runtime_window(p, plan.vpp, plan.schedule))
+            for s, (t, n) in zip(sorted(elements), units):
+                # In a pipeline only each unit's first gather is here; ZeRO-3's later ones block the
+                # schedule's ops and are priced there (`fsdp.pipeline_gathers`).
+                forward, backward = gathers_by_phase(order, zero, s) if p == 1 else (1, 0)
+                forward -= measured is not None
+                gather += (forward + backward) * collective_time("all_gather", n * w_elem, levels, ctx.algorithm)
+                gather += forward * fsdp_forward_work(device, t, n, n * w_elem, shard)
+                gather += backward * fsdp_copy_time(n * w_elem, shard, device)
         elif shard > 1 and zero in (1, 2):  # ZeRO-1/2: after the optimizer
             gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
         optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
         factor = (2 if kind == "all_reduce" else 1) * (shard - 1) / shard if shard > 1 else 0.0
-        out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor))
+        out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor, collectives))
     return out
