@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from shardc.analysis.propagate import io_layouts, iteration_space, requires_grad
+from shardc.analysis.summed import parameter_of, summed_per_step
 from shardc.ir import (
     DATA_AXES,
     DTYPE_BYTES,
@@ -300,8 +301,9 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     is then the sum of partial ones (the splitting readers') and replicated ones (the others'), so
     the others get the edge with replicated-gradient conjugates and the splitting readers the same
     steps plus an `identity` marker (backward all_reduce) per such axis; the lowering emits the
-    shared steps once (`lower`'s chain sharing). Graph outputs are made replicated on model axes
-    and kept on data axes (edges with no consumers).
+    shared steps once (`lower`'s chain sharing). A parameter whose gradient is summed once per
+    step over an axis (`shardc.analysis.summed`) gets no marker on that axis. Graph outputs are
+    made replicated on model axes and kept on data axes (edges with no consumers).
     """
     mesh = graph.mesh
     if mesh is None:
@@ -311,6 +313,12 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     groups: dict[tuple[Value, Layout, int | None, frozenset[str]], list[tuple[int, int]]] = {}
     splits: dict[int, set[str]] = {}
     model = {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1}
+    once = summed_per_step(graph, data_axes)  # parameters summed once per step there: no marker per use
+
+    def deferred(v: Value) -> set[str]:
+        param = parameter_of(v)
+        return set(once.get(param.name, ())) if param is not None else set()
+
     for index, node in enumerate(graph.nodes):
         stage = node_stage(graph, node)
         ins, _ = io_layouts(node, mesh)
@@ -318,7 +326,7 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
         splits[index] = ({a for a, _ in part.spatial} | {a for t in part.temporal for a in t.axes}) if part else set()
         for pos, (v, need) in enumerate(zip(node.inputs, ins)):
             need = normalize(need, mesh)
-            cut = frozenset(a for a in splits[index] & model if isinstance(need.on(a), Replicate))
+            cut = frozenset(a for a in splits[index] & model if isinstance(need.on(a), Replicate)) - deferred(v)
             groups.setdefault((v, need, stage, cut), []).append((index, pos))
         for v in node.outputs:
             stage_of[v] = stage
@@ -339,7 +347,7 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
             steps += shared + markers(need, v, mesh, data_axes, trainable, set(cut), set())
         else:
             steps += with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable,
-                                    set().union(*(splits[i] for i, _ in consumers)))
+                                    set().union(*(splits[i] for i, _ in consumers)) - deferred(v))
         if steps:
             out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
     for v in graph.outputs:
