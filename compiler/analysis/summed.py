@@ -10,6 +10,9 @@ gives what one all_reduce per use per micro-batch gives: the runtime does that, 
 (`shardc.backends.torch.gradsum`), the lowering puts the axis in the parameter's `grad_sync`
 (`sum_axes`) instead of a `grad_all_reduce` marker per use, and the cost model prices it with
 the step's gradient sync (`shardc.cost.sync`: "other axes ... all-reduced after backward").
+A node that differentiates only into parameters and does not split the axis (a position
+embedding whose output every reader splits) passes its output's partial gradient on: its output
+gets no marker and its parameters join the sum (`passes_through`), as the cost model prices it.
 When some reader reads it without splitting the axis (its gradient is already whole there) the
 parameter keeps its per-use markers (`shardc.analysis.resharding.markers`): a sum of the whole
 gradient would count that reader's part once per rank.
@@ -17,8 +20,8 @@ gradient would count that reader's part once per rank.
 
 from __future__ import annotations
 
-from shardc.analysis.propagate import io_layouts
-from shardc.ir import DATA_AXES, Graph, Replicate, Value
+from shardc.analysis.propagate import io_layouts, requires_grad
+from shardc.ir import DATA_AXES, Graph, Layout, Node, Replicate, Value
 
 
 def parameter_of(value: Value) -> Value | None:
@@ -32,15 +35,17 @@ def parameter_of(value: Value) -> Value | None:
 
 
 def summed_per_step(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[str, tuple[str, ...]]:
-    """Trainable parameter name -> the model axes (mesh order) its gradient is summed over once
-    per step (module rule); parameters with none are left out."""
+    """Value name -> the model axes (mesh order) its gradient is summed over once per step
+    (module rule): trainable parameters, and the outputs of nodes that differentiate only into
+    parameters (`passes_through`); values with none are left out."""
     mesh = graph.mesh
     if mesh is None:
         return {}
     model = [a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1]
     if not model:
         return {}
-    ok: dict[str, set[str]] = {}
+    grads = requires_grad(graph)
+    readers: dict[Value, list[tuple[set[str], Layout, Node]]] = {}
     for node in graph.nodes:
         if node.op == "grad_sync":
             continue
@@ -48,9 +53,41 @@ def summed_per_step(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dic
         split = ({a for a, _ in part.spatial} | {a for t in part.temporal for a in t.axes}) if part else set()
         ins, _ = io_layouts(node, mesh)
         for v, need in zip(node.inputs, ins):
-            param = parameter_of(v)
-            if param is None or not param.requires_grad:
-                continue
-            fits = {a for a in model if a in split and isinstance(need.on(a), Replicate)}
-            ok[param.name] = ok[param.name] & fits if param.name in ok else fits
-    return {name: tuple(a for a in model if a in axes) for name, axes in ok.items() if axes}
+            key = parameter_of(v) or v
+            if grads.get(key, False):
+                readers.setdefault(key, []).append((split, need, node))
+
+    def whole(v: Value) -> set[str]:  # the axes every reader splits, reading v replicated there
+        out = set(model)
+        for split, need, _ in readers.get(v, []):
+            out &= {a for a in split if isinstance(need.on(a), Replicate)}
+        return out if v in readers else set()
+
+    out: dict[str, set[str]] = {}
+    through: dict[Node, set[str]] = {}
+    for v in list(readers):
+        if v.kind == "activation" and v.producer is not None and passes_through(v.producer, grads):
+            through[v.producer] = whole(v)
+            if through[v.producer]:
+                out[v.name] = through[v.producer]
+    for v in graph.params:
+        if v not in readers:
+            continue
+        axes = set(model)
+        for split, need, node in readers[v]:
+            reader = {a for a in split if isinstance(need.on(a), Replicate)}
+            reader |= {a for a in through.get(node, set()) if a not in split and isinstance(need.on(a), Replicate)}
+            axes &= reader
+        if axes:
+            out[v.name] = axes
+    return {name: tuple(a for a in model if a in axes) for name, axes in out.items()}
+
+
+def passes_through(node: Node, grads: dict[Value, bool]) -> bool:
+    """A single-output node whose only inputs needing a gradient are parameters (a position
+    embedding): its weight gradient is linear in its output gradient, so where that is partial on
+    an axis the node does not split, the weight gradient is partial there too and is summed once
+    per step with the others, instead of the output gradient once per micro-batch
+    (`shardc.cost.edges.passthrough_axes` prices it so)."""
+    return len(node.outputs) == 1 and all(v.kind == "parameter" or parameter_of(v) is not None
+                                          or not grads.get(v, False) for v in node.inputs)

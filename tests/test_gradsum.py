@@ -1,0 +1,118 @@
+"""The solver's batch split over tp with replicated weights: gradients summed once per step.
+
+Rule checked (`shardc.analysis.summed`, `shardc.backends.torch.gradsum`): a parameter replicated
+over tp whose readers all split tp (`partition<tp:e0>`: tp used as a batch split) carries no
+`grad_all_reduce` per use; its `grad_sync` lists tp in `sum_axes` and the runtime all-reduces the
+accumulated gradients once, after the last micro-batch, in one flat buffer per axis. The plan is
+the solver's own (`plans/gpt4-tp-batch-split.plan`, pp=2 x tp=2, vpp=2, zbv, two micro-batches,
+written by `shardc plan` on local4) and variants of it: pipelined (zbv, 1f1b), not pipelined with
+micro-batches (tp=4; dp=2 x tp=2 under DDP, and under FSDP2 with ZeRO-1 and ZeRO-3, which shard
+over dp only: the tp sum must still happen exactly once), and a user loop calling
+`loss.backward()` itself. 3 AdamW steps on 4 gloo processes give the losses and parameters of
+one process (1e-5 relative, `test_backend_numerics.check`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from test_backend_numerics import EPS, LR, batches, build, check
+
+import shardc
+from shardc.backends.torch.launch import spawn
+from shardc.plan.file import PlanFile
+
+SPEC = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
+SOLVER_PLAN = Path(__file__).parent / "plans" / "gpt4-tp-batch-split.plan"
+
+
+def variant(tmp: Path, name: str, **edits: object) -> PlanFile:
+    """The solver's plan file with `edits` to its keys (mesh sizes under `mesh`), saved as `name`."""
+    data = json.loads(SOLVER_PLAN.read_text())
+    mesh = edits.pop("mesh", None)
+    if isinstance(mesh, dict):
+        data["mesh"].update(mesh)
+    data.update(edits)
+    if data["mesh"]["pp"] == 1:
+        data["schedule"] = "1f1b"
+    if data.get("vpp", 1) == 1:
+        data.pop("vpp", None)
+    tp = data["mesh"]["tp"]
+    for group in data["groups"]:  # the head's rotation takes one step per tp rank; dp splits tp's batch dim too
+        text = group["partition"].replace("time k/2 rotate tp", f"time k/{tp} rotate tp")
+        if data["mesh"]["dp"] > 1 and text.startswith("partition<tp:"):
+            dim = re.split(r"[;,>]", text[len("partition<tp:"):])[0]
+            text = text.replace("partition<tp:", f"partition<dp:{dim}, tp:")
+        group["partition"] = text
+    path = tmp / f"{name}.plan"
+    path.write_text(json.dumps(data))
+    return PlanFile.load(str(path))
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[str, object, bool]]) -> list[tuple[list[float], dict]]:
+    """On every rank: 3 AdamW steps of each compiled plan, by `module.step` or (`user_loop`) by
+    `loss = module(*batch); loss.backward()`; the mean loss per step and rank 0's full state."""
+    import torch.distributed as dist
+
+    torch.use_deterministic_algorithms(True)
+    out = []
+    for spec, compiled, user_loop in cases:
+        model, inputs, _ = build(spec)
+        module = compiled.parallelize(model)  # type: ignore[attr-defined]
+        opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+        losses = []
+        for batch in batches(inputs):
+            if user_loop:
+                loss = module(*batch)
+                loss.backward()
+            else:
+                loss = module.step(*batch)
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            dist.all_reduce(value)  # equal on tp and pp ranks; data shares averaged
+            losses.append(float(value) / world)
+        full = compiled.full_state_dict(module)  # type: ignore[attr-defined]
+        out.append((losses, {k: v.clone() for k, v in full.items()} if rank == 0 else {}))
+    return out
+
+
+def compiled_plan(plan: PlanFile) -> object:
+    model, inputs, names = build(SPEC)
+    return shardc.compile(model, inputs, plan=plan, input_names=names, name="gpt_gpt")
+
+
+def test_solver_plan_lowers_to_one_sum_per_step() -> None:
+    compiled = compiled_plan(PlanFile.load(str(SOLVER_PLAN)))
+    graph = compiled.runtime_graph  # type: ignore[attr-defined]
+    summed = {n.inputs[0].name for n in graph.nodes if n.op == "grad_sync" and n.attrs.get("sum_axes") == ("tp",)}
+    marked = sorted(n.inputs[0].name for n in graph.nodes if n.op == "grad_all_reduce")
+    assert len(summed) == 50 and "blocks.0.attn.qkv.weight" in summed
+    # Left per use: the embedding table, also read by the head as a rotating shard (its gradient
+    # whole on tp there), and the position embedding's output (an activation).
+    assert marked == ["wte.weight", "x2"], marked
+
+
+def test_batch_split_over_tp_trains_like_one_process(tmp_path: Path) -> None:
+    plans = [
+        ("solver zbv", PlanFile.load(str(SOLVER_PLAN)), False),
+        ("pp=2 tp=2 1f1b", variant(tmp_path, "1f1b", vpp=1, schedule="1f1b", stages=[{"none": 2, "selective": 0,
+                                   "full": 0}] * 2), False),
+        ("tp=4", variant(tmp_path, "tp4", mesh={"pp": 1, "tp": 4}, vpp=1, mb=4, micro_batches=2,
+                              stages=[{"none": 4, "selective": 0, "full": 0}]), False),
+        ("dp=2 tp=2 ddp", variant(tmp_path, "ddp", mesh={"pp": 1, "dp": 2}, vpp=1, mb=2, micro_batches=2,
+                                  stages=[{"none": 4, "selective": 0, "full": 0}]), False),
+        ("dp=2 tp=2 ddp user loop", variant(tmp_path, "loop", mesh={"pp": 1, "dp": 2}, vpp=1, mb=2, micro_batches=2,
+                                            stages=[{"none": 4, "selective": 0, "full": 0}]), True),
+        ("dp=2 tp=2 zero=1", variant(tmp_path, "z1", mesh={"pp": 1, "dp": 2}, vpp=1, mb=2, micro_batches=2, zero=1,
+                                     stages=[{"none": 4, "selective": 0, "full": 0}]), False),
+        ("dp=2 tp=2 zero=3", variant(tmp_path, "z3", mesh={"pp": 1, "dp": 2}, vpp=1, mb=2, micro_batches=2, zero=3,
+                                     stages=[{"none": 4, "selective": 0, "full": 0}]), False),
+    ]
+    cases = [(SPEC, compiled_plan(plan), loop) for _, plan, loop in plans]
+    results = spawn(train_cases, 4, cases, timeout_s=900)
+    for (label, _, _), (losses, full) in zip(plans, results[0]):
+        check(SPEC, label, losses, full)
