@@ -250,7 +250,8 @@ def _train_one(path: Path, spec: str, options: TrainOptions, device: Any, rank: 
     return {"rank": rank, "losses": list(report.losses), "step_times_s": list(report.step_times_s),
             "median_step_time_s": report.median_step_s, "peak_memory_bytes": report.peak_memory_bytes,
             "peak_memory_breakdown": dict(report.memory.get("peak_breakdown", {})),
-            "backend": report.backend, "device": report.device}
+            "backend": report.backend, "device": report.device,
+            "collectives": [dict(c) for c in report.collectives]}  # the tracked (last) step's
 
 
 def _join_group(config: dict[str, Any]) -> Any:
@@ -295,7 +296,7 @@ def summarize(spec: str, plan: ParallelPlan | PlanFile, reports: list[dict[str, 
     for r in reports:
         ranks.append({"rank": r["rank"], "peak_memory_bytes": r["peak_memory_bytes"],
                       "predicted_peak_memory_bytes": _predicted_memory(est, plan, r["rank"]),
-                      "median_step_time_s": r["median_step_time_s"]})
+                      "median_step_time_s": r["median_step_time_s"], "collectives": r.get("collectives", [])})
     return {
         "model": spec, "plan": str(_plan_of(plan)),
         **({"plan_file": plan.path} if isinstance(plan, PlanFile) else {}), "nproc": len(reports), "backend": reports[0]["backend"],

@@ -316,8 +316,7 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     once = summed_per_step(graph, data_axes)  # parameters summed once per step there: no marker per use
 
     def deferred(v: Value) -> set[str]:
-        param = parameter_of(v)
-        return set(once.get(param.name, ())) if param is not None else set()
+        return set(once.get((parameter_of(v) or v).name, ()))
 
     for index, node in enumerate(graph.nodes):
         stage = node_stage(graph, node)
@@ -343,11 +342,12 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
             steps.append(ReshardStep("send_recv", Axis.PP, src, src, nbytes, nbytes, 2, "send_recv"))
         trainable = grads.get(v, False)
         if len(cuts[(v, need, stage)]) > 1:  # mixed readers (see docstring): shared steps, then the markers
-            shared = with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable, set())
+            shared = with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable, set(),
+                                    deferred(v))
             steps += shared + markers(need, v, mesh, data_axes, trainable, set(cut), set())
         else:
             steps += with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable,
-                                    set().union(*(splits[i] for i, _ in consumers)) - deferred(v))
+                                    set().union(*(splits[i] for i, _ in consumers)) - deferred(v), deferred(v))
         if steps:
             out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
     for v in graph.outputs:
@@ -360,14 +360,16 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
 
 
 def with_gradients(steps: list[ReshardStep], need: Layout, value: Value, mesh: Mesh,
-                   data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> list[ReshardStep]:
+                   data_axes: tuple[str, ...], trainable: bool, split_axes: set[str],
+                   summed: set[str] | frozenset[str] = frozenset()) -> list[ReshardStep]:
     """Set each step's backward kind and add the `identity` markers (see `edge_steps`): `trainable`
-    says whether `value` carries a gradient, `split_axes` the axes its readers split."""
+    says whether `value` carries a gradient, `split_axes` the axes its readers split, `summed` the
+    axes its gradient is summed over once per step (partial there, as on data axes)."""
     marked = _marked(need, mesh, data_axes, trainable, split_axes)
     last_on = {s.axis: k for k, s in enumerate(steps)}
     result = []
     for k, s in enumerate(steps):
-        partial = s.axis in data_axes or (s.axis in marked and last_on[s.axis] == k)
+        partial = s.axis in data_axes or s.axis in summed or (s.axis in marked and last_on[s.axis] == k)
         result.append(dataclasses.replace(s, backward=conjugate(s.kind, partial)))
     covered = {s.axis for s in result if s.axis in marked and s.backward in ("reduce_scatter", "all_reduce")}
     return result + markers(need, value, mesh, data_axes, trainable, split_axes, covered)

@@ -13,15 +13,18 @@ the step's gradient sync (`shardc.cost.sync`: "other axes ... all-reduced after 
 A node that differentiates only into parameters and does not split the axis (a position
 embedding whose output every reader splits) passes its output's partial gradient on: its output
 gets no marker and its parameters join the sum (`passes_through`), as the cost model prices it.
-When some reader reads it without splitting the axis (its gradient is already whole there) the
-parameter keeps its per-use markers (`shardc.analysis.resharding.markers`): a sum of the whole
+A reader that takes its own shard of the replicated parameter (a `chunk`, as the head's rotating
+shard of a tied embedding) joins too: its chunk's backward zero-pads the shard's gradient (`pad`,
+partial) instead of all-gathering it, and the sum assembles it. When some reader reads it
+replicated without splitting the axis (its gradient is already whole there) the parameter keeps
+its per-use markers (`shardc.analysis.resharding.markers`): a sum of the whole
 gradient would count that reader's part once per rank.
 """
 
 from __future__ import annotations
 
 from shardc.analysis.propagate import io_layouts, requires_grad
-from shardc.ir import DATA_AXES, Graph, Layout, Node, Replicate, Value
+from shardc.ir import DATA_AXES, Graph, Layout, Node, Replicate, Shard, Value
 
 
 def parameter_of(value: Value) -> Value | None:
@@ -73,10 +76,12 @@ def summed_per_step(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dic
     for v in graph.params:
         if v not in readers:
             continue
-        axes = set(model)
+        held = v.layout or Layout()
+        axes = {a for a in model if isinstance(held.on(a), Replicate)}
         for split, need, node in readers[v]:
             reader = {a for a in split if isinstance(need.on(a), Replicate)}
             reader |= {a for a in through.get(node, set()) if a not in split and isinstance(need.on(a), Replicate)}
+            reader |= {a for a in model if isinstance(need.on(a), Shard)}  # chunked: its gradient zero-padded
             axes &= reader
         if axes:
             out[v.name] = axes

@@ -35,6 +35,8 @@ class StageEstimate:
     # Where the ranks of this pipeline device differ (causal ring attention: `ring.causal_ring_saved`):
     # (mesh axis, peak bytes per coordinate along it); `memory` is the largest of them.
     memory_by_coordinate: tuple[str, tuple[float, ...]] | None = None
+    # The model-axis collectives per step (`sync.step_collectives`): (phase, kind, axis, bytes, calls)
+    collectives: tuple[tuple[str, str, str, float, int], ...] = ()
 
     @property
     def memory_bytes(self) -> float:
@@ -135,7 +137,8 @@ class Estimate:
             "fits": self.fits, "overflow": self.overflow,
             "stages": [{"stage": s.stage, "layers": list(s.layers), "time": s.time, "memory": s.memory,
                         "memory_bytes": s.memory_bytes, "in_flight_microbatches": s.in_flight,
-                        "dp_grad_bytes": s.dp_grad_bytes} for s in self.stages],
+                        "dp_grad_bytes": s.dp_grad_bytes, "collectives": [list(c) for c in s.collectives]}
+                       for s in self.stages],
             "notes": list(self.notes),
         }
 

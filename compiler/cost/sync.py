@@ -13,7 +13,9 @@ Rules:
   backward and the buckets are serialised on the link. Only what outlasts that backward
   (`tail`) is exposed; a runtime that reduces only once backward is over
   (`EstimateOptions.overlap_grad_reduce=False`) exposes one collective over them all. Other axes (tp, for sequence-
-  parallel norm weights) are all-reduced after backward, exposed.
+  parallel norm weights, and every weight replicated over a tp that splits the batch) are
+  all-reduced after backward, exposed: one flat all_reduce per axis group over all of the
+  device's such gradients, as the torch backend runs it (`backends/torch/gradsum.py`).
 - Gradients of model chunks that finished earlier (interleaved schedules) are ready when the
   final backward starts. Pipelines (pp > 1) sync the same way: torch's pipeline stage drives
   a DDP module per stage, whose reducer is armed only for that stage's last micro-batch and
@@ -70,6 +72,8 @@ class DeviceSync:
     params: tuple[tuple[float, int], ...]  # (local elements, ZeRO stage) per parameter
     grad_bytes: float  # gradient bytes synchronised over the data-parallel group per step
     comm_bytes: float  # bytes this device sends for that sync (ring volume)
+    # Gradient bytes summed over model axes once per step, per axis group (the runtime's `gradsum`)
+    summed: tuple[tuple[tuple[str, ...], float], ...] = ()
 
     @property
     def after(self) -> float:
@@ -256,5 +260,21 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
         optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
         factor = (2 if kind == "all_reduce" else 1) * (shard - 1) / shard if shard > 1 else 0.0
-        out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor))
+        out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor,
+                              tuple(sorted(other.items()))))
     return out
+
+
+def step_collectives(layers, microbatches: int, sync: DeviceSync) -> tuple[tuple[str, str, str, float, int], ...]:
+    """The model-axis collectives one device runs per step as priced: (phase, kind, axis, bytes,
+    calls per step), each layer's per-micro-batch ones (`LayerCost.collectives`) `microbatches`
+    times, then the once-per-step gradient sums over model axes ("sync", "all_reduce", the axes
+    joined by "x", their bytes, 1). The data-parallel sync's buckets are not listed."""
+    count: dict[tuple[str, str, str, float], int] = {}
+    for layer in layers:
+        for phase, step in (layer.cost.collectives if layer.cost is not None else ()):
+            key = (phase, step.kind, step.axis, float(step.nbytes))
+            count[key] = count.get(key, 0) + microbatches
+    out = [(*key, n) for key, n in count.items()]
+    out += [("sync", "all_reduce", "x".join(axes), float(nbytes), 1) for axes, nbytes in sync.summed]
+    return tuple(out)
