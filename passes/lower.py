@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardc.analysis.propagate import io_layouts
-from shardc.analysis.summed import summed_per_step
 from shardc.analysis.resharding import (
     Edge,
     ReshardStep,
@@ -52,6 +51,7 @@ from shardc.analysis.resharding import (
     redistribute,
     with_gradients,
 )
+from shardc.analysis.summed import summed_per_step
 from shardc.ir import (
     DATA_AXES,
     Axis,
