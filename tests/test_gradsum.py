@@ -145,3 +145,32 @@ def test_estimate_lists_the_all_reduces_the_run_records() -> None:
         loss = [4] * plan.micro_batches if device == 0 else []
         assert recorded == sorted(priced + loss), (rank, recorded, priced)
         assert len(priced) == 1  # one bucketed sum per step (before: ~58 all_reduces per step on rank 0)
+
+
+def bucketed_sum(rank: int, world: int) -> tuple[int, list[torch.Tensor]]:
+    """Three gradients (one None) summed over a tp group of `world` in 40-byte buckets."""
+    import torch.distributed as dist
+
+    from shardc.backends.torch.collectives import MeshGroups
+    from shardc.backends.torch.gradsum import sum_gradients
+
+    params = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in
+              (("a", (3, 5)), ("b", (7,)), ("c", (2, 2)), ("frozen", (4,)))}
+    params["frozen"].requires_grad_(False)
+    for k, name in enumerate(("a", "c")):
+        params[name].grad = torch.arange(params[name].numel(), dtype=torch.float32).view_as(params[name]) * (rank + k + 1)
+    mesh = MeshGroups({"tp": world}, {"tp": rank}, {"tp": dist.group.WORLD})
+    calls = sum_gradients(params, {"a": ("tp",), "b": ("tp",), "c": ("tp",), "frozen": ("tp",)}, mesh, bucket_bytes=40)
+    return calls, [params[n].grad.clone() for n in ("a", "b", "c")]  # type: ignore[union-attr]
+
+
+def test_gradient_sum_cuts_buckets_across_parameters_as_the_model_counts_them() -> None:
+    from shardc.cost.sync import sum_buckets
+
+    results = spawn(bucketed_sum, 2, timeout_s=120)
+    total = (15 + 7 + 4) * 4
+    for calls, (a, b, c) in results:
+        assert calls == len(sum_buckets(total, 40)) == 3  # 40 + 40 + 24 bytes
+        torch.testing.assert_close(a, torch.arange(15.0).view(3, 5) * (1 + 2))
+        torch.testing.assert_close(b, torch.zeros(7))
+        torch.testing.assert_close(c, torch.arange(4.0).view(2, 2) * (2 + 3))

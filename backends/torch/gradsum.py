@@ -4,9 +4,10 @@ Rule. A parameter replicated on a model axis whose readers all split that axis (
 over tp with replicated weights, `shardc.analysis.summed`) has a partial gradient on each rank
 of the axis. Gradients accumulate linearly over uses and micro-batches, so the runtime sums the
 accumulated gradient once, after the step's last backward, as DDP reduces data parallelism:
-per axis one flat buffer of the gradients of every such parameter this rank holds (graph order,
-so every rank of the group lays it out alike; a gradient that is None joins as zeros; one
-buffer per dtype), one all_reduce(sum) over the axis's process group, copied back. Under FSDP2
+per axis the gradients of every such parameter this rank holds laid end to end (graph order,
+so every rank of the group lays them out alike; a gradient that is None joins as zeros; per
+dtype), all-reduced (sum) over the axis's process group in buckets of `SUM_BUCKET_BYTES` (DDP's
+25 MiB: the copy in flight never holds more), each copied back. Under FSDP2
 the gradient is a DTensor sharded over the data axes: its local shard is summed (every rank of
 the model axis holds the same shard of it), so ZeRO's reduce-scatter over dp and this sum over
 tp each happen once, in either order. The cost model prices exactly this (`shardc.cost.sync`:
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardc.backends.torch.collectives import MeshGroups
+from shardc.cost.sync import SUM_BUCKET_BYTES
 from shardc.ir import Graph
 
 
@@ -44,10 +46,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def sum_gradients(params: Mapping[str, torch.Tensor], summed: Mapping[str, tuple[str, ...]], mesh: MeshGroups) -> int:
-    """Sum the gradients of `params` named in `summed` over their axes (module rule): one flat
-    all_reduce per axis (and dtype). Returns the number of all_reduces run."""
-    buckets: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+def sum_gradients(params: Mapping[str, torch.Tensor], summed: Mapping[str, tuple[str, ...]], mesh: MeshGroups,
+                  bucket_bytes: int = SUM_BUCKET_BYTES) -> int:
+    """Sum the gradients of `params` named in `summed` over their axes (module rule): per axis (and
+    dtype) the gradients laid end to end, all-reduced `bucket_bytes` at a time (`shardc.cost.sync.sum_buckets`).
+    Returns the number of all_reduces run."""
+    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for name, axes in summed.items():
         p = params.get(name)
         if p is None or not p.requires_grad:
@@ -57,15 +61,34 @@ def sum_gradients(params: Mapping[str, torch.Tensor], summed: Mapping[str, tuple
         grad = _local(p.grad)
         for axis in axes:
             if mesh.size(axis) > 1:
-                buckets.setdefault((axis, grad.dtype), []).append(grad)
-    for (axis, _), grads in buckets.items():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=mesh.group(axis))
-        k = 0
-        for g in grads:
-            g.copy_(flat[k:k + g.numel()].view_as(g))
-            k += g.numel()
-    return len(buckets)
+                groups.setdefault((axis, grad.dtype), []).append(grad)
+    calls = 0
+    for (axis, dtype), grads in groups.items():
+        flat = [g.view(-1) for g in grads]
+        element = torch.empty((), dtype=dtype).element_size()
+        per = max(1, bucket_bytes // element)
+        total = sum(f.numel() for f in flat)
+        for start in range(0, total, per):
+            pieces = _pieces(flat, start, min(total, start + per))
+            buffer = torch.cat(pieces)
+            dist.all_reduce(buffer, group=mesh.group(axis))
+            k = 0
+            for piece in pieces:
+                piece.copy_(buffer[k:k + piece.numel()])
+                k += piece.numel()
+            calls += 1
+    return calls
+
+
+def _pieces(flat: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Views of the elements [lo, hi) of the tensors in `flat` laid end to end."""
+    out, at = [], 0
+    for f in flat:
+        a, b = max(lo, at), min(hi, at + f.numel())
+        if a < b:
+            out.append(f[a - at:b - at])
+        at += f.numel()
+    return out
 
 
 class _AtBackwardEnd(torch.autograd.Function):
