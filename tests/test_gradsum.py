@@ -174,3 +174,18 @@ def test_gradient_sum_cuts_buckets_across_parameters_as_the_model_counts_them() 
         torch.testing.assert_close(a, torch.arange(15.0).view(3, 5) * (1 + 2))
         torch.testing.assert_close(b, torch.zeros(7))
         torch.testing.assert_close(c, torch.arange(4.0).view(2, 2) * (2 + 3))
+
+
+def test_batch_split_over_tp_in_a_data_parallel_pipeline_trains_like_one_process(tmp_path: Path) -> None:
+    """pp=2 x dp=2 x tp=2 on 8 processes: the stage modules under FSDP2 (ZeRO-1, sharded over dp
+    only) and, with the zero-bubble V, unwrapped with the data-parallel average after the
+    schedule (`sync_data_parallel`); the tp sum runs once either way."""
+    plans = [
+        ("pp=2 dp=2 tp=2 1f1b zero=1", variant(tmp_path, "pz1", mesh={"dp": 2}, vpp=1, schedule="1f1b", mb=2, zero=1,
+                                               stages=[{"none": 2, "selective": 0, "full": 0}] * 2)),
+        ("pp=2 dp=2 tp=2 zbv", variant(tmp_path, "pzbv", mesh={"dp": 2}, mb=2)),
+    ]
+    cases = [(SPEC, compiled_plan(plan), False) for _, plan in plans]
+    results = spawn(train_cases, 8, cases, timeout_s=900)
+    for (label, _), (losses, full) in zip(plans, results[0]):
+        check(SPEC, label, losses, full)
