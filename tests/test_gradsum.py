@@ -36,6 +36,7 @@ def variant(tmp: Path, name: str, **edits: object) -> PlanFile:
     if isinstance(mesh, dict):
         data["mesh"].update(mesh)
     data.update(edits)
+    data["cluster"] = f"local{data['mesh']['pp'] * data['mesh']['dp'] * data['mesh']['tp']}"
     if data["mesh"]["pp"] == 1:
         data["schedule"] = "1f1b"
     if data.get("vpp", 1) == 1:
