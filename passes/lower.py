@@ -22,7 +22,10 @@ an all_gather just before it takes that role instead, with a reduce_scatter back
 axes (dp, cp by default) every rank backpropagates its own loss and parameter gradients are
 averaged by DDP (or FSDP2 when a layer asks for ZeRO): each such parameter passes through one
 `grad_sync[axes, op="avg", via, zero]` node (via="ddp", or "fsdp" when any layer has zero>0),
-and collectives carry the backward they need as their `grad` attribute. Graph outputs are made replicated on model axes and stay local on
+and collectives carry the backward they need as their `grad` attribute. A parameter replicated
+on a model axis whose readers all split it (the batch split over tp with replicated weights,
+`shardc.analysis.summed`) gets no `grad_all_reduce` per use: its `grad_sync` lists the axis in
+`sum_axes`, and the runtime sums the accumulated gradient there once per step, bucketed. Graph outputs are made replicated on model axes and stay local on
 data axes (the loss is each rank's mean: `P(avg)`). Where an activation crosses pipeline
 stages, a `send` (producer's layer) and `recv` (consumer's layer) pair cuts the graph: the send
 goes right after its producer and the recv (with the steps after it) right before the first
@@ -48,6 +51,7 @@ from shardc.analysis.resharding import (
     redistribute,
     with_gradients,
 )
+from shardc.analysis.summed import summed_per_step
 from shardc.ir import (
     DATA_AXES,
     Axis,
@@ -212,9 +216,10 @@ def resolve_partials(graph: Graph, resolved: dict[Value, Layout], data: tuple[st
     graph.nodes = nodes
 
 
-def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit) -> None:
-    """One `grad_sync` per trainable parameter replicated on a data axis its readers split (one
-    per pipeline stage reading it)."""
+def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit, summed: dict[str, tuple[str, ...]]) -> None:
+    """One `grad_sync` per trainable parameter replicated on a data axis its readers split, or
+    summed once per step over model axes (`summed`, `shardc.analysis.summed`: its `sum_axes`),
+    one per pipeline stage reading it."""
     zero = {name: layer.annotation.zero for name, layer in graph.layers.items()}
     via = "fsdp" if any(zero.values()) else "ddp"
     synced: dict[tuple[Value, int | None], Value] = {}
@@ -227,8 +232,10 @@ def insert_grad_sync(graph: Graph, data: tuple[str, ...], emit: _Emit) -> None:
             if v.kind == "parameter" and v.requires_grad and key not in synced:
                 axes = tuple(a for a in data if isinstance((v.layout or Layout()).on(a), Replicate)
                              and splits_axis(node, a))
-                if axes:
+                if axes or v.name in summed:
                     attrs = {"axes": axes, "op": "avg", "via": via, "zero": zero.get(node.layer or "", 0)}
+                    if v.name in summed:
+                        attrs["sum_axes"] = summed[v.name]
                     synced[key] = emit("grad_sync", attrs, v, v.layout or Layout(), node, "grad_sync")
             node.inputs[i] = synced.get(key, v)
         nodes.append(node)
@@ -249,7 +256,7 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
             v.requires_grad = v.requires_grad or flag
     emit = _Emit(graph, {v.name for v in graph.values()}, [])
     resolve_partials(graph, resolved, data_axes, emit)
-    insert_grad_sync(graph, data, emit)
+    insert_grad_sync(graph, data, emit, summed_per_step(graph, data_axes))
     edges = edge_steps(graph, data_axes)
     by_name = {v.name: v for v in graph.values()}
     before: dict[int, list[Edge]] = {}

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 from test_apply_plan_graphs import attention_block, mlp_block, tiny_lm
 
-from shardc.analysis.resharding import Edge, ReshardStep, backward_step, edge_steps
+from shardc.analysis.resharding import ReshardStep, backward_step, edge_steps
+from shardc.analysis.summed import summed_per_step
 from shardc.ir import Graph
 from shardc.passes.apply_plan import apply_plan
 from shardc.plan.parallel import ParallelPlan
@@ -37,13 +38,15 @@ def test_tp_mlp_has_one_all_reduce_per_row_parallel_output() -> None:
     assert edge.value == g.nodes[3].output.name and g.nodes[3].location.module_path == "fc2"
     # [4,8,16] f32 with the batch split over dp: 1024 bytes per device, reduced over tp=2.
     assert (step.axis, step.bytes_in_per_device, step.group_size, step.backward) == ("tp", 1024, 2, "identity")
-    # Megatron's f before the column-parallel fc1: identity forward, all_reduce backward.
-    marker = edges[Edge("x0", g.nodes[0].output.layout, g.nodes[0].output.layout, ((1, 0),), 0, 0)]  # type: ignore[arg-type]
-    assert [(s.kind, s.backward) for s in marker] == [("identity", "all_reduce")]
+    # No Megatron f before the column-parallel fc1 here: the norm reads the graph input (no
+    # gradient), so it passes fc1's partial gradient through to its weights, whose gradient is
+    # summed over tp once per step (`shardc.analysis.summed`), as the cost model prices it.
+    assert not [e for e in edges if e.value == "x0"]
+    assert summed_per_step(g) == {"x0": ("tp",), "ln.weight": ("tp",), "ln.bias": ("tp",)}
     # The row-parallel bias is added on one rank only.
     bias = [s for e, steps in edges.items() if e.value == "fc2.bias" for s in steps]
     assert [s.kind for s in bias] == ["to_partial"]
-    assert kinds(g) == Counter({"all_reduce": 1}) and kinds(g, backward=True) == Counter({"all_reduce": 1})
+    assert kinds(g) == Counter({"all_reduce": 1}) and kinds(g, backward=True) == Counter()
 
 
 def test_sequence_parallel_uses_gather_and_scatter_pairs() -> None:

@@ -65,8 +65,8 @@ graph @sp mesh<tp=2> {
   input %x : f32[2,8,16]{tp:S(1)}
   param %ln.weight : f32[16]{}
   param %fc.weight : f32[32,16]{tp:S(0)}
-  %ln.weight.grad_all_reduce = grad_all_reduce[axis="tp"](%ln.weight) : f32[16]{} @ln
-  %h = layer_norm[eps=1e-05](%x, %ln.weight.grad_all_reduce) : f32[2,8,16]{tp:S(1)} partition<tp:e1> @ln
+  %ln.weight.grad_sync = grad_sync[axes=(), op="avg", via="ddp", zero=0, sum_axes=("tp",)](%ln.weight) : f32[16]{} @ln
+  %h = layer_norm[eps=1e-05](%x, %ln.weight.grad_sync) : f32[2,8,16]{tp:S(1)} partition<tp:e1> @ln
   %h.all_gather = all_gather[axis="tp", dim=1, grad="reduce_scatter"](%h) : f32[2,8,16]{} @fc
   %y = linear(%h.all_gather, %fc.weight) : f32[2,8,32]{tp:S(2)} partition<tp:n> @fc
   %s = sum(%y) : f32[]{tp:P(sum)} partition<tp:d2> @sum
@@ -126,7 +126,8 @@ def test_megatron_mlp_dp_tp() -> None:
 
 def test_sequence_parallel_all_gather_carries_the_gradient_reduce_scatter() -> None:
     """A sequence-sharded norm feeding a column-parallel linear: all_gather whose backward is a
-    reduce_scatter; the norm weight (replicated, read by a tp-split node) gets grad_all_reduce."""
+    reduce_scatter; the norm weight (replicated, read only by a tp-split node) has its gradient
+    summed over tp once per step (`grad_sync` with `sum_axes`), not by a grad_all_reduce per use."""
     check(SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_LOWERED)
 
 

@@ -7,9 +7,11 @@ micro-batch graph was traced for. `step(*inputs)` runs forward and backward per 
 the loss divided by the count (the mean over micro-batches is the batch mean, the micro-batches
 being equal), with the data-parallel gradient reduction only on the last one (DDP `no_sync`,
 FSDP2 `set_requires_gradient_sync`, whose weights also stay gathered from one micro-batch to the
-next: `set_reshard_after_backward`, so ZeRO-1/2 gather once per step and ZeRO-3 m + 1 times). Calling the module runs all micro-batches inside one
-forward and returns their mean loss (outputs that are not scalars are concatenated along the
-batch), for a user loop that calls `loss.backward()` itself.
+next: `set_reshard_after_backward`, so ZeRO-1/2 gather once per step and ZeRO-3 m + 1 times), and
+the model-axis sum of gradients replicated there once after the last (`gradsum`). Calling the
+module runs all micro-batches inside one forward and returns their mean loss (outputs that are
+not scalars are concatenated along the batch), for a user loop that calls `loss.backward()`
+itself (the model-axis sum then runs at that backward's end).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardc.backends.torch.gradsum import sum_after_backward, sum_gradients, summed_parameters
 from shardc.ir import Axis, Graph
 from shardc.ir.diagnostics import ShardcError
 
@@ -55,6 +58,8 @@ class Microbatched(nn.Module):
         self.full_inputs = [(v.name, tuple(v.type.shape)) for v in graph.inputs]
         self.data_ranks = runtime.mesh.axis_size(Axis.DP) if runtime.mesh else 1
         self.loss_fn = loss_fn
+        self.summed = summed_parameters(runtime)  # gradients summed over model axes once per step
+        self._stepping = False
 
     @property
     def code(self) -> str:
@@ -71,6 +76,12 @@ class Microbatched(nn.Module):
                                   "inputs of this shape")
 
     def forward(self, *inputs: torch.Tensor, microbatch: int | None = None) -> Any:
+        out = self._forward(*inputs, microbatch=microbatch)
+        if self.summed and not self._stepping:  # a user loop's own backward: the sum at its end
+            return sum_after_backward(out, self.sum_gradients)
+        return out
+
+    def _forward(self, *inputs: torch.Tensor, microbatch: int | None = None) -> Any:
         if self.microbatches == 1:
             return self.runner(*inputs)
         self._check(inputs)
@@ -79,6 +90,11 @@ class Microbatched(nn.Module):
         outs = [self.runner(*(micro_rows(x, self.data_ranks, self.microbatches, j) for x in inputs))
                 for j in range(self.microbatches)]
         return _merge(outs)
+
+    def sum_gradients(self) -> None:
+        """Sum the gradients replicated over a model axis there, once (`gradsum`)."""
+        if self.summed:
+            sum_gradients(dict(self.named_parameters()), self.summed, self.runner.get_submodule("mesh"))
 
     def _loss(self, out: Any, target: torch.Tensor | None, index: int) -> torch.Tensor:
         if self.loss_fn is None:
@@ -98,15 +114,20 @@ class Microbatched(nn.Module):
         """Forward and backward of every micro-batch through `caller` (this module or its DDP /
         FSDP2 wrapper); returns the mean loss, detached."""
         total = torch.zeros(())
-        for j in range(self.microbatches):
-            last = j == self.microbatches - 1
-            with _sync(caller, last):
-                out = caller(*inputs, microbatch=j) if self.microbatches > 1 else caller(*inputs)
-                loss = self._loss(out, target, j)
-                part = loss / self.microbatches if self.microbatches > 1 else loss
-                scaler = self.__dict__.get("grad_scaler")  # fp16's loss scaler (`precision.py`)
-                (scaler.scale(part) if scaler is not None else part).backward()
-            total = total + loss.detach().float().cpu()
+        self._stepping = True
+        try:
+            for j in range(self.microbatches):
+                last = j == self.microbatches - 1
+                with _sync(caller, last):
+                    out = caller(*inputs, microbatch=j) if self.microbatches > 1 else caller(*inputs)
+                    loss = self._loss(out, target, j)
+                    part = loss / self.microbatches if self.microbatches > 1 else loss
+                    scaler = self.__dict__.get("grad_scaler")  # fp16's loss scaler (`precision.py`)
+                    (scaler.scale(part) if scaler is not None else part).backward()
+                total = total + loss.detach().float().cpu()
+        finally:
+            self._stepping = False
+        self.sum_gradients()  # model axes: once, after the last micro-batch (DDP / FSDP2 are done)
         return total / self.microbatches
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,8 +32,9 @@ Either way the module torch drives returns no views (`schedules.Unviewed`, insid
 unit). Stages get their input and output shapes up front (the
 IR knows them), so torch skips the first-step metadata inference: that extra forward runs the
 DDP wrapper outside `no_sync` and would make it all-reduce every micro-batch. Then gradients
-are divided by the micro-batch count (the loss is a mean over micro-batches) and a parameter
-held on several pipeline ranks (a tied embedding and head) gets the sum of theirs. Mixed
+are divided by the micro-batch count (the loss is a mean over micro-batches), gradients
+replicated over a model axis that splits the batch are summed there once (`gradsum`), and a
+parameter held on several pipeline ranks (a tied embedding and head) gets the sum of theirs. Mixed
 precision (`precision.py`): stage modules cast as generated, FSDP2 gathers compute-dtype weights
 and reduce-scatters fp32 gradients, and under fp16 the schedule's loss is scaled by the module's
 `grad_scaler` (the losses `step` returns are unscaled). Under `compile` (`parallelize.runs_compiled`)
@@ -53,6 +54,7 @@ from torch import nn
 from shardc.analysis.stages import device_stages, stage_device
 from shardc.backends.torch.codegen import generate, local_piece, local_shape
 from shardc.backends.torch.collectives import MeshGroups
+from shardc.backends.torch.gradsum import sum_gradients, summed_parameters
 from shardc.backends.torch.parallelize import (
     check_model,
     compile_in_place,
@@ -105,6 +107,7 @@ class PipelinedModule(nn.Module):
         self.user_loss = loss_fn
         self.schedule_name = str(graph.attrs.get("schedule", "1f1b"))
         self.data_group = data_group  # gradients averaged here after the schedule (zero-bubble, no DDP)
+        self.summed = summed_parameters(graph)  # summed over model axes after the schedule (`gradsum`)
         from torch.distributed.pipelining import PipelineStage
 
         group = dm.get_group(Axis.PP)
@@ -221,6 +224,8 @@ class PipelinedModule(nn.Module):
                 local_tensor(p.grad).div_(self.microbatches)
         if self.data_group is not None:
             sync_data_parallel(list(params.values()), self.data_group)
+        if self.summed:
+            sum_gradients(params, self.summed, cast(MeshGroups, self.stage_modules[0].get_submodule("mesh")))
         tied = [name for name, stages in sorted(self.plan.param_stages.items())
                 if len({stage_device(s, self.pp, self.schedule_name) for s in stages}) > 1]
         if not tied:

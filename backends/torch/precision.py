@@ -9,10 +9,10 @@ Rule. With `dtype=bf16` or `fp16` (the lowered graph's `dtype` attribute, `bf16`
   the weight (`weight_copy`: a pipeline stage holds one copy, not one per micro-batch in flight;
   a layer recomputing in full holds it only while it runs). Autograd through the cast lands the
   weight gradients in fp32 on the fp32 parameters, so DDP reduces fp32 gradients (Megatron's
-  accumulate-allreduce-grads-in-fp32) and AdamW keeps fp32 states. One exception: a
-  `grad_all_reduce` over a model axis (a weight read by a node that splits the batch on tp)
-  sums the gradient of the copy, in the compute dtype, where the model prices fp32 bytes
-  (numerically no different on gpt-bf16: tests/test_closed_loop.py);
+  accumulate-allreduce-grads-in-fp32) and AdamW keeps fp32 states; a weight read by nodes that
+  split the batch on tp has its fp32 gradient summed over tp once per step too (`gradsum`), as
+  the model prices it (a weight with per-use `grad_all_reduce` markers left, read replicated by
+  some reader that does not split tp, sums its copy's gradient in the compute dtype);
 - a loss op (`kind == "loss"`: cross entropy) reads its float inputs in fp32, as Megatron
   computes the loss and as `train.default_loss` does for a model without one: its
   log-probabilities and their gradient are fp32;

@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from shardc.analysis.propagate import io_layouts, iteration_space, requires_grad
+from shardc.analysis.summed import parameter_of, summed_per_step
 from shardc.ir import (
     DATA_AXES,
     DTYPE_BYTES,
@@ -300,8 +301,9 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     is then the sum of partial ones (the splitting readers') and replicated ones (the others'), so
     the others get the edge with replicated-gradient conjugates and the splitting readers the same
     steps plus an `identity` marker (backward all_reduce) per such axis; the lowering emits the
-    shared steps once (`lower`'s chain sharing). Graph outputs are made replicated on model axes
-    and kept on data axes (edges with no consumers).
+    shared steps once (`lower`'s chain sharing). A parameter whose gradient is summed once per
+    step over an axis (`shardc.analysis.summed`) gets no marker on that axis. Graph outputs are
+    made replicated on model axes and kept on data axes (edges with no consumers).
     """
     mesh = graph.mesh
     if mesh is None:
@@ -311,6 +313,11 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     groups: dict[tuple[Value, Layout, int | None, frozenset[str]], list[tuple[int, int]]] = {}
     splits: dict[int, set[str]] = {}
     model = {a for a in mesh.names if a not in data_axes and mesh.axis_size(a) > 1}
+    once = summed_per_step(graph, data_axes)  # parameters summed once per step there: no marker per use
+
+    def deferred(v: Value) -> set[str]:
+        return set(once.get((parameter_of(v) or v).name, ()))
+
     for index, node in enumerate(graph.nodes):
         stage = node_stage(graph, node)
         ins, _ = io_layouts(node, mesh)
@@ -318,7 +325,7 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
         splits[index] = ({a for a, _ in part.spatial} | {a for t in part.temporal for a in t.axes}) if part else set()
         for pos, (v, need) in enumerate(zip(node.inputs, ins)):
             need = normalize(need, mesh)
-            cut = frozenset(a for a in splits[index] & model if isinstance(need.on(a), Replicate))
+            cut = frozenset(a for a in splits[index] & model if isinstance(need.on(a), Replicate)) - deferred(v)
             groups.setdefault((v, need, stage, cut), []).append((index, pos))
         for v in node.outputs:
             stage_of[v] = stage
@@ -335,11 +342,12 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
             steps.append(ReshardStep("send_recv", Axis.PP, src, src, nbytes, nbytes, 2, "send_recv"))
         trainable = grads.get(v, False)
         if len(cuts[(v, need, stage)]) > 1:  # mixed readers (see docstring): shared steps, then the markers
-            shared = with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable, set())
+            shared = with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable, set(),
+                                    deferred(v))
             steps += shared + markers(need, v, mesh, data_axes, trainable, set(cut), set())
         else:
             steps += with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, trainable,
-                                    set().union(*(splits[i] for i, _ in consumers)))
+                                    set().union(*(splits[i] for i, _ in consumers)) - deferred(v), deferred(v))
         if steps:
             out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
     for v in graph.outputs:
@@ -352,14 +360,16 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
 
 
 def with_gradients(steps: list[ReshardStep], need: Layout, value: Value, mesh: Mesh,
-                   data_axes: tuple[str, ...], trainable: bool, split_axes: set[str]) -> list[ReshardStep]:
+                   data_axes: tuple[str, ...], trainable: bool, split_axes: set[str],
+                   summed: set[str] | frozenset[str] = frozenset()) -> list[ReshardStep]:
     """Set each step's backward kind and add the `identity` markers (see `edge_steps`): `trainable`
-    says whether `value` carries a gradient, `split_axes` the axes its readers split."""
+    says whether `value` carries a gradient, `split_axes` the axes its readers split, `summed` the
+    axes its gradient is summed over once per step (partial there, as on data axes)."""
     marked = _marked(need, mesh, data_axes, trainable, split_axes)
     last_on = {s.axis: k for k, s in enumerate(steps)}
     result = []
     for k, s in enumerate(steps):
-        partial = s.axis in data_axes or (s.axis in marked and last_on[s.axis] == k)
+        partial = s.axis in data_axes or s.axis in summed or (s.axis in marked and last_on[s.axis] == k)
         result.append(dataclasses.replace(s, backward=conjugate(s.kind, partial)))
     covered = {s.axis for s in result if s.axis in marked and s.backward in ("reduce_scatter", "all_reduce")}
     return result + markers(need, value, mesh, data_axes, trainable, split_axes, covered)

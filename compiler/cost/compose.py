@@ -49,7 +49,7 @@ from shardc.cost.memory import (
 )
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, device_order, simulate, weight_gradient_share
-from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync
+from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync, model_axis_collectives
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
 from shardc.ir import DATA_AXES, Axis, LayerAnnotation, Mesh, Node
@@ -268,7 +268,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                                 output_bytes)
         saved = sum(l.cost.saved_bytes for l in mine if l.cost is not None)
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
-                                    syncs[d].grad_bytes, syncs[d].comm_bytes, dp_collectives=syncs[d].collectives))
+                                    syncs[d].grad_bytes, syncs[d].comm_bytes, dp_collectives=syncs[d].collectives,
+                                    collectives=model_axis_collectives(mine, m, syncs[d])))
     inputs = PipelineInputs(plan.schedule if p > 1 else "1f1b", p, m, plan.vpp, tuple(fwd), tuple(bwd),
                             tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())))
     return Composition(step, tuple(stages), pipe, inputs)

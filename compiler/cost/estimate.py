@@ -38,6 +38,8 @@ class StageEstimate:
     # The data-parallel collectives one step runs on this device, where the model counts them
     # (FSDP2: `cost.fsdp.step_collectives`): (kind, count per step, bytes of each).
     dp_collectives: tuple[tuple[str, int, float], ...] = ()
+    # The model-axis collectives per step (`sync.model_axis_collectives`): (phase, kind, axis, bytes, calls)
+    collectives: tuple[tuple[str, str, str, float, int], ...] = ()
 
     @property
     def memory_bytes(self) -> float:
@@ -139,7 +141,8 @@ class Estimate:
             "stages": [{"stage": s.stage, "layers": list(s.layers), "time": s.time, "memory": s.memory,
                         "memory_bytes": s.memory_bytes, "in_flight_microbatches": s.in_flight,
                         "dp_grad_bytes": s.dp_grad_bytes,
-                        "dp_collectives": [{"kind": k, "count": n, "bytes": b} for k, n, b in s.dp_collectives]}
+                        "dp_collectives": [{"kind": k, "count": n, "bytes": b} for k, n, b in s.dp_collectives],
+                        "collectives": [list(c) for c in s.collectives]}
                        for s in self.stages],
             "notes": list(self.notes),
         }

@@ -13,7 +13,9 @@ Rules:
   backward and the buckets are serialised on the link. Only what outlasts that backward
   (`tail`) is exposed; a runtime that reduces only once backward is over
   (`EstimateOptions.overlap_grad_reduce=False`) exposes one collective over them all. Other axes (tp, for sequence-
-  parallel norm weights) are all-reduced after backward, exposed.
+  parallel norm weights, and every weight replicated over a tp that splits the batch) are
+  all-reduced after backward, exposed: per axis group all of the device's such gradients end to
+  end, in all_reduces of `SUM_BUCKET_BYTES`, as the torch backend runs it (`backends/torch/gradsum.py`).
 - Gradients of model chunks that finished earlier (interleaved schedules) are ready when the
   final backward starts. Pipelines (pp > 1) sync the same way: torch's pipeline stage drives
   a DDP module per stage, whose reducer is armed only for that stage's last micro-batch and
@@ -69,6 +71,7 @@ from shardc.plan.parallel import ParallelPlan
 ADAM_BYTES_PER_PARAM = 28
 DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+SUM_BUCKET_BYTES = DDP_DEFAULT_BUCKET_BYTES  # the runtime's model-axis gradient sums (`backends/torch/gradsum.py`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class DeviceSync:
     comm_bytes: float  # bytes this device sends for that sync (ring volume)
     # FSDP2's collectives per step (`fsdp.step_collectives`: kind, count, bytes each); empty otherwise
     collectives: tuple[tuple[str, int, float], ...] = ()
+    # Gradient bytes summed over model axes once per step, per axis group (the runtime's `gradsum`)
+    summed: tuple[tuple[tuple[str, ...], float], ...] = ()
 
     @property
     def after(self) -> float:
@@ -204,7 +209,8 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
             tail = collective_time(kind, sum(b for _, b in ready), levels, ctx.algorithm)
         else:
             tail = bucket_tail(ready, window, levels, kind, options.bucket_bytes, ctx.algorithm)
-        tail += sum(collective_time("all_reduce", b, ctx.levels(axes), ctx.algorithm) for axes, b in other.items())
+        tail += sum(collective_time("all_reduce", piece, ctx.levels(axes), ctx.algorithm)
+                    for axes, b in other.items() for piece in sum_buckets(b))
         grad_bytes = sum(b for _, b in ready) + reduced
         gather = 0.0
         collectives: tuple[tuple[str, int, float], ...] = ()
@@ -228,5 +234,31 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
         optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
         factor = (2 if kind == "all_reduce" else 1) * (shard - 1) / shard if shard > 1 else 0.0
-        out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor, collectives))
+        out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor, collectives,
+                              tuple(sorted(other.items()))))
     return out
+
+
+def model_axis_collectives(layers, microbatches: int, sync: DeviceSync) -> tuple[tuple[str, str, str, float, int], ...]:
+    """The model-axis collectives one device runs per step as priced: (phase, kind, axis, bytes,
+    calls per step), each layer's per-micro-batch ones (`LayerCost.collectives`) `microbatches`
+    times, then the once-per-step gradient sums over model axes ("sync", "all_reduce", the axes
+    joined by "x", bytes per bucket of `SUM_BUCKET_BYTES`, buckets). The data-parallel sync's
+    buckets are not listed."""
+    count: dict[tuple[str, str, str, float], int] = {}
+    for layer in layers:
+        for phase, step in (layer.cost.collectives if layer.cost is not None else ()):
+            key = (phase, step.kind, step.axis, float(step.nbytes))
+            count[key] = count.get(key, 0) + microbatches
+    out = [(*key, n) for key, n in count.items()]
+    for axes, nbytes in sync.summed:
+        for size in sorted(set(sum_buckets(nbytes)), reverse=True):
+            out.append(("sync", "all_reduce", "x".join(axes), size, sum_buckets(nbytes).count(size)))
+    return tuple(out)
+
+
+def sum_buckets(nbytes: float, bucket_bytes: int = SUM_BUCKET_BYTES) -> list[float]:
+    """The all_reduce sizes the runtime sums `nbytes` of gradients over a model axis group in
+    (`backends/torch/gradsum.py`): full buckets of `bucket_bytes`, then the rest."""
+    full, rest = divmod(int(nbytes), bucket_bytes)
+    return [float(bucket_bytes)] * full + ([float(rest)] if rest else [])

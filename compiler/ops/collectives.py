@@ -24,7 +24,8 @@ conjugates depending on how the gradient of a replicated value is held on that a
 | all_to_all[axis, src, dst]            | S(src) -> S(dst)             | all_to_all S(dst) -> S(src) |
 | rotate[axis, shift]                   | shard moves `shift` ranks    | rotate by -shift            |
 | send[axis, src, dst] / recv[...]      | pipeline stage cut           | recv / send                 |
-| grad_sync[axes, op, via, zero]        | identity on a parameter      | all_reduce over data axes   |
+| grad_sync[axes, op, via, zero,        | identity on a parameter      | all_reduce over data axes;  |
+|   sum_axes]                           |                              | sum over sum_axes once/step |
 
 `ring_traffic` is the one table of what a collective moves: latency steps and the fraction of
 the buffer each rank sends over a ring of n ranks. The cost model, the calibration's link fits,
@@ -80,7 +81,8 @@ _collective("rotate", "every rank passes its shard `shift` ranks along `axis`; b
 _collective("send", "pipeline stage cut: the value leaves stage `src` for stage `dst` over `axis`")
 _collective("recv", "pipeline stage cut: the value arrives at stage `dst` from stage `src` over `axis`")
 _collective("grad_sync", "identity on a parameter; its gradient is averaged over the data `axes` "
-                         "(by DDP, or FSDP2 for ZeRO stage `zero`, as `via` says)")
+                         "(by DDP, or FSDP2 for ZeRO stage `zero`, as `via` says) and summed over the "
+                         "model axes `sum_axes` once per step, after the last backward")
 
 
 

@@ -107,7 +107,7 @@ def spatial_options(group: NodeGroup, mesh: Mesh, shapes: Shapes) -> list[tuple[
         elif axis == Axis.EP:
             experts = [d for d, rule in special.items() if rule == "expert" and sizes[d] > 1]
             batch_dims = [d for d in plain if roles.get(d) == "batch"]
-            opts = experts + batch_dims[:1] or [None]
+            opts = [*experts, *batch_dims[:1]] or [None]
         else:
             opts = [None] + plain + [d for d, rule in special.items() if rule == "vocab"]
         per_axis.append(opts)
