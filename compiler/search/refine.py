@@ -60,11 +60,11 @@ def _key(ev: Evaluation, limit: float) -> tuple[float, float]:
     return (max(0.0, ev.memory_per_device_bytes - limit), ev.step_time_s)
 
 
-def _with(rows: Rows, changes: dict[tuple[int, int], int]) -> Rows | None:
-    """`rows` with `changes` ((stage, recomputation) -> added blocks) applied; None when a count
+def _with(rows: Rows, *changes: tuple[int, int, int]) -> Rows | None:
+    """`rows` with `changes` ((stage, recomputation, blocks added)) applied; None when a count
     goes negative or a stage is left without blocks."""
     new = [list(r) for r in rows]
-    for (s, r), d in changes.items():
+    for s, r, d in changes:
         new[s][r] += d
     if any(x < 0 for row in new for x in row) or any(sum(row) < 1 for row in new):
         return None
@@ -79,15 +79,15 @@ def moves(rows: Rows, fits: bool) -> list[Rows]:
         for r in range(3):
             for q in range(3):
                 if q != r and not (fits and q > r):
-                    out.append(_with(rows, {(s, r): -1, (s, q): 1}))
+                    out.append(_with(rows, (s, r, -1), (s, q, 1)))
         for t in (s - 1, s + 1):
             if not 0 <= t < p:
                 continue
             for r in range(3):
-                out.append(_with(rows, {(s, r): -1, (t, r): 1}))
+                out.append(_with(rows, (s, r, -1), (t, r, 1)))
                 # The move with one more block recomputed in full where it arrives, or one fewer where it left.
-                out.append(_with(rows, {(s, r): -1, (t, r): 1, (t, 0): -1, (t, 2): 1}))
-                out.append(_with(rows, {(s, r): -1, (t, r): 1, (s, 2): -1, (s, 0): 1}))
+                out.append(_with(rows, (s, r, -1), (t, r, 1), (t, 0, -1), (t, 2, 1)))
+                out.append(_with(rows, (s, r, -1), (t, r, 1), (s, 2, -1), (s, 0, 1)))
     return list(dict.fromkeys(x for x in out if x is not None and x != rows))
 
 
