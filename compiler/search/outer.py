@@ -29,8 +29,8 @@ Rules:
   order of bound and while the wall clock allows; their `lower_bound` is the interleaved
   schedule's ideal time on the cheapest blocks (no memory term), and it stays their floor in
   the gap (the enumeration proves nothing).
-- After the CP-SAT solves, the fastest plans with Megatron's schedule and one chunk per device
-  (the grid's and the solver's) get a local search over their per-stage block counts and
+- After the CP-SAT solves, the fastest pipelined plans with Megatron's schedule and one chunk
+  per device (the grid's and the solver's) get a local search over their per-stage block counts and
   recomputation by `evaluate` (`shardc.search.refine`: a later 1F1B stage holds fewer
   micro-batches in flight, so it can recompute less), in `refine.EVALUATIONS_PER_SECOND`
   evaluations per second of the time limit (deterministic).
@@ -325,7 +325,7 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
             founds.append(Found(problem, a, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
     flat = [(f.problem, f.assignment, f.evaluation) for f in founds + grids
-            if f.problem.shape.vpp == 1 and not f.problem.shape.schedule]
+            if f.problem.shape.pp > 1 and f.problem.shape.vpp == 1 and not f.problem.shape.schedule]
     for problem, a, ev in refine(flat, limit, int(EVALUATIONS_PER_SECOND * time_limit), start + wall_stop * time_limit):
         founds.append(Found(problem, a, ev, "solver", "FEASIBLE", 0.0))
         log.append(f"{problem.shape} mb={problem.mb}: {ev.step_time_s:.4g}s by the stage refinement")

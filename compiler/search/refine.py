@@ -8,7 +8,7 @@ point it was warm-started from, can leave unused a per-stage freedom the evaluat
 than an earlier one, and the stage holding the head or the embedding may take fewer blocks.
 Rules:
 - Plans refined: the `REFINED` fastest fitting plans by evaluation among those given (the
-  grid's and the solver's plans with Megatron's schedule and one model chunk per device), one
+  grid's and the solver's pipelined plans with Megatron's schedule and one model chunk per device), one
   per (shape, micro-batch, candidate vectors, ZeRO stage). Vectors and ZeRO stage are kept; only
   the block counts per stage and their recomputation change, which `annotate_graph` writes as
   per-layer annotations the backend runs (the per-stage mixes `shardc.search.schedules` and
