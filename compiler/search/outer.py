@@ -38,6 +38,11 @@ Rules:
   order of bound and while the wall clock allows; their `lower_bound` is the interleaved
   schedule's ideal time on the cheapest blocks (no memory term), and it stays their floor in
   the gap (the enumeration proves nothing).
+- After the CP-SAT solves, the fastest pipelined plans with Megatron's schedule and one chunk
+  per device (the grid's and the solver's) get a local search over their per-stage block counts and
+  recomputation by `evaluate` (`shardc.search.refine`: a later 1F1B stage holds fewer
+  micro-batches in flight, so it can recompute less), in `refine.EVALUATIONS_PER_SECOND`
+  evaluations per second of the time limit (deterministic).
 - Every pipelined shape is also offered under torch's zero-bubble schedules (`zbv`,
   `dualpipev` with vpp = 2, `interleaved-zb` with vpp = 1..`MAX_VPP` and Megatron's depths
   above it; `schedules=False` leaves
@@ -86,6 +91,7 @@ from shardc.search.interleave import search_interleaved
 from shardc.search.objective import objective
 from shardc.search.planfile import annotate_graph
 from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
+from shardc.search.refine import EVALUATIONS_PER_SECOND, refine
 from shardc.search.schedules import rebalance, schedule_shapes, search_schedules
 
 LONG_SEQUENCE = 8192
@@ -338,6 +344,12 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         if ev.fits:
             founds.append(Found(problem, a, ev, "solver", result.status, result.gap))
             incumbent = min(incumbent, ev.step_time_s)
+    flat = [(f.problem, f.assignment, f.evaluation) for f in founds + grids
+            if f.problem.shape.pp > 1 and f.problem.shape.vpp == 1 and not f.problem.shape.schedule]
+    for problem, a, ev in refine(flat, limit, int(EVALUATIONS_PER_SECOND * time_limit), start + wall_stop * time_limit):
+        founds.append(Found(problem, a, ev, "solver", "FEASIBLE", 0.0))
+        log.append(f"{problem.shape} mb={problem.mb}: {ev.step_time_s:.4g}s by the stage refinement")
+        incumbent = min(incumbent, ev.step_time_s)
     deadline = min(start + wall_stop * time_limit, time.perf_counter() + INTERLEAVE_SHARE * time_limit)
     solved_plans = [(f.problem, f.assignment, f.evaluation.step_time_s) for f in founds]
     for i, a, ev in search_interleaved(problems, by_bound, bounds, solved_plans, incumbent, limit, deadline):
