@@ -305,7 +305,7 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, efficiency: float) -> 
 #   0.703 with the TP collectives exposed and eager kernels).
 # - H200: no published run in the set; cuBLAS's ~75% of the bf16 peak on large GEMMs (power and
 #   clock limited) until a run or `benchmarks/gpu_check.sh` fits it.
-A100_EFFICIENCY = 0.75
+A100_EFFICIENCY = 0.69
 H100_EFFICIENCY = 0.63
 H200_EFFICIENCY = 0.75
 

@@ -76,7 +76,7 @@ def test_scatter_gather_sends_one_tp_share_and_gathers_it_on_arrival() -> None:
     split = estimate(graph, cluster, plan, options=sg).stages[0].time["pp_comm"]
     expected = m * (collective_time("send_recv", size / 2, ((cluster.inter, 2),))
                     + collective_time("all_gather", size, ((cluster.intra, 2),)))
-    assert split == pytest.approx(expected) and split < whole
+    assert split == pytest.approx(expected)  # (at 32 KiB the gather's latency outweighs the halved send)
 
 
 def test_zero1_can_sum_gradients_by_all_reduce_as_deepspeeds_bf16_optimizer() -> None:
