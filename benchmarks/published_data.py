@@ -60,9 +60,10 @@ class PublishedRun:
     overlap_source: str = ""
     # False: gradients reduced over data parallelism only once backward is over (exposed).
     overlap_grad_reduce: bool = True
-    # How ZeRO-1 sums the gradients (`EstimateOptions.zero_gradient_collective`): reduce_scatter,
-    # or all_reduce (DeepSpeed's BF16_Optimizer: bf16 with its ZeRO stage 0).
-    zero_gradient_collective: str = "reduce_scatter"
+    # DeepSpeed's BF16_Optimizer (bf16 with DeepSpeed's ZeRO stage 0, its own ZeRO-1): every
+    # micro-batch's bf16 gradients added into fp32 ones after its backward, the fp32 gradients
+    # all-reduced after the last (`EstimateOptions.fp32_grad_accumulation`, `zero_gradient_collective`).
+    bf16_optimizer: bool = False
     # The framework fuses the elementwise work between GEMMs as compiled pricing describes
     # (`compile=1`): Transformer Engine's fused layers (NeMo). Megatron-LM 2021 and
     # Megatron-DeepSpeed fused a few kernels (bias-GeLU, scale-mask-softmax, bias-dropout-add)
@@ -139,8 +140,10 @@ ROWS: tuple[PublishedRun, ...] = (
                  calibration=True, gradient_reduce="compute", overlap_grad_reduce=False),
     # --- A100: checks
     # BLOOM: Megatron-DeepSpeed, bf16 with DeepSpeed's BF16_Optimizer (its ZeRO stage 0: "bf16
-    # must use z0! it implements its own zero stage 1 equivalent"), which all-reduces the fp32
-    # gradients after backward (pipe/engine.py `_bf16_reduce_grads`), updates its shard and
+    # must use z0! it implements its own zero stage 1 equivalent"): under the pipeline engine it
+    # adds every micro-batch's bf16 gradients into fp32 ones after that backward (DeepSpeed
+    # 56c5223, bf16+pipeline parallelism, pipe/engine.py `_exec_backward_pass`: `update_hp_grads`),
+    # all-reduces the fp32 gradients after the last (`_bf16_reduce_grads`), updates its shard and
     # all-gathers the weights; full activation checkpointing, tied 250880-token embedding, ALiBi
     # (traced as learned positions: the same matmuls); 'type:transformer|embedding' stage split
     # (5 blocks on the first and last stage, 6 on the others: apply-plan's). Jean Zay: 4x
@@ -152,25 +155,31 @@ ROWS: tuple[PublishedRun, ...] = (
                  "iteration 85376, elapsed time per iteration 104.70 s, GBS 2048, 48 nodes; plan from "
                  "tr11-176B-ml.slurm: TP=4, PP=12, MBS=2, ZERO_STAGE=0 with bf16)",
                  runtime="deepspeed", inter_gbps=4 * 12.5 / 8, overlap_grad_reduce=False,
-                 zero_gradient_collective="all_reduce"),
+                 bf16_optimizer=True),
     # MT-NLG 530B: Megatron-DeepSpeed on Selene (DeepSpeed's PipelineEngine), tp=8 x pp=35,
     # gbs=1920, seq 2048, activation checkpointing, bf16 (sec. 2.3, 3.2); the paper's
     # per-iteration latencies at three node counts (sec. 2.4: their 126/121/113 TFLOP/s count the
-    # recomputed forward, Narayanan et al.'s formula). Not stated there: the micro-batch size
-    # (1, as Megatron-LM's own 530B runs) and the optimizer's sharding (textbook ZeRO-1 assumed).
+    # recomputed forward, Narayanan et al.'s formula). Not stated there: the optimizer's sharding
+    # (textbook ZeRO-1 assumed) and the micro-batch size, read off sec. 2.4's three iteration times
+    # instead: at a fixed batch a 1F1B step is c x (gbs/(dp mb) + p - 1) with c one micro-batch's
+    # time on a stage, the same at every scale; only mb=2 makes c one figure (0.390, 0.386, 0.390 s
+    # at dp 8, 10, 12; mb=1: 0.219, 0.222, 0.229; mb=4: 0.639, 0.612, 0.600). An inference from the
+    # published times, independent of shardc's model and of its efficiency (README).
     *(PublishedRun(f"MT-NLG 530B ({n} GPUs)", _gpt(105, 20480, 128, 50272), 2048,
-                   f"dp={n // 280},tp=8,pp=35,mb=1,gbs=1920,recompute=full,zero=1,dtype=bf16", "A100-80GB", n,
+                   f"dp={n // 280},tp=8,pp=35,mb=2,gbs=1920,recompute=full,zero=1,dtype=bf16", "A100-80GB", n,
                    _SELENE, "step_s", t,
                    "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B "
                    "(arXiv 2201.11990), sec. 2.4: 60.1/50.2/44.4 s per iteration on 280/350/420 DGX A100 "
                    "(as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)",
-                   runtime="deepspeed", overlap_grad_reduce=False)
+                   runtime="deepspeed", overlap_grad_reduce=False,
+                   note="mb=2 is not stated in the paper: inferred from its three iteration times (sec. 2.4)")
       for n, t in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
     # torchtitan: FSDP2 (ZeRO-3) over 64 A100-80GB, local batch 1, seq 8192. Its "selective op"
     # row (2973 WPS) is left out: that policy saves every second matmul's output and recomputes
     # the rest of the layer, which no shardc recomputation expresses (`selective` is the
     # attention core, absent from a fused sdpa node).
-    # "selective layer" checkpoints every second block (torchtitan's layer-frequency 2): 16 of
+    # "selective layer" checkpoints every second block (torchtitan 1ea476e, the page's commit:
+    # torchtitan/config_manager.py `selective_ac_option` default "2", every 2nd layer): 16 of
     # the 32 blocks recomputed in full, what recompute_layers=16 prices.
     PublishedRun("torchtitan Llama 3 8B (selective layer AC)", _llama(32, 4096, 32, 8, 14336), 8192,
                  "dp=64,mb=1,gbs=64,recompute=full,recompute_layers=16,zero=3,dtype=bf16", "A100-80GB", 64,

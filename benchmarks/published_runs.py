@@ -73,7 +73,9 @@ def options_for(row: PublishedRun) -> EstimateOptions:
     return EstimateOptions(pipeline_runtime="deepspeed" if row.runtime == "deepspeed" else "none",
                            zero_runtime="zero", gradient_reduce=row.gradient_reduce,
                            tp_comm_overlap=row.tp_comm_overlap, overlap_grad_reduce=row.overlap_grad_reduce,
-                           pipeline_scatter_gather=True, zero_gradient_collective=row.zero_gradient_collective)
+                           pipeline_scatter_gather=True,
+                           zero_gradient_collective="all_reduce" if row.bf16_optimizer else "reduce_scatter",
+                           fp32_grad_accumulation=row.bf16_optimizer)
 
 
 def cluster_for(row: PublishedRun, matmul_efficiency: float | None = None) -> Cluster:

@@ -94,3 +94,27 @@ def test_zero1_can_sum_gradients_by_all_reduce_as_deepspeeds_bf16_optimizer() ->
     assert bf16.step_time_s - textbook.step_time_s == pytest.approx(extra)
     with pytest.raises(ShardcError, match="zero_gradient_collective='scatter'"):
         EstimateOptions(zero_gradient_collective="scatter")
+
+
+@pytest.mark.parametrize("p,m", [(4, 16), (12, 128), (35, 240)])
+def test_with_free_transfers_deepspeeds_order_costs_what_1f1b_costs(p: int, m: int) -> None:
+    # Equal stages, F=1 and B=3 (a recomputing backward): the lockstep order adds no bubble.
+    run = simulate_lockstep([1.0] * p, [3.0] * p, [0.0] * p, m)
+    assert run.makespan == pytest.approx(simulate("1f1b", [1.0] * p, [3.0] * p, m, p).makespan)
+    assert run.makespan == pytest.approx((m + p - 1) * 4.0)
+
+
+def test_bf16_optimizer_adds_each_micro_batchs_gradients_into_fp32_in_its_backward() -> None:
+    import math
+
+    cluster = make_cluster("A100-80GB", 1, 1)
+    plan = ParallelPlan(mb=2, gbs=6)  # three micro-batches
+    graph = gpt(plan)
+    plain = estimate(graph, cluster, plan, options=MEGATRON)
+    accumulating = estimate(graph, cluster, plan, options=EstimateOptions(
+        pipeline_runtime="none", zero_runtime="zero", fp32_grad_accumulation=True))
+    params = sum(math.prod(p.type.shape) for p in graph.params)
+    # per micro-batch: the bf16 gradient read, an fp32 temporary written and read, the fp32 sum read and written
+    expected = 3 * params * (2 + 16) / cluster.device.memory_bandwidth
+    assert accumulating.stages[0].time["compute_bwd"] - plain.stages[0].time["compute_bwd"] == pytest.approx(expected)
+    assert accumulating.step_time_s - plain.step_time_s == pytest.approx(expected)

@@ -80,6 +80,12 @@ class EstimateOptions:
     # receives the sum of its shard) or "all_reduce" (DeepSpeed's BF16_Optimizer: every rank sums
     # all the fp32 gradients, then updates its shard and all-gathers the weights).
     zero_gradient_collective: str = "reduce_scatter"
+    # After every micro-batch's backward the runtime adds each compute-dtype gradient into an fp32
+    # copy in a pass of its own (DeepSpeed's BF16_Optimizer under its pipeline engine,
+    # `update_hp_grads`): per local parameter the gradient read, an fp32 temporary written and
+    # read, the fp32 accumulator read and written (`FP32_ACCUMULATE_BYTES` + the compute dtype's),
+    # at memory bandwidth, in that backward.
+    fp32_grad_accumulation: bool = False
     # The dtype gradients are reduced in: "fp32" as the torch backend runs mixed precision (fp32
     # gradients on the fp32 master weights; Megatron-LM's default for bf16), or "compute"
     # (Megatron-LM's fp16 default, accumulate_allreduce_grads_in_fp32=False: reduced in fp16).
@@ -169,6 +175,12 @@ class PipelineInputs:
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
     sends: tuple[float, ...] = ()  # per stage, the exchange transfer (the lockstep schedule's; else in fwd/bwd)
+
+
+# Bytes per parameter of an fp32 gradient accumulation pass beyond reading the compute-dtype gradient:
+# the fp32 temporary written and read, the accumulator read and written
+# (`EstimateOptions.fp32_grad_accumulation`).
+FP32_ACCUMULATE_BYTES = 4 * GRADIENT_BYTES
 
 
 def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
@@ -334,6 +346,11 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
             fwd[s] -= hf
             bwd[s] -= hb
             times[s]["tp_comm"] = times[s].get("tp_comm", 0.0) - (hf + hb) * m
+        if options.fp32_grad_accumulation:  # every micro-batch, after its backward (`EstimateOptions`)
+            numel = sum(n for n, _ in layer.params.values())
+            extra = numel * (w_elem + FP32_ACCUMULATE_BYTES) / links.device.memory_bandwidth
+            bwd[s] += extra
+            times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + extra * m
         if zero3_reduces_per_layer(options, layer.annotation.zero, shard):
             numel = sum(n for n, axes in layer.params.values())
             ef, eb = zero3_exposed(cost, numel, w_elem, shard_levels, links.algorithm, numel * g_elem)

@@ -13,11 +13,11 @@ receives its activation from stage s-1 and sends s-1 the gradient of the backwar
 step before; the backward step of s-1 at the same step sends that activation and receives that
 gradient. Every send and receive is blocking and paired (`p2p.send`/`p2p.recv`, "must be paired
 ... to avoid deadlock"), so an exchange starts once both stages have finished their previous
-step, and its transfers (one or two) run one after the other. Neighbouring stages are always in
-opposite phases, so a stage's forward waits on its neighbour's backward whenever the exchange
-binds: with equal stages the step rate is still one forward and one backward per micro-batch,
-but the schedule's fill and drain pay longer steps than Megatron's 1F1B, whose sends do not
-hold the device until the neighbour is ready.
+step, and its transfers (one or two) run one after the other on both stages. Neighbouring stages
+are always in opposite phases. With free transfers the order costs what Megatron's 1F1B costs
+(equal stages: the same makespan exactly, `tests/test_cost_runtimes.py`); what differs is that
+each transfer holds the receiver as well as the sender, four per micro-batch on an inner stage
+where Megatron's combined send-and-receive calls pay two.
 
 The transfer time per exchange direction (`send[s]`, stage s to s+1) is what one activation or
 gradient costs end to end; both stages of the pair wait for it.
