@@ -11,6 +11,7 @@ from shardc.cost import collective_time, estimate
 from shardc.cost.compose import EstimateOptions
 from shardc.cost.lockstep import simulate_lockstep, step_work
 from shardc.cost.pipeline import simulate
+from shardc.cost.report import timeline
 from shardc.hardware import make_cluster
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
@@ -60,6 +61,8 @@ def test_a_deepspeed_pipeline_pays_each_exchange_on_both_stages() -> None:
     assert one > 0 and megatron.stages[1].time["pp_comm"] == pytest.approx(one)
     # Megatron: the sender pays each transfer; DeepSpeed: both stages wait for both directions.
     assert [s.time["pp_comm"] for s in deepspeed.stages] == pytest.approx([2 * one, 2 * one])
+    events = timeline(deepspeed)  # the plotted timeline is the lockstep simulation's
+    assert len(events) == 2 * 2 * 4 and max(e[5] for e in events) <= deepspeed.step_time_s
     interleaved = ParallelPlan(pp=2, vpp=2, mb=2, gbs=8)
     with pytest.raises(ShardcError, match="runs its own TrainSchedule"):
         estimate(gpt(interleaved), cluster, interleaved, options=DEEPSPEED)
