@@ -15,9 +15,12 @@ Rules of the set:
   Narayanan et al.'s weak-scaling table (Megatron-LM, their Table 1) beyond the four
   calibration rows, and Korthikanti et al.'s iteration times and memory figures.
 - `runtime` says which framework's runtime the row ran, which sets the estimate's options
-  (`published_runs.options_for`): `megatron` (Megatron-LM, Megatron-DeepSpeed, NeMo: no
-  torch.distributed.pipelining buffers, textbook ZeRO-1 as the distributed optimizer) or
-  `torchtitan` (FSDP2).
+  (`published_runs.options_for`): `megatron` (Megatron-LM, NeMo: Megatron's 1F1B or interleaved
+  schedule, no torch.distributed.pipelining buffers, textbook ZeRO-1 as the distributed
+  optimizer), `deepspeed` (Megatron-DeepSpeed: DeepSpeed's PipelineEngine and its TrainSchedule
+  with blocking exchanges, `shardc.cost.lockstep`) or `torchtitan` (FSDP2).
+- Every row's plan is the run's own configuration as its launch script or paper states it
+  (micro-batch size, virtual stages, data-parallel implementation), cited in `source`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METRICS = ("step_s", "tflops", "tokens_per_gpu_s")
+RUNTIMES = ("megatron", "deepspeed", "torchtitan")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,10 @@ class PublishedRun:
     overlap_source: str = ""
     # False: gradients reduced over data parallelism only once backward is over (exposed).
     overlap_grad_reduce: bool = True
+    # DeepSpeed's BF16_Optimizer (bf16 with DeepSpeed's ZeRO stage 0, its own ZeRO-1): every
+    # micro-batch's bf16 gradients added into fp32 ones after its backward, the fp32 gradients
+    # all-reduced after the last (`EstimateOptions.fp32_grad_accumulation`, `zero_gradient_collective`).
+    bf16_optimizer: bool = False
     # The framework fuses the elementwise work between GEMMs as compiled pricing describes
     # (`compile=1`): Transformer Engine's fused layers (NeMo). Megatron-LM 2021 and
     # Megatron-DeepSpeed fused a few kernels (bias-GeLU, scale-mask-softmax, bias-dropout-add)
@@ -66,8 +74,8 @@ class PublishedRun:
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ValueError(f"{self.name}: metric {self.metric!r} is not one of {METRICS}")
-        if self.runtime not in ("megatron", "torchtitan"):
-            raise ValueError(f"{self.name}: runtime {self.runtime!r} is megatron or torchtitan")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"{self.name}: runtime {self.runtime!r} is not one of {RUNTIMES}")
         if self.tp_comm_overlap and not self.overlap_source:
             raise ValueError(f"{self.name}: tp_comm_overlap needs the configuration that enabled it (overlap_source)")
 
@@ -84,6 +92,10 @@ def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: in
 
 _NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters "
               "Using Megatron-LM (SC'21), Table 1")
+# The runs' own launch configuration: the paper's scripts (Megatron-LM commit 6985e58, whose
+# defaults scatter/gather pipeline tensors and reduce fp16 gradients in fp16); sec. 5.1: "we use the
+# interleaved pipeline schedule with the scatter/gather optimization enabled".
+_SC21 = "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh"
 _DGXC = "NVIDIA/dgxc-benchmarking"
 _SELENE = "DGX A100 SuperPOD: NVLink3 + 8x HDR 200 Gb/s InfiniBand per node"
 _DGX_H100 = "DGX H100: NVLink4 + 8x NDR 400 Gb/s InfiniBand per node"
@@ -105,48 +117,69 @@ ROWS: tuple[PublishedRun, ...] = (
     # after the last BackwardPass (deepspeed/runtime/pipe/schedule.py `TrainSchedule`, used by
     # Megatron-DeepSpeed for BLOOM and MT-NLG). NeMo overlaps it (`overlap_grad_sync: True` in
     # the launcher configurations cited below); torchtitan's FSDP reduces per block in backward.
-    # --- A100: calibration (Megatron-LM, fp16 with fp16 gradient all-reduce, as the paper ran)
+    # --- A100: calibration (Megatron-LM, fp16 with fp16 gradient all-reduce, as the paper ran).
+    # Plans from the paper's launch script (`_SC21`): micro-batch sizes 16 and 8 where pp=1, torch
+    # DDP there (its buckets all-reduced during the last backward); local DDP (after backward) and
+    # 5 layers per virtual stage (vpp=2) for 145.6B; mb=1 without virtual stages for 1008B.
     PublishedRun("Megatron-LM 1.7B", _gpt(24, 2304, 24, 51200), 2048,
-                 "dp=32,mb=1,gbs=512,recompute=full,dtype=fp16", "A100-80GB", 32, _SELENE,
-                 "tflops", 137.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
-                 overlap_grad_reduce=False),
+                 "dp=32,mb=16,gbs=512,recompute=full,dtype=fp16", "A100-80GB", 32, _SELENE,
+                 "tflops", 137.0, f"{_NARAYANAN}; plan: {_SC21} (1.7B: MBS=16, DDP=torch)", calibration=True,
+                 gradient_reduce="compute"),
     PublishedRun("Megatron-LM 18.4B", _gpt(40, 6144, 48, 51200), 2048,
-                 "dp=32,tp=8,mb=1,gbs=1024,recompute=full,dtype=fp16", "A100-80GB", 256, _SELENE,
-                 "tflops", 135.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
-                 overlap_grad_reduce=False),
+                 "dp=32,tp=8,mb=8,gbs=1024,recompute=full,dtype=fp16", "A100-80GB", 256, _SELENE,
+                 "tflops", 135.0, f"{_NARAYANAN}; plan: {_SC21} (18B: MBS=8, DDP=torch)", calibration=True,
+                 gradient_reduce="compute"),
     PublishedRun("Megatron-LM 145.6B", _gpt(80, 12288, 96, 51200), 2048,
-                 "dp=24,tp=8,pp=8,mb=1,gbs=2304,recompute=full,dtype=fp16", "A100-80GB", 1536, _SELENE,
-                 "tflops", 148.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
+                 "dp=24,tp=8,pp=8,vpp=2,mb=2,gbs=2304,recompute=full,dtype=fp16", "A100-80GB", 1536, _SELENE,
+                 "tflops", 148.0, f"{_NARAYANAN}; plan: {_SC21} (145B: MBS=2, DDP=local, "
+                 "--num-layers-per-virtual-pipeline-stage 5)", calibration=True, gradient_reduce="compute",
                  overlap_grad_reduce=False),
     PublishedRun("Megatron-LM 1008B", _gpt(128, 25600, 160, 51200), 2048,
                  "dp=6,tp=8,pp=64,mb=1,gbs=3072,recompute=full,dtype=fp16", "A100-80GB", 3072, _SELENE,
-                 "tflops", 163.0, _NARAYANAN, calibration=True, gradient_reduce="compute",
-                 overlap_grad_reduce=False),
+                 "tflops", 163.0, f"{_NARAYANAN}; plan: {_SC21} (1T: MBS=1, DDP=local, no virtual stages)",
+                 calibration=True, gradient_reduce="compute", overlap_grad_reduce=False),
     # --- A100: checks
-    # BLOOM: Megatron-DeepSpeed, bf16 with its BF16_Optimizer (ZeRO-1, fp32 gradients), full
-    # activation checkpointing, tied 250880-token embedding, ALiBi (traced as learned
-    # positions: the same matmuls). Jean Zay: 4x Omni-Path 100 Gb/s per node of 8 GPUs.
+    # BLOOM: Megatron-DeepSpeed, bf16 with DeepSpeed's BF16_Optimizer (its ZeRO stage 0: "bf16
+    # must use z0! it implements its own zero stage 1 equivalent"): under the pipeline engine it
+    # adds every micro-batch's bf16 gradients into fp32 ones after that backward (DeepSpeed
+    # 56c5223, bf16+pipeline parallelism, pipe/engine.py `_exec_backward_pass`: `update_hp_grads`),
+    # all-reduces the fp32 gradients after the last (`_bf16_reduce_grads`), updates its shard and
+    # all-gathers the weights; full activation checkpointing, tied 250880-token embedding, ALiBi
+    # (traced as learned positions: the same matmuls); 'type:transformer|embedding' stage split
+    # (5 blocks on the first and last stage, 6 on the others: apply-plan's). Jean Zay: 4x
+    # Omni-Path 100 Gb/s per node of 8 GPUs.
     PublishedRun("BLOOM-176B", _gpt(70, 14336, 112, 250880, tie=True), 2048,
                  "dp=8,tp=4,pp=12,mb=2,gbs=2048,recompute=full,zero=1,dtype=bf16", "A100-80GB", 384,
                  "Jean Zay: NVLink + 4x Omni-Path 100 Gb/s per node", "step_s", 104.70,
                  "bigscience-workshop/bigscience train/tr11-176B-ml/README.md (\"Important checkpoints\": "
-                 "iteration 85376, elapsed time per iteration 104.70 s, GBS 2048; plan from tr11-176B-ml.slurm)",
-                 inter_gbps=4 * 12.5 / 8, overlap_grad_reduce=False),
-    # MT-NLG 530B: Megatron-DeepSpeed on Selene, tp=8 x pp=35, mb=1, gbs=1920, activation
-    # checkpointing; the paper's per-iteration latencies at three node counts.
+                 "iteration 85376, elapsed time per iteration 104.70 s, GBS 2048, 48 nodes; plan from "
+                 "tr11-176B-ml.slurm: TP=4, PP=12, MBS=2, ZERO_STAGE=0 with bf16)",
+                 runtime="deepspeed", inter_gbps=4 * 12.5 / 8, overlap_grad_reduce=False,
+                 bf16_optimizer=True),
+    # MT-NLG 530B: Megatron-DeepSpeed on Selene (DeepSpeed's PipelineEngine), tp=8 x pp=35,
+    # gbs=1920, seq 2048, activation checkpointing, bf16 (sec. 2.3, 3.2); the paper's
+    # per-iteration latencies at three node counts (sec. 2.4: their 126/121/113 TFLOP/s count the
+    # recomputed forward, Narayanan et al.'s formula). Not stated there: the optimizer's sharding
+    # (textbook ZeRO-1 assumed) and the micro-batch size, read off sec. 2.4's three iteration times
+    # instead: at a fixed batch a 1F1B step is c x (gbs/(dp mb) + p - 1) with c one micro-batch's
+    # time on a stage, the same at every scale; only mb=2 makes c one figure (0.390, 0.386, 0.390 s
+    # at dp 8, 10, 12; mb=1: 0.219, 0.222, 0.229; mb=4: 0.639, 0.612, 0.600). An inference from the
+    # published times, independent of shardc's model and of its efficiency (README).
     *(PublishedRun(f"MT-NLG 530B ({n} GPUs)", _gpt(105, 20480, 128, 50272), 2048,
-                   f"dp={n // 280},tp=8,pp=35,mb=1,gbs=1920,recompute=full,zero=1,dtype=bf16", "A100-80GB", n,
+                   f"dp={n // 280},tp=8,pp=35,mb=2,gbs=1920,recompute=full,zero=1,dtype=bf16", "A100-80GB", n,
                    _SELENE, "step_s", t,
                    "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B "
                    "(arXiv 2201.11990), sec. 2.4: 60.1/50.2/44.4 s per iteration on 280/350/420 DGX A100 "
                    "(as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)",
-                   overlap_grad_reduce=False)
+                   runtime="deepspeed", overlap_grad_reduce=False,
+                   note="mb=2 is not stated in the paper: inferred from its three iteration times (sec. 2.4)")
       for n, t in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
     # torchtitan: FSDP2 (ZeRO-3) over 64 A100-80GB, local batch 1, seq 8192. Its "selective op"
     # row (2973 WPS) is left out: that policy saves every second matmul's output and recomputes
     # the rest of the layer, which no shardc recomputation expresses (`selective` is the
     # attention core, absent from a fused sdpa node).
-    # "selective layer" checkpoints every second block (torchtitan's layer-frequency 2): 16 of
+    # "selective layer" checkpoints every second block (torchtitan 1ea476e, the page's commit:
+    # torchtitan/config_manager.py `selective_ac_option` default "2", every 2nd layer): 16 of
     # the 32 blocks recomputed in full, what recompute_layers=16 prices.
     PublishedRun("torchtitan Llama 3 8B (selective layer AC)", _llama(32, 4096, 32, 8, 14336), 8192,
                  "dp=64,mb=1,gbs=64,recompute=full,recompute_layers=16,zero=3,dtype=bf16", "A100-80GB", 64,

@@ -61,8 +61,12 @@ class Prediction:
 
 def options_for(row: PublishedRun) -> EstimateOptions:
     """The estimate options of the framework the row ran: Megatron-style runtimes have no
-    torch.distributed.pipelining receive buffers and run ZeRO-1 as the textbook distributed
-    optimizer; torchtitan runs FSDP2. Gradients are reduced as the row says."""
+    torch.distributed.pipelining receive buffers, run ZeRO-1 as the textbook distributed
+    optimizer (or as the row says) and send pipeline activations scattered over tp (Megatron-LM's
+    `scatter_gather_tensors_in_pipeline`, on by default; DeepSpeed's `is_pipe_partitioned` and
+    `is_grad_partitioned` whenever tp > 1); DeepSpeed's PipelineEngine runs its TrainSchedule
+    with blocking exchanges (`shardc.cost.lockstep`); torchtitan runs FSDP2. Gradients are
+    reduced as the row says."""
     if row.runtime == "torchtitan":
         # torchtitan wraps every block in its own fully_shard and prefetches: each block's weights
         # gathered before its forward and its backward behind the neighbour's compute, gradients
@@ -70,8 +74,12 @@ def options_for(row: PublishedRun) -> EstimateOptions:
         # ("zero"), not shardc's backend's one fully_shard on the whole module ("fsdp2").
         # fully_shard is FSDP2: every gather and reduce-scatter copies into and out of its flat buffers.
         return EstimateOptions(zero_runtime="zero", gradient_reduce=row.gradient_reduce, fsdp_copies=True)
-    return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce,
-                           tp_comm_overlap=row.tp_comm_overlap, overlap_grad_reduce=row.overlap_grad_reduce)
+    return EstimateOptions(pipeline_runtime="deepspeed" if row.runtime == "deepspeed" else "none",
+                           zero_runtime="zero", gradient_reduce=row.gradient_reduce,
+                           tp_comm_overlap=row.tp_comm_overlap, overlap_grad_reduce=row.overlap_grad_reduce,
+                           pipeline_scatter_gather=True,
+                           zero_gradient_collective="all_reduce" if row.bf16_optimizer else "reduce_scatter",
+                           fp32_grad_accumulation=row.bf16_optimizer)
 
 
 def cluster_for(row: PublishedRun, matmul_efficiency: float | None = None) -> Cluster:

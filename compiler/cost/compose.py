@@ -6,7 +6,9 @@ Rules:
   (forward) and of their gradients back (backward). ZeRO-3 all-gathers each layer's weights
   before its forward and its backward, prefetched behind the previous layer's compute, so only
   the excess is charged. `pipeline.simulate` turns these into the schedule's makespan (bubble
-  and waiting between stages included). Virtual stage s sits on pp device
+  and waiting between stages included); under DeepSpeed's pipeline runtime
+  (`pipeline_runtime="deepspeed"`) `lockstep.simulate_lockstep` does, the sends kept apart as
+  exchanges both stages of a pair wait for. Virtual stage s sits on pp device
   `analysis.stages.stage_device(s)` (round robin; the V schedules zbv and dualpipev: device r
   holds r and 2pp-1-r, and the turn of the V sends nothing). The zero-bubble schedules split
   each backward into input- and weight-gradient passes (`weight_gradients`, by
@@ -39,6 +41,7 @@ from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.fsdp import pipeline_gathers
 from shardc.cost.layer import LayerCost
+from shardc.cost.lockstep import LOCKSTEP, simulate_lockstep
 from shardc.cost.memory import (
     GRADIENT_BYTES,
     buffer_bytes,
@@ -67,8 +70,24 @@ class EstimateOptions:
     # stage shards parameters, gradients and optimizer state at rest, one all-gather before
     # forward, one reduce-scatter after backward), or "zero" (textbook ZeRO-1/2/3).
     zero_runtime: str = "fsdp2"
-    # Pipeline buffers: "torch" (torch.distributed.pipelining's, see `peak`) or "none".
+    # Pipeline runtime: "torch" (torch.distributed.pipelining: its receive buffers, see `peak`),
+    # "none" (Megatron's schedules, no such buffers) or "deepspeed" (DeepSpeed's PipelineEngine:
+    # no torch buffers, its TrainSchedule with blocking exchanges, `lockstep`).
     pipeline_runtime: str = "torch"
+    # An activation replicated over tp crosses to the next pipeline stage as 1/tp pieces, one per
+    # tp rank, all-gathered over tp on arrival (Megatron-LM's scatter/gather optimisation,
+    # DeepSpeed's partitioned pipe buffers); False: every tp rank sends the whole tensor (torch).
+    pipeline_scatter_gather: bool = False
+    # The collective ZeRO-1/2 reduce the gradients with: "reduce_scatter" (textbook: each rank
+    # receives the sum of its shard) or "all_reduce" (DeepSpeed's BF16_Optimizer: every rank sums
+    # all the fp32 gradients, then updates its shard and all-gathers the weights).
+    zero_gradient_collective: str = "reduce_scatter"
+    # After every micro-batch's backward the runtime adds each compute-dtype gradient into an fp32
+    # copy in a pass of its own (DeepSpeed's BF16_Optimizer under its pipeline engine,
+    # `update_hp_grads`): per local parameter the gradient read, an fp32 temporary written and
+    # read, the fp32 accumulator read and written (`FP32_ACCUMULATE_BYTES` + the compute dtype's),
+    # at memory bandwidth, in that backward.
+    fp32_grad_accumulation: bool = False
     # The dtype gradients are reduced in: "fp32" as the torch backend runs mixed precision (fp32
     # gradients on the fp32 master weights; Megatron-LM's default for bf16), or "compute"
     # (Megatron-LM's fp16 default, accumulate_allreduce_grads_in_fp32=False: reduced in fp16).
@@ -89,8 +108,11 @@ class EstimateOptions:
     def __post_init__(self) -> None:
         if self.zero_runtime not in ("fsdp2", "zero"):
             raise ShardcError(f"zero_runtime={self.zero_runtime!r}: use fsdp2 (the torch backend) or zero")
-        if self.pipeline_runtime not in ("torch", "none"):
-            raise ShardcError(f"pipeline_runtime={self.pipeline_runtime!r}: use torch or none")
+        if self.pipeline_runtime not in ("torch", "none", LOCKSTEP):
+            raise ShardcError(f"pipeline_runtime={self.pipeline_runtime!r}: use torch, none or {LOCKSTEP}")
+        if self.zero_gradient_collective not in ("reduce_scatter", "all_reduce"):
+            raise ShardcError(f"zero_gradient_collective={self.zero_gradient_collective!r}: use reduce_scatter "
+                              "(textbook ZeRO) or all_reduce (DeepSpeed's BF16_Optimizer)")
         if self.gradient_reduce not in ("fp32", "compute"):
             raise ShardcError(f"gradient_reduce={self.gradient_reduce!r}: use fp32 (the torch backend) or compute")
 
@@ -156,6 +178,13 @@ class PipelineInputs:
     bwd: tuple[float, ...]
     wgrad: tuple[float, ...]
     extra: tuple[tuple[tuple[str, int, int], float], ...] = ()
+    sends: tuple[float, ...] = ()  # per stage, the exchange transfer (the lockstep schedule's; else in fwd/bwd)
+
+
+# Bytes per parameter of an fp32 gradient accumulation pass beyond reading the compute-dtype gradient:
+# the fp32 temporary written and read, the accumulator read and written
+# (`EstimateOptions.fp32_grad_accumulation`).
+FP32_ACCUMULATE_BYTES = 4 * GRADIENT_BYTES
 
 
 def zero_group(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
@@ -235,10 +264,23 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     # Stages on one device (the turn of a V) hand their activations over without a send.
     sends = [0.0 if s + 1 < len(sends) and stage_device(s, p, plan.schedule) == stage_device(s + 1, p, plan.schedule)
              else t for s, t in enumerate(sends)]
-    times, fwd, bwd = stage_times(layers, sends, links, plan, m, options, links.levels(zero_axes), shard)
+    lockstep = options.pipeline_runtime == LOCKSTEP and p > 1
+    if lockstep and plan.schedule != "1f1b":
+        raise ShardcError(f"the {LOCKSTEP} pipeline runtime runs its own TrainSchedule (1F1B order), not "
+                          f"schedule={plan.schedule} with vpp={plan.vpp}", hint="use schedule=1f1b and vpp=1")
+    # DeepSpeed's exchanges hold both stages of a pair (`lockstep`): the simulation charges them.
+    times, fwd, bwd = stage_times(layers, [0.0] * len(sends) if lockstep else sends, links, plan, m, options,
+                                  links.levels(zero_axes), shard)
     wgrad = weight_gradients(layers, plan) if plan.schedule in ZB_SCHEDULES else None
     gathers = pipeline_gathers(layers, plan, m, links, zero_axes, shard, w_elem) if options.zero_runtime == "fsdp2" else {}
-    pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=gathers)
+    if lockstep:
+        pipe = simulate_lockstep(fwd, bwd, sends, m)
+        for s in range(p):  # per micro-batch: activation in and gradient out, activation out and gradient in
+            exchanged = 2 * ((sends[s - 1] if s > 0 else 0.0) + sends[s]) * m
+            if exchanged:
+                times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + exchanged
+    else:
+        pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=gathers)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
     if links.device.eager is not None:  # a CPU's measured eager optimizer step
         dtensors = options.zero_runtime == "fsdp2"
@@ -270,8 +312,9 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes, dp_collectives=syncs[d].collectives,
                                     collectives=model_axis_collectives(mine, m, syncs[d])))
-    inputs = PipelineInputs(plan.schedule if p > 1 else "1f1b", p, m, plan.vpp, tuple(fwd), tuple(bwd),
-                            tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())))
+    inputs = PipelineInputs(LOCKSTEP if lockstep else plan.schedule if p > 1 else "1f1b", p, m, plan.vpp,
+                            tuple(fwd), tuple(bwd), tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())),
+                            tuple(sends) if lockstep else ())
     return Composition(step, tuple(stages), pipe, inputs)
 
 
@@ -311,6 +354,11 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
             fwd[s] -= hf
             bwd[s] -= hb
             times[s]["tp_comm"] = times[s].get("tp_comm", 0.0) - (hf + hb) * m
+        if options.fp32_grad_accumulation:  # every micro-batch, after its backward (`EstimateOptions`)
+            numel = sum(n for n, _ in layer.params.values())
+            extra = numel * (w_elem + FP32_ACCUMULATE_BYTES) / links.device.memory_bandwidth
+            bwd[s] += extra
+            times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + extra * m
         if zero3_reduces_per_layer(options, layer.annotation.zero, shard):
             numel = sum(n for n, axes in layer.params.values())
             ef, eb = zero3_exposed(cost, numel, w_elem, shard_levels, links.algorithm, numel * g_elem)

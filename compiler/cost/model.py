@@ -12,7 +12,8 @@ Rules:
 - The step and the memory per device are composed from the layers' costs by
   `compose.compose` (pipeline schedule, ZeRO-3 gathers, bucketed gradient sync, optimizer,
   memory in flight), the same composition the solver evaluates its plans with. The
-  activations leaving a stage are every batched value a later stage reads, sent once.
+  activations leaving a stage are every batched value a later stage reads, sent once (as 1/tp
+  pieces all-gathered on arrival where the runtime scatters them: `pipeline_scatter_gather`).
 - Model FLOPs count contractions only (3x the forward: forward, dgrad, wgrad) so they match
   Narayanan et al.'s 72Bslh^2(...) ; hardware FLOPs add the recomputed forward (their 96Bslh^2).
   MFU = model FLOPs / (step time x devices x peak); `tflops_per_device` uses hardware FLOPs,
@@ -37,7 +38,7 @@ from shardc.cost.pipeline import bubble_fraction
 from shardc.cost.ring import causal_ring_axis
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.hardware import Cluster
-from shardc.ir import DATA_AXES, Axis, Graph, LayerAnnotation, Layout, Value
+from shardc.ir import DATA_AXES, Axis, Graph, LayerAnnotation, Layout, Replicate, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.registry import get_op
 from shardc.plan.parallel import ParallelPlan, plan_of
@@ -121,7 +122,7 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
                             compiled=plan.compiled_on(not is_cpu(cluster.device)))
     layers = _layers(graph, plan)
     _cost_layers(ctx, layers, plan, options)
-    sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster)
+    sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster, options.pipeline_scatter_gather)
     result = compose(layers, sends, ctx, plan, m, options, send_bytes, _output_bytes(ctx, graph))
     stages = list(result.stages)
     ring = causal_ring_axis(ctx, graph.nodes)
@@ -176,15 +177,19 @@ def _output_bytes(ctx: CostContext, graph: Graph) -> float:
                for v in graph.outputs)
 
 
-def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int,
-                 cluster: Cluster) -> tuple[list[float], list[float]]:
-    """Seconds and bytes to send the activations leaving each stage for the next (one micro-batch)."""
+def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int, cluster: Cluster,
+                 scatter_gather: bool = False) -> tuple[list[float], list[float]]:
+    """Seconds and bytes to send the activations leaving each stage for the next (one micro-batch).
+    `scatter_gather` (`EstimateOptions.pipeline_scatter_gather`): an activation replicated over tp
+    travels as 1/tp per tp rank and is all-gathered over tp on arrival; bytes stay the whole
+    activation (what the receiving stage holds)."""
     stage_of = {l.name: l.stage for l in layers}
     out = [0.0] * stages
     nbytes = [0.0] * stages
     if ctx.mesh is None or Axis.PP not in ctx.mesh.names:
         return out, nbytes
     link = neighbour_link(ctx.mesh, Axis.PP, cluster)
+    tp = ctx.mesh.axis_size(Axis.TP) if Axis.TP in ctx.mesh.names else 1
     sent: set[Value] = set()
     for layer in layers:
         for node in layer.nodes:
@@ -192,6 +197,11 @@ def _stage_sends(ctx: CostContext, layers: Sequence[LayerWork], stages: int,
                 src = stage_of.get(ctx.layer_of.get(v, ""), layer.stage)
                 if src < layer.stage and v not in sent and v in ctx.batched:
                     sent.add(v)
-                    out[src] += collective_time("send_recv", ctx.local_bytes(v), ((link, 2),))
-                    nbytes[src] += ctx.local_bytes(v)
+                    size = ctx.local_bytes(v)
+                    if scatter_gather and tp > 1 and isinstance(ctx.layout(v).on(Axis.TP), Replicate):
+                        out[src] += (collective_time("send_recv", size / tp, ((link, 2),))
+                                     + collective_time("all_gather", size, ctx.levels((Axis.TP,)), ctx.algorithm))
+                    else:
+                        out[src] += collective_time("send_recv", size, ((link, 2),))
+                    nbytes[src] += size
     return out, nbytes

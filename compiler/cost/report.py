@@ -55,14 +55,18 @@ def tables(estimate: Estimate) -> list[Any]:
 def timeline(estimate: Estimate) -> list[tuple[int, str, int, int, float, float]]:
     """The pipeline's ops as the estimate's simulation ran them: (device, F|B|I|W, micro-batch,
     virtual stage, start, end) seconds within one step's pipeline (empty without a pipeline)."""
+    from shardc.cost.lockstep import LOCKSTEP, simulate_lockstep
     from shardc.cost.pipeline import simulate
 
     inputs = estimate.pipeline
     if inputs is None or inputs.pp <= 1:
         return []
     events: list[tuple[int, str, int, int, float, float]] = []
-    simulate(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp, wgrad=inputs.wgrad,
-             events=events, extra=dict(getattr(inputs, "extra", ())))
+    if inputs.schedule == LOCKSTEP:
+        simulate_lockstep(inputs.fwd, inputs.bwd, inputs.sends, inputs.micro_batches, events=events)
+    else:
+        simulate(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp, wgrad=inputs.wgrad,
+                 events=events, extra=dict(getattr(inputs, "extra", ())))
     return events
 
 

@@ -23,9 +23,12 @@ Rules:
 - Textbook ZeRO-3 (`zero_runtime="zero"`) reduce-scatters each layer's gradients as that
   layer's backward ends, every micro-batch, on the link that gathers the next layer's weights:
   priced per layer with the gathers (`compose.zero3_exposed`), not in buckets here.
-- After the optimizer, ZeRO-1/2 all-gather the updated weights (exposed). As the torch backend
-  runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole module) each stage module a device holds
-  is its own FSDP2 unit (`fsdp_units`: interleaved schedules hold `vpp`), with its own gathers,
+- ZeRO-1/2 reduce-scatter the gradients, or all-reduce them all where the runtime does so before
+  updating its shard (`EstimateOptions.zero_gradient_collective="all_reduce"`: DeepSpeed's
+  BF16_Optimizer, `_bf16_reduce_grads`). After the optimizer, ZeRO-1/2 all-gather the updated
+  weights (exposed). As the torch backend runs ZeRO (`zero_runtime="fsdp2"`: FSDP2 on the whole
+  module) each stage module a device holds is its own FSDP2 unit (`fsdp_units`: interleaved
+  schedules hold `vpp`), with its own gathers,
   one reduce-scatter after its last backward (exposed) and its own measured step. Which ops
   all-gather is `fsdp.gather_ops`'s walk of the unit's forwards and backwards (ZeRO-1/2: the
   first forward only; ZeRO-3: m + 1 per step), and `DeviceSync.collectives` lists what one step
@@ -189,7 +192,9 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
                 if rest:
                     other[rest] = other.get(rest, 0.0) + numel * g_elem
         zero = max((l.annotation.zero for l in mine), default=0)
-        kind = "reduce_scatter" if zero >= 1 else "all_reduce"
+        # ZeRO-1/2 reduce-scatter, unless the runtime all-reduces every gradient before updating its
+        # shard (`EstimateOptions.zero_gradient_collective`, DeepSpeed's BF16_Optimizer).
+        kind = "reduce_scatter" if zero >= 1 and options.zero_gradient_collective == "reduce_scatter" else "all_reduce"
         fsdp = options.zero_runtime == "fsdp2" and zero >= 1 and shard > 1
         local = sum(n for n, _ in params)
         units = fsdp_units(params, unit_of)

@@ -105,7 +105,7 @@ def least_recompute(problem: Problem, a: Assignment, limit: float, budget: _Budg
             mid = (lo + hi) // 2
             trial = [r[:] for r in rows]
             trial[s] = [n - mid, mid if kind == 1 else 0, mid if kind == 2 else 0]
-            ev = budget.evaluate(problem, dataclasses.replace(a, stages=tuple(tuple(r) for r in trial)), limit)
+            ev = budget.evaluate(problem, dataclasses.replace(a, stages=tuple((r[0], r[1], r[2]) for r in trial)), limit)
             if ev.stages[s].memory_bytes <= limit:
                 hi = mid
             else:
