@@ -21,8 +21,9 @@ Sequence chunks (`gpt-chunks`): the LM head cut into 4 token chunks runs fused w
 one chunked linear cross entropy (`shardc.analysis.head_loss`: one chunk's logits live at a time,
 recomputed in backward), so chunks pay where the logits dominate (vocabulary 8192, hidden 64).
 Measured on this case (tp=2, 2 micro-batches, vocabulary-parallel head and loss, ZeRO-2): 14.93 MB
-per rank chunked (predicted 14.91 MB), 28.53 MB for the same plan unchunked (predicted 24.32 MB:
-the unfused vocabulary-parallel loss holds more than its model says; not corrected here). Its
+per rank chunked (predicted 14.91 MB), 28.53 MB for the same plan unchunked (predicted 24.32 MB,
+when the unfused vocabulary-parallel loss ran as separate autograd ops; it now runs as one node
+keeping one softmax, as priced: `tests/test_memory_accuracy.py`'s `vocab-parallel-loss`). Its
 embedding is untied: the CP-SAT's linear memory counts a tied weight once per group that reads
 it (here 4.2 MB twice), which at this vocabulary leaves the solver no plan under a limit that
 needs chunks.
