@@ -104,6 +104,12 @@ def case(id: str, spec: str, nproc: int, gbs: int, limit_gb: float, *features: s
 
 # Strict xfails: a defect the corpus measures is marked with its figures, and the mark goes when
 # the fix merges (strict: an unexpected pass fails). `case(..., marks=(...,))` takes them.
+ZERO1_NOISE = pytest.mark.xfail(strict=True, reason="gpt-chunks: since the unfused vocabulary-parallel loss is "
+                                "priced as it runs, the solver's tie-break picks ZeRO-1 where it picked ZeRO-2 (dp=1: "
+                                "equal predicted time and memory, 14,913,538 B); trained so, wte ends 1.69e-4 from one "
+                                "process at (65, 21) on 2 of 524,288 elements (atol 1e-4, deterministic): gradient "
+                                "accumulation in another order under AdamW's near-zero gradients, not yet explained")
+
 CASES = [
     # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
     # With the room to spare, the solver picks a zero-bubble schedule (the backward split into input
@@ -160,7 +166,7 @@ CASES = [
     # A large vocabulary on two: the LM head and its loss in 4 token chunks, fused (tp=2, its
     # vocabulary split, ZeRO-2); unchunked, the same plan measures 28.5 MB per rank.
     case("gpt-chunks", "examples/gpt.py:tiny?batch=4&seq=128&vocab_size=8192&tie=false", 2, 4, 0.014, "chunks",
-         "zero"),
+         "zero", marks=(ZERO1_NOISE,)),
     # Mixed precision: a bf16 solve (weights cast to bf16 where read, fp32 master weights and
     # loss), trained in bf16 against one process running the 1-device bf16 plan.
     case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16"),
