@@ -250,6 +250,7 @@ def _train_one(path: Path, spec: str, options: TrainOptions, device: Any, rank: 
     return {"rank": rank, "losses": list(report.losses), "step_times_s": list(report.step_times_s),
             "median_step_time_s": report.median_step_s, "peak_memory_bytes": report.peak_memory_bytes,
             "peak_memory_breakdown": dict(report.memory.get("peak_breakdown", {})),
+            **{key: report.memory[key] for key in ("peak_storages", "peak_when") if key in report.memory},
             "backend": report.backend, "device": report.device,
             "collectives": [dict(c) for c in report.collectives]}  # the tracked (last) step's
 

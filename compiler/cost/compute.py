@@ -105,15 +105,17 @@ def repeated(cost: NodeCost, steps: int) -> NodeCost:
 
 
 def working_bytes(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
-                  steps: int = 1, scale: float = 1.0) -> float:
+                  steps: int = 1, scale: float = 1.0, loss_copies: int = 2) -> float:
     """The node's transient allocation while it runs: its outputs (a view allocates nothing), plus
-    a loss's fp32 probabilities and their gradient (two copies of its input); a temporal split
-    into `steps` chunks on the same devices holds one chunk at a time. `scale`: the batch scale."""
+    a loss's probabilities and their gradient (`loss_copies` copies of its input: two; one for a
+    vocabulary-parallel loss, whose gradient overwrites its softmax, `head.vocab_parallel_loss`);
+    a temporal split into `steps` chunks on the same devices holds one chunk at a time. `scale`:
+    the batch scale."""
     if op.kind in FREE_KINDS:
         return 0.0
     total = float(sum(t.nbytes for t in out_types))
     if op.kind == "loss" and in_types:
-        total += 2.0 * in_types[0].nbytes
+        total += loss_copies * in_types[0].nbytes
     return total * scale / max(1, steps)
 
 

@@ -1,7 +1,8 @@
 """A fused LM head and loss as the cost model sees it (`shardc.analysis.head_loss`: the rule
 codegen runs): the regions among a layer's nodes, read through the context's partitions and
 layouts, and the sizes the backend's `chunked_linear_cross_entropy` allocates. `layer.py` prices
-its time and saved bytes, `timeline.py` its live memory.
+its time and saved bytes, `timeline.py` its live memory. Also the unfused loss with its classes
+split (`vocab_parallel_loss`), which the backend runs as Megatron's vocab-parallel cross entropy.
 """
 
 from __future__ import annotations
@@ -47,3 +48,17 @@ def head_working(ctx: CostContext, region: HeadLoss, backward: bool) -> float:
         return 3 * chunk
     compute = ctx.elem_bytes(region.loss.inputs[0])
     return chunk + (chunk * compute / LOSS_BYTES if compute < LOSS_BYTES else 0.0)
+
+
+def vocab_parallel_loss(ctx: CostContext, node: Node) -> bool:
+    """Whether `node` is a cross entropy, not fused with its head, whose classes are split over a
+    mesh axis: codegen runs it as `backends.torch.local_ops.vocab_parallel_cross_entropy`, which
+    makes one logits-sized tensor beside the logits in forward (the softmax, a loss's usual
+    log-probabilities), keeps it instead of the logits, and in backward turns it in place into the
+    logits' gradient: no further logits-sized allocation, where an unsplit loss allocates the
+    gradient of its log-probabilities and then the logits' own."""
+    if node.op != "cross_entropy" or not node.inputs:
+        return False
+    local = ctx.local(node)
+    layout = local.in_layouts[0] if local.in_layouts else ctx.layout(node.inputs[0])
+    return bool(layout.sharded_dims().get(node.inputs[0].type.rank - 1))

@@ -60,7 +60,7 @@ from shardc.cost.edges import (
 )
 from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
-from shardc.cost.head import head_regions, head_saved_bytes, head_working
+from shardc.cost.head import head_regions, head_saved_bytes, head_working, vocab_parallel_loss
 from shardc.cost.moe import expert_steps, routed_bytes, routing_skew
 from shardc.cost.ring import as_run, causal_ring_saved
 from shardc.ir import Node, Value
@@ -289,7 +289,8 @@ def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms, fused: 
     chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
     if not fused:
         t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
-                                                     _batched_scale(ctx, node.outputs)))
+                                                     _batched_scale(ctx, node.outputs),
+                                                     1 if vocab_parallel_loss(ctx, node) else 2))
     return cost
 
 

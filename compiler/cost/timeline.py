@@ -21,7 +21,9 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   backward, as FSDP2's unsharded gradients are). Views, dropout(p=0) and an `add` of equal
   shapes pass the output gradient through without allocating (`aliasing.passes_gradient`);
   split's backward concatenates.
-  A loss's backward also holds the gradient of its log-probabilities. After the op its output
+  A loss's backward also holds the gradient of its log-probabilities, except a vocabulary-
+  parallel one (`head.vocab_parallel_loss`), which writes the logits' gradient over its saved
+  softmax and allocates neither. After the op its output
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
   the layer's forward again first (its saved tensors come back as recomputed); selective
   recomputation regenerates the attention core's saved tensors when backward reaches it.
@@ -54,7 +56,7 @@ from shardc.analysis.aliasing import passes_gradient
 from shardc.analysis.head_loss import HeadLoss
 from shardc.cost.context import CostContext
 from shardc.cost.edges import GATHERED, gathered_source, regather_group
-from shardc.cost.head import head_regions, head_working
+from shardc.cost.head import head_regions, head_working, vocab_parallel_loss
 from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
 from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
@@ -203,7 +205,9 @@ def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
     The runtime hands the loss the output gathered to the data-parallel share (every other mesh
     axis gathered: G bytes); next-token cross entropy on logits over token ids holds G, its fp32
     log-probabilities (saved), the gradient of the negative log-likelihood and of the
-    log-softmax (three fp32 copies); a mean square holds G, its fp32 square and that gradient."""
+    log-softmax (three fp32 copies); a mean square holds G, its fp32 square and that gradient.
+    A pipelined graph's G is the last stage's output torch's schedule keeps for the loss
+    (`output_chunks`), priced with the pipeline's buffers (`peak.pipeline_buffers`): not again here."""
     graph = ctx.graph
     if not graph.outputs or graph.outputs[0].type.rank == 0:
         return 0.0
@@ -216,7 +220,9 @@ def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
     first = graph.inputs[0].type if graph.inputs else None
     tokens = (out.type.is_float and out.type.rank >= 2 and first is not None and not first.is_float
               and tuple(first.shape) == tuple(out.type.shape[:-1]))
-    return gathered + (3 if tokens else 2) * fp32
+    pipelined = ctx.mesh is not None and Axis.PP in ctx.mesh.names and ctx.mesh.axis_size(Axis.PP) > 1
+    held = 0.0 if pipelined else gathered
+    return held + (3 if tokens else 2) * fp32
 
 
 def _saved_keys(ctx: CostContext, node: Node, known: Collection[object], terms: LayerTerms) -> list[object]:
@@ -244,12 +250,25 @@ def _new_outputs(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | N
 def _loss_extra(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | None = None,
                 backward: bool = False) -> float:
     """A loss holds log-probabilities (forward) or their gradient (backward) the size of its input;
-    a fused head and loss one chunk's working set (`head_working`)."""
+    a fused head and loss one chunk's working set (`head_working`); a vocabulary-parallel loss
+    nothing in backward (`vocab_parallel_loss`: its softmax becomes the logits' gradient)."""
     if get_op(node.op).kind != "loss" or not node.inputs:
         return 0.0
     if regions and node in regions:
         return head_working(ctx, regions[node], backward)
+    if backward and vocab_parallel_loss(ctx, node):
+        return 0.0
     return ctx.local_bytes(node.inputs[0])
+
+
+def _in_place_gradient(ctx: CostContext, node: Node, saved: dict, recomputed: dict,
+                       allocs: dict[Value, float]) -> float:
+    """Bytes of the input gradient `node` writes over a tensor it saved rather than allocating:
+    a vocabulary-parallel loss's logits' gradient, in its saved softmax (`vocab_parallel_loss`)."""
+    if not vocab_parallel_loss(ctx, node) or node.inputs[0] not in allocs:
+        return 0.0
+    key = ctx.root(node.inputs[0])
+    return min(allocs[node.inputs[0]], saved.get(key, recomputed.get(key, 0.0)))
 
 
 def _fused(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> dict[Node, tuple[list[Node], float]]:
@@ -370,6 +389,8 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             new_params = {}
         total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node, regions,
                                                                                                backward=True) + captured
+        if region is None:
+            total -= _in_place_gradient(ctx, node, saved, recomputed, allocs)
         if total > peak:
             peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
         if split and _meets_weights(node, ctx):

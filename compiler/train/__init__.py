@@ -19,6 +19,7 @@ built: a rank's memory is its own shard.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardc.backends.torch.precision import scaled_step, scaler_of
-from shardc.train.memory import ddp_bucket_bytes, pipeline_buffers, track_memory
+from shardc.train.memory import ddp_bucket_bytes, pipeline_buffers, storages_of, track_memory
 
 if TYPE_CHECKING:
     from shardc.api import CompiledPlan
@@ -243,6 +244,10 @@ def train(compiled: CompiledPlan, spec: str, options: TrainOptions, *, device: t
     device = device or torch.device("cpu")
     hooks = hooks or Hooks()
     session = _session(compiled, spec, options, device, build)
+    # The compiled plan's folded constants (`const.N`, at the traced and the micro-batch's batch)
+    # are its host-side copy, from which each rank's module took its own buffers (counted as
+    # `model_buffers`); on a GPU they stay in host memory, so they are not this rank's.
+    before = {**(before or {}), **storages_of([*compiled.constants.values(), *compiled.micro_constants.values()])}
     losses: list[torch.Tensor] = []
     for index in range(options.warmup):
         batch = session.batch(index)
@@ -297,7 +302,8 @@ def _tracked_step(session: _Session, batch: Sequence[Any], before: dict[int, Any
     extra = {"buffers": float(sum(ddp_bucket_bytes(m) for m in wrappers))}
     stages = getattr(module, "stages", None)
     held = pipeline_buffers(stages) if stages else None
-    with track_memory([module], session.optimizer, extra, session.device, held, before) as tracker:
+    detail = bool(os.environ.get("SHARDC_MEMORY_DETAIL"))  # list the storages live at the peak (diagnosis)
+    with track_memory([module], session.optimizer, extra, session.device, held, before, detail) as tracker:
         session.step(batch, tracker)
     return tracker.result(), tracker.collectives
 

@@ -128,7 +128,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __init__(self, known: dict[int, str], extra: dict[str, float] | None = None,
                  modules: Iterable[torch.nn.Module] = (), held: Callable[[], Iterable[torch.Tensor]] | None = None,
-                 ignore: dict[int, Any] | None = None) -> None:
+                 ignore: dict[int, Any] | None = None, detail: bool = False) -> None:
         super().__init__()
         self.modules = list(modules)
         self.held = held  # the runtime's buffers now (`pipeline_buffers`): filed `buffers` at every sample
@@ -142,6 +142,10 @@ class MemoryTracker(TorchDispatchMode):
         self.category_peaks: dict[str, float] = {}
         self.allocator: dict[str, float] | None = None  # CUDA: the allocator's view, set by `track_memory`
         self.casts: set[int] = set()  # storages made by casting a parameter (mixed precision's weight copies)
+        self.detail = detail  # keep what made each storage, and the storages live at the peak (`peak_storages`)
+        self.origins: dict[int, str] = {}
+        self.peak_storages: list[tuple[str, int, str]] = []
+        self.peak_when = ""
         with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
@@ -152,10 +156,10 @@ class MemoryTracker(TorchDispatchMode):
                     earlier = (ignore or {}).get(_key(s))
                     if _key(s) not in known and earlier is not None and earlier() is s:
                         continue  # alive before this run began (`storages_now`): not its memory
-                    self._add(obj, known.get(_key(s), "other"))
+                    self._add(obj, known.get(_key(s), "other"), "before the step")
         self._sample()
 
-    def _add(self, t: torch.Tensor, category: str) -> None:
+    def _add(self, t: torch.Tensor, category: str, origin: str = "") -> None:
         s = _storage(t)
         if s is None:
             return
@@ -164,6 +168,9 @@ class MemoryTracker(TorchDispatchMode):
             return
         self.live[key] = (weakref.ref(s), category)
         weakref.finalize(s, self.live.pop, key, None)
+        if self.detail:
+            self.origins[key] = f"{origin} {self.phase if self.phase == 'optimizer' else self._phase()} " \
+                                f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
     def mark_saved(self, t: torch.Tensor) -> None:
         """A tensor saved for backward: its storage counts as activations. Parameters are not
@@ -204,7 +211,7 @@ class MemoryTracker(TorchDispatchMode):
             for t in self.held():
                 s = _storage(t)
                 if s is not None:
-                    self._add(t, "buffers")
+                    self._add(t, "buffers", "pipeline buffer")
                     self.live[_key(s)] = (self.live[_key(s)][0], "buffers")
                     self.held_keys.add(_key(s))
         totals = dict.fromkeys(CATEGORIES, 0.0)
@@ -219,6 +226,11 @@ class MemoryTracker(TorchDispatchMode):
             self.category_peaks[k] = max(self.category_peaks.get(k, 0.0), v)
         if total > self.peak:
             self.peak, self.peak_breakdown = total, totals
+            if self.detail:
+                self.peak_when = self._phase() if self.phase != "optimizer" else "optimizer"
+                self.peak_storages = sorted(((cat, s.nbytes(), self.origins.get(key, "?"))
+                                             for key, (ref, cat) in self.live.items() if (s := ref()) is not None),
+                                            key=lambda item: (item[0], -item[1]))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -245,7 +257,7 @@ class MemoryTracker(TorchDispatchMode):
                 self.extra["buffers"] = max(0.0, self.extra["buffers"] - s.nbytes())
                 self._add(t, "buffers")
                 continue
-            self._add(t, cat)
+            self._add(t, cat, name)
         self._sample()
         return out
 
@@ -271,6 +283,9 @@ class MemoryTracker(TorchDispatchMode):
         difference as `allocator_extra`."""
         out: dict[str, Any] = {"peak_bytes": self.peak, "peak_breakdown": self.peak_breakdown,
                                "category_peaks": self.category_peaks}
+        if self.detail:
+            out["peak_storages"] = [list(item) for item in self.peak_storages]
+            out["peak_when"] = self.peak_when
         if self.allocator is None:
             return out
         measured = self.allocator["peak_allocated_bytes"]
@@ -335,6 +350,16 @@ def storages_now() -> dict[int, Any]:
     return out
 
 
+def storages_of(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
+    """`tensors`' storages by key, as weak references (`storages_now`'s form, for `ignore`)."""
+    out: dict[int, Any] = {}
+    for t in tensors:
+        s = _storage(t)
+        if s is not None:
+            out.setdefault(_key(s), weakref.ref(s))
+    return out
+
+
 def pipeline_buffers(stages: Sequence[Any]) -> Callable[[], list[torch.Tensor]]:
     """What torch.distributed.pipelining's `stages` hold as runtime buffers at the moment it is
     called: every micro-batch's receive buffers (inputs, gradients of outputs), the outputs kept
@@ -358,19 +383,20 @@ def pipeline_buffers(stages: Sequence[Any]) -> Callable[[], list[torch.Tensor]]:
 @contextmanager
 def track_memory(modules: Iterable[torch.nn.Module], optimizer: Any, extra: dict[str, float] | None = None,
                  device: torch.device | None = None, held: Callable[[], Iterable[torch.Tensor]] | None = None,
-                 ignore: dict[int, Any] | None = None) -> Iterator[MemoryTracker]:
+                 ignore: dict[int, Any] | None = None, detail: bool = False) -> Iterator[MemoryTracker]:
     """Account every tensor during the `with` body; set `tracker.phase = "optimizer"` around the
     optimizer step. On a CUDA `device` the allocator's peak is reset first and read after.
     `held`: the runtime's buffers at any moment (`pipeline_buffers`), filed as `buffers`;
     `ignore` (`storages_now()` taken before the run began): storages alive then that are none of
-    the modules' and optimizer's are left out."""
+    the modules' and optimizer's are left out; `detail`: the result also lists the storages live
+    at the peak (`peak_storages`: category, bytes, the op that made it, phase, shape, dtype)."""
     cuda = device is not None and device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     mods = list(modules)
     gc.collect()
-    tracker = MemoryTracker(roles(mods, optimizer), extra, mods, held, ignore)
+    tracker = MemoryTracker(roles(mods, optimizer), extra, mods, held, ignore, detail)
 
     def pack(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         tracker.mark_saved(t)
