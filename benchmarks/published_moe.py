@@ -37,6 +37,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tables import show
+
 from shardc.cost import estimate
 from shardc.cost.compose import EstimateOptions
 from shardc.cost.moe import default_routing_skew
@@ -259,25 +261,8 @@ HEADER = ["MoE run", "GPUs", "plan", "metric", "predicted", "published", "error"
 
 def print_table(predictions: list[MoePrediction], markdown: bool) -> None:
     mean, worst = summary(predictions)
-    rows = table_rows(predictions)
-    if markdown:
-        print("| " + " | ".join(HEADER) + " |")
-        print("|" + "---|" * len(HEADER))
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-        print(f"\npublished MoE runs: mean {mean:.1%}, worst {worst:.1%}")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="published MoE runs: predicted vs published (checks, none calibrated)")
-    for h in HEADER:
-        table.add_column(h, justify="right" if h in ("predicted", "published", "error") else "left")
-    for r in rows:
-        table.add_row(*r)
-    console = Console(width=max(Console().width, 160))
-    console.print(table)
-    console.print(f"published MoE runs: mean |error| {mean:.1%}, worst {worst:.1%}")
+    show("published MoE runs: predicted vs published (checks, none calibrated)", HEADER, table_rows(predictions),
+         f"published MoE runs: mean |error| {mean:.1%}, worst {worst:.1%}", markdown)
 
 
 def print_sources(rows: list[MoeRun]) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import published_moe  # noqa: E402  (the MoE rows, printed after these: issue 15)
 from published_data import ROWS, PublishedRun, calibration_rows  # noqa: E402  (the data beside this script)
+from tables import show  # noqa: E402
 
 from shardc.cost import estimate  # noqa: E402
 from shardc.cost.compose import EstimateOptions  # noqa: E402
@@ -179,26 +180,9 @@ def print_table(predictions: list[Prediction], markdown: bool) -> None:
     rows = [[p.row.name, f"{p.row.device} x{p.row.gpus}", p.row.plan, _UNIT[p.row.metric], _fmt(p.predicted),
              _fmt(p.row.published), f"{p.error:+.1%}" + ("" if p.fits else " (does not fit)"),
              "calibration" if p.row.calibration else "check"] for p in predictions]
-    if markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-        if any(not p.row.calibration for p in predictions):
-            print(f"\nchecks: mean |error| {mean:.1%}, worst {worst:.1%}")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="published runs: predicted vs published")
-    for h in header:
-        table.add_column(h, justify="right" if h in ("predicted", "published", "error") else "left")
-    for r in rows:
-        table.add_row(*r)
-    console = Console(width=max(Console().width, 160))  # the plan column is long; a pipe is not a terminal
-    console.print(table)
-    if any(not p.row.calibration for p in predictions):
-        console.print(f"checks (not calibration): mean |error| {mean:.1%}, worst {worst:.1%}")
+    checks = any(not p.row.calibration for p in predictions)
+    show("published runs: predicted vs published", header, rows,
+         f"checks (not calibration): mean |error| {mean:.1%}, worst {worst:.1%}" if checks else None, markdown)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,32 +65,13 @@ def test_expert_parallel_pipelined_matches_one_process_on_4_processes() -> None:
 def test_shardc_run_trains_mixtral_expert_parallel_like_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     """`shardc run` on the transformers model itself (its logits, next-token loss): ep=2 on two
     processes, losses as one process computes them with the same data."""
-    import torch.nn.functional as F
-
-    import shardc
     from shardc.cli import main
-    from shardc.frontend.spec import load_model
-    from shardc.train import input_ranges, synthetic_batch, vocab_of
 
     steps, seed = 2, 3
     assert main(["run", MIXTRAL, "--nproc", "2", "--steps", str(steps), "--plan", "ep=2,mb=4,dtype=fp32",
                  "--seed", str(seed), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["losses"]
-    torch.manual_seed(seed)
-    loaded = load_model(MIXTRAL, device="cpu")
-    model, example = loaded.model, list(loaded.example_inputs)
-    ranges = input_ranges(shardc.compile(MIXTRAL, plan="dp=1", device="meta").graph, loaded.input_names,
-                          vocab_of(model))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    want = []
-    for step in range(steps):
-        batch = synthetic_batch(example, ranges, seed, step)
-        logits = model(*batch).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[0].roll(-1, dims=-1).reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = transformers_losses(MIXTRAL, steps, seed)
     assert got == pytest.approx(want, rel=1e-5)
 
 
@@ -130,3 +111,29 @@ def test_plans_ep_cannot_take_are_refused_naming_the_constraint() -> None:
     assert str(ParallelPlan.parse(str(plan))) == str(plan) and str(plan).endswith(",ep=2")
     assert plan.devices == 4 and [a for a, _ in plan.mesh().axes] == ["pp", "dp", "ep", "cp", "tp"]
     assert "ep" not in str(ParallelPlan.parse("dp=2")) and "ep" not in ParallelPlan.parse("dp=2").mesh().names
+
+
+def transformers_losses(spec: str, steps: int, seed: int) -> list[float]:
+    """transformers' model in one process: its logits, the next-token loss, AdamW, the data `shardc run` draws."""
+    import torch.nn.functional as F
+
+    import shardc
+    from shardc.frontend.spec import load_model
+    from shardc.train import input_ranges, synthetic_batch, vocab_of
+
+    torch.manual_seed(seed)
+    loaded = load_model(spec, device="cpu")
+    model, example = loaded.model, list(loaded.example_inputs)
+    ranges = input_ranges(shardc.compile(spec, plan="dp=1", device="meta").graph, loaded.input_names,
+                          vocab_of(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for step in range(steps):
+        batch = synthetic_batch(example, ranges, seed, step)
+        logits = model(*batch).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[0].roll(-1, dims=-1).reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from test_moe import transformers_losses
 
 from shardc.search.outer import mesh_shapes, micro_batch_sizes
 
@@ -56,32 +56,6 @@ def test_experts_candidates_split_experts_or_tokens_over_ep_and_dense_ops_the_ba
             assert all(var.group.spaces[0] is not None and d not in var.group.spaces[0].unsplittable for d in dims)
 
 
-def _transformers_losses(spec: str, steps: int, seed: int) -> list[float]:
-    """transformers' model in one process: its logits, the next-token loss, AdamW, the data `shardc run` draws."""
-    import torch.nn.functional as F
-
-    import shardc
-    from shardc.frontend.spec import load_model
-    from shardc.train import input_ranges, synthetic_batch, vocab_of
-
-    torch.manual_seed(seed)
-    loaded = load_model(spec, device="cpu")
-    model, example = loaded.model, list(loaded.example_inputs)
-    ranges = input_ranges(shardc.compile(spec, plan="dp=1", device="meta").graph, loaded.input_names,
-                          vocab_of(model))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = []
-    for step in range(steps):
-        batch = synthetic_batch(example, ranges, seed, step)
-        logits = model(*batch).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[0].roll(-1, dims=-1).reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
-
-
 def test_solver_picks_ep_where_expert_weights_dominate_memory_and_its_plan_trains_like_one_process(
         tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
     """On 4 local processes under a memory limit that data parallelism (with or without ZeRO) and a
@@ -111,5 +85,5 @@ def test_solver_picks_ep_where_expert_weights_dominate_memory_and_its_plan_train
     assert main(["run", MIXTRAL_WIDE, "--nproc", "4", "--steps", "2", "--plan", str(path), "--seed", "3",
                  "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["losses"]
-    assert got == pytest.approx(_transformers_losses(MIXTRAL_WIDE, 2, 3), rel=1e-5)
+    assert got == pytest.approx(transformers_losses(MIXTRAL_WIDE, 2, 3), rel=1e-5)
 
