@@ -122,8 +122,8 @@ class Study:
         if self.device != "cpu" or factor is None:
             return None
         # the probe read the contention among the plan's processes too: `local_cluster` adds it back
-        factor /= self.profile.contention_factor(sp.devices) if self.profile is not None else 1.0
-        cluster = study_cluster(sp.devices, profile=at_speed(self.profile, factor),
+        mode = factor / (self.profile.contention_factor(sp.devices) if self.profile is not None else 1.0)
+        cluster = study_cluster(sp.devices, profile=at_speed(self.profile, mode),
                                 memory_limit_bytes=self.memory_limit_bytes)
         quiet = replace(self.flags, print_after_all=False, time_passes=False)  # the progress bar is drawing
         _, predicted = score(parse(self.partitioned[sp.id]), sp, cluster, quiet)
