@@ -182,7 +182,7 @@ def print_table(predictions: list[Prediction], markdown: bool) -> None:
              "calibration" if p.row.calibration else "check"] for p in predictions]
     checks = any(not p.row.calibration for p in predictions)
     show("published runs: predicted vs published", header, rows,
-         f"checks (not calibration): mean |error| {mean:.1%}, worst {worst:.1%}" if checks else None, markdown)
+         f"checks: mean |error| {mean:.1%}, worst {worst:.1%}" if checks else None, markdown)
 
 
 def main(argv: list[str] | None = None) -> int:
