@@ -35,6 +35,7 @@ import time
 
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.problem import Problem
+from shardc.search.schedules import evaluation_key
 
 REFINED = 4  # plans refined, the fastest first
 EVALUATIONS_PER_SECOND = 12  # evaluations per second of the outer search's time limit
@@ -54,10 +55,6 @@ class _Budget:
     def evaluate(self, problem: Problem, a: Assignment, limit: float) -> Evaluation:
         self.left -= 1
         return evaluate(problem, a, limit)
-
-
-def _key(ev: Evaluation, limit: float) -> tuple[float, float]:
-    return (max(0.0, ev.memory_per_device_bytes - limit), ev.step_time_s)
 
 
 def _with(rows: Rows, *changes: tuple[int, int, int]) -> Rows | None:
@@ -125,7 +122,7 @@ def local_search(problem: Problem, a: Assignment, ev: Evaluation, limit: float, 
                 break
             cand = dataclasses.replace(a, stages=rows)
             got = budget.evaluate(problem, cand, limit)
-            if _key(got, limit) < _key(step[1] if step else ev, limit):
+            if evaluation_key(got, limit) < evaluation_key(step[1] if step else ev, limit):
                 step = (cand, got)
         if step is None:
             break

@@ -72,7 +72,8 @@ def admissible(problem: Problem) -> bool:
     return microbatch_problem(problem.shape.plan(problem.mb, problem.gbs), problem.micro_batches) is None
 
 
-def _key(ev: Evaluation, limit: float) -> tuple[float, float]:
+def evaluation_key(ev: Evaluation, limit: float) -> tuple[float, float]:
+    """How local searches rank evaluations: bytes over `limit` first, then step time."""
     return (max(0.0, ev.memory_per_device_bytes - limit), ev.step_time_s)
 
 
@@ -116,7 +117,7 @@ def rebalance(problem: Problem, a: Assignment, limit: float, deadline: float = f
                 return best_a, best_ev
             cand = dataclasses.replace(best_a, stages=stages)
             got = evaluate(problem, cand, limit)
-            if _key(got, limit) < _key(step[1] if step else best_ev, limit):
+            if evaluation_key(got, limit) < evaluation_key(step[1] if step else best_ev, limit):
                 step = (cand, got)
         if step is None:
             break
@@ -162,7 +163,7 @@ def _recomputing(problem: Problem, vec: tuple[int, ...], zero: int, limit: float
             need[d] += 1
         a2 = point(need)
         ev2 = evaluate(problem, a2, limit)
-        if _key(ev2, limit) >= _key(ev, limit):
+        if evaluation_key(ev2, limit) >= evaluation_key(ev, limit):
             break
         a, ev = a2, ev2
     return a, ev
@@ -189,7 +190,7 @@ def start_point(problem: Problem, vectors: list[tuple[int, ...]], limit: float, 
         if not uniform[0][1].fits:
             starts += [_recomputing(problem, vec, zero, limit, r, uniform[0][1], uniform[r][1], sizes) for r in (1, 2)
                        if uniform[r][1].memory_per_device_bytes < uniform[0][1].memory_per_device_bytes]
-    return min(starts, key=lambda x: _key(x[1], limit)) if starts else None
+    return min(starts, key=lambda x: evaluation_key(x[1], limit)) if starts else None
 
 
 def search_problem(problem: Problem, vectors: list[tuple[int, ...]], limit: float, zero: int = 0,
@@ -238,8 +239,8 @@ def search_schedules(problems: list[Problem], order: list[int], bounds: list[flo
             if got is not None:
                 starts.append((i, *got))
     out = []
-    for i, a, ev in sorted(starts, key=lambda x: _key(x[2], limit)):
-        if time.perf_counter() <= deadline and _key(ev, limit)[1] < incumbent * (1 + REBALANCE_MARGIN):
+    for i, a, ev in sorted(starts, key=lambda x: evaluation_key(x[2], limit)):
+        if time.perf_counter() <= deadline and evaluation_key(ev, limit)[1] < incumbent * (1 + REBALANCE_MARGIN):
             a, ev = rebalance(problems[i], a, limit, deadline, ev)
         if ev.fits:
             out.append((i, a, ev))
