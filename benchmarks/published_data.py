@@ -173,9 +173,11 @@ ROWS: tuple[PublishedRun, ...] = (
     # blocks evenly ('type:transformer': 3 per stage, the embedding on the first, the final norm,
     # head and loss on the last); DeepSpeed checkpoints only the transformer blocks of a
     # GPTModelPipe (deepspeed e2fdd25, 2021-09, `_is_checkpointable`: the head is not recomputed).
-    # bf16 gradients: DeepSpeed's public 2021 pipeline engine had no bf16 path (bf16 with pipeline
-    # parallelism arrived in deepspeed PR #1801, 2022-03, as BF16_Optimizer: fp32 accumulation after
-    # every micro-batch, fp32 all-reduce); both parents of MT-NLG's stack required exactly that of
+    # bf16 gradients: DeepSpeed's public 2021 pipeline engine had no mixed-precision bf16 path (bf16
+    # without ZeRO ran the bare optimizer on bf16 weights; bf16 ZeRO-1 was not implemented, deepspeed
+    # #1771, 2022-02); bf16 with pipeline parallelism arrived in deepspeed PR #1801, 2022-03, as
+    # BF16_Optimizer: fp32 accumulation after every micro-batch, fp32 all-reduce. Both parents of
+    # MT-NLG's stack required exactly that of
     # bf16 in 2021 (Megatron-LM b4bc51b "Bfloat with fp32 grad acc", 2021-03, and its arguments.py
     # since 50a4b5f, 2021-04: "bfloat16 requires gradient accumulation and all-reduce to be done in
     # fp32"; deepspeed issue #974, 2021-04: bf16 needs "gradient accumulation in fp32 instead of
