@@ -60,9 +60,11 @@ class PublishedRun:
     overlap_source: str = ""
     # False: gradients reduced over data parallelism only once backward is over (exposed).
     overlap_grad_reduce: bool = True
-    # DeepSpeed's BF16_Optimizer (bf16 with DeepSpeed's ZeRO stage 0, its own ZeRO-1): every
-    # micro-batch's bf16 gradients added into fp32 ones after its backward, the fp32 gradients
-    # all-reduced after the last (`EstimateOptions.fp32_grad_accumulation`, `zero_gradient_collective`).
+    # DeepSpeed's bf16 path, as its BF16_Optimizer runs it (bf16 with DeepSpeed's ZeRO stage 0, its
+    # own ZeRO-1): every micro-batch's bf16 gradients added into fp32 ones after its backward, the
+    # fp32 gradients all-reduced after the last (`EstimateOptions.fp32_grad_accumulation`,
+    # `zero_gradient_collective`). BLOOM ran that optimizer; MT-NLG's 2021 bf16 code was never
+    # released and is priced as that, the first public form of it (see its rows).
     bf16_optimizer: bool = False
     # The framework fuses the elementwise work between GEMMs as compiled pricing describes
     # (`compile=1`): Transformer Engine's fused layers (NeMo). Megatron-LM 2021 and
@@ -165,14 +167,32 @@ ROWS: tuple[PublishedRun, ...] = (
     # time on a stage, the same at every scale; only mb=2 makes c one figure (0.390, 0.386, 0.390 s
     # at dp 8, 10, 12; mb=1: 0.219, 0.222, 0.229; mb=4: 0.639, 0.612, 0.600). An inference from the
     # published times, independent of shardc's model and of its efficiency (README).
-    *(PublishedRun(f"MT-NLG 530B ({n} GPUs)", _gpt(105, 20480, 128, 50272), 2048,
+    # The runtime, as the sources give it (README, "MT-NLG"): Megatron-DeepSpeed's GPTModelPipe
+    # ties the embedding and the LM head (`TiedLayerSpec('embed', ...)` on the first and last stage,
+    # their gradients all-reduced by the pipe engine's ReduceTiedGrads); its stages split the
+    # blocks evenly ('type:transformer': 3 per stage, the embedding on the first, the final norm,
+    # head and loss on the last); DeepSpeed checkpoints only the transformer blocks of a
+    # GPTModelPipe (deepspeed e2fdd25, 2021-09, `_is_checkpointable`: the head is not recomputed).
+    # bf16 gradients: DeepSpeed's public 2021 pipeline engine had no mixed-precision bf16 path (bf16
+    # without ZeRO ran the bare optimizer on bf16 weights; bf16 ZeRO-1 was not implemented, deepspeed
+    # #1771, 2022-02); bf16 with pipeline parallelism arrived in deepspeed PR #1801, 2022-03, as
+    # BF16_Optimizer: fp32 accumulation after every micro-batch, fp32 all-reduce. Both parents of
+    # MT-NLG's stack required exactly that of
+    # bf16 in 2021 (Megatron-LM b4bc51b "Bfloat with fp32 grad acc", 2021-03, and its arguments.py
+    # since 50a4b5f, 2021-04: "bfloat16 requires gradient accumulation and all-reduce to be done in
+    # fp32"; deepspeed issue #974, 2021-04: bf16 needs "gradient accumulation in fp32 instead of
+    # fp16"). Priced as BF16_Optimizer runs it (`bf16_optimizer`): an inference, like mb=2, not a
+    # statement of the paper.
+    *(PublishedRun(f"MT-NLG 530B ({n} GPUs)", _gpt(105, 20480, 128, 50272, tie=True), 2048,
                    f"dp={n // 280},tp=8,pp=35,mb=2,gbs=1920,recompute=full,zero=1,dtype=bf16", "A100-80GB", n,
                    _SELENE, "step_s", t,
                    "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B "
                    "(arXiv 2201.11990), sec. 2.4: 60.1/50.2/44.4 s per iteration on 280/350/420 DGX A100 "
                    "(as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)",
-                   runtime="deepspeed", overlap_grad_reduce=False,
-                   note="mb=2 is not stated in the paper: inferred from its three iteration times (sec. 2.4)")
+                   runtime="deepspeed", overlap_grad_reduce=False, bf16_optimizer=True,
+                   note="mb=2 is not stated in the paper: inferred from its three iteration times (sec. 2.4); "
+                        "fp32 gradient accumulation per micro-batch (bf16_optimizer) inferred from its stack's "
+                        "2021 bf16 requirement (Megatron-LM b4bc51b, deepspeed #974), not stated in the paper")
       for n, t in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
     # torchtitan: FSDP2 (ZeRO-3) over 64 A100-80GB, local batch 1, seq 8192. Its "selective op"
     # row (2973 WPS) is left out: that policy saves every second matmul's output and recomputes
@@ -191,6 +211,23 @@ ROWS: tuple[PublishedRun, ...] = (
                  _TITAN_A100, "tokens_per_gpu_s", 331.0,
                  "pytorch/torchtitan docs/performance.md (\"Llama 3 performance numbers\", 64 A100: "
                  "70B, batch 1, full, WPS 331)", runtime="torchtitan"),
+    # The same page's Llama 2 table (first published at torchtitan 395a526, the same FSDP2 set-up:
+    # per-block fully_shard, bf16 parameters, fp32 reduce-scatter, `selective_ac_option` "2"):
+    # local batch 2, seq 4096, vocabulary 32000; 13B's FFN 13824 (4h*2/3 rounded up to 256), 70B's
+    # 28672 (x1.3, rounded up to 4096), as torchtitan/models/llama/__init__.py sizes them. Its
+    # "selective op" rows are left out as above; the 70B "selective layer" runs were OOM.
+    *(PublishedRun(f"torchtitan Llama 2 {name}", model, 4096, plan, "A100-80GB", 64, _TITAN_A100,
+                   "tokens_per_gpu_s", wps,
+                   "pytorch/torchtitan docs/performance.md (\"Llama 2 performance numbers\", 64 A100: "
+                   f"{label}, WPS {wps:g})", runtime="torchtitan")
+      for name, model, plan, wps, label in (
+          ("13B (no AC)", _llama(40, 5120, 40, 40, 13824, 32000), "dp=64,mb=2,gbs=128,zero=3,dtype=bf16",
+           2162.0, "13B, batch 2, no AC"),
+          ("13B (selective layer AC)", _llama(40, 5120, 40, 40, 13824, 32000),
+           "dp=64,mb=2,gbs=128,recompute=full,recompute_layers=20,zero=3,dtype=bf16", 1914.0,
+           "13B, batch 2, selective layer"),
+          ("70B (full AC)", _llama(80, 8192, 64, 8, 28672, 32000),
+           "dp=64,mb=2,gbs=128,recompute=full,zero=3,dtype=bf16", 353.0, "70B, batch 2, full"))),
     # --- H100: NeMo 24.09 (Megatron-Core, Transformer Engine), BF16, sequence parallelism and
     # the distributed optimizer on, as NeMo's recipes run; no activation recomputation.
     PublishedRun("NeMo GPT-3 175B (128 GPUs)", _gpt(96, 12288, 96, 51200, flash=True), 2048,
