@@ -8,33 +8,11 @@ sizes), so that one error says how to fix the plan.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from shardc.ir import Axis
 from shardc.ir.diagnostics import ShardcError
-
-if TYPE_CHECKING:  # the plan imports this module for its batch suggestions
-    from shardc.plan.parallel import ParallelPlan
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _nearest(values: list[int], target: int, k: int = 4) -> list[int]:
-    return sorted(sorted(values, key=lambda v: (abs(v - target), v))[:k])
-
-
-def batch_suggestions(gbs: int, dp: int, mb: int) -> str:
-    """The valid global batches nearest `gbs` for dp*mb, and the valid micro-batch sizes for `gbs`."""
-    per = dp * mb
-    lo, hi = gbs // per * per, -(-gbs // per) * per
-    near = " and ".join(str(v) for v in (lo, hi) if v > 0)
-    text = f"nearest valid gbs: {near}"
-    if gbs % dp == 0:
-        text += f"; with gbs={gbs}, valid mb: {', '.join(map(str, _nearest(_divisors(gbs // dp), mb, 6)))}"
-    return text
+from shardc.plan.nearest import batch_suggestions, divisors, nearest
+from shardc.plan.uniform import ParallelPlan
 
 
 def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int | None, hidden: int | None,
@@ -58,16 +36,16 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
         bad = [f"{k}={v}" for k, v in dims.items() if v is not None and v % plan.tp]
         if bad:
             common = math.gcd(*[v for v in dims.values() if v is not None])
-            valid = [d for d in _divisors(common) if d <= devices]
+            valid = [d for d in divisors(common) if d <= devices]
             problems.append(f"tp={plan.tp} does not divide {' and '.join(bad)}; valid tp: "
                             + ", ".join(map(str, valid)))
     if plan.stages > layers:
         low = 2 if plan.vpp > 1 else 1
-        valid_pp = [p for p in _divisors(layers) if low <= p and p * plan.vpp <= layers and p <= devices]
+        valid_pp = [p for p in divisors(layers) if low <= p and p * plan.vpp <= layers and p <= devices]
         what = f"pp*vpp = {plan.pp}*{plan.vpp} = {plan.stages} stages" if plan.vpp > 1 else f"pp={plan.pp} stages"
         text = (f"{what} for {layers} layers: each stage needs at least one layer, so pp <= "
                 f"{layers // plan.vpp}; pp dividing the layers evenly: ")
-        text += ", ".join(map(str, _nearest(valid_pp, plan.pp, 6))) or "none"
+        text += ", ".join(map(str, nearest(valid_pp, plan.pp, 6))) or "none"
         if plan.vpp > 1:
             text += f"; with pp={plan.pp}, vpp <= {max(1, layers // plan.pp)}"
         problems.append(text)
@@ -86,9 +64,9 @@ def validate_plan(plan: ParallelPlan, *, devices: int, layers: int, heads: int |
         if short:
             problems.append(short + "; " + _pipeline_suggestions(plan, gbs))
     if seq is not None and plan.cp > 1 and seq % plan.cp:
-        valid = [c for c in _divisors(seq) if c <= devices]
+        valid = [c for c in divisors(seq) if c <= devices]
         problems.append(f"cp={plan.cp} does not divide the sequence length {seq}; valid cp: "
-                        + ", ".join(map(str, _nearest(valid, plan.cp, 6))))
+                        + ", ".join(map(str, nearest(valid, plan.cp, 6))))
     if seq is not None and plan.cp > 1 and plan.cp_layout == "zigzag" and seq % plan.cp == 0 and seq % (2 * plan.cp):
         problems.append(f"cp={plan.cp}:zigzag cuts the sequence {seq} into 2*cp = {2 * plan.cp} chunks, which do "
                         "not divide it; use a contiguous cp or a cp dividing " + str(seq // 2 if seq % 2 == 0 else 1))
@@ -129,12 +107,12 @@ def _pipeline_suggestions(plan: ParallelPlan, gbs: int) -> str:
     """Valid values of gbs, mb and dp near the plan's, for the micro-batch count's sake."""
     per = plan.dp * plan.mb
     ok_m = [m for m in range(1, 4 * plan.pp + 1) if microbatch_problem(plan, m) is None]
-    near_gbs = [m * per for m in _nearest(ok_m, gbs // per, 3)]
+    near_gbs = [m * per for m in nearest(ok_m, gbs // per, 3)]
     text = f"valid gbs with dp={plan.dp}, mb={plan.mb}: {', '.join(map(str, near_gbs))}"
     if gbs % plan.dp == 0:
-        mbs = [mb for mb in _divisors(gbs // plan.dp) if microbatch_problem(plan, gbs // (plan.dp * mb)) is None]
+        mbs = [mb for mb in divisors(gbs // plan.dp) if microbatch_problem(plan, gbs // (plan.dp * mb)) is None]
         text += f"; valid mb with gbs={gbs}: {', '.join(map(str, mbs[:6])) or 'none'}"
-    dps = [d for d in _divisors(gbs) if d < plan.dp and gbs % (d * plan.mb) == 0
+    dps = [d for d in divisors(gbs) if d < plan.dp and gbs % (d * plan.mb) == 0
            and microbatch_problem(plan, gbs // (d * plan.mb)) is None]
     if dps:
         text += f"; or a smaller dp (more devices on tp/pp/cp): {', '.join(map(str, dps[-3:]))}"
