@@ -32,10 +32,30 @@ from pathlib import Path
 # checks (`coverage_checks`), the results file and the README table (`coverage_table`), and this
 # command line, which re-exports their names (`tests/test_coverage.py` imports them from here).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from coverage_checks import COLUMNS, STEPS, TOLERANCE, Row, check_estimate, check_inspect, check_params  # noqa: E402
-from coverage_checks import check_tp2, check_type, failing_op  # noqa: E402
-from coverage_table import BEGIN, END, README, RESULTS, ROOT, load_results, save_results, table  # noqa: E402
-from coverage_table import table_rows, write_readme  # noqa: E402
+from coverage_checks import (  # noqa: E402
+    COLUMNS,
+    STEPS,
+    TOLERANCE,
+    Row,
+    check_estimate,
+    check_inspect,
+    check_params,
+    check_tp2,
+    check_type,
+    failing_op,
+)
+from coverage_table import (  # noqa: E402
+    BEGIN,
+    END,
+    README,
+    RESULTS,
+    ROOT,
+    load_results,
+    save_results,
+    table,
+    table_rows,
+    write_readme,
+)
 from coverage_types import OVERRIDES, SHAPE, TINY, TYPES, spec_of  # noqa: E402
 
 __all__ = ["BEGIN", "COLUMNS", "END", "OVERRIDES", "README", "RESULTS", "ROOT", "SHAPE", "STEPS", "TINY", "TOLERANCE",

@@ -19,7 +19,6 @@ from shardc.frontend.emit import Emitter, Unsupported, dtype_name
 from shardc.frontend.rules import aten, rule
 from shardc.ir import Value
 
-
 # ---- contractions, norms, softmax ------------------------------------------------------------
 
 @rule(F.linear, aten("linear"))

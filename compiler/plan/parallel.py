@@ -14,7 +14,15 @@ Each job has its module, and this one re-exports their names: the keys and how p
 (`validation`), and the nearest valid values errors name (`nearest`).
 """
 
-from shardc.plan.keys import CP_LAYOUTS, OPTIONAL_KEYS, PLAN_KEYS, SCHEDULES, V_SCHEDULES, ZB_SCHEDULES, plan_keys_help
+from shardc.plan.keys import (
+    CP_LAYOUTS,
+    OPTIONAL_KEYS,
+    PLAN_KEYS,
+    SCHEDULES,
+    V_SCHEDULES,
+    ZB_SCHEDULES,
+    plan_keys_help,
+)
 from shardc.plan.uniform import MESH_AXES, ParallelPlan, check_recompute_layers, plan_of
 from shardc.plan.validation import microbatch_problem, validate_plan
 

@@ -15,7 +15,15 @@ from dataclasses import dataclass, fields
 from shardc.ir import RECOMPUTE_CHOICES, ZERO_STAGES, Axis, Graph, Mesh, dtypes
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import PLAN_DTYPES
-from shardc.plan.keys import CP_LAYOUTS, SCHEDULES, V_SCHEDULES, ZB_SCHEDULES, ZERO_TEXT, read_choice, read_values
+from shardc.plan.keys import (
+    CP_LAYOUTS,
+    SCHEDULES,
+    V_SCHEDULES,
+    ZB_SCHEDULES,
+    ZERO_TEXT,
+    read_choice,
+    read_values,
+)
 from shardc.plan.nearest import batch_suggestions
 
 # The mesh's axes, outermost first: tp innermost, on the fastest links.
