@@ -3,8 +3,9 @@
 A rule is `rule(e, res, *args, **kwargs)`: `e` is the `Emitter`, `res` the call's own result
 computed on meta tensors (its shapes and dtypes are the truth the rule may read), and `args`
 the call's arguments with tensors replaced by IR `Value`s. It returns a `Value`, a tuple of
-them, or the input value itself when the call is a no-op. Rules live in `normalize.py`,
-`views.py` and `creation.py`; they are filled in when those modules are imported (`torch_trace` imports them).
+them, or the input value itself when the call is a no-op. Rules live in `elementwise.py`, `normalize.py`,
+`views.py` and `creation.py`; they are filled in when those modules are imported (`torch_trace` imports them;
+`normalize` imports `elementwise`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ Rules:
   one block moves to a neighbouring stage keeping its recomputation; or it moves and the
   receiving stage recomputes one more block in full (or the giving stage one fewer), so that a
   block can cross a boundary memory would otherwise close. The best move is taken while it
-  lowers (overflow beyond the limit, step time).
+  lowers (overflow beyond the limit, step time): `shardc.search.descent.descend`, which the
+  pipeline-schedule search (`shardc.search.schedules.rebalance`) runs with other moves.
 - Bounded deterministically: at most `evaluations` evaluations over all plans (the outer search
   gives `EVALUATIONS_PER_SECOND` per second of its time limit), so a fixed input gives the same
   plan on a loaded machine; no evaluation starts past the wall-clock `deadline` (a guard).
@@ -33,14 +34,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from shardc.search.descent import Rows, StopRule, descend
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.problem import Problem
-from shardc.search.schedules import evaluation_key
 
 REFINED = 4  # plans refined, the fastest first
 EVALUATIONS_PER_SECOND = 12  # evaluations per second of the outer search's time limit
-
-Rows = tuple[tuple[int, int, int], ...]
 
 
 class _Budget:
@@ -114,20 +113,10 @@ def least_recompute(problem: Problem, a: Assignment, limit: float, budget: _Budg
 
 def local_search(problem: Problem, a: Assignment, ev: Evaluation, limit: float, budget: _Budget
                  ) -> tuple[Assignment, Evaluation]:
-    """From `a` (evaluated `ev`), the best move while it lowers (overflow, step time)."""
-    while not budget.spent():
-        step: tuple[Assignment, Evaluation] | None = None
-        for rows in moves(a.stages, ev.fits):
-            if budget.spent():
-                break
-            cand = dataclasses.replace(a, stages=rows)
-            got = budget.evaluate(problem, cand, limit)
-            if evaluation_key(got, limit) < evaluation_key(step[1] if step else ev, limit):
-                step = (cand, got)
-        if step is None:
-            break
-        a, ev = step
-    return a, ev
+    """From `a` (evaluated `ev`), the best move while it lowers (overflow, step time): `descend`
+    over the module's `moves`, spending `budget` (a round it cuts short keeps its best move)."""
+    return descend(a, ev, limit, moves, lambda cand: budget.evaluate(problem, cand, limit),
+                   StopRule(budget.spent, keeps_cut_round=True))
 
 
 def refine(plans: list[tuple[Problem, Assignment, Evaluation]], limit: float, evaluations: int,

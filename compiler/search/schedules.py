@@ -43,6 +43,7 @@ import time
 from shardc.analysis.stages import device_stages, stage_sizes
 from shardc.cost.compose import zero_group
 from shardc.plan.parallel import ZB_SCHEDULES, microbatch_problem
+from shardc.search.descent import by_deadline, descend, evaluation_key
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import interleavings, layouts
 from shardc.search.interleave import SOLVED_VECTORS
@@ -70,11 +71,6 @@ def schedule_shapes(shapes: list[MeshShape], layers: int, max_vpp: int) -> list[
 def admissible(problem: Problem) -> bool:
     """Whether torch's schedule of the problem's shape runs its micro-batch count."""
     return microbatch_problem(problem.shape.plan(problem.mb, problem.gbs), problem.micro_batches) is None
-
-
-def evaluation_key(ev: Evaluation, limit: float) -> tuple[float, float]:
-    """How local searches rank evaluations: bytes over `limit` first, then step time."""
-    return (max(0.0, ev.memory_per_device_bytes - limit), ev.step_time_s)
 
 
 def _neighbours(stages: tuple[tuple[int, int, int], ...], fits: bool = False
@@ -108,21 +104,11 @@ def rebalance(problem: Problem, a: Assignment, limit: float, deadline: float = f
     """The local search of the module rule from `a` (its vector and ZeRO stage kept; `ev` its
     evaluation when known): the point reached, by (memory overflow beyond `limit`, step time),
     taking the best neighbour while it improves (`MAX_ROUNDS` moves at most; the first
-    improvement gets stuck sooner: [1,3,3,1] blocks where the best reaches [3,2,2,1])."""
-    best_a, best_ev = a, ev or evaluate(problem, a, limit)
-    for _ in range(MAX_ROUNDS):
-        step: tuple[Assignment, Evaluation] | None = None
-        for stages in _neighbours(best_a.stages, best_ev.fits):
-            if time.perf_counter() > deadline:
-                return best_a, best_ev
-            cand = dataclasses.replace(best_a, stages=stages)
-            got = evaluate(problem, cand, limit)
-            if evaluation_key(got, limit) < evaluation_key(step[1] if step else best_ev, limit):
-                step = (cand, got)
-        if step is None:
-            break
-        best_a, best_ev = step
-    return best_a, best_ev
+    improvement gets stuck sooner: [1,3,3,1] blocks where the best reaches [3,2,2,1]); the
+    descent (`shardc.search.descent.descend`) stops at `deadline`, dropping a round it cuts."""
+    start = ev or evaluate(problem, a, limit)
+    return descend(a, start, limit, _neighbours, lambda cand: evaluate(problem, cand, limit),
+                   by_deadline(deadline, MAX_ROUNDS))
 
 
 def _recomputing(problem: Problem, vec: tuple[int, ...], zero: int, limit: float, r: int,
