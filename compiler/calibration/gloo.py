@@ -6,8 +6,9 @@ for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast 
 by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step), FSDP2's own work per
-micro-batch (`wrapper_steps.fsdp_overhead`) and a whole synchronising FSDP2 and DDP step per data-parallel group
-size (`wrapper_steps.sync_steps`). `shardc.calibration.local` fits and caches the results.
+micro-batch (`wrapper_steps.fsdp_overhead`), a whole synchronising FSDP2 and DDP step per
+data-parallel group size (`wrapper_steps.sync_steps`), and last the speed probe while every
+process trains (`loaded`: the contention among them). `shardc.calibration.local` fits and caches the results.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardc.calibration.loaded import probe_under_load
 from shardc.calibration.wrapper_steps import fsdp_overhead, sharded_optimizer, sync_steps
 from shardc.ir import Axis
 from shardc.ir.diagnostics import ShardcError
@@ -107,6 +109,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         probe = torch.tensor([speed.typical()], dtype=torch.float64)  # the median over this worker's run
         dist.all_reduce(probe)
         results["probe_s"] = probe.item() / nprocs
+        results["loaded_probe_s"] = probe_under_load(speed, 4 * cfg["window"])  # the contention (`loaded`)
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
     finally:

@@ -252,9 +252,11 @@ class LocalProfile:
     def contention_factor(self, nproc: int) -> float:
         """How much more CPU time the same work takes in one of `nproc` processes running at once
         than alone (shared caches, memory and the cores' sibling threads), from the nearest
-        measured count (1 alone or unmeasured). Every other concurrent figure is taken to the
-        reference speed by the probe timed beside it, which divides this factor out; a plan
-        predicted before it runs (`hardware.local_cluster`) puts it back."""
+        measured count (1 alone or unmeasured); measured while every process trains
+        (`shardc.calibration.loaded`; older profiles: among the calibration's measurements).
+        Every other concurrent figure is taken to the reference speed by the probe timed beside
+        it, which divides this factor out; a plan predicted before it runs
+        (`hardware.local_cluster`) puts it back."""
         if nproc <= 1 or not self.contention:
             return 1.0
         return max(1.0, min(self.contention, key=lambda c: (abs(c[0] - nproc), -c[0]))[1])
