@@ -10,7 +10,9 @@ before-run prediction, plans predicted too fast, Spearman). `--pipeline-measure 
 `benchmarks/pipeline_schedules.py --measure` directory the same way and prints its ratios to 1F1B.
 
 What-ifs on the profile, for figures the calibration has not measured yet (say so when quoting
-them): `--contention N=F` replaces the contention among N processes (`LocalProfile.contention`).
+them): `--contention N=F` replaces the contention among N processes (`LocalProfile.contention`),
+`--pipeline-action S` and `--split-walk S` the pipeline runtime's CPU seconds per schedule action
+and per parameter tensor of a split backward (`EagerCosts.pipeline_action`, `.split_backward_per_tensor`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from shardc.study.plans import parse_study_plan
 from shardc.study.predict import predict, study_cluster
 
 
-def load_profile(results: Path, given: str | None, contention: list[str]) -> LocalProfile:
+def load_profile(results: Path, given: str | None, contention: list[str], action: float | None = None,
+                 walk: float | None = None) -> LocalProfile:
     """The profile the study was predicted on (`given`, else `local-profile.json` beside the
-    results, else the cached one), with the `--contention` what-ifs applied."""
+    results, else the cached one), with the what-ifs applied: `--contention`, and the pipeline
+    runtime's CPU per action and per parameter tensor of a split backward (`EagerCosts`)."""
     path = Path(given) if given else results.parent / "local-profile.json"
     profile = read_profile(path) if path.exists() else read_profile()
     if contention:
@@ -39,6 +43,11 @@ def load_profile(results: Path, given: str | None, contention: list[str]) -> Loc
             n, _, factor = item.partition("=")
             table[int(n)] = float(factor)
         profile = replace(profile, contention=tuple(sorted(table.items())))
+    if profile.eager is not None and (action is not None or walk is not None):
+        eager = profile.eager
+        profile = replace(profile, eager=replace(
+            eager, pipeline_action=eager.pipeline_action if action is None else action,
+            split_backward_per_tensor=eager.split_backward_per_tensor if walk is None else walk))
     return profile
 
 
@@ -102,13 +111,16 @@ def main() -> None:
     ap.add_argument("--pipeline-measure", help="a `pipeline_schedules.py --measure` directory instead")
     ap.add_argument("--contention", action="append", default=[], metavar="N=F",
                     help="what-if: the contention among N processes (repeatable)")
+    ap.add_argument("--pipeline-action", type=float, help="what-if: CPU s per pipeline schedule action")
+    ap.add_argument("--split-walk", type=float, help="what-if: CPU s per parameter tensor of a split backward")
     args = ap.parse_args()
     if args.pipeline_measure:
         folder = Path(args.pipeline_measure)
-        pipeline_part(folder, load_profile(folder / "results.json", args.profile, args.contention))
+        pipeline_part(folder, load_profile(folder / "results.json", args.profile, args.contention, args.pipeline_action,
+                                                   args.split_walk))
     if args.results:
         path = Path(args.results)
-        study_part(path, load_profile(path, args.profile, args.contention))
+        study_part(path, load_profile(path, args.profile, args.contention, args.pipeline_action, args.split_walk))
 
 
 if __name__ == "__main__":

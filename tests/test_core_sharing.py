@@ -116,3 +116,51 @@ def test_the_local_estimate_and_its_timeline_price_shared_cores(tmp_path: Path) 
     ends = max(e[5] for e in timeline(shared))
     assert ends < max(e[5] for e in timeline(roomy))
     assert ends <= shared.step_time_s
+
+
+# ---- the pipeline runtime's own CPU work (`compose.schedule_actions`, `calibration.pipeline_steps`) --------
+
+def _eager_profile(action: float, walk: float):
+    from shardc.calibration.profile import EagerCosts, KernelFit
+
+    eager = EagerCosts((("elementwise", KernelFit(3e-6, 3e-11, 8e-6, 1e-11)),), 50e-6, 4e-9,
+                       pipeline_action=action, split_backward_per_tensor=walk)
+    return replace(_profile(), eager=eager)
+
+
+def test_the_schedule_actions_are_priced_per_stage_and_micro_batch() -> None:
+    """Measured CPU per action (1 ms) and per parameter tensor of a split backward (0.1 ms): each
+    virtual stage's forward gains one action, its backward one (1F1B) or, split, one per pass and
+    the walk of its parameter tensors (ZB-V), its weight pass one; unmeasured (0): nothing."""
+    from shardc.driver import estimate
+
+    model = "examples/gpt.py:gpt?n_layer=4&n_embd=64&n_head=2&vocab_size=128&seq=16&batch=4&tie=false"
+    for plan in ("pp=2,mb=1", "pp=2,vpp=2,mb=1,schedule=zbv"):
+        base, _ = estimate(model, local_cluster(2, _eager_profile(0.0, 0.0)), plan)
+        more, graph = estimate(model, local_cluster(2, _eager_profile(1e-3, 1e-4)), plan)
+        a, b = base.pipeline, more.pipeline
+        assert [x - y for x, y in zip(b.fwd, a.fwd)] == pytest.approx([1e-3] * len(a.fwd))
+        if "zbv" not in plan:
+            assert [x - y for x, y in zip(b.bwd, a.bwd)] == pytest.approx([1e-3] * len(a.bwd))
+            continue
+        assert [x - y for x, y in zip(b.wgrad, a.wgrad)] == pytest.approx([1e-3] * len(a.wgrad))
+        walked = [x - y - 2e-3 for x, y in zip(b.bwd, a.bwd)]
+        tensors = [round(w / 1e-4) for w in walked]
+        assert walked == pytest.approx([1e-4 * t for t in tensors]) and min(tensors) >= 4  # a block's weights at least
+        assert more.step_time_s > base.step_time_s
+
+
+def test_the_calibration_measures_the_runtime_and_the_contention_under_load() -> None:
+    """Two gloo processes in one launch: torch's 1F1B and ZB-V schedules on tiny stages against
+    the same work without the runtime (CPU per action and per parameter tensor of a split
+    backward), and the probe while both train. Figures of this machine: only their form is
+    asserted (no timing claims)."""
+    import math
+
+    from shardc.calibration.gloo import run_workers
+
+    res = run_workers(2, {"measure": ["pipeline_overhead", "loaded_probe_s"], "window": 0.1}, timeout=180,
+                      entry="_one_worker")
+    action, walk = res["pipeline_overhead"]
+    assert math.isfinite(action) and math.isfinite(walk) and action >= 0 and walk >= 0
+    assert res["loaded_probe_s"] > 0

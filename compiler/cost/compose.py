@@ -5,10 +5,12 @@ Rules:
   (`LayerCost`, recomputation included) plus the send of the activations leaving the stage
   (forward) and of their gradients back (backward). ZeRO-3 all-gathers each layer's weights
   before its forward and its backward, prefetched behind the previous layer's compute, so only
-  the excess is charged. `pipeline.simulate` turns these into the schedule's makespan (bubble
-  and waiting between stages included; where the processes share fewer cores than there are of
-  them, the local CPU, `pipeline_shared.simulate_schedule` runs it with a rank idle in a bubble
-  lending its core to the busy ones); under DeepSpeed's pipeline runtime
+  the excess is charged. On the local CPU, torch's pipeline runtime's own work per schedule
+  action, as `shardc calibrate` measured it, comes on top (`schedule_actions`).
+  `pipeline.simulate` turns these into the schedule's makespan (bubble and waiting between
+  stages included; where the processes share fewer cores than there are of them, the local
+  CPU, `pipeline_shared.simulate_schedule` runs it with a rank idle in a bubble lending its core
+  to the busy ones); under DeepSpeed's pipeline runtime
   (`pipeline_runtime="deepspeed"`) `lockstep.simulate_lockstep` does, the sends kept apart as
   exchanges both stages of a pair wait for. Virtual stage s sits on pp device
   `analysis.stages.stage_device(s)` (round robin; the V schedules zbv and dualpipev: device r
@@ -221,6 +223,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     times, fwd, bwd = stage_times(layers, [0.0] * len(sends) if lockstep else sends, links, plan, m, options,
                                   links.levels(zero_axes), shard)
     wgrad = weight_gradients(layers, plan) if plan.schedule in ZB_SCHEDULES else None
+    if p > 1 and options.pipeline_runtime == "torch":
+        schedule_actions(layers, plan, links.device, times, fwd, bwd, wgrad, m)
     gathers = pipeline_gathers(layers, plan, m, links, zero_axes, shard, w_elem) if options.zero_runtime == "fsdp2" else {}
     sharing = None if lockstep else core_sharing(links.cluster, p)
     if lockstep:
@@ -267,6 +271,30 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                             tuple(fwd), tuple(bwd), tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())),
                             tuple(sends) if lockstep else (), sharing)
     return Composition(step, tuple(stages), pipe, inputs)
+
+
+def schedule_actions(layers: Sequence[LayerWork], plan: ParallelPlan, device: DeviceSpec, times: list[dict[str, float]],
+                     fwd: list[float], bwd: list[float], wgrad: list[float] | None, m: int) -> None:
+    """Add torch's pipeline runtime's own CPU work where it was measured (the local CPU,
+    `EagerCosts.pipeline_action`, `calibration.pipeline_steps`), in place: per virtual stage and
+    micro-batch one action for the forward and one for the backward, or, split, one each for its
+    input- and weight-gradient passes and the input pass's walk of the graph per parameter tensor
+    of the stage; counted as the forward's and backward's compute."""
+    eager = device.eager
+    if eager is None or not (eager.pipeline_action or eager.split_backward_per_tensor):
+        return
+    tensors = [0] * len(fwd)
+    for layer in layers:
+        tensors[layer.stage] += len(layer.params)
+    action, walk = eager.pipeline_action, eager.split_backward_per_tensor
+    for s in range(len(fwd)):
+        back = action if wgrad is None else 2 * action + walk * tensors[s]
+        fwd[s] += action
+        bwd[s] += back
+        if wgrad is not None:
+            wgrad[s] += action
+        times[s]["compute_fwd"] = times[s].get("compute_fwd", 0.0) + action * m
+        times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + back * m
 
 
 def weight_gradients(layers: Sequence[LayerWork], plan: ParallelPlan) -> list[float]:

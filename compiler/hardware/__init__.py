@@ -428,4 +428,4 @@ def format_bytes(n: float) -> str:
 
 # This machine's cluster (its own module); imported here, after the types it builds on, so that
 # `from shardc.hardware import local_cluster` keeps working.
-from shardc.hardware.local import _default_local_procs, local_cluster, local_link  # noqa: E402
+from shardc.hardware.local import _default_local_procs, local_cluster, local_link  # noqa: E402, F401
