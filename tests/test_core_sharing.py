@@ -135,18 +135,23 @@ def test_the_schedule_actions_are_priced_per_stage_and_micro_batch() -> None:
     from shardc.driver import estimate
 
     model = "examples/gpt.py:gpt?n_layer=4&n_embd=64&n_head=2&vocab_size=128&seq=16&batch=4&tie=false"
+    plain, measured = local_cluster(2, _eager_profile(0.0, 0.0)), local_cluster(2, _eager_profile(1e-3, 1e-4))
+    eager = measured.device.eager  # as a process among 2 gets them (the profile's sharing slowdown)
+    assert eager is not None and eager.pipeline_action > 0
+    action, walk = eager.pipeline_action, eager.split_backward_per_tensor
+    assert walk == pytest.approx(action / 10)
     for plan in ("pp=2,mb=1", "pp=2,vpp=2,mb=1,schedule=zbv"):
-        base, _ = estimate(model, local_cluster(2, _eager_profile(0.0, 0.0)), plan)
-        more, graph = estimate(model, local_cluster(2, _eager_profile(1e-3, 1e-4)), plan)
+        base, _ = estimate(model, plain, plan)
+        more, _ = estimate(model, measured, plan)
         a, b = base.pipeline, more.pipeline
-        assert [x - y for x, y in zip(b.fwd, a.fwd)] == pytest.approx([1e-3] * len(a.fwd))
+        assert [x - y for x, y in zip(b.fwd, a.fwd)] == pytest.approx([action] * len(a.fwd))
         if "zbv" not in plan:
-            assert [x - y for x, y in zip(b.bwd, a.bwd)] == pytest.approx([1e-3] * len(a.bwd))
+            assert [x - y for x, y in zip(b.bwd, a.bwd)] == pytest.approx([action] * len(a.bwd))
             continue
-        assert [x - y for x, y in zip(b.wgrad, a.wgrad)] == pytest.approx([1e-3] * len(a.wgrad))
-        walked = [x - y - 2e-3 for x, y in zip(b.bwd, a.bwd)]
-        tensors = [round(w / 1e-4) for w in walked]
-        assert walked == pytest.approx([1e-4 * t for t in tensors]) and min(tensors) >= 4  # a block's weights at least
+        assert [x - y for x, y in zip(b.wgrad, a.wgrad)] == pytest.approx([action] * len(a.wgrad))
+        walked = [x - y - 2 * action for x, y in zip(b.bwd, a.bwd)]
+        tensors = [round(w / walk) for w in walked]
+        assert walked == pytest.approx([walk * t for t in tensors]) and min(tensors) >= 4  # a block's weights at least
         assert more.step_time_s > base.step_time_s
 
 
