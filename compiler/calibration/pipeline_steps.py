@@ -68,9 +68,9 @@ def pipeline_overhead(nprocs: int) -> tuple[float, float]:
     one_ids, vee_ids = [rank], [rank, 2 * p - 1 - rank]
     one_mods, one_stages = build(one_ids, p)
     vee_mods, vee_stages = build(vee_ids, 2 * p)
-    schedules = {"1f1b": (Schedule1F1B(one_stages[0], m, loss_fn=loss, scale_grads=False), one_mods, one_ids, p),
-                 "zbv": (ScheduleZBVZeroBubble(vee_stages, m, loss_fn=loss, scale_grads=False), vee_mods, vee_ids,
-                         2 * p)}
+    schedules: dict[str, tuple[Any, list[Any], list[int], int]] = {
+        "1f1b": (Schedule1F1B(one_stages[0], m, loss_fn=loss, scale_grads=False), one_mods, one_ids, p),
+        "zbv": (ScheduleZBVZeroBubble(vee_stages, m, loss_fn=loss, scale_grads=False), vee_mods, vee_ids, 2 * p)}
 
     def scheduled(name: str) -> Callable[[], None]:
         schedule, _, ids, total = schedules[name]
