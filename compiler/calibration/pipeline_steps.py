@@ -54,15 +54,16 @@ def pipeline_overhead(nprocs: int) -> tuple[float, float]:
     rank, p, m = dist.get_rank(), nprocs, MICRO_BATCHES
     torch.manual_seed(0)
     x, target = torch.randn(m, WIDTH), torch.randn(m, WIDTH)
-    example = torch.zeros(1, WIDTH)
+    example = torch.empty(1, WIDTH, device="meta").requires_grad_(True)  # a stage's input and output: need gradients
+    first = torch.empty(1, WIDTH, device="meta")  # the data: no gradient
 
     def loss(out: Any, tgt: Any) -> Any:
         return (out - tgt).square().mean()
 
     def build(ids: list[int], total: int) -> tuple[list[Any], list[Any]]:
         mods = [nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LINEARS))) for _ in ids]
-        stages = [PipelineStage(mod, s, total, torch.device("cpu"), input_args=(example,), output_args=(example,))
-                  for mod, s in zip(mods, ids)]
+        stages = [PipelineStage(mod, s, total, torch.device("cpu"), input_args=(example if s > 0 else first,),
+                                output_args=(example,)) for mod, s in zip(mods, ids)]
         return mods, stages
 
     one_ids, vee_ids = [rank], [rank, 2 * p - 1 - rank]
