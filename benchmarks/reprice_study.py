@@ -97,11 +97,12 @@ def pipeline_part(folder: Path, profile: LocalProfile) -> None:
     rows = reprice(data, profile)
     now = {schedule_name(r["plan"]): r["after"] for r in rows}
     base = now["1f1b"]
-    print(f"{'schedule':20} {'meas/1F1B':>9} {'recorded pred':>13} {'now pred':>9} {'now err':>8}")
+    print(f"{'schedule':20} {'meas s':>7} {'rec s':>7} {'now s':>7} {'meas/1F1B':>9} {'recorded pred':>13} "
+          f"{'now pred':>9} {'now err':>8}")
     for r in schedule_rows(data):
         ratio = now[r.schedule] / base
-        print(f"{r.schedule:20} {r.measured_ratio:9.3f} {r.predicted_ratio:13.3f} {ratio:9.3f} "
-              f"{r.measured_ratio / ratio - 1:+8.1%}")
+        print(f"{r.schedule:20} {r.measured_s:7.3f} {r.predicted_s:7.3f} {now[r.schedule]:7.3f} {r.measured_ratio:9.3f} "
+              f"{r.predicted_ratio:13.3f} {ratio:9.3f} {r.measured_ratio / ratio - 1:+8.1%}")
 
 
 def main() -> None:
