@@ -111,7 +111,8 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank) * _scale_now(speed)
         results["sharded_optimizer"] = sharded_optimizer(nprocs, cfg["window"], speed)
         results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in fsdp_overhead(nprocs))
-        results["pipeline_overhead"] = tuple(x * _scale_now(speed) for x in pipeline_overhead(nprocs))
+        runtime = pipeline_overhead(nprocs, 3) if cfg["quick"] else pipeline_overhead(nprocs)
+        results["pipeline_overhead"] = tuple(x * _scale_now(speed) for x in runtime)
         scale = _scale_now(speed)
         results["sync_steps"] = [(w, g, *(x * scale for x in fit)) for w, g, *fit in sync_steps(nprocs)]
         probe = torch.tensor([speed.typical()], dtype=torch.float64)  # the median over this worker's run

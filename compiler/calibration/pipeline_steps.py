@@ -42,9 +42,10 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.thread_time() - t0
 
 
-def pipeline_overhead(nprocs: int) -> tuple[float, float]:
+def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
     """(CPU seconds per schedule action, CPU seconds per parameter tensor of a split backward),
-    measured by every rank of the default gloo group of `nprocs` processes (module rule)."""
+    measured by every rank of the default gloo group of `nprocs` processes over `steps` steps of
+    each schedule (module rule)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -90,7 +91,7 @@ def pipeline_overhead(nprocs: int) -> tuple[float, float]:
         return run
 
     extra: dict[str, list[float]] = {name: [] for name in schedules}
-    for step in range(WARMUP + STEPS):
+    for step in range(WARMUP + steps):
         for name in schedules:
             dist.barrier()
             ran = _timed(scheduled(name))
