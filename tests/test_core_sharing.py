@@ -165,7 +165,7 @@ def test_the_calibration_measures_the_runtime_and_the_contention_under_load() ->
 
     from shardc.calibration.gloo import run_workers
 
-    res = run_workers(2, {"measure": ["pipeline_overhead", "loaded_probe_s"], "window": 0.1}, timeout=180,
+    res = run_workers(2, {"measure": ["pipeline_overhead", "loaded_probe_s"], "window": 0.1, "steps": 2}, timeout=180,
                       entry="_one_worker")
     action, walk = res["pipeline_overhead"]
     assert math.isfinite(action) and math.isfinite(walk) and action >= 0 and walk >= 0

@@ -65,7 +65,8 @@ def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> No
     """One of `nprocs` processes measuring only `cfg["measure"]` (a name, or a list of them run in
     turn): "wrapper_overhead" (`_wrapper_overhead`), "fsdp_overhead" (`wrapper_steps.fsdp_overhead`),
     "sync_steps" (`wrapper_steps.sync_steps`), "pipeline_overhead" (`pipeline_steps`) or
-    "loaded_probe_s" (`loaded`, over `cfg["window"]` seconds); rank 0 writes each under its name."""
+    "loaded_probe_s" (`loaded`, over `cfg["window"]` seconds); `cfg["steps"]`: the pipeline's steps per
+    schedule; rank 0 writes each under its name."""
     import torch.distributed as dist
 
     from shardc.calibration.speed import SpeedIndex
@@ -73,7 +74,7 @@ def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> No
     what = cfg["measure"]
     measures = {"wrapper_overhead": lambda: _wrapper_overhead(nprocs, rank),
                 "fsdp_overhead": lambda: fsdp_overhead(nprocs), "sync_steps": lambda: sync_steps(nprocs),
-                "pipeline_overhead": lambda: pipeline_overhead(nprocs),
+                "pipeline_overhead": lambda: pipeline_overhead(nprocs, cfg.get("steps", 7)),
                 "loaded_probe_s": lambda: probe_under_load(SpeedIndex(calls=2), cfg.get("window", 0.2))}
     _init(rank, nprocs, workdir)
     try:
