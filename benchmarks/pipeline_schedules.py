@@ -26,8 +26,9 @@ interleaved zero bubble and DualPipeV on pp gloo processes, alternating over `--
 rounds (each round every schedule once, in a shuffled order), and the table gives per schedule the predicted step, the measured one (median and
 range over rounds), the ratio to 1F1B predicted and measured (paired round by round) and
 whether they agree within 10%, then every rank's peak memory measured against predicted. Run
-it on a quiet machine with at least pp cores: `python benchmarks/pipeline_schedules.py --measure
---repeats 5` (with fewer cores than processes it says why the measured gain falls short).
+it on a quiet machine: `python benchmarks/pipeline_schedules.py --measure --repeats 5`. With fewer
+cores than processes the prediction lets a rank idle in a bubble lend its core to the busy ones
+(`shardc.cost.pipeline_shared`), as the local cluster's estimate does everywhere.
 """
 
 from __future__ import annotations
@@ -131,15 +132,7 @@ def paper_part(only: str | None = None) -> None:
 
 
 def measure_part(args: argparse.Namespace) -> None:
-    import os
-
-    from shardc.study.pipeline_measure import (
-        format_tables,
-        measure_model,
-        oversubscribed,
-        run_measure,
-        shared_core_ratios,
-    )
+    from shardc.study.pipeline_measure import format_tables, measure_model, oversubscribed, run_measure
 
     model = args.measure_model or measure_model(args.pp)
     note = oversubscribed(args.pp)
@@ -149,11 +142,7 @@ def measure_part(args: argparse.Namespace) -> None:
                        pp=args.pp, fresh_profile=args.fresh_profile)
     print(f"{model}, pp={args.pp}: {args.repeats} round(s) of {args.steps} measured steps "
           f"(results in {args.out}/results.json)")
-    shared = shared_core_ratios(data, model, args.pp, os.cpu_count() or 1) if note else None
-    print(format_tables(data, shared))
-    if note:
-        print(f"note: {note}; the last column is the model with the cores shared that way "
-              "(`shardc.cost.pipeline_shared`), a secondary figure")
+    print(format_tables(data))
 
 
 def main() -> None:

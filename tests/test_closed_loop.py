@@ -180,8 +180,10 @@ CASES = [
 
 @pytest.fixture(scope="module", autouse=True)
 def local_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fixed calibrated profile of `local` (no calibration here): plans do not vary with load."""
-    with fixed_local_profile(tmp_path_factory.mktemp("shardc-cache")) as cache:
+    """A fixed calibrated profile of `local` (no calibration here): plans do not vary with load.
+    Four cores, one per process: the limits below were tuned for it (on two, local4's processes
+    share the cores, a pipeline's bubble is priced as lent, and the solver picks pipelines there)."""
+    with fixed_local_profile(tmp_path_factory.mktemp("shardc-cache"), cores=4) as cache:
         yield cache
 
 

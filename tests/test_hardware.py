@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -136,10 +137,12 @@ def _profile() -> LocalProfile:
 
 
 @contextmanager
-def fixed_local_profile(folder: Path) -> Iterator[Path]:
+def fixed_local_profile(folder: Path, cores: int | None = None) -> Iterator[Path]:
     """`_profile()` as this machine's cached `local` profile in `folder` (SHARDC_CACHE_DIR set while
-    inside): tests plan and predict on it without calibrating, so plans do not vary with load."""
-    write_profile(_profile(), folder / "local-profile.json")
+    inside): tests plan and predict on it without calibrating, so plans do not vary with load.
+    `cores`: the machine's core count in place of the profile's 2."""
+    profile = _profile() if cores is None else replace(_profile(), cores=cores)
+    write_profile(profile, folder / "local-profile.json")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SHARDC_CACHE_DIR", str(folder))
         yield folder

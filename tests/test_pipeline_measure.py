@@ -121,22 +121,3 @@ def test_shared_cores_fill_the_bubble_and_leave_enough_cores_alone() -> None:
     assert simulate_shared("1f1b", [1.0] * 2, [2.0] * 2, 1, 2, 1) == pytest.approx(3.0)
 
 
-def test_shared_core_ratios_re_estimate_each_plan(tmp_path: Path) -> None:
-    """The secondary column: each plan estimated again on the study's cluster, its makespan swapped
-    for the shared one; with enough cores it is the headline ratio, with one it moves towards 1."""
-    from test_hardware import fixed_local_profile
-
-    from shardc.driver import estimate
-    from shardc.study.predict import study_cluster
-
-    model = pm.measure_model(2)
-    with fixed_local_profile(tmp_path):
-        cluster = study_cluster(2)
-        predicted = {t: estimate(model, cluster, parse_study_plan(t).plan)[0].step_time_s
-                     for t in pm.measure_plans(2)[:3:2]}  # 1F1B and ZB-V
-        data = {"plans": [_entry(t.replace("pp=4", "pp=2"), predicted[t], [1.0], []) for t in predicted]}
-        roomy = pm.shared_core_ratios(data, model, 2, cores=64)
-        tight = pm.shared_core_ratios(data, model, 2, cores=1)
-    headline = predicted["pp=2,mb=1,vpp=2,schedule=zbv"] / predicted["pp=2,mb=1"]
-    assert roomy == pytest.approx({"1f1b": 1.0, "zbv vpp=2": headline})
-    assert headline < tight["zbv vpp=2"] < 1.05  # on one core the bubble is no loss: about the same work

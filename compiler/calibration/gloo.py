@@ -6,8 +6,10 @@ for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast 
 by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step), FSDP2's own work per
-micro-batch (`wrapper_steps.fsdp_overhead`) and a whole synchronising FSDP2 and DDP step per data-parallel group
-size (`wrapper_steps.sync_steps`). `shardc.calibration.local` fits and caches the results.
+micro-batch (`wrapper_steps.fsdp_overhead`), the pipeline runtime's CPU per schedule action and
+split backward (`pipeline_steps`), a whole synchronising FSDP2 and DDP step per
+data-parallel group size (`wrapper_steps.sync_steps`), and last the speed probe while every
+process trains (`loaded`: the contention among them). `shardc.calibration.local` fits and caches the results.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardc.calibration.loaded import probe_under_load
+from shardc.calibration.pipeline_steps import pipeline_overhead
 from shardc.calibration.wrapper_steps import fsdp_overhead, sharded_optimizer, sync_steps
 from shardc.ir import Axis
 from shardc.ir.diagnostics import ShardcError
@@ -58,19 +62,25 @@ def _init(rank: int, nprocs: int, workdir: str) -> None:
 
 
 def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
-    """One of `nprocs` processes measuring only `cfg["measure"]`: "wrapper_overhead"
-    (`_wrapper_overhead`), "fsdp_overhead" (`wrapper_steps.fsdp_overhead`) or "sync_steps" (`wrapper_steps.sync_steps`); rank 0
-    writes it under that name."""
+    """One of `nprocs` processes measuring only `cfg["measure"]` (a name, or a list of them run in
+    turn): "wrapper_overhead" (`_wrapper_overhead`), "fsdp_overhead" (`wrapper_steps.fsdp_overhead`),
+    "sync_steps" (`wrapper_steps.sync_steps`), "pipeline_overhead" (`pipeline_steps`) or
+    "loaded_probe_s" (`loaded`, over `cfg["window"]` seconds); `cfg["steps"]`: the pipeline's steps per
+    schedule; rank 0 writes each under its name."""
     import torch.distributed as dist
 
+    from shardc.calibration.speed import SpeedIndex
+
     what = cfg["measure"]
-    measure = {"wrapper_overhead": lambda: _wrapper_overhead(nprocs, rank),
-               "fsdp_overhead": lambda: fsdp_overhead(nprocs), "sync_steps": lambda: sync_steps(nprocs)}[what]
+    measures = {"wrapper_overhead": lambda: _wrapper_overhead(nprocs, rank),
+                "fsdp_overhead": lambda: fsdp_overhead(nprocs), "sync_steps": lambda: sync_steps(nprocs),
+                "pipeline_overhead": lambda: pipeline_overhead(nprocs, cfg.get("steps", 7)),
+                "loaded_probe_s": lambda: probe_under_load(SpeedIndex(calls=2), cfg.get("window", 0.2))}
     _init(rank, nprocs, workdir)
     try:
-        result = measure()
+        results = {name: measures[name]() for name in ([what] if isinstance(what, str) else what)}
         if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps({what: result}))
+            Path(workdir, "result.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
@@ -102,11 +112,14 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["wrapper_overhead"] = _wrapper_overhead(nprocs, rank) * _scale_now(speed)
         results["sharded_optimizer"] = sharded_optimizer(nprocs, cfg["window"], speed)
         results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in fsdp_overhead(nprocs))
+        runtime = pipeline_overhead(nprocs, 3) if cfg["quick"] else pipeline_overhead(nprocs)
+        results["pipeline_overhead"] = tuple(x * _scale_now(speed) for x in runtime)
         scale = _scale_now(speed)
         results["sync_steps"] = [(w, g, *(x * scale for x in fit)) for w, g, *fit in sync_steps(nprocs)]
         probe = torch.tensor([speed.typical()], dtype=torch.float64)  # the median over this worker's run
         dist.all_reduce(probe)
         results["probe_s"] = probe.item() / nprocs
+        results["loaded_probe_s"] = probe_under_load(speed, 4 * cfg["window"])  # the contention (`loaded`)
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
     finally:

@@ -127,8 +127,13 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
         eager = replace(eager, sharded_optimizer_per_tensor=res["sharded_optimizer"][0],
                         sharded_optimizer_per_param=res["sharded_optimizer"][1],
                         fsdp_per_tensor=res["fsdp_overhead"][0], fsdp_per_param=res["fsdp_overhead"][1])
+    if not eager.pipeline_action and res.get("pipeline_overhead"):  # CPU per action: the first count's will do
+        eager = replace(eager, pipeline_action=float(res["pipeline_overhead"][0]),
+                        split_backward_per_tensor=float(res["pipeline_overhead"][1]))
     steps = tuple((str(w), nprocs, int(g), float(c), float(a), float(b)) for w, g, c, a, b in res.get("sync_steps", ()))
-    return {"concurrent": (nprocs, res["flops"], res["bandwidth"]), "collectives": fits, "probe_s": res["probe_s"],
+    # the probe under a training load (`calibration.loaded`); workers before it: among the measurements
+    probe = res.get("loaded_probe_s", res["probe_s"])
+    return {"concurrent": (nprocs, res["flops"], res["bandwidth"]), "collectives": fits, "probe_s": probe,
             "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "sync_steps": steps}
 
 

@@ -126,6 +126,11 @@ class EagerCosts:
     # size, s per step, s per parameter tensor, s per element); () when not measured.
     # `hardware.local_cluster` fills it for its process count; it is not scaled by the sharing factor.
     sync_step: tuple[tuple[str, int, float, float, float], ...] = ()
+    # torch.distributed.pipelining's own CPU per schedule action (a stage's forward, backward, input- or
+    # weight-gradient call with its sends and receives) and, in a split backward, per parameter tensor of
+    # the stage (its autograd graph walked per parameter): `calibration.pipeline_steps` (0: not measured)
+    pipeline_action: float = 0.0
+    split_backward_per_tensor: float = 0.0
 
     def fit(self, *keys: str) -> KernelFit:
         """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
@@ -138,7 +143,8 @@ class EagerCosts:
                           self.optimizer_per_param * factor, self.sharded_optimizer_per_tensor * factor,
                           self.sharded_optimizer_per_param * factor, self.fsdp_per_tensor * factor,
                           self.fsdp_per_param * factor,
-                          tuple((w, g, c * factor, a * factor, b * factor) for w, g, c, a, b in self.sync_step))
+                          tuple((w, g, c * factor, a * factor, b * factor) for w, g, c, a, b in self.sync_step),
+                          self.pipeline_action * factor, self.split_backward_per_tensor * factor)
 
     def sync_step_time(self, wrapper: str, group: int, tensors: float, elements: float) -> float | None:
         """Seconds a whole synchronising step under `wrapper` ("fsdp2" or "ddp") adds for a unit of
@@ -171,7 +177,8 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
                       float(data.get("sharded_optimizer_per_param", 0.0)),
                       float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)),
                       tuple((str(w), int(g), float(c), float(a), float(b))
-                            for w, g, c, a, b in data.get("sync_step", ())))
+                            for w, g, c, a, b in data.get("sync_step", ())),
+                      float(data.get("pipeline_action", 0.0)), float(data.get("split_backward_per_tensor", 0.0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,9 +259,11 @@ class LocalProfile:
     def contention_factor(self, nproc: int) -> float:
         """How much more CPU time the same work takes in one of `nproc` processes running at once
         than alone (shared caches, memory and the cores' sibling threads), from the nearest
-        measured count (1 alone or unmeasured). Every other concurrent figure is taken to the
-        reference speed by the probe timed beside it, which divides this factor out; a plan
-        predicted before it runs (`hardware.local_cluster`) puts it back."""
+        measured count (1 alone or unmeasured); measured while every process trains
+        (`shardc.calibration.loaded`; older profiles: among the calibration's measurements).
+        Every other concurrent figure is taken to the reference speed by the probe timed beside
+        it, which divides this factor out; a plan predicted before it runs
+        (`hardware.local_cluster`) puts it back."""
         if nproc <= 1 or not self.contention:
             return 1.0
         return max(1.0, min(self.contention, key=lambda c: (abs(c[0] - nproc), -c[0]))[1])

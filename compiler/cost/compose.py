@@ -5,8 +5,12 @@ Rules:
   (`LayerCost`, recomputation included) plus the send of the activations leaving the stage
   (forward) and of their gradients back (backward). ZeRO-3 all-gathers each layer's weights
   before its forward and its backward, prefetched behind the previous layer's compute, so only
-  the excess is charged. `pipeline.simulate` turns these into the schedule's makespan (bubble
-  and waiting between stages included); under DeepSpeed's pipeline runtime
+  the excess is charged. On the local CPU, torch's pipeline runtime's own work per schedule
+  action, as `shardc calibrate` measured it, comes on top (`schedule_actions`).
+  `pipeline.simulate` turns these into the schedule's makespan (bubble and waiting between
+  stages included; where the processes share fewer cores than there are of them, the local
+  CPU, `pipeline_shared.simulate_schedule` runs it with a rank idle in a bubble lending its core
+  to the busy ones); under DeepSpeed's pipeline runtime
   (`pipeline_runtime="deepspeed"`) `lockstep.simulate_lockstep` does, the sends kept apart as
   exchanges both stages of a pair wait for. Virtual stage s sits on pp device
   `analysis.stages.stage_device(s)` (round robin; the V schedules zbv and dualpipev: device r
@@ -52,7 +56,8 @@ from shardc.cost.memory import (
 )
 from shardc.cost.options import EstimateOptions
 from shardc.cost.peak import device_memory, pipeline_buffers
-from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, device_order, simulate, weight_gradient_share
+from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, device_order, weight_gradient_share
+from shardc.cost.pipeline_shared import CoreSharing, core_sharing, simulate_schedule
 from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync, model_axis_collectives
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
@@ -109,10 +114,11 @@ class Composition:
 
 @dataclass(frozen=True)
 class PipelineInputs:
-    """What `pipeline.simulate` was given: the schedule, pp devices, micro-batches, virtual
-    stages per device, and per virtual stage one micro-batch's forward, backward (sends
-    included) and weight-gradient seconds (all zero unless the schedule splits the backward);
-    `extra`: seconds single ops spend beyond that (FSDP2's ZeRO-3 gathers, `fsdp.pipeline_gathers`)."""
+    """What the pipeline simulation was given (`pipeline_shared.simulate_schedule`): the schedule,
+    pp devices, micro-batches, virtual stages per device, and per virtual stage one micro-batch's
+    forward, backward (sends included) and weight-gradient seconds (all zero unless the schedule
+    splits the backward); `extra`: seconds single ops spend beyond that (FSDP2's ZeRO-3 gathers,
+    `fsdp.pipeline_gathers`); `sharing`: how its processes share the cores (None: a device each)."""
 
     schedule: str
     pp: int
@@ -123,6 +129,7 @@ class PipelineInputs:
     wgrad: tuple[float, ...]
     extra: tuple[tuple[tuple[str, int, int], float], ...] = ()
     sends: tuple[float, ...] = ()  # per stage, the exchange transfer (the lockstep schedule's; else in fwd/bwd)
+    sharing: CoreSharing | None = None  # processes sharing cores (`pipeline_shared.simulate_schedule`)
 
 
 # Bytes per parameter of an fp32 gradient accumulation pass beyond reading the compute-dtype gradient:
@@ -216,7 +223,10 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     times, fwd, bwd = stage_times(layers, [0.0] * len(sends) if lockstep else sends, links, plan, m, options,
                                   links.levels(zero_axes), shard)
     wgrad = weight_gradients(layers, plan) if plan.schedule in ZB_SCHEDULES else None
+    if p > 1 and options.pipeline_runtime == "torch":
+        schedule_actions(layers, plan, links.device, times, fwd, bwd, wgrad, m)
     gathers = pipeline_gathers(layers, plan, m, links, zero_axes, shard, w_elem) if options.zero_runtime == "fsdp2" else {}
+    sharing = None if lockstep else core_sharing(links.cluster, p)
     if lockstep:
         pipe = simulate_lockstep(fwd, bwd, sends, m)
         for s in range(p):  # per micro-batch: activation in and gradient out, activation out and gradient in
@@ -224,7 +234,8 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
             if exchanged:
                 times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + exchanged
     else:
-        pipe = simulate(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=gathers)
+        pipe = simulate_schedule(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=gathers,
+                                 sharing=sharing)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
     if links.device.eager is not None:  # a CPU's measured eager optimizer step
         dtensors = options.zero_runtime == "fsdp2"
@@ -258,8 +269,32 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                                     collectives=model_axis_collectives(mine, m, syncs[d])))
     inputs = PipelineInputs(LOCKSTEP if lockstep else plan.schedule if p > 1 else "1f1b", p, m, plan.vpp,
                             tuple(fwd), tuple(bwd), tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())),
-                            tuple(sends) if lockstep else ())
+                            tuple(sends) if lockstep else (), sharing)
     return Composition(step, tuple(stages), pipe, inputs)
+
+
+def schedule_actions(layers: Sequence[LayerWork], plan: ParallelPlan, device: DeviceSpec, times: list[dict[str, float]],
+                     fwd: list[float], bwd: list[float], wgrad: list[float] | None, m: int) -> None:
+    """Add torch's pipeline runtime's own CPU work where it was measured (the local CPU,
+    `EagerCosts.pipeline_action`, `calibration.pipeline_steps`), in place: per virtual stage and
+    micro-batch one action for the forward and one for the backward, or, split, one each for its
+    input- and weight-gradient passes and the input pass's walk of the graph per parameter tensor
+    of the stage; counted as the forward's and backward's compute."""
+    eager = device.eager
+    if eager is None or not (eager.pipeline_action or eager.split_backward_per_tensor):
+        return
+    tensors = [0] * len(fwd)
+    for layer in layers:
+        tensors[layer.stage] += len(layer.params)
+    action, walk = eager.pipeline_action, eager.split_backward_per_tensor
+    for s in range(len(fwd)):
+        back = action if wgrad is None else 2 * action + walk * tensors[s]
+        fwd[s] += action
+        bwd[s] += back
+        if wgrad is not None:
+            wgrad[s] += action
+        times[s]["compute_fwd"] = times[s].get("compute_fwd", 0.0) + action * m
+        times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + back * m
 
 
 def weight_gradients(layers: Sequence[LayerWork], plan: ParallelPlan) -> list[float]:

@@ -56,7 +56,7 @@ def timeline(estimate: Estimate) -> list[tuple[int, str, int, int, float, float]
     """The pipeline's ops as the estimate's simulation ran them: (device, F|B|I|W, micro-batch,
     virtual stage, start, end) seconds within one step's pipeline (empty without a pipeline)."""
     from shardc.cost.lockstep import LOCKSTEP, simulate_lockstep
-    from shardc.cost.pipeline import simulate
+    from shardc.cost.pipeline_shared import simulate_schedule
 
     inputs = estimate.pipeline
     if inputs is None or inputs.pp <= 1:
@@ -65,8 +65,9 @@ def timeline(estimate: Estimate) -> list[tuple[int, str, int, int, float, float]
     if inputs.schedule == LOCKSTEP:
         simulate_lockstep(inputs.fwd, inputs.bwd, inputs.sends, inputs.micro_batches, events=events)
     else:
-        simulate(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp, wgrad=inputs.wgrad,
-                 events=events, extra=dict(getattr(inputs, "extra", ())))
+        simulate_schedule(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp,
+                          wgrad=inputs.wgrad, events=events, extra=dict(getattr(inputs, "extra", ())),
+                          sharing=getattr(inputs, "sharing", None))
     return events
 
 

@@ -11,10 +11,9 @@ Rules.
   (p-1)/(m+p-1) is 27% of its step at pp=4 (20% at pp=2). The plans: 1F1B, and with vpp=2
   interleaved 1F1B, ZB-V, interleaved zero bubble and DualPipeV, all at micro-batch 1.
 - One process per stage. Where the processes outnumber the cores (pp=4 on a 2-core machine) a
-  rank idle in a bubble lends its core to the busy ones, so 1F1B's bubble partly vanishes from
-  the measurement while the model prices every process at its shared rate throughout: there
-  the measured gain of zero bubble undershoots the predicted one by the machine, not the
-  schedule (`oversubscribed` says so).
+  rank idle in a bubble lends its core to the busy ones, so 1F1B's bubble mostly vanishes from
+  the measurement; the prediction of the `local` cluster prices that (`cost.pipeline_shared`:
+  processor sharing), so there the predicted gain of zero bubble is what the cores leave of it.
 - They run through the study (`shardc.study.run_study`, one front door: partitioned and
   predicted before any runs, lowered from that graph, trained by `shardc.train`): `repeats`
   rounds, each round every plan once in one process group, in an order shuffled per round, so
@@ -152,43 +151,15 @@ def memory_rows(data: dict[str, Any]) -> list[MemoryRow]:
     return out
 
 
-def shared_core_ratios(data: dict[str, Any], model: str, pp: int, cores: int) -> dict[str, float]:
-    """Per schedule that ran, its predicted ratio to 1F1B had the model let the `pp` processes
-    share `cores` cores (`shardc.cost.pipeline_shared`: a rank idle in a bubble lends its core):
-    each plan estimated again on the study's cluster, its pipeline makespan swapped for the
-    shared one. A secondary figure beside the headline prediction, which prices one device per
-    process."""
-    from shardc.cost.pipeline import simulate
-    from shardc.cost.pipeline_shared import simulate_shared
-    from shardc.driver import estimate
-    from shardc.study.predict import study_cluster
-
-    cluster = study_cluster(pp)
-    steps: dict[str, float] = {}
-    for p in _ran(data)[1]:
-        est, _ = estimate(model, cluster, parse_study_plan(p["plan"]).plan)
-        inputs = est.pipeline
-        plain = simulate(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp,
-                         wgrad=inputs.wgrad).makespan
-        shared = simulate_shared(inputs.schedule, inputs.fwd, inputs.bwd, inputs.micro_batches, inputs.pp, cores,
-                                 wgrad=inputs.wgrad)
-        steps[schedule_name(p["plan"])] = est.step_time_s - plain + shared
-    base = steps[BASELINE]
-    return {name: t / base for name, t in steps.items()}
-
-
-def format_tables(data: dict[str, Any], shared: dict[str, float] | None = None) -> str:
-    """The two tables of the measurement as text (step times and ratios, with `shared`'s ratios
-    when given; memory per rank)."""
+def format_tables(data: dict[str, Any]) -> str:
+    """The two tables of the measurement as text (step times and ratios; memory per rank)."""
     rows = schedule_rows(data)
-    extra = f" {'pred/1F1B cores shared':>22}" if shared else ""
     lines = [f"{'schedule':20} {'pred s':>8} {'meas s (median [min-max])':>28} {'rounds':>6} "
-             f"{'pred/1F1B':>9} {'meas/1F1B':>9} {'ratio err':>9}  within {RATIO_TOLERANCE:.0%}{extra}"]
+             f"{'pred/1F1B':>9} {'meas/1F1B':>9} {'ratio err':>9}  within {RATIO_TOLERANCE:.0%}"]
     for r in rows:
         span = f"{r.measured_s:.3f} [{r.measured_min_s:.3f}-{r.measured_max_s:.3f}]"
-        more = f" {shared[r.schedule]:22.3f}" if shared and r.schedule in shared else ""
         lines.append(f"{r.schedule:20} {r.predicted_s:8.3f} {span:>28} {r.rounds:6d} {r.predicted_ratio:9.3f} "
-                     f"{r.measured_ratio:9.3f} {r.ratio_error:+9.1%}  {'yes' if r.within else 'NO '}{more}")
+                     f"{r.measured_ratio:9.3f} {r.ratio_error:+9.1%}  {'yes' if r.within else 'NO '}")
     lines += ["", f"{'schedule':20} {'rank':>4} {'stages':>7} {'meas MiB':>9} {'pred MiB':>9} {'error':>7}  "
               f"within {MEMORY_TOLERANCE:.0%}"]
     for m in memory_rows(data):
@@ -204,9 +175,9 @@ def oversubscribed(pp: int) -> str | None:
     cores = os.cpu_count() or 1
     if pp <= cores:
         return None
-    return (f"{pp} processes on {cores} cores: a rank idle in a bubble lends its core to the busy ones, which the "
-            "model (every process at its shared rate throughout) does not price, so 1F1B measures faster against "
-            f"zero bubble than predicted; measure on {pp} or more cores (or --pp {cores} here)")
+    return (f"{pp} processes on {cores} cores: a rank idle in a bubble lends its core to the busy ones; the "
+            "prediction prices that (processor sharing, `shardc.cost.pipeline_shared`), so the zero-bubble gain "
+            "predicted is what the cores leave of it")
 
 
 def run_measure(out_dir: str | Path, *, repeats: int = 5, steps: int = 6, warmup: int = 2,

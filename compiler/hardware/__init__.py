@@ -1,8 +1,8 @@
 """Hardware descriptions: devices, links and clusters (nodes x devices per node).
 
-The preset catalog and `parse_cluster("8xA100-80GB")` live here, and `local_cluster`, which makes
-this machine's cluster from its measured profile (`shardc.calibration.profile`, cached in a file by
-`shardc calibrate`) as `make_cluster` does from a preset.
+The preset catalog and `parse_cluster("8xA100-80GB")` live here; `shardc.hardware.local` makes this
+machine's cluster (`local_cluster`) from its measured profile (`shardc.calibration.profile`, cached in
+a file by `shardc calibrate`) as `make_cluster` does from a preset.
 
 Units everywhere: FLOP/s, bytes, bytes/s, seconds. Decimal prefixes (1 GB/s = 1e9 B/s) for
 bandwidths as data sheets print them; memory capacities in binary units (an "80GB" A100 has
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from shardc.calibration.profile import EagerCosts, LocalProfile, at_speed, read_profile
+from shardc.calibration.profile import EagerCosts, LocalProfile, read_profile
 from shardc.ir.diagnostics import ShardcError
 from shardc.ir.dtypes import precision
 
@@ -206,7 +206,8 @@ class Cluster:
     """`nodes` x `devices_per_node` identical devices; `intra` links within a node, `inter` across.
 
     Ranks are numbered node-major (rank = node * devices_per_node + local index), as torchrun
-    does, so a group of consecutive ranks stays inside a node as long as it fits.
+    does, so a group of consecutive ranks stays inside a node as long as it fits. `shared_cores`:
+    the cores all its processes share (the local machine, `hardware.local`); 0: a device each.
     """
 
     device: DeviceSpec
@@ -215,11 +216,12 @@ class Cluster:
     intra: LinkSpec
     inter: LinkSpec
     name: str = field(default="")
+    shared_cores: int = 0
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.devices_per_node < 1:
-            raise ValueError(f"cluster needs >= 1 node and >= 1 device per node, got "
-                             f"{self.nodes}x{self.devices_per_node}")
+        if self.nodes < 1 or self.devices_per_node < 1 or self.shared_cores < 0:
+            raise ValueError(f"cluster needs >= 1 node and >= 1 device per node and shared_cores >= 0, got "
+                             f"{self.nodes}x{self.devices_per_node}, {self.shared_cores}")
 
     @property
     def num_devices(self) -> int:
@@ -396,63 +398,6 @@ def _factorings(n: int, name: str, per: int) -> str:
     return ", ".join(pairs[:3])
 
 
-def _default_local_procs() -> int:
-    import os
-
-    return max(1, os.cpu_count() or 1)
-
-
-def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
-    """This machine as one node of `nproc` CPU processes sharing its cores and memory, with gloo
-    links, from `profile` (default: the cached one, `read_profile`; measuring it is
-    `shardc calibrate`'s business). Everything a process does slows by the profile's sharing
-    model (`LocalProfile.slowdown`), never below the speed of a process alone, and by the CPU
-    time it loses to the others (`LocalProfile.contention_factor`)."""
-    if nproc < 1:
-        raise ShardcError(f"local cluster needs >= 1 process, got {nproc}")
-    prof = profile or read_profile()
-    prof = at_speed(prof, prof.contention_factor(nproc))  # the probe's own slowdown among nproc processes
-    slow = max(1.0, prof.slowdown(nproc))
-    flops = prof.per_process_flops(nproc)
-    peaks = (("fp32", flops),) + tuple((d, flops * r) for d, r in prof.dtype_ratio)
-    bandwidth = next((b for n, _, b in prof.concurrent if n == nproc), prof.memory_bandwidth / slow)
-    memory = prof.memory_bytes // nproc
-    eager = prof.eager.scaled(max(1.0, prof.eager_slowdown(nproc))) if prof.eager is not None else None
-    if eager is not None:  # measured with the processes sharing the cores already: not scaled again
-        # DDP's step was measured exposed; with a core per process its buckets overlap the backward
-        # (the demo's dp=2 on 2 cores ran 6.4-7.5 ms where the exposed figure priced 9.3), so it
-        # prices DDP only where the processes outnumber the cores and nothing overlaps.
-        fits = tuple(f for f in prof.sync_step_fits(nproc) if f[0] != "ddp" or nproc > prof.cores)
-        eager = replace(eager, sync_step=fits)
-    # No headroom: gloo's buffers are a few MiB of host memory, and what the process holds
-    # besides tensors is measured by the tracker `shardc run` compares against (its baseline).
-    device = DeviceSpec(f"local-cpu/{nproc}", peaks, memory, bandwidth, 1.0, prof.matmul_half_flops / slow,
-                        prof.kernel_latency * slow, eager)
-    link = local_link(prof, nproc)
-    return Cluster(device, 1, nproc, link, link, f"local{nproc}")
-
-
-def local_link(profile: LocalProfile, nproc: int) -> LinkSpec:
-    """The gloo link among `nproc` local processes: the ring that reproduces the all_reduce fit of
-    the nearest measured count, pipeline messages priced by the send/recv fit, and every
-    collective measured at a group size no larger than these processes (a group of 2 among 4:
-    the 2-process fit; the others' load is the speed probe's business)."""
-    ring_fit = profile.nearest("all_reduce", nproc)
-    ring = ring_fit.ring() if ring_fit is not None else None
-    if ring_fit is None or ring is None:
-        raise ShardcError("the local profile has no all_reduce measurement; rerun `shardc calibrate`")
-    bandwidth, latency = ring
-    send = profile.nearest("send_recv", nproc)
-    p2p = None
-    if send is not None:  # a pipeline's send is far cheaper than an all_reduce's ring step on gloo
-        p2p = (send.fit.alpha, 1.0 / send.fit.beta if send.fit.beta > 0 else bandwidth)
-    measured = tuple((c.op, c.nprocs, c.fit.alpha, c.fit.beta) for c in profile.collectives
-                     if c.op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") and c.points
-                     and c.nprocs <= max(nproc, 2))
-    return LinkSpec(f"gloo-{ring_fit.nprocs}proc", bandwidth, latency, call_overhead=profile.call_overhead(nproc),
-                    p2p=p2p, measured=measured)
-
-
 def with_overrides(cluster: Cluster, *, memory_bytes: int | None = None, intra: LinkSpec | None = None,
                    inter: LinkSpec | None = None, memory_limit_bytes: int | None = None) -> Cluster:
     """A copy of `cluster` with a different device memory, usable memory limit (replacing the
@@ -479,3 +424,8 @@ def format_bytes(n: float) -> str:
         return "0 B"
     exp = min(int(math.log(n, 1024)), 4)
     return f"{n / 1024 ** exp:.3g} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exp]}"
+
+
+# This machine's cluster (its own module); imported here, after the types it builds on, so that
+# `from shardc.hardware import local_cluster` keeps working.
+from shardc.hardware.local import _default_local_procs, local_cluster, local_link  # noqa: E402, F401

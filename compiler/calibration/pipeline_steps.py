@@ -1,0 +1,107 @@
+"""The pipeline runtime's own CPU work: what torch.distributed.pipelining spends per schedule action.
+
+Why: the cost model prices a stage's ops; torch's schedule runtime adds its own Python around
+every action it runs (the stage's forward or backward call with its argument checks and output
+bookkeeping, posting and waiting for the activation's send and receive), and a zero-bubble
+schedule's split backward walks the stage's autograd graph in Python once per parameter
+(`torch.distributed.pipelining._backward.get_param_groups`) and runs one `autograd.grad` per
+parameter group for the weights. On this machine, one process per core (`pipeline_schedules.py
+--measure --pp 2`, the same stage work under every schedule), each rank's main-thread CPU per
+step was 84.7 ms under 1F1B (8 actions), 87.8 under interleaved 1F1B (16), 88.4 under DualPipeV
+(16, few of them split) and 94.7 under ZB-V and interleaved zero bubble (24, every backward
+split): a schedule's own work, which none of the op costs holds.
+
+Rule: `nprocs` processes form one pipeline of tiny stages (`LINEARS` bias-free linear layers of
+`WIDTH` features each: `LINEARS` parameter tensors and microseconds of compute per op) and run
+`MICRO_BATCHES` micro-batches per step under torch's Schedule1F1B (a stage per rank: 2m actions
+per rank and step) and ScheduleZBVZeroBubble (two stages per rank; forward, input- and weight-
+gradient passes: 6m actions and 2m split backwards per rank), alternating with the same stages'
+forwards and backwards run plainly by autograd (the ops without the runtime). Per step each
+rank's main-thread CPU time (`time.thread_time`), the plain run's subtracted; the median over
+steps, the slowest rank's. Then one action costs 1F1B's extra over 2m, and a split backward costs
+(ZB-V's extra - 6m actions) / 2m, per parameter tensor of the stage: `LINEARS` of them here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+WIDTH = 16
+LINEARS = 8
+MICRO_BATCHES = 8
+STEPS = 7
+WARMUP = 2
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
+def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
+    """(CPU seconds per schedule action, CPU seconds per parameter tensor of a split backward),
+    measured by every rank of the default gloo group of `nprocs` processes over `steps` steps of
+    each schedule (module rule)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleZBVZeroBubble
+
+    rank, p, m = dist.get_rank(), nprocs, MICRO_BATCHES
+    torch.manual_seed(0)
+    x, target = torch.randn(m, WIDTH), torch.randn(m, WIDTH)
+    example = torch.empty(1, WIDTH, device="meta").requires_grad_(True)  # a stage's input and output: need gradients
+    first = torch.empty(1, WIDTH, device="meta")  # the data: no gradient
+
+    def loss(out: Any, tgt: Any) -> Any:
+        return (out - tgt).square().mean()
+
+    def build(ids: list[int], total: int) -> tuple[list[Any], list[Any]]:
+        mods = [nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LINEARS))) for _ in ids]
+        stages = [PipelineStage(mod, s, total, torch.device("cpu"), input_args=(example if s > 0 else first,),
+                                output_args=(example,)) for mod, s in zip(mods, ids)]
+        return mods, stages
+
+    one_ids, vee_ids = [rank], [rank, 2 * p - 1 - rank]
+    one_mods, one_stages = build(one_ids, p)
+    vee_mods, vee_stages = build(vee_ids, 2 * p)
+    schedules: dict[str, tuple[Any, list[Any], list[int], int]] = {
+        "1f1b": (Schedule1F1B(one_stages[0], m, loss_fn=loss, scale_grads=False), one_mods, one_ids, p),
+        "zbv": (ScheduleZBVZeroBubble(vee_stages, m, loss_fn=loss, scale_grads=False), vee_mods, vee_ids, 2 * p)}
+
+    def scheduled(name: str) -> Callable[[], None]:
+        schedule, _, ids, total = schedules[name]
+        args = (x,) if 0 in ids else ()
+        kwargs = {"target": target} if total - 1 in ids else {}
+        return lambda: schedule.step(*args, **kwargs)
+
+    def plain(name: str) -> Callable[[], None]:
+        _, mods, ids, total = schedules[name]
+
+        def run() -> None:
+            for j in range(m):
+                for mod, s in zip(mods, ids):
+                    out = mod(x[j:j + 1].detach().requires_grad_(s > 0))
+                    (loss(out, target[j:j + 1]) if s == total - 1 else out.sum()).backward()
+        return run
+
+    extra: dict[str, list[float]] = {name: [] for name in schedules}
+    for step in range(WARMUP + steps):
+        for name in schedules:
+            dist.barrier()
+            ran = _timed(scheduled(name))
+            alone = _timed(plain(name))
+            for mod in schedules[name][1]:
+                mod.zero_grad(set_to_none=True)
+            if step >= WARMUP:
+                extra[name].append(ran - alone)
+    mine = torch.tensor([statistics.median(extra["1f1b"]), statistics.median(extra["zbv"])], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    action = max(0.0, mine[0].item() / (2 * m))
+    split = max(0.0, (mine[1].item() - 6 * m * action) / (2 * m * LINEARS))
+    return action, split
