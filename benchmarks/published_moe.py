@@ -13,9 +13,16 @@ dense calibration rows.
 How a Megatron plan maps onto shardc's: shardc's `ep` axis sits inside `dp` and every op but the
 experts splits each micro-batch over it, so Megatron's data-parallel size D with expert-parallel
 size E (E dividing D, experts not folded onto tp) is `dp=D/E, ep=E`, and its per-rank micro-batch
-MBS is `mb=MBS*E` (one micro-batch of the ep group). Tensor parallelism with sequence parallelism
-splits the tokens entering the experts over tp, so each rank routes its own tokens, as Megatron's
-expert tensor parallelism does in FLOPs (not in its GEMM shapes or all-to-all volume).
+MBS is `mb=MBS*E` (one micro-batch of the ep group). Under tp the experts run expert tensor
+parallelism (each expert's intermediate dim split over tp, Megatron's default ETP = TP), and the
+tokens reach them as Megatron-Core's alltoall dispatcher moves them
+(`EstimateOptions.expert_dispatch="megatron"`, `shardc.cost.moe`): each tp rank dispatches its
+own sequence-parallel share over ep, the received rows are all-gathered over tp, the results
+reduce-scattered over tp and sent back; not as the torch backend does (every tp rank
+dispatching the tp group's tokens: tp times the all-to-all volume). Megatron-Core's distributed
+optimizer is textbook ZeRO-1 (`zero_runtime="zero"`): fp32 master weights and Adam's moments
+sharded, gradients held in the dtype they are reduced in, dense weights sharded over the whole
+data-parallel group (ep included), expert weights over their expert-data-parallel group.
 
 Runs left out, and why (each was read from its source):
 - DeepSeek-V3 671B on 512/1024 H100 (NVIDIA/dgxc-benchmarking deepseek_v3/pretraining, 48.9 /
@@ -170,9 +177,10 @@ ROWS: tuple[MoeRun, ...] = (
 
 def row_options(row: MoeRun) -> EstimateOptions:
     """Megatron-Core's runtime as the dense NeMo rows price it: no torch pipelining buffers, the
-    distributed optimizer as textbook ZeRO-1, gradients reduced during backward."""
+    distributed optimizer as textbook ZeRO-1, gradients reduced during backward; its alltoall
+    token dispatcher under expert tensor parallelism (module docstring)."""
     return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce,
-                           tp_comm_overlap=row.tp_comm_overlap)
+                           tp_comm_overlap=row.tp_comm_overlap, expert_dispatch="megatron")
 
 
 def row_cluster(row: MoeRun) -> Cluster:
