@@ -44,6 +44,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from published_data import PublishedRun
+from published_runs import Prediction
 from tables import show
 
 from shardc.cost import estimate
@@ -85,44 +87,29 @@ class MegatronFlops:
 
 
 @dataclass(frozen=True, slots=True)
-class MoeRun:
-    """One published MoE run. `model`: an `hf:` spec without seq/batch; `plan`: a `ParallelPlan`
-    string (with `ep`); `gpus` H100s/A100s of preset `device`, 8 per node; `metric` in `METRICS`;
-    `routing_skew`: the skew the run had when its source says (`skew_source`), else None for the
-    measured default (`shardc.cost.moe.default_routing_skew`); `flops`: the publisher's FLOP
-    count for `tflops`."""
+class MoeRun(PublishedRun):
+    """One published MoE run: a dense row's fields (`published_data.PublishedRun`; `model` here an
+    `hf:` spec without seq/batch, `plan` with `ep`, `runtime` Megatron's) and the MoE ones:
+    `routing_skew`, the skew the run had when its source says (`skew_source`), else None for the
+    measured default (`shardc.cost.moe.default_routing_skew`); `flops`, the publisher's FLOP
+    count, which a `tflops` figure is divided by (the dense rows take shardc's own count)."""
 
-    name: str
-    model: str
-    seq: int
-    plan: str
-    device: str
-    gpus: int
-    interconnect: str
-    metric: str
-    published: float
-    source: str
-    runtime: str
     routing_skew: float | None = None
     skew_source: str = ""
-    gradient_reduce: str = "fp32"
-    tp_comm_overlap: bool = False
-    overlap_source: str = ""
     flops: MegatronFlops | None = None
-    note: str = ""
-    calibration: bool = False  # never: MoE rows check the dense calibration
 
     def __post_init__(self) -> None:
+        PublishedRun.__post_init__(self)
         if self.metric not in METRICS:
             raise ValueError(f"{self.name}: metric {self.metric!r} is not one of {METRICS}")
         if self.metric == "tflops" and self.flops is None:
             raise ValueError(f"{self.name}: a TFLOP/s figure needs the publisher's FLOP count (flops)")
         if self.routing_skew is not None and not self.skew_source:
             raise ValueError(f"{self.name}: routing_skew {self.routing_skew} needs the source that sets it (skew_source)")
-        if self.tp_comm_overlap and not self.overlap_source:
-            raise ValueError(f"{self.name}: tp_comm_overlap needs the configuration that enabled it (overlap_source)")
         if self.calibration:
             raise ValueError(f"{self.name}: MoE rows are checks, never calibration")
+        if self.runtime != "megatron":
+            raise ValueError(f"{self.name}: runtime {self.runtime!r}: MoE rows price Megatron-Core's (megatron)")
 
 
 def _mixtral(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, experts: int, top_k: int,
@@ -158,7 +145,7 @@ ROWS: tuple[MoeRun, ...] = (
     MoeRun("Megatron-Core Mixtral 8x7B", _mixtral(32, 4096, 32, 8, 14336, 8, 2, 32000), 4096,
            "dp=2,ep=8,pp=4,vpp=8,mb=8,gbs=256,zero=1,dtype=bf16", "H100-SXM", 64, _DGX_H100,
            "tflops", 438.0, f"{_MCORE_MOE}: \"438 TFLOPS\" and \"Reference Best Parallel Mapping\" "
-           "(Mixtral 8x7B, 64 GPUs, TP1 EP8 PP4 VP8 MBS1 GBS256, seq 4096)", runtime="megatron-core",
+           "(Mixtral 8x7B, 64 GPUs, TP1 EP8 PP4 VP8 MBS1 GBS256, seq 4096)", runtime="megatron",
            flops=_MIXTRAL_FLOPS,
            note="the README states the figure and the mapping apart (both 'as of MCore v0.8'); it is the only "
                 "8x7B H100 mapping it gives. MCore v0.9 raised the figure to 468 TFLOPS (same mapping table)"),
@@ -167,12 +154,51 @@ ROWS: tuple[MoeRun, ...] = (
     *(MoeRun(f"NeMo Grok-1 314B ({n} GPUs)", _GROK, 8192,
              f"dp={n // 512},ep=8,tp=4,pp=8,vpp=8,cp=2,sp=1,mb=8,gbs={2 * n},zero=1,dtype=bf16", "H100-SXM", n,
              _DGX_H100, "step_s", t, f"{_DGXC_GROK}: BF16 training step time {t} s on {n}x H100 (64 layers, "
-             f"TP4 PP8 CP2 EP8 VP8 MBS1 GBS{2 * n}); model from {_GROK_CFG}", runtime="megatron-core",
+             f"TP4 PP8 CP2 EP8 VP8 MBS1 GBS{2 * n}); model from {_GROK_CFG}", runtime="megatron",
              routing_skew=1.0, skew_source=_GROK_SKEW, gradient_reduce="compute", tp_comm_overlap=True,
              overlap_source=_GROK_UB,
              note="optim.grad_sync_dtype bf16; vocabulary 128256 (Megatron pads it to 128512)")
       for n, t in ((512, 21.01), (1024, 21.20), (2048, 21.29))),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class UnpricedRun:
+    """A published MoE run with a sourced figure that the table cannot price honestly: `why`
+    names what the model lacks or what the source leaves unstated. Printed under the table."""
+
+    name: str
+    device: str
+    gpus: int
+    figure: str
+    source: str
+    why: str
+
+
+_DSV3 = "DeepSeek-AI, DeepSeek-V3 Technical Report (arXiv 2412.19437), Table 1 and sec. 3.1-3.3"
+_DSV2 = "DeepSeek-AI, DeepSeek-V2 (arXiv 2405.04434), sec. 3.1.3 (infrastructures) and 3.2"
+UNPRICED: tuple[UnpricedRun, ...] = (
+    UnpricedRun("DeepSeek-V3 671B pre-training", "H800", 2048,
+                "2,664K H800 GPU hours for 14.8T tokens (180K per trillion; 2,788K with context extension "
+                "and post-training)", _DSV3,
+                "FP8 mixed-precision training (shardc prices bf16/fp16/fp32 plans, not FP8 GEMMs); no H800 preset "
+                "(the report's own figures: NVLink 160 GB/s, IB 50 GB/s per GPU); the figure averages a batch "
+                "ramped from 3072 to 15360 sequences. The layout itself is expressible: pp=16, ep=64 inside "
+                "dp=128 (`dp=2,ep=64,pp=16`), no tp, DualPipe ~ torch's dualpipev; node-limited routing "
+                "(<= 4 nodes per token) is not modelled"),
+    UnpricedRun("DeepSeek-V2 236B pre-training", "H800", 0,
+                "172.8K GPU hours per trillion tokens", _DSV2,
+                "no H800 preset; the report states the parallelism (16-way zero-bubble pipeline, 8-way expert "
+                "parallelism, ZeRO-1 data parallelism) but not the GPU count, the batch the figure was measured "
+                "at (it ramps) or the stage split; device-limited routing (M=3) is not modelled"),
+)
+
+
+def print_unpriced(rows: tuple[UnpricedRun, ...] = UNPRICED) -> None:
+    print("published MoE runs not priced:")
+    for r in rows:
+        gpus = f"{r.gpus}x {r.device}" if r.gpus else r.device
+        print(f"- {r.name} ({gpus}): {r.figure}. Source: {r.source}. Not priced: {r.why}.")
 
 
 def row_options(row: MoeRun) -> EstimateOptions:
@@ -215,19 +241,11 @@ def row_skew(row: MoeRun) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class MoePrediction:
-    """One row predicted: the figure in its metric, the step time, whether it fits, the
-    all-to-all time per step on the busiest stage."""
+class MoePrediction(Prediction):
+    """One row predicted (`published_runs.Prediction`: the figure in its metric, the step time,
+    whether it fits) and the all-to-all time per step on the busiest stage."""
 
-    row: MoeRun
-    predicted: float
-    step_s: float
-    fits: bool
     ep_comm_s: float
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.row.published - 1.0
 
 
 def predict(row: MoeRun, graph: Graph | None = None) -> MoePrediction:
@@ -296,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         print_sources(rows)
     elif rows:
         print_table([predict(r) for r in rows], args.markdown)
+    if not args.only:
+        print_unpriced()
     return 0
 
 
