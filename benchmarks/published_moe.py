@@ -44,8 +44,14 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from published_data import PublishedRun
-from published_runs import Prediction
+if __name__ == "__main__":  # as a script: run the module that published_runs imports (they import each other)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import published_moe
+
+    raise SystemExit(published_moe.main())
+
+from published_data import PublishedRun  # noqa: E402
+from published_runs import Prediction  # noqa: E402
 from tables import show
 
 from shardc.cost import estimate
@@ -317,8 +323,3 @@ def main(argv: list[str] | None = None) -> int:
     if not args.only:
         print_unpriced()
     return 0
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    raise SystemExit(main())
