@@ -21,7 +21,8 @@ Rules:
   Pipelines with ep run 1F1B or zbv only (no interleaved, dualpipev or interleaved-zb
   variants: the backend's expert-parallel numerics are tested under those two).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
-  enumeration and pricing of their candidates.
+  enumeration and pricing of their candidates. An MoE model prices at most as many keys as its
+  time limit allows (`shardc.search.budget`: one sequence per ep rank first), the rest logged.
 - Every problem gets two lower bounds (`shardc.search.bounds`): `grid_bound` (every group at
   its cheapest candidate, every edge free, a perfectly balanced pipeline: (1 + (m-1)/p) *
   per-micro-batch time), by which the grid baseline is scanned exactly as before, and the
