@@ -189,8 +189,8 @@ UNPRICED: tuple[UnpricedRun, ...] = (
                 "and post-training)", _DSV3,
                 "FP8 mixed-precision training (shardc prices bf16/fp16/fp32 plans, not FP8 GEMMs); no H800 preset "
                 "(the report's own figures: NVLink 160 GB/s, IB 50 GB/s per GPU); the figure averages a batch "
-                "ramped from 3072 to 15360 sequences. The layout itself is expressible: pp=16, ep=64 inside "
-                "dp=128 (`dp=2,ep=64,pp=16`), no tp, DualPipe ~ torch's dualpipev; node-limited routing "
+                "ramped from 3072 to 15360 sequences. The layout itself is expressible as a plan (not traced at "
+                "this size): pp=16, ep=64 inside dp=128 (`dp=2,ep=64,pp=16`), no tp, DualPipe ~ torch's dualpipev; node-limited routing "
                 "(<= 4 nodes per token) is not modelled"),
     UnpricedRun("DeepSeek-V2 236B pre-training", "H800", 0,
                 "172.8K GPU hours per trillion tokens", _DSV2,
