@@ -13,9 +13,16 @@ dense calibration rows.
 How a Megatron plan maps onto shardc's: shardc's `ep` axis sits inside `dp` and every op but the
 experts splits each micro-batch over it, so Megatron's data-parallel size D with expert-parallel
 size E (E dividing D, experts not folded onto tp) is `dp=D/E, ep=E`, and its per-rank micro-batch
-MBS is `mb=MBS*E` (one micro-batch of the ep group). Tensor parallelism with sequence parallelism
-splits the tokens entering the experts over tp, so each rank routes its own tokens, as Megatron's
-expert tensor parallelism does in FLOPs (not in its GEMM shapes or all-to-all volume).
+MBS is `mb=MBS*E` (one micro-batch of the ep group). Under tp the experts run expert tensor
+parallelism (each expert's intermediate dim split over tp, Megatron's default ETP = TP), and the
+tokens reach them as Megatron-Core's alltoall dispatcher moves them
+(`EstimateOptions.expert_dispatch="megatron"`, `shardc.cost.moe`): each tp rank dispatches its
+own sequence-parallel share over ep, the received rows are all-gathered over tp, the results
+reduce-scattered over tp and sent back; not as the torch backend does (every tp rank
+dispatching the tp group's tokens: tp times the all-to-all volume). Megatron-Core's distributed
+optimizer is textbook ZeRO-1 (`zero_runtime="zero"`): fp32 master weights and Adam's moments
+sharded, gradients held in the dtype they are reduced in, dense weights sharded over the whole
+data-parallel group (ep included), expert weights over their expert-data-parallel group.
 
 Runs left out, and why (each was read from its source):
 - DeepSeek-V3 671B on 512/1024 H100 (NVIDIA/dgxc-benchmarking deepseek_v3/pretraining, 48.9 /
@@ -37,6 +44,14 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+if __name__ == "__main__":  # as a script: run the module that published_runs imports (they import each other)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import published_moe
+
+    raise SystemExit(published_moe.main())
+
+from published_data import PublishedRun  # noqa: E402
+from published_runs import Prediction  # noqa: E402
 from tables import show
 
 from shardc.cost import estimate
@@ -78,44 +93,29 @@ class MegatronFlops:
 
 
 @dataclass(frozen=True, slots=True)
-class MoeRun:
-    """One published MoE run. `model`: an `hf:` spec without seq/batch; `plan`: a `ParallelPlan`
-    string (with `ep`); `gpus` H100s/A100s of preset `device`, 8 per node; `metric` in `METRICS`;
-    `routing_skew`: the skew the run had when its source says (`skew_source`), else None for the
-    measured default (`shardc.cost.moe.default_routing_skew`); `flops`: the publisher's FLOP
-    count for `tflops`."""
+class MoeRun(PublishedRun):
+    """One published MoE run: a dense row's fields (`published_data.PublishedRun`; `model` here an
+    `hf:` spec without seq/batch, `plan` with `ep`, `runtime` Megatron's) and the MoE ones:
+    `routing_skew`, the skew the run had when its source says (`skew_source`), else None for the
+    measured default (`shardc.cost.moe.default_routing_skew`); `flops`, the publisher's FLOP
+    count, which a `tflops` figure is divided by (the dense rows take shardc's own count)."""
 
-    name: str
-    model: str
-    seq: int
-    plan: str
-    device: str
-    gpus: int
-    interconnect: str
-    metric: str
-    published: float
-    source: str
-    runtime: str
     routing_skew: float | None = None
     skew_source: str = ""
-    gradient_reduce: str = "fp32"
-    tp_comm_overlap: bool = False
-    overlap_source: str = ""
     flops: MegatronFlops | None = None
-    note: str = ""
-    calibration: bool = False  # never: MoE rows check the dense calibration
 
     def __post_init__(self) -> None:
+        PublishedRun.__post_init__(self)
         if self.metric not in METRICS:
             raise ValueError(f"{self.name}: metric {self.metric!r} is not one of {METRICS}")
         if self.metric == "tflops" and self.flops is None:
             raise ValueError(f"{self.name}: a TFLOP/s figure needs the publisher's FLOP count (flops)")
         if self.routing_skew is not None and not self.skew_source:
             raise ValueError(f"{self.name}: routing_skew {self.routing_skew} needs the source that sets it (skew_source)")
-        if self.tp_comm_overlap and not self.overlap_source:
-            raise ValueError(f"{self.name}: tp_comm_overlap needs the configuration that enabled it (overlap_source)")
         if self.calibration:
             raise ValueError(f"{self.name}: MoE rows are checks, never calibration")
+        if self.runtime != "megatron":
+            raise ValueError(f"{self.name}: runtime {self.runtime!r}: MoE rows price Megatron-Core's (megatron)")
 
 
 def _mixtral(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, experts: int, top_k: int,
@@ -151,7 +151,7 @@ ROWS: tuple[MoeRun, ...] = (
     MoeRun("Megatron-Core Mixtral 8x7B", _mixtral(32, 4096, 32, 8, 14336, 8, 2, 32000), 4096,
            "dp=2,ep=8,pp=4,vpp=8,mb=8,gbs=256,zero=1,dtype=bf16", "H100-SXM", 64, _DGX_H100,
            "tflops", 438.0, f"{_MCORE_MOE}: \"438 TFLOPS\" and \"Reference Best Parallel Mapping\" "
-           "(Mixtral 8x7B, 64 GPUs, TP1 EP8 PP4 VP8 MBS1 GBS256, seq 4096)", runtime="megatron-core",
+           "(Mixtral 8x7B, 64 GPUs, TP1 EP8 PP4 VP8 MBS1 GBS256, seq 4096)", runtime="megatron",
            flops=_MIXTRAL_FLOPS,
            note="the README states the figure and the mapping apart (both 'as of MCore v0.8'); it is the only "
                 "8x7B H100 mapping it gives. MCore v0.9 raised the figure to 468 TFLOPS (same mapping table)"),
@@ -160,7 +160,7 @@ ROWS: tuple[MoeRun, ...] = (
     *(MoeRun(f"NeMo Grok-1 314B ({n} GPUs)", _GROK, 8192,
              f"dp={n // 512},ep=8,tp=4,pp=8,vpp=8,cp=2,sp=1,mb=8,gbs={2 * n},zero=1,dtype=bf16", "H100-SXM", n,
              _DGX_H100, "step_s", t, f"{_DGXC_GROK}: BF16 training step time {t} s on {n}x H100 (64 layers, "
-             f"TP4 PP8 CP2 EP8 VP8 MBS1 GBS{2 * n}); model from {_GROK_CFG}", runtime="megatron-core",
+             f"TP4 PP8 CP2 EP8 VP8 MBS1 GBS{2 * n}); model from {_GROK_CFG}", runtime="megatron",
              routing_skew=1.0, skew_source=_GROK_SKEW, gradient_reduce="compute", tp_comm_overlap=True,
              overlap_source=_GROK_UB,
              note="optim.grad_sync_dtype bf16; vocabulary 128256 (Megatron pads it to 128512)")
@@ -168,11 +168,51 @@ ROWS: tuple[MoeRun, ...] = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class UnpricedRun:
+    """A published MoE run with a sourced figure that the table cannot price honestly: `why`
+    names what the model lacks or what the source leaves unstated. Printed under the table."""
+
+    name: str
+    device: str
+    gpus: int
+    figure: str
+    source: str
+    why: str
+
+
+_DSV3 = "DeepSeek-AI, DeepSeek-V3 Technical Report (arXiv 2412.19437), Table 1 and sec. 3.1-3.3"
+_DSV2 = "DeepSeek-AI, DeepSeek-V2 (arXiv 2405.04434), sec. 3.1.3 (infrastructures) and 3.2"
+UNPRICED: tuple[UnpricedRun, ...] = (
+    UnpricedRun("DeepSeek-V3 671B pre-training", "H800", 2048,
+                "2,664K H800 GPU hours for 14.8T tokens (180K per trillion; 2,788K with context extension "
+                "and post-training)", _DSV3,
+                "FP8 mixed-precision training (shardc prices bf16/fp16/fp32 plans, not FP8 GEMMs); no H800 preset "
+                "(the report's own figures: NVLink 160 GB/s, IB 50 GB/s per GPU); the figure averages a batch "
+                "ramped from 3072 to 15360 sequences. The layout itself is expressible as a plan (not traced at "
+                "this size): pp=16, ep=64 inside dp=128 (`dp=2,ep=64,pp=16`), no tp, DualPipe ~ torch's dualpipev; node-limited routing "
+                "(<= 4 nodes per token) is not modelled"),
+    UnpricedRun("DeepSeek-V2 236B pre-training", "H800", 0,
+                "172.8K GPU hours per trillion tokens", _DSV2,
+                "no H800 preset; the report states the parallelism (16-way zero-bubble pipeline, 8-way expert "
+                "parallelism, ZeRO-1 data parallelism) but not the GPU count, the batch the figure was measured "
+                "at (it ramps) or the stage split; device-limited routing (M=3) is not modelled"),
+)
+
+
+def print_unpriced(rows: tuple[UnpricedRun, ...] = UNPRICED) -> None:
+    print("published MoE runs not priced:")
+    for r in rows:
+        gpus = f"{r.gpus}x {r.device}" if r.gpus else r.device
+        print(f"- {r.name} ({gpus}): {r.figure}. Source: {r.source}. Not priced: {r.why}.")
+
+
 def row_options(row: MoeRun) -> EstimateOptions:
     """Megatron-Core's runtime as the dense NeMo rows price it: no torch pipelining buffers, the
-    distributed optimizer as textbook ZeRO-1, gradients reduced during backward."""
+    distributed optimizer as textbook ZeRO-1, gradients reduced during backward; its alltoall
+    token dispatcher under expert tensor parallelism (module docstring)."""
     return EstimateOptions(pipeline_runtime="none", zero_runtime="zero", gradient_reduce=row.gradient_reduce,
-                           tp_comm_overlap=row.tp_comm_overlap)
+                           tp_comm_overlap=row.tp_comm_overlap, expert_dispatch="megatron")
 
 
 def row_cluster(row: MoeRun) -> Cluster:
@@ -207,19 +247,11 @@ def row_skew(row: MoeRun) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class MoePrediction:
-    """One row predicted: the figure in its metric, the step time, whether it fits, the
-    all-to-all time per step on the busiest stage."""
+class MoePrediction(Prediction):
+    """One row predicted (`published_runs.Prediction`: the figure in its metric, the step time,
+    whether it fits) and the all-to-all time per step on the busiest stage."""
 
-    row: MoeRun
-    predicted: float
-    step_s: float
-    fits: bool
     ep_comm_s: float
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.row.published - 1.0
 
 
 def predict(row: MoeRun, graph: Graph | None = None) -> MoePrediction:
@@ -288,9 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         print_sources(rows)
     elif rows:
         print_table([predict(r) for r in rows], args.markdown)
+    if not args.only:
+        print_unpriced()
     return 0
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    raise SystemExit(main())

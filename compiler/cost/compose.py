@@ -368,9 +368,11 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     zero = max((l.annotation.zero for l in mine), default=0)
     sharded = fsdp2(options, zero, shard)
     states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
-    for numel, z in sync.params:
-        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, shard,
-                                          copies=not sharded).items():
+    textbook = options.zero_runtime == "zero"
+    grad_elem = GRADIENT_BYTES if options.gradient_reduce == "fp32" else w_elem
+    for (numel, z), group in zip(sync.params, sync.shards(shard)):
+        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, group, copies=not sharded,
+                                          textbook=textbook, gradient_bytes=grad_elem).items():
             states[key] += val
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)

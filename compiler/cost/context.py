@@ -54,6 +54,9 @@ class CostContext:
     # The coordinate along its ring axis of the rank causal ring attention is priced for (ranks
     # differ: `ring.causal_ring_saved`); None: the last, which computes and keeps the most.
     ring_rank: int | None = None
+    # How the runtime priced dispatches an MoE layer's tokens under expert tensor parallelism
+    # (`EstimateOptions.expert_dispatch`, `shardc.cost.moe.dispatcher_axes`).
+    expert_dispatch: str = "replicated"
 
     @property
     def device(self) -> DeviceSpec:
@@ -95,14 +98,15 @@ class CostContext:
         """The same dataflow facts on another mesh and batch scale (no overlays, fresh caches)."""
         return CostContext(self.graph, self.cluster, mesh, self.dtype, batch_scale, self.algorithm, self.compiled,
                            self.batched, self.needs_grad, self.users, self.layer_of, storage=self.storage,
-                           copies=self.copies, fusion=self.fusion, ring_rank=self.ring_rank)
+                           copies=self.copies, fusion=self.fusion, ring_rank=self.ring_rank,
+                           expert_dispatch=self.expert_dispatch)
 
     def with_overlay(self, partitions: dict[Node, Partition | None], layouts: dict[Value, Layout]) -> CostContext:
         """This context with nodes partitioned and values laid out as given."""
         return CostContext(self.graph, self.cluster, self.mesh, self.dtype, self.batch_scale, self.algorithm,
                            self.compiled, self.batched, self.needs_grad, self.users, self.layer_of, partitions, layouts,
                            self.storage, self.copies, _levels=self._levels, fusion=self.fusion,
-                           ring_rank=self.ring_rank)
+                           ring_rank=self.ring_rank, expert_dispatch=self.expert_dispatch)
 
     def partition(self, node: Node) -> Partition | None:
         return self.partitions[node] if node in self.partitions else node.partition

@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 from shardc.analysis.resharding import normalize
 from shardc.cost.comm import CommStep, call_overhead, collective_time, combine_gradients, reshard_steps
 from shardc.cost.context import CostContext, axis_category
+from shardc.cost.moe import TOKEN_OPERANDS, dispatcher_axes
 from shardc.ir import Layout, Node, Partial, Placement, Replicate, Shard, Value
 
 
@@ -43,11 +44,15 @@ def gradient_contribution(ctx: CostContext, node: Node, i: int) -> Layout:
     if partition is None or ctx.mesh is None:
         return layout
     indexed = _operand_dims(ctx, node, i)
+    # Megatron's MoE dispatcher returns its tokens' gradients split as the tokens came (`shardc.cost.moe`)
+    dispatched = dispatcher_axes(ctx, node) if i in TOKEN_OPERANDS else ()
     placements: list[tuple[str, Placement]] = []
     for axis in ctx.mesh.names:
         split = [d for a, d in partition.spatial if a == axis]
         p = layout.on(axis)
-        if split and isinstance(p, Replicate) and split[0] not in indexed:
+        if axis in dispatched:
+            p = ctx.layout(node.inputs[i]).on(axis)
+        elif split and isinstance(p, Replicate) and split[0] not in indexed:
             p = Partial("sum")
         if not isinstance(p, Replicate):
             placements.append((axis, p))

@@ -61,7 +61,14 @@ from shardc.cost.edges import (
 from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
 from shardc.cost.head import head_regions, head_saved_bytes, head_working, vocab_parallel_loss
-from shardc.cost.moe import expert_steps, routed_bytes, routing_skew
+from shardc.cost.moe import (
+    TOKEN_OPERANDS,
+    dispatcher_axes,
+    dispatcher_saves,
+    expert_steps,
+    routed_bytes,
+    routing_skew,
+)
 from shardc.cost.ring import as_run, causal_ring_saved
 from shardc.ir import Node, Value
 from shardc.ops.registry import rotating_operands
@@ -208,7 +215,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
     for node in nodes:
         in_core, local = node in core, ctx.local(node)
         cost = _compute(ctx, node, in_core, t, node in regions)
-        saves = saved_bytes_of(local.op, local.in_types, local.out_types, node.attrs)
+        saves = dispatcher_saves(ctx, node, saved_bytes_of(local.op, local.in_types, local.out_types, node.attrs))
         if node in regions:
             saves = _charge_head(ctx, regions[node], node, cost, saves, t)
         node_fwd: dict[str, float] = {"compute_fwd": cost.fwd_s}
@@ -302,6 +309,7 @@ def _forward_edges(ctx: CostContext, node: Node, cost: NodeCost, saved_inputs: C
     if ctx.mesh is None:
         return
     local = ctx.local(node)
+    dispatched = dispatcher_axes(ctx, node)  # Megatron's dispatcher moves the tokens there (`shardc.cost.moe`)
     for i, v in enumerate(node.inputs):
         if v not in produced and v.kind == "activation" and v in ctx.batched and (
                 not internal_only or v.producer is None or v.producer.layer != node.layer):
@@ -310,6 +318,8 @@ def _forward_edges(ctx: CostContext, node: Node, cost: NodeCost, saved_inputs: C
                 t.roots.add(ctx.root(v))
                 continue
         for step in input_steps(ctx, v, ctx.layout(v), local.in_layouts[i]):
+            if step.axis in dispatched and i in TOKEN_OPERANDS:
+                continue
             _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
             t.collectives.append(("fwd", step))
             # Priced per reader that saves its gathered input, as the solver prices its edges
@@ -327,9 +337,12 @@ def _resolved_partials(ctx: CostContext, node: Node, node_fwd: dict[str, float],
     local = ctx.local(node)
     if ctx.partition(node) is None:
         return
+    dispatched = dispatcher_axes(ctx, node)
     for k, v in enumerate(node.outputs):
         if k < len(local.out_layouts) and resolves(local.out_layouts[k], ctx.layout(v)):
             for step in input_steps(ctx, v, local.out_layouts[k], ctx.layout(v)):
+                if step.axis in dispatched:
+                    continue
                 _add(node_fwd, axis_category(step.axis), comm_time(ctx, step))
                 t.collectives.append(("fwd", step))
 
@@ -353,6 +366,8 @@ def _output_gradients(ctx: CostContext, node: Node, inside: Collection[Node], in
         made = local.out_layouts[k] if part is not None and k < len(local.out_layouts) else ctx.layout(v)
         for step in gradient_steps(ctx, v, contributions, gradient_layout(made, ctx.layout(v)),
                                    feeds_only_parameters(node, ctx.needs_grad), split):
+            if step.axis in dispatcher_axes(ctx, node):
+                continue
             _add(t.bwd, axis_category(step.axis), comm_time(ctx, step))
             t.collectives.append(("bwd", step))
 
@@ -447,7 +462,9 @@ def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict
             skew = routing_skew(ctx.graph, ctx.mesh.axis_size(axis))
             _add(node_fwd, "compute_fwd", (skew - 1.0) * cost.fwd_s)
             _add(t.bwd, "compute_bwd", (skew - 1.0) * cost.bwd_s)
-            for phase, step in expert_steps(axis, skew * routed_bytes(local.in_types) * ctx.batch_scale):
+            gathers = [(a, ctx.mesh.axis_size(a)) for a in dispatcher_axes(ctx, node)]
+            for phase, step in expert_steps(axis, skew * routed_bytes(local.in_types) * ctx.batch_scale, gathers):
+                # the dispatcher's tp gathers are the dispatch's: ep_comm (`shardc.cost.moe`)
                 _add(node_fwd if phase == "fwd" else t.bwd, axis_category(axis), comm_time(ctx, step))
                 t.collectives.append((phase, step))
         if special.get(dim) == "vocab" and len(local.in_types) > 1:

@@ -14,7 +14,11 @@ Rules:
   unsharded compute-dtype parameters (`peak`), so there the weights are the master weights alone
   (`model_state_bytes(copies=False)`).
   ZeRO-1 divides the optimizer state by the sharding degree (the data-parallel group),
-  ZeRO-2 the gradients too, ZeRO-3 the weights too.
+  ZeRO-2 the gradients too, ZeRO-3 the weights too. Textbook ZeRO (`zero_runtime="zero"`:
+  Megatron-Core's distributed optimizer, DeepSpeed) counts the fp32 master weights in the
+  optimizer state ZeRO-1 shards (12 bytes), holds gradients in the dtype it reduces them in
+  (`gradient_reduce`), and shards an MoE model's dense weights over the ranks replicating them,
+  the expert axis included (`sync.zero_width`).
 - Bytes on the wire: gradient sync in fp32 (`gradient_bytes`), weight gathers (ZeRO-3, FSDP2)
   and every activation, tensor- and context-parallel collective in the compute dtype
   (`compute_bytes`).
@@ -64,18 +68,25 @@ def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
     return MASTER_BYTES + weight_copy_bytes(dtype), GRADIENT_BYTES, ADAM_STATE_BYTES
 
 
-def model_state_bytes(params: float, dtype: str, zero: int, shard: int, copies: bool = True) -> dict[str, float]:
+def model_state_bytes(params: float, dtype: str, zero: int, shard: int, copies: bool = True,
+                      textbook: bool = False, gradient_bytes: int = GRADIENT_BYTES) -> dict[str, float]:
     """Weights, gradients and optimizer bytes on one device holding `params` local parameters,
     with ZeRO stage `zero` sharding over `shard` data-parallel ranks; `copies`: whether the
-    weights' compute-dtype copies are held from forward to backward (module rules)."""
-    w, g, o = state_bytes_per_param(dtype)
+    weights' compute-dtype copies are held from forward to backward (module rules).
+    `textbook`: ZeRO as Rajbhandari et al. define it and Megatron-Core's distributed optimizer
+    and DeepSpeed run it, whose ZeRO-1 optimizer state is the fp32 master weights with Adam's
+    (12 bytes in mixed precision), filed under `optimizer`; the torch backend's FSDP2 keeps
+    them apart. `gradient_bytes`: per gradient element as the runtime holds it (4: fp32; the
+    compute dtype's where it reduces in it, `EstimateOptions.gradient_reduce="compute"`)."""
+    w, _, o = state_bytes_per_param(dtype)
     if not copies:
         w -= weight_copy_bytes(dtype)
+    master = MASTER_BYTES if textbook and mixed(dtype) and 1 <= zero < 3 else 0
     shard = max(1, shard)
     return {
-        "parameters": params * w / (shard if zero >= 3 else 1),
-        "gradients": params * g / (shard if zero >= 2 else 1),
-        "optimizer": params * o / (shard if zero >= 1 else 1),
+        "parameters": params * (w - master) / (shard if zero >= 3 else 1),
+        "gradients": params * gradient_bytes / (shard if zero >= 2 else 1),
+        "optimizer": params * (o + master) / (shard if zero >= 1 else 1),
     }
 
 

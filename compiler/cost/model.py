@@ -120,6 +120,7 @@ def estimate(graph: Graph, cluster: Cluster, plan: ParallelPlan | None = None, *
     m = plan.micro_batches(gbs)
     ctx = CostContext.build(graph, cluster, plan.ir_dtype, batch.factor, options.algorithm,
                             compiled=plan.compiled_on(not is_cpu(cluster.device)))
+    ctx.expert_dispatch = options.expert_dispatch
     layers = _layers(graph, plan)
     _cost_layers(ctx, layers, plan, options)
     sends, send_bytes = _stage_sends(ctx, layers, plan.pp * plan.vpp, cluster, options.pipeline_scatter_gather)

@@ -21,15 +21,38 @@ trained router with a load-balancing loss on real text may sit lower; the first 
 of real training higher (Megatron-Core's MoE README). For scale, Megatron-MoE-ModelZoo
 (best_practice/qwen3/readme.md) measures dropless Qwen3-235B 1.09-1.25x slower than the same runs
 force-balanced on 256 H100. Degrees above the largest measured take its figure.
+
+Expert tensor parallelism (the op's intermediate dim `i` split over tp beside `e` over ep): the
+torch backend gives every tp rank the tp group's tokens (all-gathered on the op's input edge
+under sequence parallelism, its `Partial` output reduced after), and each tp rank dispatches all
+of them, so the all-to-alls carry the tp group's routed tokens. Megatron-Core's alltoall
+dispatcher (`EstimateOptions.expert_dispatch="megatron"`; megatron/core/transformer/moe/
+token_dispatcher.py, "permute -> A2A(EP) -> AG(TP)", "RS(TP) -> A2A(EP) -> unpermute", which
+requires sequence parallelism) keeps the tokens split over tp: each tp rank dispatches its own
+1/tp of them, the rows received are all-gathered over tp before the experts and their results
+reduce-scattered over tp after, then sent back. Priced so (`dispatcher_axes`): the all-to-alls
+at 1/tp, an all-gather and a reduce-scatter of the routed rows over tp in each pass (charged to
+`ep_comm`: they are the dispatch's, not a GEMM's, so userbuffers' tp overlap does not hide
+them), no gather or reduction on the op's own token edges over tp, the input gradients
+returned split as the tokens came, and what the op saves per routed row kept by the
+reduce-scatter's 1/tp (`dispatcher_saves`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardc.cost.comm import CommStep
-from shardc.ir import Graph, TensorType
+from shardc.ir import Graph, Node, TensorType
 from shardc.ir.diagnostics import ShardcError
+
+if TYPE_CHECKING:
+    from shardc.cost.context import CostContext
+
+DISPATCHES = ("replicated", "megatron")
+TOKEN_OPERANDS = (0, 1, 2)  # x, index, weights: what the dispatcher splits over tp (`dispatcher_axes`)
 
 # ep degree -> measured skew (module docstring; `python benchmarks/routing_skew.py --batches 4`).
 MEASURED_ROUTING_SKEW: dict[int, float] = {2: 1.03, 4: 1.06, 8: 1.13}
@@ -60,8 +83,45 @@ def routed_bytes(in_types: Sequence[TensorType]) -> float:
     return float(x.nbytes * index.shape[1])
 
 
-def expert_steps(axis: str, nbytes: float) -> list[tuple[str, CommStep]]:
-    """The all-to-alls of one `experts` node split over `axis`: (phase, step), dispatch and
-    combine in the forward, their gradients in the backward."""
-    step = CommStep("all_to_all", axis, nbytes)
-    return [("fwd", step), ("fwd", step), ("bwd", step), ("bwd", step)]
+def expert_steps(axis: str, nbytes: float, gathers: Sequence[tuple[str, int]] = ()) -> list[tuple[str, CommStep]]:
+    """The exchanges of one `experts` node split over `axis`, `nbytes` the rank's routed rows
+    as the op holds its tokens: (phase, step). Dispatch and combine in the forward, their
+    gradients in the backward. With `gathers` ((tp axis, size), Megatron's dispatcher: module
+    rules) each all-to-all carries 1/size of the rows, the dispatch all-gathers the received
+    rows over the axis and the combine reduce-scatters them (backward: the conjugates)."""
+    share = math.prod(n for _, n in gathers)
+    a2a = CommStep("all_to_all", axis, nbytes / share)
+    gather = [CommStep("all_gather", a, nbytes) for a, _ in gathers]
+    scatter = [CommStep("reduce_scatter", a, nbytes) for a, _ in gathers]
+    forward = [a2a, *gather, *scatter, a2a]
+    backward = [a2a, *gather, *scatter, a2a]  # combine's gradient (all-gather), dispatch's (reduce-scatter)
+    return [("fwd", s) for s in forward] + [("bwd", s) for s in backward]
+
+
+def dispatcher_axes(ctx: CostContext, node: Node) -> tuple[str, ...]:
+    """The mesh axes splitting an `experts` node's intermediate dim `i` (expert tensor
+    parallelism) beside an axis splitting its experts, when the runtime priced runs
+    Megatron-Core's dispatcher there (`ctx.expert_dispatch == "megatron"`, module rules): the
+    dispatcher, not the op's token edges, moves the tokens over them. () otherwise."""
+    if ctx.expert_dispatch != "megatron" or node.op != "experts":
+        return ()
+    part = ctx.partition(node)
+    if part is None or not any(dim == "e" for _, dim in part.spatial):
+        return ()
+    return tuple(axis for axis, dim in part.spatial if dim == "i")
+
+
+def dispatcher_saves(ctx: CostContext, node: Node,
+                     saves: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
+    """What an `experts` node saves for backward under Megatron's dispatcher (`dispatcher_axes`;
+    else `saves` as they are): no copy of its gathered tokens, and of the two hidden-state rows
+    per routed token (`shardc.ops.moe._saves`: the gathered input, the expert's output) the
+    output only as reduce-scattered, 1/size of it."""
+    axes = dispatcher_axes(ctx, node)
+    if not axes or ctx.mesh is None:
+        return saves
+    share = math.prod(ctx.mesh.axis_size(a) for a in axes)
+    local = ctx.local(node)
+    output_rows = routed_bytes(local.in_types) * (1 - 1 / share)
+    return [(kind, idx, nbytes - output_rows if kind == "bytes" else nbytes) for kind, idx, nbytes in saves
+            if not (kind == "in" and idx == 0)]

@@ -54,6 +54,12 @@ class EstimateOptions:
     # weight gather and gradient reduce-scatter also copies into and out of FSDP2's flat
     # buffers (`sync.fsdp_copy_time`), on the compute's critical path.
     fsdp_copies: bool = False
+    # How an MoE layer's tokens reach experts split over ep and tp (expert tensor parallelism):
+    # "replicated" as the torch backend runs it (every tp rank holds the tp group's tokens and
+    # dispatches all of them over ep), or "megatron" (Megatron-Core's alltoall dispatcher: each tp
+    # rank dispatches its own tokens over ep, then the received rows are all-gathered over tp;
+    # the combine reduce-scatters them over tp, then all-to-alls back: `shardc.cost.moe`).
+    expert_dispatch: str = "replicated"
 
     def __post_init__(self) -> None:
         if self.zero_runtime not in ("fsdp2", "zero"):
@@ -63,5 +69,8 @@ class EstimateOptions:
         if self.zero_gradient_collective not in ("reduce_scatter", "all_reduce"):
             raise ShardcError(f"zero_gradient_collective={self.zero_gradient_collective!r}: use reduce_scatter "
                               "(textbook ZeRO) or all_reduce (DeepSpeed's BF16_Optimizer)")
+        if self.expert_dispatch not in ("replicated", "megatron"):
+            raise ShardcError(f"expert_dispatch={self.expert_dispatch!r}: use replicated (the torch backend) or "
+                              "megatron (Megatron-Core's alltoall dispatcher)")
         if self.gradient_reduce not in ("fp32", "compute"):
             raise ShardcError(f"gradient_reduce={self.gradient_reduce!r}: use fp32 (the torch backend) or compute")

@@ -69,6 +69,7 @@ from shardc.cost.fsdp import (  # noqa: F401  (fsdp_gathers, fsdp_microbatch_tim
     step_collectives,
 )
 from shardc.cost.pipeline import PipelineTimes
+from shardc.ir import Axis
 from shardc.plan.parallel import ParallelPlan
 
 ADAM_BYTES_PER_PARAM = 28
@@ -91,6 +92,13 @@ class DeviceSync:
     collectives: tuple[tuple[str, int, float], ...] = ()
     # Gradient bytes summed over model axes once per step, per axis group (the runtime's `gradsum`)
     summed: tuple[tuple[tuple[str, ...], float], ...] = ()
+    # Per parameter (as `params`), how many times wider than the data-parallel group ZeRO shards
+    # it (`zero_width`); empty: every one over the data-parallel group
+    widths: tuple[int, ...] = ()
+
+    def shards(self, shard: int) -> list[int]:
+        """Per parameter, the ranks ZeRO shards it over (`shard`: the data-parallel group's size)."""
+        return [shard * w for w in self.widths] if self.widths else [shard] * len(self.params)
 
     @property
     def after(self) -> float:
@@ -145,6 +153,19 @@ def _sum_or_none(values: Sequence[float | None]) -> float | None:
     return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
+def zero_width(ctx, options, axes: frozenset[str]) -> int:
+    """How many times wider than the data-parallel group textbook ZeRO (`zero_runtime="zero"`:
+    Megatron-Core's distributed optimizer, DeepSpeed) shards a parameter whose gradient is summed
+    over `axes`: a weight replicated over the expert axis (an MoE model's dense weights) is sharded
+    over the ranks that replicate it, ep included (Megatron's data-parallel group with ep inside);
+    an expert weight (split over ep) over the data-parallel group only (its expert-data-parallel
+    group). 1 under the torch backend's FSDP2, which shards over the data axes only."""
+    mesh = ctx.mesh
+    if options.zero_runtime != "zero" or mesh is None or Axis.EP not in axes or Axis.EP not in mesh.names:
+        return 1
+    return mesh.degree(Axis.EP)
+
+
 def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str, ...], shard: int,
                   pipe: PipelineTimes, stage_bwd: Sequence[float], g_elem: int, w_elem: int,
                   microbatches: int = 1) -> list[DeviceSync]:
@@ -165,6 +186,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         last_stage = d  # the final backward on device d is its first model chunk's
         seen: set[str] = set()
         params: list[tuple[float, int]] = []
+        widths: list[int] = []
         unit_of: list[int] = []  # per parameter, the stage module (FSDP2 unit) that holds it
         ready: list[tuple[float, float]] = []
         other: dict[tuple[str, ...], float] = {}
@@ -182,6 +204,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
                     continue
                 seen.add(name)
                 params.append((numel, layer.annotation.zero))
+                widths.append(zero_width(ctx, options, axes))
                 unit_of.append(layer.stage)
                 if axes & set(zero_axes):
                     if per_layer(layer):  # reduce-scattered in its own backward (`compose.zero3_exposed`)
@@ -236,11 +259,11 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
                 gather += backward * fsdp_copy_time(n * w_elem, shard, device)
         elif shard > 1 and zero in (1, 2):  # ZeRO-1/2: after the optimizer
             gather = collective_time("all_gather", local * w_elem, levels, ctx.algorithm)
-        opt_params = sum(n / (shard if z >= 1 else 1) for n, z in params)
+        opt_params = sum(n / (shard * w if z >= 1 else 1) for (n, z), w in zip(params, widths))
         optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
         factor = (2 if kind == "all_reduce" else 1) * (shard - 1) / shard if shard > 1 else 0.0
         out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor, collectives,
-                              tuple(sorted(other.items()))))
+                              tuple(sorted(other.items())), tuple(widths) if any(w > 1 for w in widths) else ()))
     return out
 
 

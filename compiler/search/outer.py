@@ -21,7 +21,8 @@ Rules:
   Pipelines with ep run 1F1B or zbv only (no interleaved, dualpipev or interleaved-zb
   variants: the backend's expert-parallel numerics are tested under those two).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
-  enumeration and pricing of their candidates.
+  enumeration and pricing of their candidates. An MoE model prices at most as many keys as its
+  time limit allows (`shardc.search.budget`: one sequence per ep rank first), the rest logged.
 - Every problem gets two lower bounds (`shardc.search.bounds`): `grid_bound` (every group at
   its cheapest candidate, every edge free, a perfectly balanced pipeline: (1 + (m-1)/p) *
   per-micro-batch time), by which the grid baseline is scanned exactly as before, and the
@@ -84,13 +85,14 @@ from shardc.hardware import Cluster
 from shardc.ir import Graph
 from shardc.ir.diagnostics import ShardcError
 from shardc.search.bounds import grid_bound, lower_bound
+from shardc.search.budget import within_budget
 from shardc.search.cpsat import solve
 from shardc.search.evaluate import Assignment, Evaluation, evaluate
 from shardc.search.grid import GridPoint, grid_assignments, grid_points, interleavings
 from shardc.search.interleave import search_interleaved
 from shardc.search.objective import objective
 from shardc.search.planfile import annotate_graph
-from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem
+from shardc.search.problem import GraphFacts, MeshShape, PricingCache, Problem, build_problem, pricing_key
 from shardc.search.refine import EVALUATIONS_PER_SECOND, refine
 from shardc.search.schedules import rebalance, schedule_shapes, search_schedules
 
@@ -278,10 +280,13 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
         shapes = shapes + [s for s in schedule_shapes(shapes, facts.layering.count, MAX_VPP) if s not in shapes]
     problems: list[Problem] = []
     cache: PricingCache = {}
-    for shape in shapes:
-        for mb in (mbs or micro_batch_sizes(gbs, shape.dp, shape.pp, shape.ep)):
-            if (gbs // shape.dp) % mb == 0 and gbs // (shape.dp * mb) >= shape.pp and mb % shape.ep == 0:
-                problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
+    pairs = [(shape, mb) for shape in shapes for mb in (mbs or micro_batch_sizes(gbs, shape.dp, shape.pp, shape.ep))
+             if (gbs // shape.dp) % mb == 0 and gbs // (shape.dp * mb) >= shape.pp and mb % shape.ep == 0]
+    # An MoE model's ep x tp x micro-batch pricings within the time limit (`shardc.search.budget`)
+    pairs, unpriced = within_budget(pairs, lambda s, mb: pricing_key(facts, s, mb, dtype, True, True), time_limit,
+                                    expert_count(facts.graph))
+    for shape, mb in pairs:
+        problems.append(build_problem(facts, cluster, shape, mb, gbs, dtype, cache=cache))
     if not problems:
         raise ShardcError(f"no mesh shape and micro-batch size give the 1F1B schedule at least as many "
                           f"micro-batches as pipeline stages with global batch {gbs}",
@@ -301,7 +306,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
                    key=lambda i: (i not in hints or warm is None, bounds[i], i))
     solved = pruned = 0
     floor = dict(enumerate(bounds))  # per problem, the best proven lower bound
-    log = []
+    log = [f"pricing budget: {len(unpriced)} (shape, micro-batch) problems not priced, e.g. "
+           f"{', '.join(f'{s} mb={mb}' for s, mb in unpriced[:4])}"] if unpriced else []
     founds: list[Found] = []
     budget_left = SOLVE_SHARE * time_limit
     start = time.perf_counter()  # the solves' wall clock starts after the baseline (its own cost)
