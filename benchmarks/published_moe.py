@@ -44,12 +44,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-if __name__ == "__main__":  # as a script: run the module that published_runs imports (they import each other)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import published_moe
-
-    raise SystemExit(published_moe.main())
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published_data import PublishedRun  # noqa: E402
 from published_runs import Prediction  # noqa: E402
 from tables import show
@@ -323,3 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.only:
         print_unpriced()
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import published_moe  # noqa: E402  (the MoE rows, printed after these: issue 15)
 from published_data import ROWS, PublishedRun, calibration_rows  # noqa: E402  (the data beside this script)
 from tables import show  # noqa: E402
 
@@ -192,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", metavar="DEVICE", help="fit DEVICE's matmul efficiency on its calibration rows")
     parser.add_argument("--sources", action="store_true", help="list every row's interconnect and source")
     args = parser.parse_args(argv)
+    import published_moe  # the MoE rows, printed after these (issue 15); it imports this module's Prediction
     if args.fit:
         print(f"{args.fit}: matmul_efficiency = {fit_efficiency(args.fit):.3f}")
         return 0
