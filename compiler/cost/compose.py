@@ -353,8 +353,10 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     order = device_order(plan.schedule, p, d, m, v) if p > 1 else None
     input_grads = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if split and send_bytes else {}
+    received = ({s: send_bytes[s - 1] for s in mine_stages if s > 0}
+                if p > 1 and options.pipeline_runtime == "torch" and send_bytes else {})
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
                          regather=zero >= 3 and not split, accumulate=m > 1 and p == 1,
                          copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0,
-                         order=order, stage_ids=mine_stages, input_grads=input_grads)
+                         order=order, stage_ids=mine_stages, input_grads=input_grads, received=received)

@@ -66,33 +66,50 @@ def recompute_copies(layers: Sequence[Any], copy_bytes: float) -> tuple[float, d
     return sum(off.values()), running
 
 
-def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool,
-                 running: dict[str, float]) -> tuple[dict[str, float], dict[str, float], float, dict[str, float]]:
+def _less(part: dict[str, float], nbytes: float) -> dict[str, float]:
+    """`part` without `nbytes` that another category holds: taken from its activations, then
+    from what recomputation brought back (a layer recomputing in full has its inputs there)."""
+    out = dict(part)
+    for key in ("activations", "recompute_working"):
+        take = min(nbytes, out.get(key, 0.0))
+        out[key] = out.get(key, 0.0) - take
+        nbytes -= take
+    return out
+
+
+def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool, running: dict[str, float],
+                 received: float = 0.0) -> tuple[dict[str, float], dict[str, float], float, dict[str, float]]:
     """(forward peak split, backward peak split, kept bytes, input-gradient pass peak split) of
     one virtual stage's micro-batch; `running`: the weight copies a layer holds only while it
     runs (`recompute_copies`). The input-gradient pass of a split backward keeps the graph
     (`retain_graph`): every saved activation of the stage stays, and the output gradients
-    captured for the weight pass (`LayerMemory.weight_inputs`) of the layers already passed."""
+    captured for the weight pass (`LayerMemory.weight_inputs`) of the layers already passed.
+    `received`: the bytes of the stage's input that torch's pipeline receives into a buffer of
+    its own (`pipeline_buffers`); what the first layer saves of its input (`saved_inputs`) is
+    that buffer, counted there, not again as activations."""
+    shared = min(layers[0].memory.saved_inputs, received) if layers else 0.0
     kept = [l.memory.kept for l in layers]
-    fwd = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
-    bwd = dict(fwd)
-    inp = dict(fwd)
+    zero = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
+    fwd, bwd, inp = dict(zero), dict(zero), dict(zero)
     for i, layer in enumerate(layers):
         mem = layer.memory
         copies = running.get(layer.name, 0.0)
-        before = sum(kept[:i])
+        before = sum(kept[:i]) - (shared if i else 0.0)
+        own = shared if i == 0 else 0.0
         later = layers[i + 1:]
         held = sum(l.memory.held for l in later) + (sum(l.memory.param_grads for l in later) if fsdp_hold else 0.0)
-        if before + mem.fwd_peak + copies > sum(fwd.values()):
-            fwd = {"activations": before + mem.fwd_saved, "recompute_working": 0.0,
-                   "working": mem.fwd_peak - mem.fwd_saved + copies}
-        if before + mem.bwd_peak + held + copies > sum(bwd.values()):
-            bwd = {"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
-                   "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}
+        candidate = _less({"activations": before + mem.fwd_saved, "recompute_working": 0.0,
+                           "working": mem.fwd_peak - mem.fwd_saved + copies}, own)
+        if sum(candidate.values()) > sum(fwd.values()):
+            fwd = candidate
+        candidate = _less({"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
+                           "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}, own)
+        if sum(candidate.values()) > sum(bwd.values()):
+            bwd = candidate
         working = max(0.0, mem.input_peak - mem.kept) + held + sum(l.memory.weight_inputs for l in later)
-        if sum(kept) + copies + working > sum(inp.values()):
-            inp = {"activations": sum(kept), "recompute_working": copies, "working": working}
-    return fwd, bwd, sum(kept), inp
+        if sum(kept) - shared + copies + working > sum(inp.values()):
+            inp = {"activations": sum(kept) - shared, "recompute_working": copies, "working": working}
+    return fwd, bwd, sum(kept) - shared, inp
 
 
 def order_peaks(order: Sequence[tuple[str, int, int]], splits: dict[int, tuple[dict[str, float], dict[str, float],
@@ -179,7 +196,8 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                   interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float,
                   after_backward: float = 0.0, regather: bool = False, accumulate: bool = False,
                   copy_bytes: float = 0.0, order: Sequence[tuple[str, int, int]] | None = None,
-                  stage_ids: Sequence[int] = (), input_grads: dict[int, float] | None = None) -> dict[str, float]:
+                  stage_ids: Sequence[int] = (), input_grads: dict[int, float] | None = None,
+                  received: dict[int, float] | None = None) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
     `after_backward`: a transient buffer once backward is over (a flat gradient copy);
@@ -192,7 +210,9 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     rest (taken off there for layers that recompute in full: `recompute_copies`); `order`: the
     device's pipeline schedule, its virtual stages `stage_ids` (those of `by_stage`), walked op by
     op (`order_peaks`; `input_grads[s]`: stage s's received activation's gradient, held from a
-    split backward's I to its W) instead of counting `flight` micro-batches of the average stage."""
+    split backward's I to its W) instead of counting `flight` micro-batches of the average stage;
+    `received[s]`: the bytes of virtual stage s's input that land in torch's receive buffers
+    (`_stage_peaks`: not activations too)."""
     off, running = recompute_copies([l for stage in by_stage for l in stage], copy_bytes)
     states = {**states, "parameters": states.get("parameters", 0.0) - off, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
@@ -204,7 +224,9 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                 "working": max((c.transient_bytes for c in costs), default=0.0),
                 "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
     accumulate = accumulate and fsdp
-    splits = [_stage_peaks(stage, fsdp and not accumulate, running) for stage in by_stage if stage]
+    ids = list(stage_ids) if len(stage_ids) == len(by_stage) else [-1] * len(by_stage)
+    splits = [_stage_peaks(stage, fsdp and not accumulate, running, (received or {}).get(s, 0.0))
+              for s, stage in zip(ids, by_stage) if stage]
     unsharded_grads = local_param_bytes if accumulate else 0.0
     kept = sum(k for _, _, k, _ in splits)
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)

@@ -12,7 +12,7 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
 - Forward: an output lives until its last reader in the layer has run, or to the end of the
   layer when a later layer reads it; what an op saves for backward stays (`layer_terms`'s saved
   entries: the kept ones under the layer's recomputation). A loss also holds its log-probabilities
-  (the size of its input) while it runs. Under full recomputation the forward keeps only the
+  (the size of its input read in fp32, `head.loss_logits_bytes`) while it runs. Under full recomputation the forward keeps only the
   layer's inputs; under selective, the attention core's own tensors are not kept.
 - Backward, ops in reverse: the gradients of the layer's outputs arrive first. An op allocates a
   gradient for each input that needs one (a parameter's is a temporary, added into `.grad` and
@@ -21,7 +21,8 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   backward, as FSDP2's unsharded gradients are). Views, dropout(p=0) and an `add` of equal
   shapes pass the output gradient through without allocating (`aliasing.passes_gradient`);
   split's backward concatenates.
-  A loss's backward also holds the gradient of its log-probabilities, except a vocabulary-
+  A loss's backward also holds the gradient of its log-probabilities (fp32, beside the logits'
+  gradient, which it makes in fp32 before casting it back), except a vocabulary-
   parallel one (`head.vocab_parallel_loss`), which writes the logits' gradient over its saved
   softmax and allocates neither. After the op its output
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
@@ -56,7 +57,7 @@ from shardc.analysis.aliasing import passes_gradient
 from shardc.analysis.head_loss import HeadLoss
 from shardc.cost.context import CostContext
 from shardc.cost.edges import GATHERED, gathered_source, regather_group
-from shardc.cost.head import head_regions, head_working, vocab_parallel_loss
+from shardc.cost.head import head_regions, head_working, loss_logits_bytes, vocab_parallel_loss
 from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
 from shardc.ir import Axis, Layout, Node, Value
 from shardc.ops.registry import get_op
@@ -76,7 +77,9 @@ class LayerMemory:
     gradients a split backward keeps from its input-gradient pass to its weight-gradient pass
     (`weight_gradient_inputs`); `input_peak`: the live bytes at the peak of that input-gradient
     pass, which keeps the graph (`retain_graph`: no saved tensor is freed), computes no weight
-    gradient and keeps the captured output gradients as it goes."""
+    gradient and keeps the captured output gradients as it goes. `saved_inputs`: the part of
+    `kept` that is the layer's own input storages (made before it: on a pipeline stage's first
+    layer, torch's receive buffer, which is the runtime's, not a new activation)."""
 
     fwd_peak: float
     fwd_saved: float
@@ -89,6 +92,7 @@ class LayerMemory:
     buffers: tuple[tuple[str, float], ...] = ()
     weight_inputs: float = 0.0
     input_peak: float = 0.0
+    saved_inputs: float = 0.0
 
 
 def _meets_weights(node: Node, ctx: CostContext) -> bool:
@@ -168,7 +172,8 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
                        tuple(sorted(buffers.items())), weight_gradient_inputs(ctx, nodes),
-                       max(split_peak, recompute_peak, sum(kept.values()) + tail))
+                       max(split_peak, recompute_peak, sum(kept.values()) + tail),
+                       sum(b for k, b in kept.items() if k in terms.input_entries))
 
 
 def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[SavedKey, tuple[float, bool, Value]],
@@ -258,7 +263,10 @@ def _loss_extra(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | No
         return head_working(ctx, regions[node], backward)
     if backward and vocab_parallel_loss(ctx, node):
         return 0.0
-    return ctx.local_bytes(node.inputs[0])
+    read = loss_logits_bytes(ctx, node)
+    # Backward: the log-probabilities' gradient, and the logits' own made in fp32 too before it
+    # is cast back (beyond the compute-dtype gradient `_backward` allocates for the logits).
+    return read + (read - ctx.local_bytes(node.inputs[0])) if backward else read
 
 
 def _in_place_gradient(ctx: CostContext, node: Node, saved: dict, recomputed: dict,
