@@ -302,13 +302,17 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
     peak, at_saved = 0.0, 0.0
     for idx, node in enumerate(nodes):
         new = _new_outputs(ctx, node, regions)
-        total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node, regions)
+        extra = _loss_extra(ctx, node, regions)
+        total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + extra
         if fused and node in fused:  # the gathered copy, freed once the readers have run
             total += fused[node][1]
         if rotation(ctx, node) is not None:  # the running sum, this step's partial product and their sum
             total += 2 * sum(new.values())
         if total > peak:
-            peak, at_saved = total, sum(saved.values())
+            # An unfused loss ends holding its log-probabilities (saved: they are what it keeps in its
+            # logits' place) beside its logits (freed when the forward returns): the peak's split.
+            keeps = not (regions and node in regions) and extra and ctx.root(node.inputs[0]) in kept
+            peak, at_saved = total, sum(saved.values()) + (extra if keeps else 0.0)
         temp.update(new)
         for key, readers in savers.items():
             if readers[0] == idx and key in kept:

@@ -14,8 +14,11 @@ measured peak, the difference filed as `allocator_extra`.
   (a `saved_tensors_hooks` pack hook marks it) -> `activations`, except a parameter's cast to
   another dtype (mixed precision's compute-dtype weight copy, held from forward to backward by
   the op that saved it) -> `parameters`; produced by or handed to a
-  collective -> `buffers`; anything else (gradients of activations, temporaries of forward,
-  backward and the optimizer step, recomputed forwards) -> `other`; the optimizer's state
+  collective -> `buffers`, and so is a parameter of the tracked modules that is not the
+  parameters' state at rest (FSDP2's unsharded weights, gathered, whether an op saves them or
+  not: a LayerNorm's weight or a bias is never saved); anything else (gradients of
+  activations, temporaries of forward, backward and the optimizer step, recomputed forwards)
+  -> `other`; the optimizer's state
   exists before the measured step (it follows the first step) and is counted as `optimizer`.
   A `weakref.finalize` on the storage takes it off the books when it is freed. Storages are
   re-measured after every op, so in-place `resize_` (FSDP2's gather buffers) is seen too.
@@ -162,6 +165,10 @@ class MemoryTracker(TorchDispatchMode):
                     self._add(t, "buffers", "pipeline buffer")
                     self.live[_key(s)] = (self.live[_key(s)][0], "buffers")
                     self.held_keys.add(_key(s))
+        for key in self._parameter_storages():  # FSDP2's unsharded weights: gathered, a buffer
+            entry = self.live.get(key)
+            if entry is not None and entry[1] == "other":
+                self.live[key] = (entry[0], "buffers")
         totals = dict.fromkeys(CATEGORIES, 0.0)
         for ref, cat in list(self.live.values()):
             s = ref()
