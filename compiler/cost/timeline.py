@@ -152,10 +152,12 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
     regions = head_regions(ctx, nodes)
     fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload, fused, regions)
     if recompute == "full":  # the forward again, inputs kept and output gradients arriving
-        again, _ = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload, fused, regions)
+        again, again_saved = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload, fused, regions)
         incoming = _incoming(ctx, nodes, inside)
         recompute_peak = again + incoming
-        live_saved, recomputed = {}, dict(saved_all)
+        # The inputs the checkpoint saved stay saved activations; the rest comes back recomputed.
+        live_saved = dict(preload)
+        recomputed = {k: b for k, b in saved_all.items() if k not in preload}
     else:
         recompute_peak = 0.0
         live_saved, recomputed = dict(kept), {}
@@ -165,7 +167,8 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
         hold_param_grads, fused, regions)
     if recompute_peak > peak:
-        peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
+        inputs = sum(preload.values())
+        peak, at_saved, at_recomputed = recompute_peak, inputs, max(0.0, again_saved - inputs)
     tail = default_loss_bytes(ctx, nodes)
     if tail and sum(kept.values()) + tail > peak:  # everything this layer keeps is live while the loss runs
         peak, at_saved, at_recomputed = sum(kept.values()) + tail, sum(kept.values()), 0.0
