@@ -102,8 +102,10 @@ def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool, running: dict[str, floa
                            "working": mem.fwd_peak - mem.fwd_saved + copies}, own)
         if sum(candidate.values()) > sum(fwd.values()):
             fwd = candidate
+        comm = mem.bwd_buffers  # collective buffers at the backward peak
         candidate = _less({"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
-                           "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}, own)
+                           "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed - comm + held,
+                           "buffers": comm}, own)
         if sum(candidate.values()) > sum(bwd.values()):
             bwd = candidate
         working = max(0.0, mem.input_peak - mem.kept) + held + sum(l.memory.weight_inputs for l in later)
@@ -247,7 +249,8 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     for phase, part in parts:
         candidate = {**states, "activations": part["activations"],
                      "recompute_working": part.get("recompute_working", 0.0),
-                     "working": part["working"] + unsharded_grads, "buffers": buffers + extras[phase]}
+                     "working": part["working"] + unsharded_grads,
+                     "buffers": buffers + extras[phase] + part.get("buffers", 0.0)}
         if sum(candidate.values()) > sum(best.values()):
             best = candidate
     return best

@@ -79,7 +79,9 @@ class LayerMemory:
     pass, which keeps the graph (`retain_graph`: no saved tensor is freed), computes no weight
     gradient and keeps the captured output gradients as it goes. `saved_inputs`: the part of
     `kept` that is the layer's own input storages (made before it: on a pipeline stage's first
-    layer, torch's receive buffer, which is the runtime's, not a new activation)."""
+    layer, torch's receive buffer, which is the runtime's, not a new activation). `bwd_buffers`:
+    the part of `bwd_peak` in collective buffers (sequence parallelism's gathers and reduce-
+    scatters in backward), beside its working memory."""
 
     fwd_peak: float
     fwd_saved: float
@@ -93,6 +95,7 @@ class LayerMemory:
     weight_inputs: float = 0.0
     input_peak: float = 0.0
     saved_inputs: float = 0.0
+    bwd_buffers: float = 0.0
 
 
 def _meets_weights(node: Node, ctx: CostContext) -> bool:
@@ -163,20 +166,20 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         live_saved, recomputed = dict(kept), {}
     split_peak = _backward(ctx, nodes, dict(live_saved), dict(recomputed), savers, inside, core, saved_all, in_core,
                            set(earlier_params), hold_param_grads, fused, regions, split=True)[0]
-    peak, at_saved, at_recomputed, param_grads, held = _backward(
+    peak, at_saved, at_recomputed, param_grads, held, comm = _backward(
         ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
         hold_param_grads, fused, regions)
     if recompute_peak > peak:
         inputs = sum(preload.values())
-        peak, at_saved, at_recomputed = recompute_peak, inputs, max(0.0, again_saved - inputs)
+        peak, at_saved, at_recomputed, comm = recompute_peak, inputs, max(0.0, again_saved - inputs), 0.0
     tail = default_loss_bytes(ctx, nodes)
     if tail and sum(kept.values()) + tail > peak:  # everything this layer keeps is live while the loss runs
-        peak, at_saved, at_recomputed = sum(kept.values()) + tail, sum(kept.values()), 0.0
+        peak, at_saved, at_recomputed, comm = sum(kept.values()) + tail, sum(kept.values()), 0.0, 0.0
     buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
                        tuple(sorted(buffers.items())), weight_gradient_inputs(ctx, nodes),
                        max(split_peak, recompute_peak, sum(kept.values()) + tail),
-                       sum(b for k, b in kept.items() if k in terms.input_entries))
+                       sum(b for k, b in kept.items() if k in terms.input_entries), comm)
 
 
 def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[SavedKey, tuple[float, bool, Value]],
@@ -341,7 +344,7 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool, fused: dict[Node, tuple[list[Node], float]],
-              regions: dict[Node, HeadLoss], split: bool = False) -> tuple[float, float, float, float, float]:
+              regions: dict[Node, HeadLoss], split: bool = False) -> tuple[float, float, float, float, float, float]:
     # Activation gradients by value, each with the storage it lives in: a gradient passed through
     # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
@@ -362,7 +365,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     position = {n: i for i, n in enumerate(nodes)}
     later_readers = {m for members, _ in fused.values() for m in members[1:]}
     later_readers |= {m for m, region in regions.items() if m is not region.loss}  # run at the loss's turn
-    peak, at_saved, at_recomputed = 0.0, 0.0, 0.0
+    peak, at_saved, at_recomputed, at_comm = 0.0, 0.0, 0.0, 0.0
     core_pending = bool(core)
     captured = 0.0  # split: output gradients kept for the weight pass (`weight_gradient_inputs`)
     for idx in range(len(nodes) - 1, -1, -1):
@@ -397,17 +400,22 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 allocs[v] = (0.0 if gathered else allocs.get(v, 0.0)) + ctx.local_bytes(v)
                 if i in indexed:  # a rotation step's chunk gradient padded to full size, beside the running sum
                     padding += ctx.local_bytes(v) * (2.0 if rot is not None and rot[0] > 2 else 1.0)
-        if gathered and node.inputs[0] in ctx.needs_grad:  # the input gradient at the gathered size, and the
-            padding += 2 * gathered  # pieces gathered again (then the reduce-scatter's full-size sum)
+        comm = 0.0
+        if gathered and node.inputs[0] in ctx.needs_grad:
+            # The input gradient at the gathered size, and two collective buffers beside it as it is
+            # reduce-scattered: the pieces gathered again (the async gather's work holds them to the
+            # backward's end) and the reduce-scatter's full-size sum (gloo: an all-reduce of a copy).
+            padding += gathered
+            comm = 2 * gathered
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
         if split:  # the input-gradient pass computes no weight gradient
             new_params = {}
-        total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node, regions,
-                                                                                               backward=True) + captured
+        total = live + sum(allocs.values()) + padding + comm + sum(new_params.values()) + captured \
+            + _loss_extra(ctx, node, regions, backward=True)
         if region is None:
             total -= _in_place_gradient(ctx, node, saved, recomputed, allocs)
         if total > peak:
-            peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
+            peak, at_saved, at_recomputed, at_comm = total, sum(saved.values()), sum(recomputed.values()), comm
         if split and _meets_weights(node, ctx):
             captured += sum(ctx.local_bytes(o) for o in node.outputs if o in ctx.needs_grad)
         outs = [(grads.pop(o), owner.pop(o)) for m in members for o in m.outputs if o in grads]
@@ -431,7 +439,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 saved.pop(done, None)
                 recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
-    return peak, at_saved, at_recomputed, param_grads, tied
+    return peak, at_saved, at_recomputed, param_grads, tied, at_comm
 
 
 def _grad_bytes(grads: dict[Value, float], owner: dict[Value, object]) -> float:
