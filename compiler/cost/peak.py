@@ -31,6 +31,10 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
   its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
   the step ends; with data parallelism each stage module is a DDP module (buckets as above).
+  What a stage's first layer saves of its received input is that receive buffer (torch hands
+  the buffer itself to the stage), so it is not counted again as an activation. Collective
+  buffers live at a layer's backward peak (`LayerMemory.bwd_buffers`: sequence parallelism's
+  pieces gathered again and reduce-scatter sum) are buffers at that peak.
 - Model buffers (registered buffers, constants the trace folded) live all step at their local
   layout, each once per device (`model_buffers`).
 Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
