@@ -100,3 +100,33 @@ def test_every_category_within_10_percent(kind: str, checked: dict[str, list[dic
               f"{c['predicted_bytes']:,.0f} B ({c['error']:+.1%})"
               for r in rows for c in r["categories"] if c["error"] is not None and abs(c["error"]) > CATEGORY]
     assert not misses, f"{kind}: " + "; ".join(misses) + f"\n{_table(rows)}"
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study-report" / "results.json"
+# Recorded study plans that missed a category by more than 10% before issue 14's memory rules
+# (README study, session 6): mixed precision's fp32 loss, ZeRO-1 as FSDP2, sequence parallelism's
+# collective buffers, full recomputation's saved inputs, a pipeline's first stage.
+REPRICED = ("dp=2,mb=4,dtype=bf16", "dp=2,mb=4,zero=1", "tp=2,sp=1,mb=8", "dp=2,mb=4,recompute=full",
+            "pp=2,mb=2")
+
+
+def test_recorded_study_plans_repriced_within_targets(tmp_path: Path) -> None:
+    """The offline re-check (`shardc.study.memory_check`): recorded plans of the README study,
+    re-priced by today's model against the memory the study measured, meet both targets on
+    every rank; before, each missed a category (the recorded predictions say by how much)."""
+    import json
+    import shutil
+
+    from shardc.study.memory_check import meets, reprice
+    from shardc.study.plans import label
+
+    data = json.loads(RESULTS.read_text())
+    data["plans"] = [p for p in data["plans"] if p["status"] == "ok" and label(p["plan"]) in REPRICED]
+    assert len(data["plans"]) == len(REPRICED)
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    shutil.copy(RESULTS.parent / "local-profile.json", tmp_path / "local-profile.json")
+    rows = reprice(tmp_path / "results.json")
+    assert [meets(r["recorded_worst"]) for r in rows].count((True, True)) == 0
+    for row in rows:
+        total, worst = row["repriced_worst"]
+        assert meets(row["repriced_worst"]) == (True, True), f"{row['label']}: total {total:+.1%}, worst {worst}"

@@ -342,7 +342,8 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)
     split = plan.schedule in ZB_SCHEDULES  # the backward split into input- and weight-gradient passes
     if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
-        buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes, pending_send=not split)
+        buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes, pending_send=not split,
+                                    warmup_send=plan.schedule == "1f1b" and v == 1)
     by_stage = [[l for l in mine if l.stage == s] for s in mine_stages]
     # FSDP2 once backward is over (measured, torch 2.13): the unsharded compute-dtype parameters
     # and, in mixed precision, the unsharded compute-dtype gradients, the fp32 reduce-scatter

@@ -178,7 +178,7 @@ def _model_buffers(by_stage: Sequence[Sequence[Any]]) -> float:
 
 
 def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, send_bytes: Sequence[float],
-                     output_bytes: float, pending_send: bool = True) -> float:
+                     output_bytes: float, pending_send: bool = True, warmup_send: bool = False) -> float:
     """torch.distributed.pipelining's buffers on a device holding virtual `stages` of `total`: per
     stage, a receive buffer per micro-batch for its input, and one more input-sized tensor, the
     input gradient of the previous backward, which the schedule's pending send (`bwd_sends`)
@@ -186,13 +186,16 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
     stage but the first); a gradient-receive buffer per micro-batch and the outputs in flight;
     the last stage's outputs of every micro-batch. `pending_send=False` under a split backward
     (zero-bubble schedules): that input gradient is the one held from I to W, priced there
-    (`device_memory`'s `input_grads`), not again here."""
+    (`device_memory`'s `input_grads`), not again here. `warmup_send` (torch's Schedule1F1B): the
+    work object of the warm-up's last send fired on its own holds that output until the 1B1F
+    loop ends, past its backward: one more output on a stage with two or more warm-up forwards
+    (min(m, stages - s))."""
     out = 0.0
     for s in stages:
         if s > 0:
             out += (m + pending_send) * send_bytes[s - 1]
         if s < total - 1:
-            out += (m + flight) * send_bytes[s]
+            out += (m + flight + (warmup_send and min(m, total - s) >= 2)) * send_bytes[s]
         else:
             out += m * output_bytes
     return out
