@@ -353,7 +353,10 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         unsharded_grads = local * w_elem if w_elem != GRADIENT_BYTES else 0.0
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     order = device_order(plan.schedule, p, d, m, v) if p > 1 else None
-    input_grads = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if split and send_bytes else {}
+    # Held from I to W: a stage's received activation's gradient, unless the stage before is on this
+    # device (a V's turn: that gradient is its gradient-receive buffer, `pipeline_buffers`).
+    input_grads = ({s: send_bytes[s - 1] for s in mine_stages if s > 0 and s - 1 not in mine_stages}
+                   if split and send_bytes else {})
     received = ({s: send_bytes[s - 1] for s in mine_stages if s > 0}
                 if p > 1 and options.pipeline_runtime == "torch" and send_bytes else {})
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,

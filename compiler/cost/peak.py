@@ -189,13 +189,19 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
     (`device_memory`'s `input_grads`), not again here. `warmup_send` (torch's Schedule1F1B): the
     work object of the warm-up's last send fired on its own holds that output until the 1B1F
     loop ends, past its backward: one more output on a stage with two or more warm-up forwards
-    (min(m, stages - s))."""
+    (min(m, stages - s)). A stage keeps at most its m micro-batches' outputs. At the turn of a V
+    (zbv, dualpipev: stages s and s+1 on one device) torch hands stage s's outputs to stage s+1
+    as its receive buffers and stage s+1's input gradients to stage s as its gradient-receive
+    buffers: each is one tensor, counted once (as stage s+1's receive and stage s's gradient-
+    receive buffers)."""
     out = 0.0
     for s in stages:
         if s > 0:
             out += (m + pending_send) * send_bytes[s - 1]
         if s < total - 1:
-            out += (m + flight + (warmup_send and min(m, total - s) >= 2)) * send_bytes[s]
+            turn = s + 1 in stages
+            outputs = 0 if turn else min(m, flight) + (warmup_send and min(m, total - s) >= 2)
+            out += (m + outputs) * send_bytes[s]
         else:
             out += m * output_bytes
     return out
