@@ -405,7 +405,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             # The input gradient at the gathered size, and two collective buffers beside it as it is
             # reduce-scattered: the pieces gathered again (the async gather's work holds them to the
             # backward's end) and the reduce-scatter's full-size sum (gloo: an all-reduce of a copy).
-            padding += gathered
+            padding += gathered + _last_piece(ctx, node, members[-1])
             comm = 2 * gathered
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
         if split:  # the input-gradient pass computes no weight gradient
@@ -440,6 +440,25 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
     return peak, at_saved, at_recomputed, param_grads, tied, at_comm
+
+
+def _last_piece(ctx: CostContext, node: Node, last: Node) -> float:
+    """What the backward of gathered column-parallel linears (`collectives.gather_linears`) still
+    holds of its weight gradients' loop when it reduce-scatters the input gradient: the last
+    reader's last weight-gradient piece, and the rows of that reader's output gradient for that
+    piece, a copy unless the pieces are split along the leading dim (the loop's locals live to
+    the backward's end)."""
+    weight = ctx.local_bytes(last.inputs[1]) if len(last.inputs) > 1 else 0.0
+    shard = ctx.layout(node.inputs[0]).sharded_dims()
+    gathered = ctx.local(node).in_layouts[0].sharded_dims()
+    dims = [d for d, axes in shard.items() if axes != gathered.get(d)]
+    local = ctx.local(last).out_types[0].shape if ctx.local(last).out_types else ()
+    leading = 1
+    for size in local[:dims[0]] if dims else ():
+        leading *= size
+    pieces = ctx.local_bytes(node.inputs[0], ctx.local(node).in_layouts[0]) / max(1.0, ctx.local_bytes(node.inputs[0]))
+    rows = ctx.local_bytes(last.outputs[0]) / max(1.0, pieces) if leading * ctx.scale_of(last.outputs[0]) > 1 else 0.0
+    return weight + rows
 
 
 def _grad_bytes(grads: dict[Value, float], owner: dict[Value, object]) -> float:

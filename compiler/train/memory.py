@@ -13,7 +13,9 @@ measured peak, the difference filed as `allocator_extra`.
   autograd engine carries the mode) and files each new output storage: saved for backward
   (a `saved_tensors_hooks` pack hook marks it) -> `activations`, except a parameter's cast to
   another dtype (mixed precision's compute-dtype weight copy, held from forward to backward by
-  the op that saved it) -> `parameters`; produced by or handed to a
+  the op that saved it) -> `parameters` (a saved tensor that backward then overwrites in place
+  is that backward's working memory from then on, `other`: Megatron's vocabulary-parallel cross
+  entropy turns its saved softmax into the logits' gradient); produced by or handed to a
   collective -> `buffers`, and so is a parameter of the tracked modules that is not the
   parameters' state at rest (FSDP2's unsharded weights, gathered, whether an op saves them or
   not: a LayerNorm's weight or a bias is never saved); anything else (gradients of
@@ -196,6 +198,9 @@ class MemoryTracker(TorchDispatchMode):
             for t in _tensors(args):  # a buffer allocated before and filled by the collective
                 self._reclassify(t, ("other",), "buffers")
         cat = "buffers" if comm and self.phase != "optimizer" else "other"
+        if not comm and self._phase() == "backward" and _writes_in_place(func):
+            for t in _tensors(out):  # a saved tensor overwritten in backward is no longer one (module rule)
+                self._reclassify(t, ("activations",), "other")
         if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
             source = _storage(args[0])
             if source is not None and _key(source) in self._parameter_storages():
@@ -248,6 +253,12 @@ class MemoryTracker(TorchDispatchMode):
                 "peak_breakdown": {**self.peak_breakdown, "allocator_extra": max(0.0, measured - self.peak)}}
 
 
+
+
+def _writes_in_place(func: Any) -> bool:
+    """Whether the aten op `func` writes into one of its arguments (`add_`, `mul_`, `out=`)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 @contextmanager
