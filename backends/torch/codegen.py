@@ -368,6 +368,14 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
 _CHAINED = frozenset({"recv", "all_to_all", "chunk", "pad", "all_gather", "to_partial", "grad_all_reduce", "rotate"})
 
 
+def _weight(v: Value) -> bool:
+    """A parameter, or a parameter through its `grad_sync` marker (identity here: the data-parallel
+    wrapper syncs its gradient), as the cost model sees it before lowering."""
+    marker = v.producer
+    return v.kind == "parameter" or (marker is not None and marker.op == "grad_sync"
+                                     and marker.inputs[0].kind == "parameter")
+
+
 def regathered(graph: Graph) -> dict[Node, list[Node]]:
     """The all_gathers of a lowered graph whose copy only column-parallel linears read
     (`shardc.cost.edges.regathered_by`, the rule the cost model prices): gather -> its readers,
@@ -382,7 +390,7 @@ def regathered(graph: Graph) -> dict[Node, list[Node]]:
         if (src is not None and src.op in _CHAINED) or (isinstance(shard, Shard) and shard.zigzag):
             continue
         readers = [(u, j) for u in users.get(node.outputs[0], []) for j, w in enumerate(u.inputs) if w is node.outputs[0]]
-        if regathered_by(readers, lambda n: n.partition is None or not n.partition.temporal) and all(
+        if regathered_by(readers, lambda n: n.partition is None or not n.partition.temporal, _weight) and all(
                 u.layer == node.layer for u, _ in readers):
             out[node] = [u for u, _ in readers]
     return out
