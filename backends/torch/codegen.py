@@ -399,8 +399,16 @@ def regathered(graph: Graph) -> dict[Node, list[Node]]:
 def _gather_linears(emit: Emitter, rank: _Rank, gather: Node, value: Callable[[Value], fx.Node]) -> fx.Node:
     readers = rank.regather[gather]
     params: list[fx.Node | None] = []
+    def param(v: Value) -> fx.Node:
+        # A `grad_sync` marker is the identity (`_weight`): within this layer (emitted in graph order,
+        # maybe after the gather) read the parameter itself; from another layer (a tied weight) the
+        # marker's value, which this layer receives.
+        marker = v.producer
+        local = marker is not None and marker.op == "grad_sync" and marker.layer == gather.layer
+        return value(marker.inputs[0] if local and marker is not None else v)
+
     for u in readers:  # weight and bias (None without) of each reader
-        params += [value(u.inputs[1]), value(u.inputs[2]) if len(u.inputs) > 2 else None]
+        params += [param(u.inputs[1]), param(u.inputs[2]) if len(u.inputs) > 2 else None]
     kinds = tuple(u.op for u in readers)
     return emit.gather_linears(gather, value(gather.inputs[0]), readers, params, kinds)
 
