@@ -357,10 +357,12 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     # device (a V's turn: that gradient is its gradient-receive buffer, `pipeline_buffers`).
     input_grads = ({s: send_bytes[s - 1] for s in mine_stages if s > 0 and s - 1 not in mine_stages}
                    if split and send_bytes else {})
-    received = ({s: send_bytes[s - 1] for s in mine_stages if s > 0}
-                if p > 1 and options.pipeline_runtime == "torch" and send_bytes else {})
+    torch_pipeline = p > 1 and options.pipeline_runtime == "torch" and bool(send_bytes)
+    received = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if torch_pipeline else {}
+    grad_received = {s: send_bytes[s] for s in mine_stages if s < S - 1} if torch_pipeline else {}
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
                          regather=zero >= 3 and not split, accumulate=m > 1 and p == 1,
                          copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0,
-                         order=order, stage_ids=mine_stages, input_grads=input_grads, received=received)
+                         order=order, stage_ids=mine_stages, input_grads=input_grads, received=received,
+                         grad_received=grad_received)

@@ -82,7 +82,8 @@ def _less(part: dict[str, float], nbytes: float) -> dict[str, float]:
 
 
 def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool, running: dict[str, float],
-                 received: float = 0.0) -> tuple[dict[str, float], dict[str, float], float, dict[str, float]]:
+                 received: float = 0.0, grad_received: float = 0.0
+                 ) -> tuple[dict[str, float], dict[str, float], float, dict[str, float]]:
     """(forward peak split, backward peak split, kept bytes, input-gradient pass peak split) of
     one virtual stage's micro-batch; `running`: the weight copies a layer holds only while it
     runs (`recompute_copies`). The input-gradient pass of a split backward keeps the graph
@@ -90,7 +91,9 @@ def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool, running: dict[str, floa
     captured for the weight pass (`LayerMemory.weight_inputs`) of the layers already passed.
     `received`: the bytes of the stage's input that torch's pipeline receives into a buffer of
     its own (`pipeline_buffers`); what the first layer saves of its input (`saved_inputs`) is
-    that buffer, counted there, not again as activations."""
+    that buffer, counted there, not again as activations; `grad_received`: likewise the bytes of
+    the gradient of the stage's output that arrive in torch's gradient-receive buffer, which the
+    last layer's backward holds (`bwd_incoming`), counted there, not again as working memory."""
     shared = min(layers[0].memory.saved_inputs, received) if layers else 0.0
     kept = [l.memory.kept for l in layers]
     zero = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
@@ -107,8 +110,9 @@ def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool, running: dict[str, floa
         if sum(candidate.values()) > sum(fwd.values()):
             fwd = candidate
         comm = mem.bwd_buffers  # collective buffers at the backward peak
+        arrived = min(mem.bwd_incoming, grad_received) if i == len(layers) - 1 else 0.0
         candidate = _less({"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
-                           "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed - comm + held,
+                           "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed - comm - arrived + held,
                            "buffers": comm}, own)
         if sum(candidate.values()) > sum(bwd.values()):
             bwd = candidate
@@ -212,7 +216,8 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                   after_backward: float = 0.0, regather: bool = False, accumulate: bool = False,
                   copy_bytes: float = 0.0, order: Sequence[tuple[str, int, int]] | None = None,
                   stage_ids: Sequence[int] = (), input_grads: dict[int, float] | None = None,
-                  received: dict[int, float] | None = None) -> dict[str, float]:
+                  received: dict[int, float] | None = None,
+                  grad_received: dict[int, float] | None = None) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
     `after_backward`: a transient buffer once backward is over (a flat gradient copy);
@@ -227,7 +232,8 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     op (`order_peaks`; `input_grads[s]`: stage s's received activation's gradient, held from a
     split backward's I to its W) instead of counting `flight` micro-batches of the average stage;
     `received[s]`: the bytes of virtual stage s's input that land in torch's receive buffers
-    (`_stage_peaks`: not activations too)."""
+    (`_stage_peaks`: not activations too), `grad_received[s]` those of its output's gradient
+    (not working memory too)."""
     off, running = recompute_copies([l for stage in by_stage for l in stage], copy_bytes)
     states = {**states, "parameters": states.get("parameters", 0.0) - off, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
@@ -240,7 +246,8 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                 "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
     accumulate = accumulate and fsdp
     ids = list(stage_ids) if len(stage_ids) == len(by_stage) else [-1] * len(by_stage)
-    splits = [_stage_peaks(stage, fsdp and not accumulate, running, (received or {}).get(s, 0.0))
+    splits = [_stage_peaks(stage, fsdp and not accumulate, running, (received or {}).get(s, 0.0),
+                           (grad_received or {}).get(s, 0.0))
               for s, stage in zip(ids, by_stage) if stage]
     unsharded_grads = local_param_bytes if accumulate else 0.0
     kept = sum(k for _, _, k, _ in splits)

@@ -81,7 +81,9 @@ class LayerMemory:
     `kept` that is the layer's own input storages (made before it: on a pipeline stage's first
     layer, torch's receive buffer, which is the runtime's, not a new activation). `bwd_buffers`:
     the part of `bwd_peak` in collective buffers (sequence parallelism's gathers and reduce-
-    scatters in backward), beside its working memory."""
+    scatters in backward), beside its working memory. `bwd_incoming`: the part of `bwd_peak` in
+    the storages its outputs' gradients arrived in (on a pipeline stage's last layer, torch's
+    gradient-receive buffer)."""
 
     fwd_peak: float
     fwd_saved: float
@@ -96,6 +98,7 @@ class LayerMemory:
     input_peak: float = 0.0
     saved_inputs: float = 0.0
     bwd_buffers: float = 0.0
+    bwd_incoming: float = 0.0
 
 
 def _meets_weights(node: Node, ctx: CostContext) -> bool:
@@ -166,20 +169,21 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
         live_saved, recomputed = dict(kept), {}
     split_peak = _backward(ctx, nodes, dict(live_saved), dict(recomputed), savers, inside, core, saved_all, in_core,
                            set(earlier_params), hold_param_grads, fused, regions, split=True)[0]
-    peak, at_saved, at_recomputed, param_grads, held, comm = _backward(
+    peak, at_saved, at_recomputed, param_grads, held, comm, incoming = _backward(
         ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
         hold_param_grads, fused, regions)
     if recompute_peak > peak:
         inputs = sum(preload.values())
         peak, at_saved, at_recomputed, comm = recompute_peak, inputs, max(0.0, again_saved - inputs), 0.0
+        incoming = _incoming(ctx, nodes, inside)
     tail = default_loss_bytes(ctx, nodes)
     if tail and sum(kept.values()) + tail > peak:  # everything this layer keeps is live while the loss runs
-        peak, at_saved, at_recomputed, comm = sum(kept.values()) + tail, sum(kept.values()), 0.0, 0.0
+        peak, at_saved, at_recomputed, comm, incoming = sum(kept.values()) + tail, sum(kept.values()), 0.0, 0.0, 0.0
     buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
                        tuple(sorted(buffers.items())), weight_gradient_inputs(ctx, nodes),
                        max(split_peak, recompute_peak, sum(kept.values()) + tail),
-                       sum(b for k, b in kept.items() if k in terms.input_entries), comm)
+                       sum(b for k, b in kept.items() if k in terms.input_entries), comm, incoming)
 
 
 def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[SavedKey, tuple[float, bool, Value]],
@@ -344,7 +348,7 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool, fused: dict[Node, tuple[list[Node], float]],
-              regions: dict[Node, HeadLoss], split: bool = False) -> tuple[float, float, float, float, float, float]:
+              regions: dict[Node, HeadLoss], split: bool = False) -> tuple[float, ...]:
     # Activation gradients by value, each with the storage it lives in: a gradient passed through
     # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
@@ -354,6 +358,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             users = ctx.users.get(v, [])
             if v in ctx.needs_grad and any(u not in inside for u in users):
                 grads[v], owner[v] = ctx.local_bytes(v), v
+    arrived = set(grads)  # the storages the incoming gradients arrived in
     first_use: dict[str, int] = {}
     for idx, node in enumerate(nodes):
         for v in node.inputs:
@@ -365,7 +370,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     position = {n: i for i, n in enumerate(nodes)}
     later_readers = {m for members, _ in fused.values() for m in members[1:]}
     later_readers |= {m for m, region in regions.items() if m is not region.loss}  # run at the loss's turn
-    peak, at_saved, at_recomputed, at_comm = 0.0, 0.0, 0.0, 0.0
+    peak, at_saved, at_recomputed, at_comm, at_incoming = 0.0, 0.0, 0.0, 0.0, 0.0
     core_pending = bool(core)
     captured = 0.0  # split: output gradients kept for the weight pass (`weight_gradient_inputs`)
     for idx in range(len(nodes) - 1, -1, -1):
@@ -416,6 +421,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             total -= _in_place_gradient(ctx, node, saved, recomputed, allocs)
         if total > peak:
             peak, at_saved, at_recomputed, at_comm = total, sum(saved.values()), sum(recomputed.values()), comm
+            at_incoming = _grad_bytes({v: b for v, b in grads.items() if owner[v] in arrived}, owner)
         if split and _meets_weights(node, ctx):
             captured += sum(ctx.local_bytes(o) for o in node.outputs if o in ctx.needs_grad)
         outs = [(grads.pop(o), owner.pop(o)) for m in members for o in m.outputs if o in grads]
@@ -439,7 +445,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 saved.pop(done, None)
                 recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
-    return peak, at_saved, at_recomputed, param_grads, tied, at_comm
+    return peak, at_saved, at_recomputed, param_grads, tied, at_comm, at_incoming
 
 
 def _last_piece(ctx: CostContext, node: Node, last: Node) -> float:
