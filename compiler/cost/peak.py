@@ -254,7 +254,9 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
     best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
                               "buffers": buffers + after_backward}
-    gathered = (2.0 if regather else 1.0) * local_param_bytes if fsdp else 0.0
+    # Backward holds the unsharded parameters; ZeRO-3's gather for it frees its flat buffer right
+    # after copying out, before any gradient (its own candidate below).
+    gathered = local_param_bytes if fsdp else 0.0
     # Accumulating, only the first micro-batch's forward gathers (the later ones find the weights
     # unsharded: no reshard after a backward but the last), and it runs before any gradient: each
     # forward holds the unsharded weights and one more copy's worth, the buffer or the gradients.
@@ -266,6 +268,9 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     else:
         parts = [(phase, (bwd if phase else fwd) | {"activations": others + (bwd if phase else fwd)["activations"]})
                  for phase in (0, 1) for fwd, bwd, _, _ in splits]
+    if regather and fsdp:  # the gather before backward: every activation kept, both copies, no gradient yet
+        parts.append((1, {"activations": others + kept, "recompute_working": 0.0, "working": 0.0,
+                          "buffers": local_param_bytes}))
     for phase, part in parts:
         candidate = {**states, "activations": part["activations"],
                      "recompute_working": part.get("recompute_working", 0.0),
