@@ -320,8 +320,10 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
             total += 2 * sum(new.values())
         if total > peak:
             # An unfused loss ends holding its log-probabilities (saved: they are what it keeps in its
-            # logits' place) beside its logits (freed when the forward returns): the peak's split.
-            keeps = not (regions and node in regions) and extra and ctx.root(node.inputs[0]) in kept
+            # logits' place) beside its logits (freed when the forward returns): the peak's split. A
+            # vocabulary-parallel one peaks inside its autograd function, before it saves its softmax.
+            keeps = (not (regions and node in regions) and extra and not vocab_parallel_loss(ctx, node)
+                     and ctx.root(node.inputs[0]) in kept)
             peak, at_saved = total, sum(saved.values()) + (extra if keeps else 0.0)
         temp.update(new)
         for key, readers in savers.items():
