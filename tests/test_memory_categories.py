@@ -111,10 +111,12 @@ def test_every_category_within_10_percent(kind: str, checked: dict[str, list[dic
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study-report" / "results.json"
 # Recorded study plans that missed a category by more than 10% before issue 14's memory rules
-# (README study, session 6): mixed precision's fp32 loss, ZeRO-1 as FSDP2, sequence parallelism's
-# collective buffers, full recomputation's saved inputs, a pipeline's first stage.
-REPRICED = ("dp=2,mb=4,dtype=bf16", "dp=2,mb=4,zero=1", "tp=2,sp=1,mb=8", "dp=2,mb=4,recompute=full",
-            "pp=2,mb=2")
+# (README study, session 6) and whose recorded measurement the tracker's later rules do not change:
+# mixed precision's fp32 loss, full recomputation's saved inputs, a pipeline's first stage. (The
+# ZeRO, sequence-parallel and vocabulary-parallel plans were measured by a tracker that filed
+# FSDP2's unsaved unsharded weights and an overwritten saved softmax otherwise, and dp x tp x sp
+# then saved gathered copies: the four-process test above measures them anew.)
+REPRICED = ("dp=2,mb=4,dtype=bf16", "dp=4,mb=2,dtype=bf16", "dp=2,mb=4,recompute=full", "pp=2,mb=2")
 
 
 def test_recorded_study_plans_repriced_within_targets(tmp_path: Path) -> None:
