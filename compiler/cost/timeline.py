@@ -56,11 +56,17 @@ from dataclasses import dataclass
 from shardc.analysis.aliasing import passes_gradient
 from shardc.analysis.head_loss import HeadLoss
 from shardc.cost.context import CostContext
-from shardc.cost.edges import GATHERED, gathered_source, regather_group
-from shardc.cost.head import head_regions, head_working, loss_logits_bytes, vocab_parallel_loss
+from shardc.cost.edges import GATHERED, gathered_source
+from shardc.cost.head import head_regions, vocab_parallel_loss
 from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
-from shardc.ir import Axis, Layout, Node, Value
-from shardc.ops.registry import get_op
+from shardc.cost.op_memory import (
+    default_loss_bytes,
+    gathered_readers,
+    in_place_gradient,
+    last_piece,
+    loss_extra,
+)
+from shardc.ir import Node, Value
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +160,7 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
             if any(u not in inside for u in users) or v in ctx.graph.outputs:
                 exported.add(ctx.root(v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
-    fused = _fused(ctx, nodes, inside)
+    fused = gathered_readers(ctx, nodes, inside)
     regions = head_regions(ctx, nodes)
     fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload, fused, regions)
     if recompute == "full":  # the forward again, inputs kept and output gradients arriving
@@ -214,32 +220,6 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
     return copies, direct
 
 
-def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
-    """Bytes a graph without its own loss (its first output not a scalar: `shardc.train.default_loss`)
-    holds in the training loop's loss at that loss's backward, when `nodes` make that output.
-    The runtime hands the loss the output gathered to the data-parallel share (every other mesh
-    axis gathered: G bytes); next-token cross entropy on logits over token ids holds G, its fp32
-    log-probabilities (saved), the gradient of the negative log-likelihood and of the
-    log-softmax (three fp32 copies); a mean square holds G, its fp32 square and that gradient.
-    A pipelined graph's G is the last stage's output torch's schedule keeps for the loss
-    (`output_chunks`), priced with the pipeline's buffers (`peak.pipeline_buffers`): not again here."""
-    graph = ctx.graph
-    if not graph.outputs or graph.outputs[0].type.rank == 0:
-        return 0.0
-    out = graph.outputs[0]
-    if out.producer is None or out.producer not in set(nodes):
-        return 0.0
-    kept = Layout(tuple((a, p) for a, p in ctx.layout(out).placements if a == Axis.DP))
-    gathered = ctx.local_bytes(out, kept)
-    fp32 = gathered / max(1, ctx.elem_bytes(out)) * 4
-    first = graph.inputs[0].type if graph.inputs else None
-    tokens = (out.type.is_float and out.type.rank >= 2 and first is not None and not first.is_float
-              and tuple(first.shape) == tuple(out.type.shape[:-1]))
-    pipelined = ctx.mesh is not None and Axis.PP in ctx.mesh.names and ctx.mesh.axis_size(Axis.PP) > 1
-    held = 0.0 if pipelined else gathered
-    return held + (3 if tokens else 2) * fp32
-
-
 def _saved_keys(ctx: CostContext, node: Node, known: Collection[object], terms: LayerTerms) -> list[object]:
     """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes) among the
     layer's `known` entries (a gathered copy's key too, whether or not `terms` came from whole
@@ -262,47 +242,6 @@ def _new_outputs(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | N
     return {v: ctx.local_bytes(v) for v in node.outputs if ctx.root(v) is v}
 
 
-def _loss_extra(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | None = None,
-                backward: bool = False) -> float:
-    """A loss holds log-probabilities (forward) or their gradient (backward) the size of its input;
-    a fused head and loss one chunk's working set (`head_working`); a vocabulary-parallel loss
-    nothing in backward (`vocab_parallel_loss`: its softmax becomes the logits' gradient)."""
-    if get_op(node.op).kind != "loss" or not node.inputs:
-        return 0.0
-    if regions and node in regions:
-        return head_working(ctx, regions[node], backward)
-    if backward and vocab_parallel_loss(ctx, node):
-        return 0.0
-    read = loss_logits_bytes(ctx, node)
-    # Backward: the log-probabilities' gradient, and the logits' own made in fp32 too before it
-    # is cast back (beyond the compute-dtype gradient `_backward` allocates for the logits).
-    return read + (read - ctx.local_bytes(node.inputs[0])) if backward else read
-
-
-def _in_place_gradient(ctx: CostContext, node: Node, saved: dict, recomputed: dict,
-                       allocs: dict[Value, float]) -> float:
-    """Bytes of the input gradient `node` writes over a tensor it saved rather than allocating:
-    a vocabulary-parallel loss's logits' gradient, in its saved softmax (`vocab_parallel_loss`)."""
-    if not vocab_parallel_loss(ctx, node) or node.inputs[0] not in allocs:
-        return 0.0
-    key = ctx.root(node.inputs[0])
-    return min(allocs[node.inputs[0]], saved.get(key, recomputed.get(key, 0.0)))
-
-
-def _fused(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> dict[Node, tuple[list[Node], float]]:
-    """Column-parallel readers of one gathered input that save its shard (`edges.regather_group`),
-    by their first reader: (the readers, the gathered copy's bytes). Their forward holds the copy
-    while they run; their one backward runs at the first reader's turn and holds the input
-    gradient at the gathered size and the pieces gathered again (or, after them, the reduce-
-    scatter's full-size sum) beside it."""
-    out: dict[Node, tuple[list[Node], float]] = {}
-    for node in nodes:
-        members = regather_group(ctx, node)
-        if members and members[0] is node and all(m in inside for m in members):
-            out[node] = (members, ctx.local_bytes(node.inputs[0], ctx.local(node).in_layouts[0]))
-    return out
-
-
 def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, last_read: dict[Value, int],
              exported: set[Value], preload: dict,
              fused: dict[Node, tuple[list[Node], float]] | None = None,
@@ -312,7 +251,7 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
     peak, at_saved = 0.0, 0.0
     for idx, node in enumerate(nodes):
         new = _new_outputs(ctx, node, regions)
-        extra = _loss_extra(ctx, node, regions)
+        extra = loss_extra(ctx, node, regions)
         total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + extra
         if fused and node in fused:  # the gathered copy, freed once the readers have run
             total += fused[node][1]
@@ -380,7 +319,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         if not any(o in ctx.needs_grad for o in node.outputs):
             continue
         if node in later_readers:
-            continue  # its backward runs with its first reader's (`_fused`)
+            continue  # its backward runs with its first reader's (`gathered_readers`)
         members, gathered = fused.get(node, ([node], 0.0))
         region = regions.get(node)
         made: set[Value] = set()
@@ -412,15 +351,15 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             # The input gradient at the gathered size, and two collective buffers beside it as it is
             # reduce-scattered: the pieces gathered again (the async gather's work holds them to the
             # backward's end) and the reduce-scatter's full-size sum (gloo: an all-reduce of a copy).
-            padding += gathered + _last_piece(ctx, node, members[-1])
+            padding += gathered + last_piece(ctx, node, members[-1])
             comm = 2 * gathered
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
         if split:  # the input-gradient pass computes no weight gradient
             new_params = {}
         total = live + sum(allocs.values()) + padding + comm + sum(new_params.values()) + captured \
-            + _loss_extra(ctx, node, regions, backward=True)
+            + loss_extra(ctx, node, regions, backward=True)
         if region is None:
-            total -= _in_place_gradient(ctx, node, saved, recomputed, allocs)
+            total -= in_place_gradient(ctx, node, saved, recomputed, allocs)
         if total > peak:
             peak, at_saved, at_recomputed, at_comm = total, sum(saved.values()), sum(recomputed.values()), comm
             at_incoming = _grad_bytes({v: b for v, b in grads.items() if owner[v] in arrived}, owner)
@@ -448,25 +387,6 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
     return peak, at_saved, at_recomputed, param_grads, tied, at_comm, at_incoming
-
-
-def _last_piece(ctx: CostContext, node: Node, last: Node) -> float:
-    """What the backward of gathered column-parallel linears (`collectives.gather_linears`) still
-    holds of its weight gradients' loop when it reduce-scatters the input gradient: the last
-    reader's last weight-gradient piece, and the rows of that reader's output gradient for that
-    piece, a copy unless the pieces are split along the leading dim (the loop's locals live to
-    the backward's end)."""
-    weight = ctx.local_bytes(last.inputs[1]) if len(last.inputs) > 1 else 0.0
-    shard = ctx.layout(node.inputs[0]).sharded_dims()
-    gathered = ctx.local(node).in_layouts[0].sharded_dims()
-    dims = [d for d, axes in shard.items() if axes != gathered.get(d)]
-    local = ctx.local(last).out_types[0].shape if ctx.local(last).out_types else ()
-    leading = 1
-    for size in local[:dims[0]] if dims else ():
-        leading *= size
-    pieces = ctx.local_bytes(node.inputs[0], ctx.local(node).in_layouts[0]) / max(1.0, ctx.local_bytes(node.inputs[0]))
-    rows = ctx.local_bytes(last.outputs[0]) / max(1.0, pieces) if leading * ctx.scale_of(last.outputs[0]) > 1 else 0.0
-    return weight + rows
 
 
 def _grad_bytes(grads: dict[Value, float], owner: dict[Value, object]) -> float:
