@@ -74,7 +74,10 @@ def test_torch_pipeline_keeps_receive_buffers_and_last_stage_outputs() -> None:
     torch_rt = estimate(g, cluster, plan)
     none = estimate(g, cluster, plan, options=EstimateOptions(pipeline_runtime="none"))
     m, act = 4, 4 * 2 * S * H
-    assert torch_rt.stages[0].memory["buffers"] - none.stages[0].memory["buffers"] == pytest.approx((m + 2) * act)
+    # the first stage: a gradient-receive buffer per micro-batch, the 2 outputs in flight, and one
+    # more output that Schedule1F1B's warm-up send work holds (measured: 7 x 64 KiB on the README
+    # study's pp=2,mb=2 plan)
+    assert torch_rt.stages[0].memory["buffers"] - none.stages[0].memory["buffers"] == pytest.approx((m + 3) * act)
     # the last stage: a receive buffer per micro-batch, the previous backward's input gradient held
     # by the pending send while the next backward runs, and every micro-batch's output
     assert torch_rt.stages[1].memory["buffers"] - none.stages[1].memory["buffers"] == pytest.approx(

@@ -368,6 +368,14 @@ def generate(graph: Graph, rank: int, tensors: dict[str, torch.Tensor] | None = 
 _CHAINED = frozenset({"recv", "all_to_all", "chunk", "pad", "all_gather", "to_partial", "grad_all_reduce", "rotate"})
 
 
+def _weight(v: Value) -> bool:
+    """A parameter, or a parameter through its `grad_sync` marker (identity here: the data-parallel
+    wrapper syncs its gradient), as the cost model sees it before lowering."""
+    marker = v.producer
+    return v.kind == "parameter" or (marker is not None and marker.op == "grad_sync"
+                                     and marker.inputs[0].kind == "parameter")
+
+
 def regathered(graph: Graph) -> dict[Node, list[Node]]:
     """The all_gathers of a lowered graph whose copy only column-parallel linears read
     (`shardc.cost.edges.regathered_by`, the rule the cost model prices): gather -> its readers,
@@ -382,7 +390,7 @@ def regathered(graph: Graph) -> dict[Node, list[Node]]:
         if (src is not None and src.op in _CHAINED) or (isinstance(shard, Shard) and shard.zigzag):
             continue
         readers = [(u, j) for u in users.get(node.outputs[0], []) for j, w in enumerate(u.inputs) if w is node.outputs[0]]
-        if regathered_by(readers, lambda n: n.partition is None or not n.partition.temporal) and all(
+        if regathered_by(readers, lambda n: n.partition is None or not n.partition.temporal, _weight) and all(
                 u.layer == node.layer for u, _ in readers):
             out[node] = [u for u, _ in readers]
     return out
@@ -391,8 +399,16 @@ def regathered(graph: Graph) -> dict[Node, list[Node]]:
 def _gather_linears(emit: Emitter, rank: _Rank, gather: Node, value: Callable[[Value], fx.Node]) -> fx.Node:
     readers = rank.regather[gather]
     params: list[fx.Node | None] = []
+    def param(v: Value) -> fx.Node:
+        # A `grad_sync` marker is the identity (`_weight`): within this layer (emitted in graph order,
+        # maybe after the gather) read the parameter itself; from another layer (a tied weight) the
+        # marker's value, which this layer receives.
+        marker = v.producer
+        local = marker is not None and marker.op == "grad_sync" and marker.layer == gather.layer
+        return value(marker.inputs[0] if local and marker is not None else v)
+
     for u in readers:  # weight and bias (None without) of each reader
-        params += [value(u.inputs[1]), value(u.inputs[2]) if len(u.inputs) > 2 else None]
+        params += [param(u.inputs[1]), param(u.inputs[2]) if len(u.inputs) > 2 else None]
     kinds = tuple(u.op for u in readers)
     return emit.gather_linears(gather, value(gather.inputs[0]), readers, params, kinds)
 

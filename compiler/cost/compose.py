@@ -379,7 +379,8 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)
     split = plan.schedule in ZB_SCHEDULES  # the backward split into input- and weight-gradient passes
     if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
-        buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes, pending_send=not split)
+        buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes, pending_send=not split,
+                                    warmup_send=plan.schedule == "1f1b" and v == 1)
     by_stage = [[l for l in mine if l.stage == s] for s in mine_stages]
     # FSDP2 once backward is over (measured, torch 2.13): the unsharded compute-dtype parameters
     # and, in mixed precision, the unsharded compute-dtype gradients, the fp32 reduce-scatter
@@ -389,9 +390,17 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
         unsharded_grads = local * w_elem if w_elem != GRADIENT_BYTES else 0.0
         after = local * w_elem + unsharded_grads + local * GRADIENT_BYTES * (1 + 1 / shard)
     order = device_order(plan.schedule, p, d, m, v) if p > 1 else None
-    input_grads = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if split and send_bytes else {}
+    # Held from I to W: a stage's received activation's gradient, unless the stage before is on this
+    # device (a V's turn: that gradient is its gradient-receive buffer, `pipeline_buffers`).
+    input_grads = ({s: send_bytes[s - 1] for s in mine_stages if s > 0 and s - 1 not in mine_stages}
+                   if split and send_bytes else {})
+    torch_pipeline = p > 1 and options.pipeline_runtime == "torch" and bool(send_bytes)
+    received = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if torch_pipeline and send_bytes else {}
+    grad_received = ({s: send_bytes[s] for s in mine_stages if s < S - 1}
+                     if torch_pipeline and send_bytes else {})
     return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
                          regather=zero >= 3 and not split, accumulate=m > 1 and p == 1,
                          copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0,
-                         order=order, stage_ids=mine_stages, input_grads=input_grads)
+                         order=order, stage_ids=mine_stages, input_grads=input_grads, received=received,
+                         grad_received=grad_received)

@@ -170,13 +170,16 @@ def _add(acc: dict[str, float], key: str, value: float) -> None:
 GATHERED = -1000  # a saved-entry key (node, GATHERED - i): the copy of node's input i all-gathered on its edge
 
 
-def regathered_by(readers: Sequence[tuple[Node, int]], plain: Callable[[Node], bool]) -> bool:
+def regathered_by(readers: Sequence[tuple[Node, int]], plain: Callable[[Node], bool],
+                  weight: Callable[[Value], bool] = lambda v: v.kind == "parameter") -> bool:
     """The rule the backend executes and the cost model prices: the readers of one all-gathered
     copy save the shard and gather it again in backward when every one of them is a linear
-    reading it as its input (column-parallel; `plain`: no temporal split), all in one layer."""
+    reading it as its input (column-parallel; `plain`: no temporal split) and weights (`weight`:
+    a parameter; in a lowered graph also one through its data-parallel `grad_sync` marker), all
+    in one layer."""
     return bool(readers) and len({n.layer for n, _ in readers}) == 1 and all(
         i == 0 and plain(n) and (n.op == "linear" or (n.op == "matmul" and n.inputs[1].type.rank == 2))
-        and all(v.kind == "parameter" for v in n.inputs[1:]) for n, i in readers)
+        and all(weight(v) for v in n.inputs[1:]) for n, i in readers)
 
 
 def _gather_readers(ctx: CostContext, node: Node, idx: int) -> list[tuple[Node, int]]:

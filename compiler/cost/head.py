@@ -26,6 +26,15 @@ def head_regions(ctx: CostContext, nodes: Sequence[Node]) -> dict[Node, HeadLoss
     return fused_heads(nodes, ctx.users, ctx.partition, ctx.layout, layouts, ctx.graph.outputs)
 
 
+def loss_logits_bytes(ctx: CostContext, node: Node) -> float:
+    """Bytes of a loss's logits as it reads them, on one device: fp32 whatever the compute dtype
+    (the runtime casts them: `backends.torch.precision`). What an unfused loss keeps for backward
+    (its log-probabilities, or a vocabulary-parallel loss's softmax) and each logits-sized tensor
+    it makes are this size; under mixed precision twice the logits the head made."""
+    logits = node.inputs[0]
+    return ctx.local_bytes(logits) / max(1, ctx.elem_bytes(logits)) * LOSS_BYTES
+
+
 def head_chunk_bytes(ctx: CostContext, region: HeadLoss) -> float:
     """One chunk of the region's logits in fp32 (as the loss reads them), on one device."""
     logits = region.loss.inputs[0]

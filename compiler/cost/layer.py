@@ -60,7 +60,13 @@ from shardc.cost.edges import (
 )
 from shardc.cost.fusion import compiled_node_cost
 from shardc.cost.grid2d import grid_charge, grid_split, moving_operands, step_types
-from shardc.cost.head import head_regions, head_saved_bytes, head_working, vocab_parallel_loss
+from shardc.cost.head import (
+    head_regions,
+    head_saved_bytes,
+    head_working,
+    loss_logits_bytes,
+    vocab_parallel_loss,
+)
 from shardc.cost.moe import (
     TOKEN_OPERANDS,
     dispatcher_axes,
@@ -441,7 +447,10 @@ def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str,
         known = not internal_only or root in produced or root in ctx.layouts
         if internal_only and root not in produced:
             t.roots.add(root)
-        t.saved_entries[root] = (ctx.local_bytes(root if known else v), root_in_core)
+        nbytes = ctx.local_bytes(root if known else v)
+        if kind == "in" and idx == 0 and ctx.local(node).op.kind == "loss" and v.type.is_float:
+            nbytes = loss_logits_bytes(ctx, node)  # the fp32 log-probabilities it keeps in the logits' place
+        t.saved_entries[root] = (nbytes, root_in_core)
 
 
 def heads(core: Collection[Node]) -> set[Node]:

@@ -31,6 +31,10 @@ Rules (what the torch backend runs; `EstimateOptions` names the choices):
   inputs and for the gradients of its outputs, keeps each in-flight micro-batch's output until
   its backward, and on the last stage keeps every micro-batch's output (the loss's input) until
   the step ends; with data parallelism each stage module is a DDP module (buckets as above).
+  What a stage's first layer saves of its received input is that receive buffer (torch hands
+  the buffer itself to the stage), so it is not counted again as an activation. Collective
+  buffers live at a layer's backward peak (`LayerMemory.bwd_buffers`: sequence parallelism's
+  pieces gathered again and reduce-scatter sum) are buffers at that peak.
 - Model buffers (registered buffers, constants the trace folded) live all step at their local
   layout, each once per device (`model_buffers`).
 Without per-layer timelines (the solver's layer costs) activations are the saved bytes times
@@ -66,33 +70,56 @@ def recompute_copies(layers: Sequence[Any], copy_bytes: float) -> tuple[float, d
     return sum(off.values()), running
 
 
-def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool,
-                 running: dict[str, float]) -> tuple[dict[str, float], dict[str, float], float, dict[str, float]]:
+def _less(part: dict[str, float], nbytes: float) -> dict[str, float]:
+    """`part` without `nbytes` that another category holds: taken from its activations, then
+    from what recomputation brought back (a layer recomputing in full has its inputs there)."""
+    out = dict(part)
+    for key in ("activations", "recompute_working"):
+        take = min(nbytes, out.get(key, 0.0))
+        out[key] = out.get(key, 0.0) - take
+        nbytes -= take
+    return out
+
+
+def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool, running: dict[str, float],
+                 received: float = 0.0, grad_received: float = 0.0
+                 ) -> tuple[dict[str, float], dict[str, float], float, dict[str, float]]:
     """(forward peak split, backward peak split, kept bytes, input-gradient pass peak split) of
     one virtual stage's micro-batch; `running`: the weight copies a layer holds only while it
     runs (`recompute_copies`). The input-gradient pass of a split backward keeps the graph
     (`retain_graph`): every saved activation of the stage stays, and the output gradients
-    captured for the weight pass (`LayerMemory.weight_inputs`) of the layers already passed."""
+    captured for the weight pass (`LayerMemory.weight_inputs`) of the layers already passed.
+    `received`: the bytes of the stage's input that torch's pipeline receives into a buffer of
+    its own (`pipeline_buffers`); what the first layer saves of its input (`saved_inputs`) is
+    that buffer, counted there, not again as activations; `grad_received`: likewise the bytes of
+    the gradient of the stage's output that arrive in torch's gradient-receive buffer, which the
+    last layer's backward holds (`bwd_incoming`), counted there, not again as working memory."""
+    shared = min(layers[0].memory.saved_inputs, received) if layers else 0.0
     kept = [l.memory.kept for l in layers]
-    fwd = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
-    bwd = dict(fwd)
-    inp = dict(fwd)
+    zero = {"activations": 0.0, "recompute_working": 0.0, "working": 0.0}
+    fwd, bwd, inp = dict(zero), dict(zero), dict(zero)
     for i, layer in enumerate(layers):
         mem = layer.memory
         copies = running.get(layer.name, 0.0)
-        before = sum(kept[:i])
+        before = sum(kept[:i]) - (shared if i else 0.0)
+        own = shared if i == 0 else 0.0
         later = layers[i + 1:]
         held = sum(l.memory.held for l in later) + (sum(l.memory.param_grads for l in later) if fsdp_hold else 0.0)
-        if before + mem.fwd_peak + copies > sum(fwd.values()):
-            fwd = {"activations": before + mem.fwd_saved, "recompute_working": 0.0,
-                   "working": mem.fwd_peak - mem.fwd_saved + copies}
-        if before + mem.bwd_peak + held + copies > sum(bwd.values()):
-            bwd = {"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
-                   "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed + held}
+        candidate = _less({"activations": before + mem.fwd_saved, "recompute_working": 0.0,
+                           "working": mem.fwd_peak - mem.fwd_saved + copies}, own)
+        if sum(candidate.values()) > sum(fwd.values()):
+            fwd = candidate
+        comm = mem.bwd_buffers  # collective buffers at the backward peak
+        arrived = min(mem.bwd_incoming, grad_received) if i == len(layers) - 1 else 0.0
+        candidate = _less({"activations": before + mem.bwd_saved, "recompute_working": mem.bwd_recomputed + copies,
+                           "working": mem.bwd_peak - mem.bwd_saved - mem.bwd_recomputed - comm - arrived + held,
+                           "buffers": comm}, own)
+        if sum(candidate.values()) > sum(bwd.values()):
+            bwd = candidate
         working = max(0.0, mem.input_peak - mem.kept) + held + sum(l.memory.weight_inputs for l in later)
-        if sum(kept) + copies + working > sum(inp.values()):
-            inp = {"activations": sum(kept), "recompute_working": copies, "working": working}
-    return fwd, bwd, sum(kept), inp
+        if sum(kept) - shared + copies + working > sum(inp.values()):
+            inp = {"activations": sum(kept) - shared, "recompute_working": copies, "working": working}
+    return fwd, bwd, sum(kept) - shared, inp
 
 
 def order_peaks(order: Sequence[tuple[str, int, int]], splits: dict[int, tuple[dict[str, float], dict[str, float],
@@ -155,7 +182,7 @@ def _model_buffers(by_stage: Sequence[Sequence[Any]]) -> float:
 
 
 def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, send_bytes: Sequence[float],
-                     output_bytes: float, pending_send: bool = True) -> float:
+                     output_bytes: float, pending_send: bool = True, warmup_send: bool = False) -> float:
     """torch.distributed.pipelining's buffers on a device holding virtual `stages` of `total`: per
     stage, a receive buffer per micro-batch for its input, and one more input-sized tensor, the
     input gradient of the previous backward, which the schedule's pending send (`bwd_sends`)
@@ -163,13 +190,22 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
     stage but the first); a gradient-receive buffer per micro-batch and the outputs in flight;
     the last stage's outputs of every micro-batch. `pending_send=False` under a split backward
     (zero-bubble schedules): that input gradient is the one held from I to W, priced there
-    (`device_memory`'s `input_grads`), not again here."""
+    (`device_memory`'s `input_grads`), not again here. `warmup_send` (torch's Schedule1F1B): the
+    work object of the warm-up's last send fired on its own holds that output until the 1B1F
+    loop ends, past its backward: one more output on a stage with two or more warm-up forwards
+    (min(m, stages - s)). A stage keeps at most its m micro-batches' outputs. At the turn of a V
+    (zbv, dualpipev: stages s and s+1 on one device) torch hands stage s's outputs to stage s+1
+    as its receive buffers and stage s+1's input gradients to stage s as its gradient-receive
+    buffers: each is one tensor, counted once (as stage s+1's receive and stage s's gradient-
+    receive buffers)."""
     out = 0.0
     for s in stages:
         if s > 0:
             out += (m + pending_send) * send_bytes[s - 1]
         if s < total - 1:
-            out += (m + flight) * send_bytes[s]
+            turn = s + 1 in stages
+            outputs = 0 if turn else min(m, flight) + (warmup_send and min(m, total - s) >= 2)
+            out += (m + outputs) * send_bytes[s]
         else:
             out += m * output_bytes
     return out
@@ -179,7 +215,9 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                   interleaved: bool, fsdp: bool, local_param_bytes: float, buffers: float,
                   after_backward: float = 0.0, regather: bool = False, accumulate: bool = False,
                   copy_bytes: float = 0.0, order: Sequence[tuple[str, int, int]] | None = None,
-                  stage_ids: Sequence[int] = (), input_grads: dict[int, float] | None = None) -> dict[str, float]:
+                  stage_ids: Sequence[int] = (), input_grads: dict[int, float] | None = None,
+                  received: dict[int, float] | None = None,
+                  grad_received: dict[int, float] | None = None) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
     `after_backward`: a transient buffer once backward is over (a flat gradient copy);
@@ -192,7 +230,10 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     rest (taken off there for layers that recompute in full: `recompute_copies`); `order`: the
     device's pipeline schedule, its virtual stages `stage_ids` (those of `by_stage`), walked op by
     op (`order_peaks`; `input_grads[s]`: stage s's received activation's gradient, held from a
-    split backward's I to its W) instead of counting `flight` micro-batches of the average stage."""
+    split backward's I to its W) instead of counting `flight` micro-batches of the average stage;
+    `received[s]`: the bytes of virtual stage s's input that land in torch's receive buffers
+    (`_stage_peaks`: not activations too), `grad_received[s]` those of its output's gradient
+    (not working memory too)."""
     off, running = recompute_copies([l for stage in by_stage for l in stage], copy_bytes)
     states = {**states, "parameters": states.get("parameters", 0.0) - off, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
@@ -204,13 +245,18 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                 "working": max((c.transient_bytes for c in costs), default=0.0),
                 "buffers": buffers + (local_param_bytes if fsdp else 0.0)}
     accumulate = accumulate and fsdp
-    splits = [_stage_peaks(stage, fsdp and not accumulate, running) for stage in by_stage if stage]
+    ids = list(stage_ids) if len(stage_ids) == len(by_stage) else [-1] * len(by_stage)
+    splits = [_stage_peaks(stage, fsdp and not accumulate, running, (received or {}).get(s, 0.0),
+                           (grad_received or {}).get(s, 0.0))
+              for s, stage in zip(ids, by_stage) if stage]
     unsharded_grads = local_param_bytes if accumulate else 0.0
     kept = sum(k for _, _, k, _ in splits)
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
     best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
                               "buffers": buffers + after_backward}
-    gathered = (2.0 if regather else 1.0) * local_param_bytes if fsdp else 0.0
+    # Backward holds the unsharded parameters; ZeRO-3's gather for it frees its flat buffer right
+    # after copying out, before any gradient (its own candidate below).
+    gathered = local_param_bytes if fsdp else 0.0
     # Accumulating, only the first micro-batch's forward gathers (the later ones find the weights
     # unsharded: no reshard after a backward but the last), and it runs before any gradient: each
     # forward holds the unsharded weights and one more copy's worth, the buffer or the gradients.
@@ -222,10 +268,14 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     else:
         parts = [(phase, (bwd if phase else fwd) | {"activations": others + (bwd if phase else fwd)["activations"]})
                  for phase in (0, 1) for fwd, bwd, _, _ in splits]
+    if regather and fsdp:  # the gather before backward: every activation kept, both copies, no gradient yet
+        parts.append((1, {"activations": others + kept, "recompute_working": 0.0, "working": 0.0,
+                          "buffers": local_param_bytes}))
     for phase, part in parts:
         candidate = {**states, "activations": part["activations"],
                      "recompute_working": part.get("recompute_working", 0.0),
-                     "working": part["working"] + unsharded_grads, "buffers": buffers + extras[phase]}
+                     "working": part["working"] + unsharded_grads,
+                     "buffers": buffers + extras[phase] + part.get("buffers", 0.0)}
         if sum(candidate.values()) > sum(best.values()):
             best = candidate
     return best

@@ -12,7 +12,7 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
 - Forward: an output lives until its last reader in the layer has run, or to the end of the
   layer when a later layer reads it; what an op saves for backward stays (`layer_terms`'s saved
   entries: the kept ones under the layer's recomputation). A loss also holds its log-probabilities
-  (the size of its input) while it runs. Under full recomputation the forward keeps only the
+  (the size of its input read in fp32, `head.loss_logits_bytes`) while it runs. Under full recomputation the forward keeps only the
   layer's inputs; under selective, the attention core's own tensors are not kept.
 - Backward, ops in reverse: the gradients of the layer's outputs arrive first. An op allocates a
   gradient for each input that needs one (a parameter's is a temporary, added into `.grad` and
@@ -21,7 +21,8 @@ Rules (all sizes are local, batch-scaled, at the compute dtype):
   backward, as FSDP2's unsharded gradients are). Views, dropout(p=0) and an `add` of equal
   shapes pass the output gradient through without allocating (`aliasing.passes_gradient`);
   split's backward concatenates.
-  A loss's backward also holds the gradient of its log-probabilities, except a vocabulary-
+  A loss's backward also holds the gradient of its log-probabilities (fp32, beside the logits'
+  gradient, which it makes in fp32 before casting it back), except a vocabulary-
   parallel one (`head.vocab_parallel_loss`), which writes the logits' gradient over its saved
   softmax and allocates neither. After the op its output
   gradients and the storages no later op needs for backward are freed. Full recomputation runs
@@ -55,11 +56,17 @@ from dataclasses import dataclass
 from shardc.analysis.aliasing import passes_gradient
 from shardc.analysis.head_loss import HeadLoss
 from shardc.cost.context import CostContext
-from shardc.cost.edges import GATHERED, gathered_source, regather_group
-from shardc.cost.head import head_regions, head_working, vocab_parallel_loss
+from shardc.cost.edges import GATHERED, gathered_source
+from shardc.cost.head import head_regions, vocab_parallel_loss
 from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
-from shardc.ir import Axis, Layout, Node, Value
-from shardc.ops.registry import get_op
+from shardc.cost.op_memory import (
+    default_loss_bytes,
+    gathered_readers,
+    in_place_gradient,
+    last_piece,
+    loss_extra,
+)
+from shardc.ir import Node, Value
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +83,13 @@ class LayerMemory:
     gradients a split backward keeps from its input-gradient pass to its weight-gradient pass
     (`weight_gradient_inputs`); `input_peak`: the live bytes at the peak of that input-gradient
     pass, which keeps the graph (`retain_graph`: no saved tensor is freed), computes no weight
-    gradient and keeps the captured output gradients as it goes."""
+    gradient and keeps the captured output gradients as it goes. `saved_inputs`: the part of
+    `kept` that is the layer's own input storages (made before it: on a pipeline stage's first
+    layer, torch's receive buffer, which is the runtime's, not a new activation). `bwd_buffers`:
+    the part of `bwd_peak` in collective buffers (sequence parallelism's gathers and reduce-
+    scatters in backward), beside its working memory. `bwd_incoming`: the part of `bwd_peak` in
+    the storages its outputs' gradients arrived in (on a pipeline stage's last layer, torch's
+    gradient-receive buffer)."""
 
     fwd_peak: float
     fwd_saved: float
@@ -89,6 +102,9 @@ class LayerMemory:
     buffers: tuple[tuple[str, float], ...] = ()
     weight_inputs: float = 0.0
     input_peak: float = 0.0
+    saved_inputs: float = 0.0
+    bwd_buffers: float = 0.0
+    bwd_incoming: float = 0.0
 
 
 def _meets_weights(node: Node, ctx: CostContext) -> bool:
@@ -144,31 +160,36 @@ def layer_memory(ctx: CostContext, nodes: Sequence[Node], terms: LayerTerms, rec
             if any(u not in inside for u in users) or v in ctx.graph.outputs:
                 exported.add(ctx.root(v))
     preload = dict(terms.input_entries) if recompute == "full" else {}  # checkpoint keeps its inputs
-    fused = _fused(ctx, nodes, inside)
+    fused = gathered_readers(ctx, nodes, inside)
     regions = head_regions(ctx, nodes)
     fwd_peak, fwd_saved = _forward(ctx, nodes, kept, savers, last_read, exported, preload, fused, regions)
     if recompute == "full":  # the forward again, inputs kept and output gradients arriving
-        again, _ = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload, fused, regions)
+        again, again_saved = _forward(ctx, nodes, saved_all, savers, last_read, exported, preload, fused, regions)
         incoming = _incoming(ctx, nodes, inside)
         recompute_peak = again + incoming
-        live_saved, recomputed = {}, dict(saved_all)
+        # The inputs the checkpoint saved stay saved activations; the rest comes back recomputed.
+        live_saved: dict[Value | tuple[Node, int], float] = {k: b for k, b in preload.items()}
+        recomputed = {k: b for k, b in saved_all.items() if k not in preload}
     else:
         recompute_peak = 0.0
         live_saved, recomputed = dict(kept), {}
     split_peak = _backward(ctx, nodes, dict(live_saved), dict(recomputed), savers, inside, core, saved_all, in_core,
                            set(earlier_params), hold_param_grads, fused, regions, split=True)[0]
-    peak, at_saved, at_recomputed, param_grads, held = _backward(
+    peak, at_saved, at_recomputed, param_grads, held, comm, incoming = _backward(
         ctx, nodes, live_saved, recomputed, savers, inside, core, saved_all, in_core, set(earlier_params),
         hold_param_grads, fused, regions)
     if recompute_peak > peak:
-        peak, at_saved, at_recomputed = recompute_peak, 0.0, sum(saved_all.values())
+        inputs = sum(preload.values())
+        peak, at_saved, at_recomputed, comm = recompute_peak, inputs, max(0.0, again_saved - inputs), 0.0
+        incoming = _incoming(ctx, nodes, inside)
     tail = default_loss_bytes(ctx, nodes)
     if tail and sum(kept.values()) + tail > peak:  # everything this layer keeps is live while the loss runs
-        peak, at_saved, at_recomputed = sum(kept.values()) + tail, sum(kept.values()), 0.0
+        peak, at_saved, at_recomputed, comm, incoming = sum(kept.values()) + tail, sum(kept.values()), 0.0, 0.0, 0.0
     buffers = {v.name: ctx.local_bytes(v) for node in nodes for v in node.inputs if v.kind == "buffer"}
     return LayerMemory(fwd_peak, fwd_saved, peak, at_saved, at_recomputed, sum(kept.values()), param_grads, held,
                        tuple(sorted(buffers.items())), weight_gradient_inputs(ctx, nodes),
-                       max(split_peak, recompute_peak, sum(kept.values()) + tail))
+                       max(split_peak, recompute_peak, sum(kept.values()) + tail),
+                       sum(b for k, b in kept.items() if k in terms.input_entries), comm, incoming)
 
 
 def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[SavedKey, tuple[float, bool, Value]],
@@ -199,32 +220,6 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
     return copies, direct
 
 
-def default_loss_bytes(ctx: CostContext, nodes: Sequence[Node]) -> float:
-    """Bytes a graph without its own loss (its first output not a scalar: `shardc.train.default_loss`)
-    holds in the training loop's loss at that loss's backward, when `nodes` make that output.
-    The runtime hands the loss the output gathered to the data-parallel share (every other mesh
-    axis gathered: G bytes); next-token cross entropy on logits over token ids holds G, its fp32
-    log-probabilities (saved), the gradient of the negative log-likelihood and of the
-    log-softmax (three fp32 copies); a mean square holds G, its fp32 square and that gradient.
-    A pipelined graph's G is the last stage's output torch's schedule keeps for the loss
-    (`output_chunks`), priced with the pipeline's buffers (`peak.pipeline_buffers`): not again here."""
-    graph = ctx.graph
-    if not graph.outputs or graph.outputs[0].type.rank == 0:
-        return 0.0
-    out = graph.outputs[0]
-    if out.producer is None or out.producer not in set(nodes):
-        return 0.0
-    kept = Layout(tuple((a, p) for a, p in ctx.layout(out).placements if a == Axis.DP))
-    gathered = ctx.local_bytes(out, kept)
-    fp32 = gathered / max(1, ctx.elem_bytes(out)) * 4
-    first = graph.inputs[0].type if graph.inputs else None
-    tokens = (out.type.is_float and out.type.rank >= 2 and first is not None and not first.is_float
-              and tuple(first.shape) == tuple(out.type.shape[:-1]))
-    pipelined = ctx.mesh is not None and Axis.PP in ctx.mesh.names and ctx.mesh.axis_size(Axis.PP) > 1
-    held = 0.0 if pipelined else gathered
-    return held + (3 if tokens else 2) * fp32
-
-
 def _saved_keys(ctx: CostContext, node: Node, known: Collection[object], terms: LayerTerms) -> list[object]:
     """The saved-entry keys `node` contributes (storages, or (node, k) for raw bytes) among the
     layer's `known` entries (a gathered copy's key too, whether or not `terms` came from whole
@@ -247,44 +242,6 @@ def _new_outputs(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | N
     return {v: ctx.local_bytes(v) for v in node.outputs if ctx.root(v) is v}
 
 
-def _loss_extra(ctx: CostContext, node: Node, regions: dict[Node, HeadLoss] | None = None,
-                backward: bool = False) -> float:
-    """A loss holds log-probabilities (forward) or their gradient (backward) the size of its input;
-    a fused head and loss one chunk's working set (`head_working`); a vocabulary-parallel loss
-    nothing in backward (`vocab_parallel_loss`: its softmax becomes the logits' gradient)."""
-    if get_op(node.op).kind != "loss" or not node.inputs:
-        return 0.0
-    if regions and node in regions:
-        return head_working(ctx, regions[node], backward)
-    if backward and vocab_parallel_loss(ctx, node):
-        return 0.0
-    return ctx.local_bytes(node.inputs[0])
-
-
-def _in_place_gradient(ctx: CostContext, node: Node, saved: dict, recomputed: dict,
-                       allocs: dict[Value, float]) -> float:
-    """Bytes of the input gradient `node` writes over a tensor it saved rather than allocating:
-    a vocabulary-parallel loss's logits' gradient, in its saved softmax (`vocab_parallel_loss`)."""
-    if not vocab_parallel_loss(ctx, node) or node.inputs[0] not in allocs:
-        return 0.0
-    key = ctx.root(node.inputs[0])
-    return min(allocs[node.inputs[0]], saved.get(key, recomputed.get(key, 0.0)))
-
-
-def _fused(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> dict[Node, tuple[list[Node], float]]:
-    """Column-parallel readers of one gathered input that save its shard (`edges.regather_group`),
-    by their first reader: (the readers, the gathered copy's bytes). Their forward holds the copy
-    while they run; their one backward runs at the first reader's turn and holds the input
-    gradient at the gathered size and the pieces gathered again (or, after them, the reduce-
-    scatter's full-size sum) beside it."""
-    out: dict[Node, tuple[list[Node], float]] = {}
-    for node in nodes:
-        members = regather_group(ctx, node)
-        if members and members[0] is node and all(m in inside for m in members):
-            out[node] = (members, ctx.local_bytes(node.inputs[0], ctx.local(node).in_layouts[0]))
-    return out
-
-
 def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, last_read: dict[Value, int],
              exported: set[Value], preload: dict,
              fused: dict[Node, tuple[list[Node], float]] | None = None,
@@ -294,13 +251,19 @@ def _forward(ctx: CostContext, nodes: Sequence[Node], kept: dict, savers: dict, 
     peak, at_saved = 0.0, 0.0
     for idx, node in enumerate(nodes):
         new = _new_outputs(ctx, node, regions)
-        total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + _loss_extra(ctx, node, regions)
+        extra = loss_extra(ctx, node, regions)
+        total = sum(saved.values()) + sum(temp.values()) + sum(new.values()) + extra
         if fused and node in fused:  # the gathered copy, freed once the readers have run
             total += fused[node][1]
         if rotation(ctx, node) is not None:  # the running sum, this step's partial product and their sum
             total += 2 * sum(new.values())
         if total > peak:
-            peak, at_saved = total, sum(saved.values())
+            # An unfused loss ends holding its log-probabilities (saved: they are what it keeps in its
+            # logits' place) beside its logits (freed when the forward returns): the peak's split. A
+            # vocabulary-parallel one peaks inside its autograd function, before it saves its softmax.
+            keeps = (not (regions and node in regions) and extra and not vocab_parallel_loss(ctx, node)
+                     and ctx.root(node.inputs[0]) in kept)
+            peak, at_saved = total, sum(saved.values()) + (extra if keeps else 0.0)
         temp.update(new)
         for key, readers in savers.items():
             if readers[0] == idx and key in kept:
@@ -326,7 +289,7 @@ def _incoming(ctx: CostContext, nodes: Sequence[Node], inside: set[Node]) -> flo
 def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: dict, savers: dict,
               inside: set[Node], core: Collection[Node], saved_all: dict, in_core: list, earlier: set[str],
               hold: bool, fused: dict[Node, tuple[list[Node], float]],
-              regions: dict[Node, HeadLoss], split: bool = False) -> tuple[float, float, float, float, float]:
+              regions: dict[Node, HeadLoss], split: bool = False) -> tuple[float, ...]:
     # Activation gradients by value, each with the storage it lives in: a gradient passed through
     # (a view's, an add's) is the output gradient's storage, counted once while any value holds it.
     grads: dict[Value, float] = {}
@@ -336,6 +299,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             users = ctx.users.get(v, [])
             if v in ctx.needs_grad and any(u not in inside for u in users):
                 grads[v], owner[v] = ctx.local_bytes(v), v
+    arrived = set(grads)  # the storages the incoming gradients arrived in
     first_use: dict[str, int] = {}
     for idx, node in enumerate(nodes):
         for v in node.inputs:
@@ -347,7 +311,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     position = {n: i for i, n in enumerate(nodes)}
     later_readers = {m for members, _ in fused.values() for m in members[1:]}
     later_readers |= {m for m, region in regions.items() if m is not region.loss}  # run at the loss's turn
-    peak, at_saved, at_recomputed = 0.0, 0.0, 0.0
+    peak, at_saved, at_recomputed, at_comm, at_incoming = 0.0, 0.0, 0.0, 0.0, 0.0
     core_pending = bool(core)
     captured = 0.0  # split: output gradients kept for the weight pass (`weight_gradient_inputs`)
     for idx in range(len(nodes) - 1, -1, -1):
@@ -355,7 +319,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
         if not any(o in ctx.needs_grad for o in node.outputs):
             continue
         if node in later_readers:
-            continue  # its backward runs with its first reader's (`_fused`)
+            continue  # its backward runs with its first reader's (`gathered_readers`)
         members, gathered = fused.get(node, ([node], 0.0))
         region = regions.get(node)
         made: set[Value] = set()
@@ -382,17 +346,23 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 allocs[v] = (0.0 if gathered else allocs.get(v, 0.0)) + ctx.local_bytes(v)
                 if i in indexed:  # a rotation step's chunk gradient padded to full size, beside the running sum
                     padding += ctx.local_bytes(v) * (2.0 if rot is not None and rot[0] > 2 else 1.0)
-        if gathered and node.inputs[0] in ctx.needs_grad:  # the input gradient at the gathered size, and the
-            padding += 2 * gathered  # pieces gathered again (then the reduce-scatter's full-size sum)
+        comm = 0.0
+        if gathered and node.inputs[0] in ctx.needs_grad:
+            # The input gradient at the gathered size, and two collective buffers beside it as it is
+            # reduce-scattered: the pieces gathered again (the async gather's work holds them to the
+            # backward's end) and the reduce-scatter's full-size sum (gloo: an all-reduce of a copy).
+            padding += gathered + last_piece(ctx, node, members[-1])
+            comm = 2 * gathered
         live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
         if split:  # the input-gradient pass computes no weight gradient
             new_params = {}
-        total = live + sum(allocs.values()) + padding + sum(new_params.values()) + _loss_extra(ctx, node, regions,
-                                                                                               backward=True) + captured
+        total = live + sum(allocs.values()) + padding + comm + sum(new_params.values()) + captured \
+            + loss_extra(ctx, node, regions, backward=True)
         if region is None:
-            total -= _in_place_gradient(ctx, node, saved, recomputed, allocs)
+            total -= in_place_gradient(ctx, node, saved, recomputed, allocs)
         if total > peak:
-            peak, at_saved, at_recomputed = total, sum(saved.values()), sum(recomputed.values())
+            peak, at_saved, at_recomputed, at_comm = total, sum(saved.values()), sum(recomputed.values()), comm
+            at_incoming = _grad_bytes({v: b for v, b in grads.items() if owner[v] in arrived}, owner)
         if split and _meets_weights(node, ctx):
             captured += sum(ctx.local_bytes(o) for o in node.outputs if o in ctx.needs_grad)
         outs = [(grads.pop(o), owner.pop(o)) for m in members for o in m.outputs if o in grads]
@@ -416,7 +386,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                 saved.pop(done, None)
                 recomputed.pop(done, None)
     tied = sum(b for name, b in held.items() if name in earlier and not hold)
-    return peak, at_saved, at_recomputed, param_grads, tied
+    return peak, at_saved, at_recomputed, param_grads, tied, at_comm, at_incoming
 
 
 def _grad_bytes(grads: dict[Value, float], owner: dict[Value, object]) -> float:

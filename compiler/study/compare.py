@@ -154,14 +154,15 @@ def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]
 
 # Measured categories (`shardc.train.memory`) -> the estimate's categories they are compared with.
 # The tracker files model buffers and backward's temporaries apart ("other"); the estimate calls
-# what is not state nor saved activations `working` (plus `recompute_working` under recomputation).
+# what is not state nor saved activations `working` (plus `recompute_working` under recomputation);
+# model buffers (a causal mask) are `model_buffers` on both sides, compared within working.
 MEMORY_CATEGORIES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("parameters", ("parameters",), ("parameters",)),
     ("gradients", ("gradients",), ("gradients",)),
     ("optimizer", ("optimizer",), ("optimizer",)),
     ("activations", ("activations",), ("activations",)),
     ("buffers", ("buffers",), ("buffers",)),
-    ("working", ("other", "model_buffers", "allocator_extra"), ("working", "recompute_working")),
+    ("working", ("other", "model_buffers", "allocator_extra"), ("working", "recompute_working", "model_buffers")),
 )
 # A category below this share of the rank's measured peak gets no relative error: a few KiB
 # against a few KiB says nothing; its difference still shows in the total.

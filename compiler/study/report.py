@@ -278,18 +278,15 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
                                                      "exposed_communication_s", "waiting_s", "other_s"))
             + f" | {pred} |")
     lines += ["", "## Memory at the peak by category (rank 0 of each plan and the last stage; MiB, measured / predicted)", "",
-              "| plan | rank | parameters | gradients | optimizer | activations | buffers | other (working) |",
+              "| plan | rank | parameters | gradients | optimizer | activations | buffers | working |",
               "|---|---|---|---|---|---|---|---|"]
     for p in _ok(data):
         shown = {p["ranks"][0]["rank"], p["ranks"][-1]["rank"]}
         for r in (x for x in p["ranks"] if x["rank"] in shown):
-            m, q = r["measured_memory"], r["predicted_memory"]
-            cells = [f"{m.get(c, 0) / MiB:.2f} / {q.get(c, 0) / MiB:.2f}"
-                     for c in ("parameters", "gradients", "optimizer", "activations", "buffers")]
-            other = (m.get("other", 0) + m.get("model_buffers", 0)) / MiB
-            working = (q.get("working", 0) + q.get("recompute_working", 0)) / MiB
-            lines.append(f"| {label(p['plan'])} | {r['rank']} | " + " | ".join(cells) + f" | {other:.2f} / "
-                         f"{working:.2f} |")
+            # the categories as the check compares them (`compare.MEMORY_CATEGORIES`)
+            cells = [f"{c['measured_bytes'] / MiB:.2f} / {c['predicted_bytes'] / MiB:.2f}"
+                     for c in r["memory_categories"]]
+            lines.append(f"| {label(p['plan'])} | {r['rank']} | " + " | ".join(cells) + " |")
     lines += ["", "## Communication per step (rank 0)", "", "| plan | collective | count | message sizes (min / median / max B) | sent (ring, B) |",
               "|---|---|---|---|---|"]
     for p in _ok(data):
@@ -347,8 +344,9 @@ METHOD = """\
   a plan's measured step time is the median of its rounds' medians, shown with the range over rounds.
 - Memory per category: the tracker's categories at the peak against the estimate's (parameters, gradients,
   optimizer, activations, buffers, and working = the tracker's other + model buffers against the
-  estimate's working + recompute_working); a category under 2% of the rank's peak in both gets no
-  relative error.
+  estimate's working + recompute_working + model buffers); a category under 2% of the rank's peak in
+  both gets no relative error. `python -m shardc.study.memory_check results.json` re-prices a
+  recorded study's plans with the current model against its recorded measurements.
 - Bytes sent per collective: message size from the op's tensors, ring volume for the group size.
 """
 

@@ -13,9 +13,14 @@ measured peak, the difference filed as `allocator_extra`.
   autograd engine carries the mode) and files each new output storage: saved for backward
   (a `saved_tensors_hooks` pack hook marks it) -> `activations`, except a parameter's cast to
   another dtype (mixed precision's compute-dtype weight copy, held from forward to backward by
-  the op that saved it) -> `parameters`; produced by or handed to a
-  collective -> `buffers`; anything else (gradients of activations, temporaries of forward,
-  backward and the optimizer step, recomputed forwards) -> `other`; the optimizer's state
+  the op that saved it) -> `parameters` (a saved tensor that backward then overwrites in place
+  is that backward's working memory from then on, `other`: Megatron's vocabulary-parallel cross
+  entropy turns its saved softmax into the logits' gradient); produced by or handed to a
+  collective -> `buffers`, and so is a parameter of the tracked modules that is not the
+  parameters' state at rest (FSDP2's unsharded weights, gathered, whether an op saves them or
+  not: a LayerNorm's weight or a bias is never saved); anything else (gradients of
+  activations, temporaries of forward, backward and the optimizer step, recomputed forwards)
+  -> `other`; the optimizer's state
   exists before the measured step (it follows the first step) and is counted as `optimizer`.
   A `weakref.finalize` on the storage takes it off the books when it is freed. Storages are
   re-measured after every op, so in-place `resize_` (FSDP2's gather buffers) is seen too.
@@ -34,6 +39,9 @@ measured peak, the difference filed as `allocator_extra`.
 
 Collectives: the same dispatch mode records every c10d op this rank runs: its kind, the bytes
 of its full buffer, its group size and whether forward, backward or the optimizer ran it.
+
+What each storage is at the step's start, and the runtime's buffers: `shardc.train.storages`;
+the kind of a collective op: `shardc.train.collective_kinds`.
 """
 
 from __future__ import annotations
@@ -41,86 +49,31 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardc.train.collective_kinds import _group_size, collective_kind
+from shardc.train.storages import (
+    _input_storages,
+    _key,
+    _local,
+    _storage,
+    _tensors,
+    ddp_bucket_bytes,
+    pipeline_buffers,
+    roles,
+    storages_now,
+    storages_of,
+)
+
+__all__ = ["CATEGORIES", "MemoryTracker", "allocator_memory", "collective_kind", "ddp_bucket_bytes",
+           "pipeline_buffers", "roles", "storages_now", "storages_of", "track_memory"]
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "model_buffers", "other")
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
-
-
-def _storage(t: torch.Tensor) -> Any | None:
-    t = _local(t)
-    if t.device.type == "meta":
-        return None
-    try:  # fake and functional tensors (left over from tracing) own no memory
-        s = t.untyped_storage()
-        return s if s.data_ptr() else None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-def _key(storage: Any) -> int:
-    """A storage's identity: its StorageImpl, which keeps its identity when `resize_` moves its data
-    (FSDP2 frees and re-allocates unsharded parameters so), unlike the data pointer."""
-    return int(getattr(storage, "_cdata", 0) or storage.data_ptr())
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def roles(modules: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, str]:
-    """Data pointer -> category for parameters, gradients, optimizer state and module buffers."""
-    out: dict[int, str] = {}
-
-    def put(t: torch.Tensor | None, cat: str) -> None:
-        s = _storage(t) if t is not None else None
-        if s is not None:
-            out.setdefault(_key(s), cat)
-
-    for m in modules:
-        for p in m.parameters():
-            put(p, "parameters")
-            put(p.grad, "gradients")
-        for b in m.buffers():
-            put(b, "model_buffers")
-        for stage in getattr(m, "stages", None) or ():  # torch pipelining's receive buffers, made before the step
-            for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
-                for info in infos:
-                    buffer = getattr(info, "buffer", None)
-                    if isinstance(buffer, torch.Tensor):
-                        put(buffer, "buffers")
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for t in _tensors(state):
-                put(t, "optimizer")
-    return out
-
-
-def ddp_bucket_bytes(module: Any) -> int:
-    """Bytes of DDP's flat gradient buckets (C++-side tensors Python cannot reach), from DDP's log."""
-    get = getattr(module, "_get_ddp_logging_data", None)
-    if get is None:
-        return 0
-    data = get()
-    if data.get("gradient_as_bucket_view"):
-        return 0
-    text = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
-    return sum(int(x) for x in text.replace(" ", "").split(",") if x)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -214,6 +167,10 @@ class MemoryTracker(TorchDispatchMode):
                     self._add(t, "buffers", "pipeline buffer")
                     self.live[_key(s)] = (self.live[_key(s)][0], "buffers")
                     self.held_keys.add(_key(s))
+        for key in self._parameter_storages():  # FSDP2's unsharded weights: gathered, a buffer
+            entry = self.live.get(key)
+            if entry is not None and entry[1] == "other":
+                self.live[key] = (entry[0], "buffers")
         totals = dict.fromkeys(CATEGORIES, 0.0)
         for ref, cat in list(self.live.values()):
             s = ref()
@@ -241,6 +198,9 @@ class MemoryTracker(TorchDispatchMode):
             for t in _tensors(args):  # a buffer allocated before and filled by the collective
                 self._reclassify(t, ("other",), "buffers")
         cat = "buffers" if comm and self.phase != "optimizer" else "other"
+        if not comm and self._phase() == "backward" and _writes_in_place(func):
+            for t in _tensors(out):  # a saved tensor overwritten in backward is no longer one (module rule)
+                self._reclassify(t, ("activations",), "other")
         if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
             source = _storage(args[0])
             if source is not None and _key(source) in self._parameter_storages():
@@ -294,90 +254,11 @@ class MemoryTracker(TorchDispatchMode):
 
 
 
-def _input_storages(args: tuple, kwargs: dict | None) -> list[Any]:
-    return [s for s in (_storage(t) for t in _tensors((args, kwargs or {}))) if s is not None]
 
-
-def _group_size(args: tuple) -> int:
-    import torch.distributed as dist
-
-    for a in args:
-        size = getattr(a, "size", None)
-        if callable(size) and not isinstance(a, torch.Tensor):
-            try:
-                return int(size())
-            except Exception:  # a ScriptObject without size()
-                continue
-        if isinstance(a, str):
-            try:
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                return dist.get_world_size(_resolve_process_group(a))  # type: ignore[arg-type]
-            except Exception:
-                continue
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-_KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
-          "_allgather_base": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
-          "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
-          "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast": "broadcast", "alltoall": "all_to_all",
-          "alltoall_base": "all_to_all", "send": "send", "recv": "recv", "all_reduce": "all_reduce",
-          "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
-
-
-def collective_kind(op_name: str) -> str | None:
-    """`c10d.allreduce_.default` -> `all_reduce`; None for waits, barriers and unknown ops."""
-    parts = op_name.split(".")
-    base = parts[1] if len(parts) > 1 else parts[0]
-    return _KINDS.get(base.rstrip("_"))
-
-
-def storages_now() -> dict[int, Any]:
-    """Every tensor storage Python can reach now (after a collection), by key, as weak references:
-    what a process held before a run began (earlier runs' leftovers in a process that runs
-    several), for `track_memory(ignore=...)`. A weak reference, not the key alone: a storage freed
-    since and its key reused by a new one is not mistaken for it."""
-    gc.collect()
-    out: dict[int, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                s = _storage(obj)
-                if s is not None:
-                    out.setdefault(_key(s), weakref.ref(s))
-    return out
-
-
-def storages_of(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
-    """`tensors`' storages by key, as weak references (`storages_now`'s form, for `ignore`)."""
-    out: dict[int, Any] = {}
-    for t in tensors:
-        s = _storage(t)
-        if s is not None:
-            out.setdefault(_key(s), weakref.ref(s))
-    return out
-
-
-def pipeline_buffers(stages: Sequence[Any]) -> Callable[[], list[torch.Tensor]]:
-    """What torch.distributed.pipelining's `stages` hold as runtime buffers at the moment it is
-    called: every micro-batch's receive buffers (inputs, gradients of outputs), the outputs kept
-    for backward (`fwd_cache`, the outputs only: its inputs are the receive buffers or the batch)
-    and the outputs kept to the step's end (`output_chunks`)."""
-
-    def held() -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for stage in stages:
-            for infos in (*getattr(stage, "args_recv_info", {}).values(),
-                          *getattr(stage, "grad_recv_info", {}).values()):
-                out += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
-            for cached in getattr(stage, "fwd_cache", {}).values():
-                out += list(_tensors(cached[0]))
-            out += list(_tensors(getattr(stage, "output_chunks", [])))
-        return out
-
-    return held
+def _writes_in_place(func: Any) -> bool:
+    """Whether the aten op `func` writes into one of its arguments (`add_`, `mul_`, `out=`)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 @contextmanager
