@@ -25,7 +25,7 @@ Rules, node by node over the layer's partitioned IR:
   excluded, a view counted as the storage it aliases, each storage once, at the producer's
   layout (an input all-gathered into column-parallel linears is counted sharded, as Megatron
   and the backend's `gather_linears` keep it; any other op reading a gathered copy saves that
-  copy, keyed (where, GATHERED - i): `edges.gathered_source`); a rotating node also keeps the shards it received (`received_entries`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
+  copy, keyed (where, GATHERED - i): `edges.gathered_source`); a rotating node also keeps the shards it received (`saved.received_entries`; what is saved: `shardc.cost.saved`). Selective recomputation drops what the attention core (`shardc.analysis.attention`:
   from the QK^T product to the PV product; none for a fused attention node) saves of its own
   tensors and recomputes the core; full recomputation keeps only the layer's inputs
   and recomputes the whole forward (its collectives included).
@@ -48,10 +48,8 @@ from shardc.cost.compute import (
 )
 from shardc.cost.context import CostContext, axis_category
 from shardc.cost.edges import (
-    GATHERED,
     comm_time,
     feeds_only_parameters,
-    gathered_source,
     gradient_contribution,
     gradient_layout,
     gradient_steps,
@@ -64,7 +62,6 @@ from shardc.cost.head import (
     head_regions,
     head_saved_bytes,
     head_working,
-    loss_logits_bytes,
     vocab_parallel_loss,
 )
 from shardc.cost.moe import (
@@ -75,7 +72,12 @@ from shardc.cost.moe import (
     routed_bytes,
     routing_skew,
 )
-from shardc.cost.ring import as_run, causal_ring_saved
+from shardc.cost.ring import as_run
+from shardc.cost.saved import (
+    SavedKey,
+    batched_scale,
+    saved_for_backward,
+)
 from shardc.ir import Node, Value
 from shardc.ops.registry import rotating_operands
 
@@ -115,7 +117,6 @@ class LayerCost:
 
 # What a layer saves for backward: a storage (its root value), or (node, k) for an op's k-th
 # saved entry of raw bytes.
-SavedKey = Value | tuple[Node, int]
 
 
 @dataclass
@@ -235,7 +236,7 @@ def layer_terms(ctx: CostContext, nodes: Sequence[Node], internal_only: bool = F
             if in_core:
                 _add(t.core_fwd, key, val)
         _output_gradients(ctx, node, inside, internal_only, t)
-        _saved_for_backward(ctx, node, saves, in_core, core, produced, internal_only, t)
+        saved_for_backward(ctx, node, saves, in_core, core, produced, internal_only, t.saved_entries, t.roots)
     t.saved = sum(b for b, _ in t.saved_entries.values())
     t.core_saved = sum(b for b, c in t.saved_entries.values() if c)
     t.inputs = sum(t.input_entries.values())
@@ -266,11 +267,6 @@ def _charge_head(ctx: CostContext, region: HeadLoss, node: Node, cost: NodeCost,
     return [s for s in saves if not (s[0] == "in" and s[1] == 0)]
 
 
-def _batched_scale(ctx: CostContext, values: Sequence[Value]) -> float:
-    """The batch scale when any of `values` depends on the batch, else 1."""
-    return ctx.batch_scale if any(v in ctx.batched for v in values) else 1.0
-
-
 def _eager_cost(ctx: CostContext, node: Node) -> NodeCost:
     """The node's eager compute (the slowest rank's, one kernel per rotation step)."""
     local = ctx.local(node)
@@ -295,14 +291,14 @@ def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms, fused: 
     t.bwd_flops += cost.bwd_flops
     if op.kind in ("contraction", "attention"):
         g: float = op.count_flops([v.type for v in node.inputs], [v.type for v in node.outputs], node.attrs)
-        g *= _batched_scale(ctx, node.inputs)
+        g *= batched_scale(ctx, node.inputs)
         t.matmul_flops += g
         t.core_matmul_flops += g if in_core else 0.0
     t.core_flops += cost.fwd_flops if in_core else 0.0
     chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
     if not fused:
         t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
-                                                     _batched_scale(ctx, node.outputs),
+                                                     batched_scale(ctx, node.outputs),
                                                      1 if vocab_parallel_loss(ctx, node) else 2))
     return cost
 
@@ -378,87 +374,6 @@ def _output_gradients(ctx: CostContext, node: Node, inside: Collection[Node], in
             t.collectives.append(("bwd", step))
 
 
-def rotation(ctx: CostContext, node: Node) -> tuple[int, list[int], list[int]] | None:
-    """(steps, rotating inputs, indexed inputs) of a node whose temporal split rotates an operand
-    along a mesh axis as `rotating_loop` runs it (not attention's ring, not a grid); else None.
-    Rotating inputs hold their shard of the rotated dim and move; indexed ones hold it whole."""
-    local, part = ctx.local(node), ctx.partition(node)
-    if part is None or local.space is None or local.op.kind == "attention":
-        return None
-    for split in part.temporal:
-        if split.rotate is not None and split.grid is None and split.steps > 1:
-            moving = rotating_operands(local.space, part, split)
-            holding = [i for i, operand in enumerate(local.space.inputs)
-                       if any(f and f[0] == split.dim for f in operand)]
-            return split.steps, moving, [i for i in holding if i not in moving]
-    return None
-
-
-RING_SAVED = -100  # a saved-entry key (node, RING_SAVED): causal ring attention's blocks (`ring.causal_ring_saved`)
-MASK_SAVED = -101  # (node, MASK_SAVED): sdpa's bool mask as the float copy its kernel saves (one per call)
-
-
-def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]]) -> dict[int, float]:
-    """Input index -> bytes of the rotated shards a rotating node saves for backward: each step
-    receives its operand's next shard into a new buffer, and an op that saves that operand saves
-    the buffer, so the `steps - 1` received shards stay until the node's backward (the first
-    shard is the input itself, counted where it is made)."""
-    rot = rotation(ctx, node)
-    if rot is None:
-        return {}
-    steps, moving, _ = rot
-    local = ctx.local(node)
-    saved = {idx for kind, idx, _ in saves if kind == "in"}
-    return {i: (steps - 1) * local.in_types[i].nbytes * ctx.scale_of(node.inputs[i]) for i in moving if i in saved}
-
-
-def _saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]], in_core: bool,
-                        core: Collection[Node], produced: Collection[Value], internal_only: bool,
-                        t: LayerTerms) -> None:
-    """Saved for backward, each storage once (raw bytes keyed by (node, k)), parameters and
-    buffers excluded, with whether selective recomputation drops it; a rotating node's received
-    shards keyed by (node, -1 - input index) (`received_entries`)."""
-    for i, nbytes in received_entries(ctx, node, saves).items():
-        t.saved_entries[(node, -1 - i)] = (nbytes, in_core)
-    ring = causal_ring_saved(ctx, node)
-    if ring:  # eager causal ring attention's blocks beyond the fused kernel's saves (`ring.causal_ring_saved`)
-        t.saved_entries[(node, RING_SAVED)] = (ring, in_core)
-    mask = node.inputs[3] if node.op == "scaled_dot_product_attention" and len(node.inputs) > 3 else None
-    if mask is not None and not mask.type.is_float:  # the kernel saves a bool mask converted to the query's dtype
-        copy = ctx.local_bytes(mask) / max(1, ctx.elem_bytes(mask)) * ctx.elem_bytes(node.inputs[0])
-        t.saved_entries[(node, MASK_SAVED)] = (copy, in_core)
-    for k, (kind, idx, nbytes) in enumerate(saves):
-        if kind == "bytes":
-            t.saved_entries[(node, k)] = (nbytes * _batched_scale(ctx, node.outputs), in_core)
-            continue
-        v = node.inputs[idx] if kind == "in" else node.outputs[idx]
-        found = gathered_source(ctx, node, idx) if kind == "in" else None
-        if found is not None:  # the gathered copy eager autograd keeps (`gathered_source`)
-            where, j, copy = found
-            t.saved_entries[(where, GATHERED - j)] = (copy, in_core and where in core and where not in heads(core))
-            continue
-        root = ctx.root(v)
-        if root.kind in ("parameter", "buffer"):
-            continue
-        # Dropped under selective recomputation: what the core saves of its own tensors
-        # (the core's output, saved by the projection after it, is kept).
-        root_in_core = in_core and root.producer is not None and root.producer in core
-        # A fragment does not know how a storage made elsewhere is laid out: the view it reads.
-        known = not internal_only or root in produced or root in ctx.layouts
-        if internal_only and root not in produced:
-            t.roots.add(root)
-        nbytes = ctx.local_bytes(root if known else v)
-        if kind == "in" and idx == 0 and ctx.local(node).op.kind == "loss" and v.type.is_float:
-            nbytes = loss_logits_bytes(ctx, node)  # the fp32 log-probabilities it keeps in the logits' place
-        t.saved_entries[root] = (nbytes, root_in_core)
-
-
-def heads(core: Collection[Node]) -> set[Node]:
-    """The nodes that open an attention core (read nothing the core makes): what is gathered on
-    their inputs is gathered before the core runs, so selective recomputation keeps it."""
-    return {n for n in core if not any(v.producer in core for v in n.inputs if v.producer is not None)}
-
-
 def _charge_special(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[str, float], t: LayerTerms) -> None:
     """Vocab-parallel loss reductions, expert parallelism's all-to-alls and temporal splits (chunks;
     rotations as in ring attention)."""
@@ -515,4 +430,4 @@ def _charge_grid(ctx: CostContext, node: Node, cost: NodeCost, node_fwd: dict[st
     _add(t.bwd, category, grid.bwd_s)
     t.collectives.extend(grid.steps)
     t.transient = max(t.transient, working_bytes(local.op, local.in_types, local.out_types, 1,
-                                                 _batched_scale(ctx, node.outputs)) + grid.buffers)
+                                                 batched_scale(ctx, node.outputs)) + grid.buffers)

@@ -58,7 +58,7 @@ from shardc.analysis.head_loss import HeadLoss
 from shardc.cost.context import CostContext
 from shardc.cost.edges import GATHERED, gathered_source
 from shardc.cost.head import head_regions, vocab_parallel_loss
-from shardc.cost.layer import LayerTerms, SavedKey, attention_core, heads, rotation
+from shardc.cost.layer import LayerTerms, attention_core
 from shardc.cost.op_memory import (
     default_loss_bytes,
     gathered_readers,
@@ -66,6 +66,7 @@ from shardc.cost.op_memory import (
     last_piece,
     loss_extra,
 )
+from shardc.cost.saved import SavedKey, heads, rotation
 from shardc.ir import Node, Value
 
 

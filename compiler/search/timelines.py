@@ -17,7 +17,8 @@ import dataclasses
 
 from shardc.cost.compose import EstimateOptions, fsdp2, zero_group
 from shardc.cost.context import CostContext
-from shardc.cost.layer import LayerTerms, SavedKey
+from shardc.cost.layer import LayerTerms
+from shardc.cost.saved import SavedKey
 from shardc.cost.timeline import LayerMemory, layer_memory
 from shardc.ir import Layout, Node, Partial, Partition, Value
 from shardc.ops.registry import get_op, has_op
