@@ -62,16 +62,20 @@ TIME_LIMIT_S = 3.0
 # gradient sums to almost nothing) turns rounding in another summation order into a visible
 # move. 1e-4 is a tenth of one step; a wrong gradient moves parameters by whole steps.
 ATOL = 1e-4
-# REFERENCE_DTYPE: the one-process run is fp64 (its fp32 initial weights cast exactly), the exact sums
-# both fp32 runs approximate, not another fp32 order. Why: an element whose gradient cancels to
-# near Adam's eps (1e-8) moves by lr * g / (|g| + eps) on its first nonzero gradient, so fp32 rounding
-# of g there is a visible move in whichever fp32 run rounds worse. Measured on gpt-chunks (tp=2,
-# 2 micro-batches, ZeRO-3 at dp=1): wte[65, 21] is read once, in the last update's batch, where
-# its gradient is -4.55e-8 in fp64 (the row's largest is 4.2e-3: cancellation to 1e-5 of it); the
-# one-process fp32 run computes -1.89e-8 and steps 0.66 lr instead of 0.82 lr, ending 1.29e-4 from
-# fp64, the plan 4.0e-5 (1.69e-4 apart: the strict xfail this replaced). Against fp64 every element
-# of the plan is within 6.1e-5; one process in fp32 is not (1.29e-4 there), nor in fp32 with the
-# plan's 2 micro-batches (8.1e-5). A wrong gradient still moves parameters by whole steps.
+# The one-process run is also made in fp64 (REFERENCE_DTYPE; the fp32 initial weights cast exactly):
+# an element may lie from the fp32 run by ATOL plus that run's own distance from fp64 there
+# (`assert_fp32_close`). Why: an element whose gradient cancels to near Adam's eps (1e-8) moves by
+# lr * g / (|g| + eps) on its first nonzero gradient, so fp32 rounding of g there is a visible move
+# in whichever fp32 run rounds worse, and the fp64 run shows where that is. Measured on gpt-chunks
+# (tp=2, 2 micro-batches): wte[65, 21] is read once, in the last update's batch, where its gradient
+# is -4.55e-8 in fp64 (the row's largest is 4.2e-3: cancellation to 1e-5 of it); one process in fp32
+# computes -1.89e-8 and steps 0.66 lr instead of 0.82 lr, ending 1.29e-4 from fp64, the plan 4.0e-5
+# (1.69e-4 apart: the strict xfail this replaced). The fp64 run alone is no reference: where both
+# fp32 runs round alike they share a distance from it. On bert, whose synthetic attention mask is
+# drawn as integers below the vocabulary (`synthetic_batch`), the mask bias (1 - m) * -10000 reaches
+# ~1e6 and swamps the scores' fp32 bits alike in both runs: plan and fp32 run within 1.1e-6,
+# both 2.3e-3 from fp64 (14 of the 4,096 elements of the value weight beyond ATOL). A wrong
+# gradient moves elements where fp32 and fp64 agree, by whole steps.
 REFERENCE_DTYPE = torch.float64
 # bf16 against one process under the same casts: losses within half an ulp of bf16 (8 significant
 # bits: 2**-9), as tests/test_precision.py measures them (a distributed run rounds differently only
@@ -115,6 +119,11 @@ def case(id: str, spec: str, nproc: int, gbs: int, limit_gb: float, *features: s
 
 # Strict xfails: a defect the corpus measures is marked with its figures, and the mark goes when
 # the fix merges (strict: an unexpected pass fails). `case(..., marks=(...,))` takes them.
+LLAMA_PARTIAL_MEMORY = pytest.mark.xfail(strict=True, reason="llama-full's plan since CP-SAT counts the sp norm "
+                                         "output as its shard (tp=2, 2 micro-batches, one block recomputed in full "
+                                         "and one not): both ranks measure 2,207,864 B against 2,011,136 B predicted "
+                                         "(+9.8%); numerics pass; not yet explained")
+
 CASES = [
     # GPT (explicit attention): two blocks do not fit one device's limit with their optimizer state.
     # With the room to spare, the solver picks a zero-bubble schedule (the backward split into input
@@ -150,7 +159,8 @@ CASES = [
     # saved norm output counted as the shard in CP-SAT, no limit from 0.0016 to 0.0022 gives rotation
     # with ZeRO and full recomputation on this model (0.0018-0.00185: chunks and ZeRO; 0.0021: two
     # pipeline stages); rotation, ZeRO and full recomputation together are llama-ring's.)
-    case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.0020, "recompute-full"),
+    case("llama-full", "examples/llama.py:tiny?batch=4&seq=128", 2, 4, 0.0020, "recompute-full",
+         marks=(LLAMA_PARTIAL_MEMORY,)),
     # One attention head: tensor parallelism cannot split heads, so attention runs as a ring (the
     # plan has 2 micro-batches of one sequence). Causal ring attention's last rank computes both
     # blocks and keeps their exponentials and the received key and value shards, which rank 0
@@ -311,25 +321,26 @@ def features(graph: Graph) -> set[str]:
     return found
 
 
-def reference(spec: str, graph: Graph, steps: int, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the same seed, data, loss and optimizer as `shardc run`'s workers, in fp64
-    (the fp32 initial weights cast exactly, `REFERENCE_DTYPE`): the losses of steps 0..steps-1 and
-    the parameters after the memory-tracked step (batch steps+1)."""
+def reference(spec: str, graph: Graph, steps: int, seed: int,
+              dtype: torch.dtype = torch.float32) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the same seed, data, loss and optimizer as `shardc run`'s workers, in `dtype`
+    (the fp32 initial weights cast to it): the losses of steps 0..steps-1 and the parameters after
+    the memory-tracked step (batch steps+1)."""
     from shardc.frontend.spec import load_model
 
     torch.manual_seed(seed)
     loaded = load_model(spec, device="cpu")
-    model, example = loaded.model.to(REFERENCE_DTYPE), list(loaded.example_inputs)
+    model, example = loaded.model.to(dtype), list(loaded.example_inputs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     default = default_loss(graph)  # a model without its own loss trains on next-token cross entropy
     ranges = input_ranges(graph, loaded.input_names, vocab_of(model))  # BERT's token types: [0, 2)
     losses = []
     before = torch.get_default_dtype()
-    torch.set_default_dtype(REFERENCE_DTYPE)  # tensors a forward makes itself (masks, tables) in fp64 too
+    torch.set_default_dtype(dtype)  # tensors a forward makes itself (masks, tables) in fp64 too
     try:
         for step in [*range(steps), steps + 1]:
             batch = synthetic_batch(example, ranges, seed, step)
-            batch = [b.to(REFERENCE_DTYPE) if isinstance(b, torch.Tensor) and b.is_floating_point() else b
+            batch = [b.to(dtype) if isinstance(b, torch.Tensor) and b.is_floating_point() else b
                      for b in batch]
             loss = model(*batch)
             if default is not None:
@@ -371,7 +382,7 @@ def test_solver_plan_runs_from_its_file(c: Case, outcomes: dict[str, Outcome]) -
         raise got.error
     assert got.reports is not None
     summary = summarize(c.spec, file, got.reports, got.est, got.note)
-    rtol, atol = (1e-5, ATOL) if c.dtype == "fp32" else MIXED_TOLERANCE
+    rtol = 1e-5 if c.dtype == "fp32" else MIXED_TOLERANCE[0]
     if c.dtype == "fp32":
         want_losses, want_state = reference(c.spec, graph, STEPS, SEED)
     else:
@@ -381,15 +392,30 @@ def test_solver_plan_runs_from_its_file(c: Case, outcomes: dict[str, Outcome]) -
     assert summary["losses"] == pytest.approx(want_losses, rel=rtol), f"{c.id}: {summary['losses']} vs {want_losses}"
     got_state = torch.load(got.path.with_name(f"{c.id}.state.pt"))
     if c.dtype == "fp32":
-        for name, want in want_state.items():
-            torch.testing.assert_close(got_state[name].to(want.dtype), want, rtol=rtol, atol=atol,
-                                       msg=lambda m, n=name: f"{c.id} {n}: {m}")
+        assert_fp32_close(c.id, got_state, want_state, reference(c.spec, graph, STEPS, SEED, REFERENCE_DTYPE)[1])
     else:
         assert_mixed_close(c.id, got_state, want_state)
     # every rank's figures in one message, so that a failure shows the whole plan's error
     peaks = [(r["rank"], r["peak_memory_bytes"], r["predicted_peak_memory_bytes"]) for r in summary["ranks"]]
     assert all(measured == pytest.approx(predicted, rel=0.05) for _, measured, predicted in peaks), f"{c.id}: " + \
         "; ".join(f"rank {rank} measured {m:,} B, predicted {p:,} B ({m / p - 1:+.1%})" for rank, m, p in peaks)
+
+
+def assert_fp32_close(case_id: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                      exact: dict[str, torch.Tensor]) -> None:
+    """fp32 parameters against one process: every element within ATOL + 1e-5 relative of the fp32
+    run, plus that run's own distance from the fp64 one there (`REFERENCE_DTYPE`); the message
+    names the worst element with the three values."""
+    for name, w in want.items():
+        g, e = got[name].double(), exact[name].double()
+        w = w.double()
+        slack = (g - w).abs() - (ATOL + 1e-5 * w.abs() + (w - e).abs())
+        if slack.max() > 0:
+            bad = int((slack > 0).sum())
+            at = tuple(int(i) for i in torch.nonzero(slack == slack.max())[0])
+            raise AssertionError(f"{case_id} {name}: {bad} of {w.numel()} elements beyond ATOL {ATOL} plus the fp32 "
+                                 f"run's distance from fp64; worst at {at}: plan {g[at].item():.6g}, fp32 "
+                                 f"{w[at].item():.6g}, fp64 {e[at].item():.6g}")
 
 
 def assert_mixed_close(case_id: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
