@@ -68,6 +68,15 @@ MEASURE_CASES = [
                 "roomier: the grid pipelines over two (dp=2) and recomputes one of each stage's two blocks (its "
                 "interleaved ZeRO-1 plan, priced with an FSDP2 unit per stage module, costs more); the solver "
                 "pipelines over four, recomputing two stages in full and one selectively"),
+    # Structural: a vocabulary of 8192 at hidden 64. The embedding, head and logits fit only split
+    # over the vocabulary, so every grid point that fits is tp=4 (Megatron's tensor parallelism
+    # splits the blocks too: two all-reduces per block per pass, 255 ms of 327 predicted); the
+    # solver splits only the embedding and head over tp and runs the tiny blocks replicated,
+    # recomputing their attention core (tp_comm 78 ms, compute +19 ms): 1.88x predicted.
+    MeasureCase("gpt-vocab", "examples/gpt.py:tiny?batch=8&seq=128&vocab_size=8192&tie=false", 8, 0.012,
+                "a large vocabulary forces the vocabulary split: the grid runs tp=4 over every block (mb 2, "
+                "4 micro-batches); the solver splits only the embedding and head over tp=4, the blocks "
+                "replicated with selective recomputation"),
 ]
 
 

@@ -64,6 +64,10 @@ class Coefficients:
     fsdp_buf: float = 2.0
     # Per edge and layout class pair: the bytes of a gathered copy the candidates' sums miss (`_edge_saved`).
     edge_saved: list[list[list[float]]] = field(default_factory=list)
+    # Per edge and layout class pair: a saved value at its producer's layout less the consumer's
+    # row's view of it (`_edge_root`), and per edge whether selective recomputation drops it.
+    edge_root: list[list[list[float]]] = field(default_factory=list)
+    edge_root_core: list[bool] = field(default_factory=list)
     # Per ZeRO stage: whether the gradient sync is one exposed piece after backward priced by
     # `serial` (FSDP2; DDP where its whole step was measured, `sync.measured_sync_step`) rather
     # than buckets overlapping backward (`rate`, `tail`). Empty: as `fsdp`.
@@ -130,6 +134,7 @@ def coefficients(problem: Problem, options: EstimateOptions | None = None) -> Co
                        w_elem + (w_elem if held_copy else 0) + g * (1 + 1 / max(1, shard)),
                        3.0 if problem.micro_batches > 1 and problem.shape.pp == 1 else 2.0, serial_sync=serial_sync)
     out.edge_saved = _edge_saved(problem)
+    out.edge_root, out.edge_root_core = _edge_root(problem)
     out.recompute_copy = tuple(0.0 if fsdp[z] or z >= 3 else float(held_copy) for z in ZERO_STAGES)
     problem._coefficients = out  # type: ignore[attr-defined]
     return out
@@ -207,6 +212,44 @@ def _edge_saved(problem: Problem) -> list[list[list[float]]]:
         out.append([[problem.pricer.local_bytes(e.value, e.cons_required[b]) if later and e.regather[a][b] else 0.0
                      for b in range(len(e.cons_required))] for a in range(len(e.prod_info))])
     return out
+
+
+def _edge_root(problem: Problem) -> tuple[list[list[list[float]]], list[bool]]:
+    """Per edge and (produced, required) class pair, what a value saved by the consumer costs at
+    the layout its producer makes it in less what the consumer's candidate row counts (the view it
+    reads, at the required layout); per edge whether the entry is dropped under selective
+    recomputation. `evaluate` counts a storage made by another group at its producer's layout
+    (`evaluate._merge`): sequence parallelism's norm output is saved as the sequence shard that
+    `gather_linears` keeps, while the column-parallel reader's row counts the gathered view (4x at
+    tp=4). Only on the first edge carrying the value into the group whose row counts it (the
+    first of its section to save it, `_candidate_rows`); zero elsewhere."""
+    first_saver: dict[tuple[str, object], int] = {}
+    for i, var in enumerate(problem.groups):
+        for cost in var.costs:
+            for key in cost.terms.saved_entries:
+                first_saver.setdefault((var.section, key), i)
+    out: list[list[list[float]]] = []
+    core: list[bool] = []
+    done: set[tuple[int, Value]] = set()
+    for e in problem.edges:
+        rows = [[0.0] * len(e.cons_required) for _ in e.prod_info]
+        flag = False
+        var = problem.groups[e.consumer]
+        section = EDGE_SECTION[e.kind][0]
+        if (var.section == section and first_saver.get((section, e.value)) == e.consumer
+                and problem.owner.get(e.value) == (e.producer, e.out_index) and (e.consumer, e.value) not in done):
+            done.add((e.consumer, e.value))
+            for b in range(len(e.cons_required)):
+                terms = var.costs[e.cons_class.index(b)].terms
+                entry = terms.saved_entries.get(e.value)
+                if entry is None or e.value not in terms.roots:
+                    continue
+                flag = flag or entry[1]
+                for a, info in enumerate(e.prod_info):
+                    rows[a][b] = problem.pricer.local_bytes(e.value, info[0]) - entry[0]
+        out.append(rows)
+        core.append(flag)
+    return out, core
 
 
 def _sends(problem: Problem) -> tuple[list[list[float]], list[list[float]]]:

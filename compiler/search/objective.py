@@ -37,7 +37,8 @@ and exact first/last-block boundaries; the ZeRO-3 gather and the sync are affine
 Edges that share a gradient cost the largest of their gradient redistributions (exact when
 one consumer's contribution dominates, as Partial does). A block's saved activations include,
 per edge, the gathered copy a later consumer of the same value saves (`_edge_saved`), as
-`compose` counts one per consumer.
+`compose` counts one per consumer, and a value one group makes and another saves counts at the
+layout it is made in (`_edge_root`), as `evaluate` does.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def section_sums(problem: Problem, choice: tuple[int, ...]) -> dict[str, dict[st
         acc[fsec]["saved"] += co.edge_saved[i][a][b]
         if e.core:
             acc[fsec]["saved_core"] += co.edge_saved[i][a][b]
+        acc[fsec]["saved"] += co.edge_root[i][a][b]  # the value at its producer's layout (`_edge_root`)
+        if co.edge_root_core[i]:
+            acc[fsec]["saved_core"] += co.edge_root[i][a][b]
         acc[fsec]["fwd"] += e.fwd_s(a, b)
         if e.core:
             acc[fsec]["core"] += e.fwd_s(a, b)

@@ -172,6 +172,12 @@ def edges(M: Model, classes: list[int]) -> tuple[dict[str, dict[str, list]], dic
                 sec[where]["saved_top"].append(top_m)
                 if e.core:
                     sec[where]["saved_core"].append(saved)
+            if any(M.m(v) for row in co.edge_root[i] for v in row):  # at the producer's layout (`linear._edge_root`)
+                root = _sum(co.edge_root[i], yy, M.m)
+                sec[where]["saved"].append(root)
+                sec[where]["saved_top"].append(max(0, max(M.m(v) for row in co.edge_root[i] for v in row)))
+                if co.edge_root_core[i]:
+                    sec[where]["saved_core"].append(root)
         if e.kind == "chain":
             for s in cuts:
                 y[(i, f"b{s}")] = M.pairs(i, classes[s - 1], classes[s], f"b{s}")

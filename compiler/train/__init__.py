@@ -113,14 +113,19 @@ def default_loss(graph: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | 
     if out.is_float and out.rank >= 2 and not first.is_float and tuple(first.shape) == tuple(out.shape[:-1]):
         def next_token(output: Any, target: Any) -> Any:
             logits = output[0] if isinstance(output, tuple) else output
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+            return F.cross_entropy(_at_least_fp32(logits.reshape(-1, logits.shape[-1])), target.reshape(-1))
 
         return next_token, lambda batch: batch[0].roll(-1, dims=-1)
 
     def mean_square(output: Any, target: Any) -> Any:
-        return (output[0] if isinstance(output, tuple) else output).float().square().mean()
+        return _at_least_fp32(output[0] if isinstance(output, tuple) else output).square().mean()
 
     return mean_square, lambda batch: torch.zeros(batch[0].shape[0])
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32 for the loss when lower (bf16, fp16), as it is when fp32 or fp64 (an fp64 reference run)."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def parallelized(compiled: CompiledPlan, model: torch.nn.Module, device: torch.device) -> Trainee:
