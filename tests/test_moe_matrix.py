@@ -1,0 +1,237 @@
+"""Issue 15's numerics matrix: mixtral, qwen3_moe and deepseek_v3 under ep=2 (2 processes), ep x dp,
+ep x tp and ep x pp (4 processes), through `shardc run` and through `shardc.compile` in a user's
+own loop, against one process at 1e-5 (fp32); and ep under the other pipeline schedules and with
+context parallelism.
+
+Two paths, two launches each (2 and 4 processes), every plan of a path and size in one launch:
+- the user's loop (`shardc.compile(model, inputs, plan=...)`, `plan.parallelize(model)`, AdamW;
+  `module(*batch)` then `loss.backward()`, or `module.step(*batch)` when the plan pipelines),
+  losses and every weight after 3 steps against the model trained by transformers itself in one
+  process (`test_backend_numerics.check`: the model with its next-token loss, AdamW eps 1e-4);
+- `shardc run` (`shardc.run.launch_all`, what `shardc run MODEL --nproc N --plan P` launches:
+  torchrun workers training in `shardc.train`'s loop), its losses against transformers' model in
+  one process on the same synthetic data (`test_moe.transformers_losses`).
+`test_the_matrix_is_complete` reads every MoE test's plans (here and in `test_moe.py`,
+`test_moe_compose.py`) and fails when a model, composition and path issue 15 names has none.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_backend_numerics import EPS, LR, batches, build, check
+from test_moe import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, transformers_losses
+
+from shardc.backends.torch.launch import spawn
+
+TESTS = Path(__file__).resolve().parent
+MODELS = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+
+
+def layers(spec: str, n: int, batch: int | None = None) -> str:
+    """`spec` with `n` decoder layers (deepseek_v3: the first stays dense), and `batch` sequences."""
+    out = spec.replace("num_hidden_layers=1&", f"num_hidden_layers={n}&").replace(
+        "num_hidden_layers=2&", f"num_hidden_layers={n}&")
+    return out.replace("batch=4", f"batch={batch}") if batch else out
+
+
+# ---- the user's own loop ----------------------------------------------------------------------
+
+# ep=2 alone: mixtral and qwen3_moe train in `test_moe.test_expert_parallel_training_...`.
+LOOP_TWO = [(DEEPSEEK_V3, "ep=2,mb=4")]
+LOOP_FOUR = [
+    (DEEPSEEK_V3, "ep=2,tp=2,mb=4"),                        # MLA heads, dense first layer and shared experts on tp
+    (QWEN3_MOE, "dp=2,ep=2,mb=2"),
+    (layers(QWEN3_MOE, 2), "ep=2,pp=2,mb=2"),               # 1F1B
+    (DEEPSEEK_V3, "ep=2,pp=2,mb=2"),                        # the dense layer on stage 0, the MoE layer on stage 1
+    (MIXTRAL, "dp=2,ep=2,zero=2,recompute=selective,mb=2"),
+    # ep with the other schedules and with context parallelism (`test_moe_offers`)
+    (layers(MIXTRAL, 4), "ep=2,pp=2,vpp=2,mb=2"),           # interleaved 1F1B
+    (layers(MIXTRAL, 4), "ep=2,pp=2,vpp=2,schedule=interleaved-zb,mb=2"),
+    (layers(MIXTRAL, 4, batch=8), "ep=2,pp=2,vpp=2,schedule=dualpipev,mb=2"),  # 4 micro-batches: 2*pp
+    (MIXTRAL, "ep=2,cp=2,mb=4"),
+]
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[str, Any]]) -> list[tuple[list[float], dict] | str]:
+    """On every rank, each compiled plan in a user's loop: `module(*batch)` and `loss.backward()`,
+    or `module.step(*batch)` (forward and backward over the schedule) when the plan pipelines;
+    AdamW as `test_backend_numerics`. A case that fails returns its error's message."""
+    import torch.distributed as dist
+
+    torch.use_deterministic_algorithms(True)
+    out: list[tuple[list[float], dict] | str] = []
+    for spec, compiled in cases:
+        model, inputs, _ = build(spec)
+        try:
+            module = compiled.parallelize(model)
+            pipelined = compiled.plan.pp > 1
+            opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+            losses = []
+            for batch in batches(inputs):
+                if pipelined:
+                    loss = module.step(*batch)
+                else:
+                    loss = module(*batch)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                value = loss.detach().clone()
+                dist.all_reduce(value)  # every rank's loss is its share's mean (pipeline ranks: the whole)
+                losses.append(float(value) / world)
+            full = compiled.full_state_dict(module)
+        except Exception as err:  # noqa: BLE001 - reported per case, the others still run
+            out.append(f"{type(err).__name__}: {err}")
+            continue
+        out.append((losses, {k: v.clone() for k, v in full.items()} if rank == 0 else {}))
+    return out
+
+
+def loop_and_check(world: int, cases: list[tuple[str, str]]) -> list[str]:
+    """Compile every case (fp32), train all in one launch of `world` processes, compare each with
+    one process; the failures, each naming its case."""
+    import shardc
+
+    compiled = []
+    for spec, plan in cases:
+        model, inputs, names = build(spec)
+        compiled.append((spec, shardc.compile(model, inputs, plan=f"{plan},dtype=fp32", input_names=names)))
+    results = spawn(train_cases, world, compiled, timeout_s=600)
+    failures = []
+    for (spec, plan), result in zip(cases, results[0]):
+        if isinstance(result, str):
+            failures.append(f"{spec} {plan}: {result}")
+            continue
+        try:
+            check(spec, plan, *result)
+        except AssertionError as err:
+            failures.append(str(err).splitlines()[0])
+    return failures
+
+
+def test_deepseek_expert_parallel_in_a_users_loop_matches_one_process_on_2_processes() -> None:
+    assert loop_and_check(2, LOOP_TWO) == []
+
+
+def test_expert_parallel_compositions_in_a_users_loop_match_one_process_on_4_processes() -> None:
+    """ep x tp, ep x dp and ep x pp for the models `test_moe` and `test_moe_compose` do not run so."""
+    assert loop_and_check(4, LOOP_FOUR) == []
+
+
+# ---- shardc run -------------------------------------------------------------------------------
+
+RUN_STEPS, RUN_SEED = 3, 3
+RUN_TWO = [(MIXTRAL, "ep=2,mb=4"), (QWEN3_MOE, "ep=2,mb=4"), (DEEPSEEK_V3, "ep=2,mb=4")]
+RUN_FOUR = [(MIXTRAL, "dp=2,ep=2,mb=2"), (QWEN3_MOE, "ep=2,tp=2,mb=4"), (DEEPSEEK_V3, "ep=2,pp=2,mb=2")]
+
+
+def run_and_compare(nproc: int, cases: list[tuple[str, str]]) -> list[str]:
+    """Every case through `shardc run`'s launcher in one torchrun (fp32); each case's losses
+    against transformers' model in one process on the same data: the failures."""
+    from shardc.run import launch_all, resolve_plan
+
+    runs = [(spec, resolve_plan(f"{plan},dtype=fp32", nproc)) for spec, plan in cases]
+    reports = launch_all(runs, nproc=nproc, steps=RUN_STEPS, seed=RUN_SEED, timeout_s=600)
+    failures = []
+    for (spec, plan), per_rank in zip(cases, reports):
+        got, want = per_rank[0]["losses"], transformers_losses(spec, RUN_STEPS, RUN_SEED)
+        if got != pytest.approx(want, rel=1e-5):
+            failures.append(f"{spec} {plan}: losses {got} vs one process {want}")
+    return failures
+
+
+def test_shardc_run_trains_every_model_expert_parallel_like_one_process_on_2_processes() -> None:
+    assert run_and_compare(2, RUN_TWO) == []
+
+
+def test_shardc_run_trains_ep_with_dp_tp_and_pp_like_one_process_on_4_processes() -> None:
+    assert run_and_compare(4, RUN_FOUR) == []
+
+
+# ---- the matrix -------------------------------------------------------------------------------
+
+COMPOSITIONS = ("ep", "ep x dp", "ep x tp", "ep x pp")
+# The harness calls that make a test function's plans train by each path.
+PATHS = {"shardc run": ("run_and_compare", "launch_all"),
+         "shardc.compile": ("loop_and_check", "run_and_check", "run_pipelines")}
+FILES = ("test_moe.py", "test_moe_compose.py", "test_moe_matrix.py")
+
+
+def composition(plan: str) -> str | None:
+    """The matrix column of an expert-parallel plan (None: no ep, or not one of the four)."""
+    keys = dict(kv.split("=", 1) for kv in plan.split(",") if "=" in kv)
+    if int(keys.get("ep", "1")) <= 1:
+        return None
+    others = [k for k in ("dp", "tp", "pp") if int(keys.get(k, "1")) > 1]
+    if int(keys.get("cp", "1")) > 1 or len(others) > 1:
+        return None
+    return f"ep x {others[0]}" if others else "ep"
+
+
+def _strings(tree: ast.AST, module: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (spec, plan) pairs a test function trains: tuples of two evaluable strings (an `hf:`
+    spec and a plan) in its body and in the module lists it names, each once."""
+    out: list[tuple[str, str]] = []
+    for node in ast.walk(tree):
+        items: list[Any] = []
+        if isinstance(node, ast.Name) and isinstance(module.get(node.id), list):
+            items = module[node.id]
+        elif isinstance(node, ast.Tuple):
+            try:
+                items = [eval(compile(ast.Expression(node), "<case>", "eval"), module)]  # noqa: S307
+            except Exception:  # noqa: BLE001 - names local to the test, not a case
+                continue
+        for item in items:
+            if isinstance(item, tuple) and len(item) >= 2 and all(isinstance(x, str) for x in item[:2]) \
+                    and item[0].startswith("hf:") and (item[0], item[1]) not in out:
+                out.append((item[0], item[1]))
+    return out
+
+
+def cases_by_test() -> dict[str, list[tuple[str, str]]]:
+    """`file::function` -> the (spec, plan) cases it trains, for every test function of `FILES`
+    that trains multi-process (calls a harness of `PATHS`)."""
+    return {test: cases for test, (_, cases) in _scanned().items()}
+
+
+def _scanned() -> dict[str, tuple[list[str], list[tuple[str, str]]]]:
+    """`file::function` -> (the paths it trains by, its (spec, plan) cases)."""
+    import importlib
+
+    out = {}
+    for file in FILES:
+        module = vars(importlib.import_module(file.removesuffix(".py")))
+        for function in ast.parse((TESTS / file).read_text()).body:
+            if not (isinstance(function, ast.FunctionDef) and function.name.startswith("test")):
+                continue
+            text = ast.unparse(function)
+            paths = [p for p, calls in PATHS.items() if any(f"{c}(" in text for c in calls)]
+            if paths:
+                out[f"{file}::{function.name}"] = (paths, _strings(function, module))
+    return out
+
+
+def covered() -> dict[tuple[str, str, str], list[str]]:
+    """(model, composition, path) -> the tests that train it multi-process."""
+    out: dict[tuple[str, str, str], list[str]] = {}
+    for test, (paths, cases) in _scanned().items():
+        for spec, plan in cases:
+            model = next((m for m, s in MODELS.items() if spec.split("?")[0] == s.split("?")[0]), None)
+            column = composition(plan)
+            for path in paths if model and column else []:
+                out.setdefault((model, column, path), []).append(test)
+    return out
+
+
+def test_the_matrix_is_complete() -> None:
+    """Every model under every composition through one path at least; every composition through
+    both paths (one model at least); ep=2 alone for all three models through both."""
+    have = covered()
+    missing = [f"{m} {c}" for m in MODELS for c in COMPOSITIONS if not any((m, c, p) in have for p in PATHS)]
+    missing += [f"{c} through {p}" for c in COMPOSITIONS for p in PATHS if not any((m, c, p) in have for m in MODELS)]
+    missing += [f"{m} ep through {p}" for m in MODELS for p in PATHS if (m, "ep", p) not in have]
+    assert missing == [], f"issue 15's matrix lacks: {missing}"
