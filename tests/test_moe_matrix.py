@@ -19,6 +19,7 @@ Two paths, every plan of a path and process count in one launch (ep=2 alone in t
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,32 @@ def layers(spec: str, n: int, batch: int | None = None) -> str:
 
 # ---- the user's own loop ----------------------------------------------------------------------
 
+def experts_split(*forms: str) -> Callable[[Any], None]:
+    """A `before_lower` edit: the model's `experts` ops, in order, partitioned as `forms` say
+    (`"ep:t,tp:i"`: mesh axis -> iteration dim, `shardc.ops.moe`): the partitions the solver may
+    choose beside the one apply-plan writes (`test_moe_offers`); the expert weights held as the
+    new partition reads them, the output's partial sum (tp:i) all-reduced where it is made."""
+
+    def edit(graph: Any) -> None:
+        from shardc.analysis.propagate import io_layouts
+        from shardc.ir import Layout, Partial, Partition
+
+        experts = [n for n in graph.nodes if n.op == "experts"]
+        assert len(experts) == len(forms), f"{len(experts)} experts ops for the forms {forms}"
+        for node, form in zip(experts, forms):
+            spatial = tuple(tuple(pair.split(":")) for pair in form.split(","))
+            strides = tuple((a, k) for a, k in node.partition.strides if (a, "i") in spatial)  # gate/up rows
+            node.partition = Partition(spatial, (), strides)  # type: ignore[arg-type]
+            for weight in node.inputs[3:]:
+                weight.layout = None
+            made = io_layouts(node, graph.mesh)[1][0]
+            node.outputs[0].layout = Layout(tuple((a, p) for a, p in made.placements if not isinstance(p, Partial)))
+
+    edit.__name__ = f"experts_split{forms}"
+    edit.forms = forms  # type: ignore[attr-defined]  # read by `test_moe_offers`
+    return edit
+
+
 # ep=2 alone (2 processes) trains in `test_moe.test_expert_parallel_training_...`. Every 4-process
 # plan of the MoE tests, in one launch: each model under ep x dp, ep x tp and ep x pp (mixtral's and
 # deepseek_v3's other compositions go through `shardc run` below), the ZeRO stages and recomputations
@@ -58,6 +85,10 @@ LOOP_FOUR = [
     (layers(MIXTRAL, 4), "ep=2,pp=2,vpp=2,schedule=interleaved-zb,mb=2"),
     (layers(MIXTRAL, 4, batch=8), "ep=2,pp=2,vpp=2,schedule=dualpipev,mb=2"),  # 4 micro-batches: 2*pp
     (MIXTRAL, "ep=2,cp=2,mb=4"),                            # the sequence over cp, the experts' tokens with it
+    # the solver's other partitions of the experts (`test_moe_offers`): tokens over ep or tp
+    (layers(MIXTRAL, 2), "ep=2,tp=2,mb=4", experts_split("ep:t,tp:i", "ep:e,tp:t")),
+    (MIXTRAL, "ep=2,tp=2,mb=4", experts_split("ep:t,tp:t")),
+    (layers(MIXTRAL, 2), "dp=2,ep=2,mb=2", experts_split("dp:t,ep:t", "dp:t,ep:e")),
 ]
 
 
@@ -95,18 +126,20 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, Any]]) -> list[tup
     return out
 
 
-def loop_and_check(world: int, cases: list[tuple[str, str]]) -> list[str]:
-    """Compile every case (fp32), train all in one launch of `world` processes, compare each with
-    one process; the failures, each naming its case."""
+def loop_and_check(world: int, cases: list[tuple[Any, ...]]) -> list[str]:
+    """Compile every (spec, plan[, before_lower edit]) case (fp32), train all in one launch of
+    `world` processes, compare each with one process; the failures, each naming its case."""
     import shardc
 
     compiled = []
-    for spec, plan in cases:
+    for spec, plan, *edit in cases:
         model, inputs, names = build(spec)
-        compiled.append((spec, shardc.compile(model, inputs, plan=f"{plan},dtype=fp32", input_names=names)))
+        compiled.append((spec, shardc.compile(model, inputs, plan=f"{plan},dtype=fp32", input_names=names,
+                                              before_lower=edit[0] if edit else None)))
     results = spawn(train_cases, world, compiled, timeout_s=600)
     failures = []
-    for (spec, plan), result in zip(cases, results[0]):
+    for (spec, plan, *edit), result in zip(cases, results[0]):
+        plan += f" +{edit[0].__name__}" if edit else ""
         if isinstance(result, str):
             failures.append(f"{spec} {plan}: {result}")
             continue
@@ -172,10 +205,15 @@ def composition(plan: str) -> str | None:
     return f"ep x {others[0]}" if others else "ep"
 
 
-def _strings(tree: ast.AST, module: dict[str, Any]) -> list[tuple[str, str]]:
-    """The (spec, plan) pairs a test function trains: tuples of two evaluable strings (an `hf:`
-    spec and a plan) in its body and in the module lists it names, each once."""
-    out: list[tuple[str, str]] = []
+# A trained case as the coverage tests read it: spec, plan, and the experts' forms its edit writes.
+Case = tuple[str, str, tuple[str, ...] | None]
+
+
+def _strings(tree: ast.AST, module: dict[str, Any]) -> list[Case]:
+    """The cases a test function trains: tuples of two evaluable strings (an `hf:` spec and a
+    plan, then maybe an `experts_split` edit) in its body and in the module lists it names, each
+    once; and the spec and plan of a `main(["run", ...])` command line."""
+    out: list[Case] = []
     for node in ast.walk(tree):
         items: list[Any] = []
         if isinstance(node, ast.Name) and isinstance(module.get(node.id), list):
@@ -186,11 +224,12 @@ def _strings(tree: ast.AST, module: dict[str, Any]) -> list[tuple[str, str]]:
                 and isinstance(node.args[0], ast.List):  # the command line: main(["run", SPEC, ..., "--plan", PLAN])
             words = [_evaluated(e, module) for e in node.args[0].elts]
             if words[:1] == ["run"] and "--plan" in words:
-                items = [(words[1], words[words.index("--plan") + 1])]
+                items = [(words[1], words[words.index("--plan") + 1])]  # type: ignore[list-item]
         for item in items:
             if isinstance(item, tuple) and len(item) >= 2 and all(isinstance(x, str) for x in item[:2]) \
-                    and item[0].startswith("hf:") and (item[0], item[1]) not in out:
-                out.append((item[0], item[1]))
+                    and item[0].startswith("hf:"):
+                case = (item[0], item[1], getattr(item[2], "forms", None) if len(item) > 2 else None)
+                out += [case] if case not in out else []
     return out
 
 
@@ -202,13 +241,13 @@ def _evaluated(node: ast.expr, module: dict[str, Any]) -> Any:
         return None
 
 
-def cases_by_test() -> dict[str, list[tuple[str, str]]]:
+def cases_by_test() -> dict[str, list[Case]]:
     """`file::function` -> the (spec, plan) cases it trains, for every test function of `FILES`
     that trains multi-process (calls a harness of `PATHS`)."""
     return {test: cases for test, (_, cases) in _scanned().items()}
 
 
-def _scanned() -> dict[str, tuple[list[str], list[tuple[str, str]]]]:
+def _scanned() -> dict[str, tuple[list[str], list[Case]]]:
     """`file::function` -> (the paths it trains by, its (spec, plan) cases)."""
     import importlib
 
@@ -229,7 +268,7 @@ def covered() -> dict[tuple[str, str, str], list[str]]:
     """(model, composition, path) -> the tests that train it multi-process."""
     out: dict[tuple[str, str, str], list[str]] = {}
     for test, (paths, cases) in _scanned().items():
-        for spec, plan in cases:
+        for spec, plan, _ in cases:
             model = next((m for m, s in MODELS.items() if spec.split("?")[0] == s.split("?")[0]), None)
             column = composition(plan)
             for path in paths if model and column else []:

@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Any
+
 import pytest
 from test_moe import MIXTRAL
 from test_moe_matrix import FILES, cases_by_test
@@ -36,7 +39,8 @@ COMBINATIONS = {
     "ep x pp under interleaved-zb": "ep=2,pp=2,vpp=2,schedule=interleaved-zb",
     "ep x pp under dualpipev": "ep=2,pp=2,vpp=2,schedule=dualpipev",
 }
-# name -> the message a plan with it is refused with (none today: every combination trains)
+# name -> the message a plan with it is refused with: none today, every combination trains. (The
+# search offers no tp x tq grid with ep, `mesh_shapes`: a grid is no plan key, only a plan file's.)
 REFUSED: dict[str, str] = {}
 DEGREES = ("dp", "tp", "pp", "vpp", "cp", "ep")
 
@@ -66,7 +70,7 @@ def offered(plan: str) -> bool:
 
 def _trained_with_ep() -> list[tuple[str, dict[str, str]]]:
     """(test, plan keys) of every expert-parallel plan the MoE tests train multi-process."""
-    return [(test, _keys(plan)) for test, cases in cases_by_test().items() for _, plan in cases
+    return [(test, _keys(plan)) for test, cases in cases_by_test().items() for _, plan, _ in cases
             if ParallelPlan.parse(plan).ep > 1]
 
 
@@ -78,7 +82,7 @@ def test_every_combination_of_ep_trains_and_is_offered_or_is_refused_and_never_o
     trained = _trained_with_ep()
     failures = []
     for name, plan in COMBINATIONS.items():
-        want = {k: v for k, v in _keys(plan).items() if k in plan or k in DEGREES}
+        want = {k: v for k, v in _keys(plan).items() if k in (*DEGREES, "schedule")}
         if name in REFUSED:
             with pytest.raises(ShardcError, match=REFUSED[name]):
                 ParallelPlan.parse(plan)
@@ -129,20 +133,85 @@ def test_every_key_the_search_sets_beside_ep_is_trained_with_ep() -> None:
     assert missing == [], f"the search sets these beside ep>1, but no MoE numerics test trains them with ep: {missing}"
 
 
-def experts_partitions_offered() -> set[str]:
-    """The partitions (candidate labels) the search offers the `experts` op of a mixtral on
-    every 4-device intra-stage shape with ep > 1."""
+def _form(spatial: tuple[tuple[str, str], ...]) -> str:
+    """An experts partition as the coverage compares it: `axis:dim` pairs in mesh order, dp left
+    out (dp always splits the tokens: the data-parallel path every form shares)."""
+    return ",".join(f"{a}:{d}" for a, d in spatial if a != "dp")
+
+
+@cache
+def _mixtral() -> Any:
     from shardc.driver import load, solver_batch
+
+    return load(MIXTRAL.replace("batch=4", "batch=8"), batch=solver_batch(8))
+
+
+@cache
+def _traced_mixtral() -> Any:
+    """The mixtral traced on the meta device with 8 sequences, its layers grouped (as `traced`)."""
+    from shardc.frontend import trace
+    from shardc.frontend.spec import load_model
+    from shardc.passes.group_layers import group_layers
+
+    loaded = load_model(MIXTRAL.replace("batch=4", "batch=8"), device="meta")
+    return group_layers(trace(loaded.model, loaded.example_inputs, name=loaded.name, input_names=loaded.input_names))
+
+
+def experts_forms_offered() -> dict[str, str]:
+    """Form -> a shape the search offers it on: every partition of the `experts` op of a mixtral
+    the candidates hold on the intra-stage meshes (pp left out) of the 4-device shapes with ep >
+    1, a long sequence included (cp)."""
     from shardc.hardware import parse_cluster
     from shardc.search.problem import build_problem, graph_facts
 
-    spec = MIXTRAL.replace("batch=4", "batch=8")
     cluster = parse_cluster("4xH100")
-    facts = graph_facts(load(spec, batch=solver_batch(8)), cluster, "fp32")
-    out = set()
-    for shape in {MeshShape(1, s.dp, s.cp, s.tp, s.tq, ep=s.ep) for s in _searched_shapes(4, 1, 16) if s.ep > 1}:
+    facts = graph_facts(_mixtral(), cluster, "fp32")
+    shapes = {MeshShape(1, s.dp, s.cp, s.tp, s.tq, ep=s.ep) for seq in (16, LONG_SEQUENCE)
+              for s in _searched_shapes(4, 1, seq) if s.ep > 1}
+    out: dict[str, str] = {}
+    for shape in sorted(shapes, key=str):
         problem = build_problem(facts, cluster, shape, 2 * shape.ep, 8, "fp32")
         for var in problem.groups:
             if var.group.anchor.op == "experts":
-                out |= {str(c.partitions[0]) for c in var.cands}
+                for cand in var.cands:
+                    part = cand.partitions[0]
+                    assert part is not None and not part.temporal, f"{shape}: experts {part}: a temporal split"
+                    out.setdefault(_form(part.spatial), str(shape))
     return out
+
+
+def experts_forms_trained() -> dict[str, str]:
+    """Form -> a test that trains it multi-process: the form an `experts_split` edit writes, else
+    the one apply-plan gives the plan (written on a mixtral, its pipeline left out: the experts'
+    partition does not depend on it)."""
+    import dataclasses
+
+    from shardc.ir.parser import parse
+    from shardc.passes.apply_plan import apply_plan
+
+    out: dict[str, str] = {}
+    applied: dict[str, str] = {}
+    for test, cases in cases_by_test().items():
+        for _, plan, forms in cases:
+            parsed = ParallelPlan.parse(plan)
+            if parsed.ep <= 1:
+                continue
+            if forms is not None:
+                for form in forms:
+                    out.setdefault(_form(tuple(tuple(p.split(":")) for p in form.split(","))), test)  # type: ignore[arg-type]
+                continue
+            flat = dataclasses.replace(parsed, pp=1, vpp=1, schedule="1f1b", gbs=None, mb=8 // parsed.dp,
+                                       recompute_layers=None)
+            if str(flat) not in applied:
+                graph = apply_plan(parse(str(_traced_mixtral())), flat)
+                experts = next(n for n in graph.nodes if n.op == "experts")
+                applied[str(flat)] = _form(experts.partition.spatial)
+            out.setdefault(applied[str(flat)], test)
+    return out
+
+
+def test_every_experts_partition_the_search_offers_is_trained_with_ep() -> None:
+    trained = experts_forms_trained()
+    missing = [f"{form} (offered on {shape})" for form, shape in sorted(experts_forms_offered().items())
+               if form not in trained]
+    assert missing == [], f"experts partitions the search offers that no MoE numerics test trains: {missing}"
