@@ -3,13 +3,14 @@ intermediate dim, the dense layers under ordinary tp), ZeRO (FSDP2) and full rec
 
 Numerics as in `test_moe`: 3 AdamW steps of a small transformers MoE model on 2 or 4 gloo
 processes, losses and every weight against the model trained by transformers itself in one
-process, at 1e-5 (fp32). ep x pp trains in `test_moe.test_expert_parallel_pipelined_...`.
+process, at 1e-5 (fp32). The 4-process compositions (ep x tp with sp, dp x ep under ZeRO-1/2/3 with
+recomputation, ep x pp under every schedule) train in `test_moe_matrix`'s one 4-process launch.
 """
 
 from __future__ import annotations
 
 from test_backend_numerics import run_and_check
-from test_moe import MIXTRAL, QWEN3_MOE
+from test_moe import MIXTRAL
 
 
 def _experts_node(plan: str) -> object:
@@ -36,22 +37,3 @@ def test_expert_tensor_parallel_and_recomputed_expert_parallel_match_one_process
     """tp=2 alone (the experts' intermediate dim split, attention heads split, router column-parallel);
     ep=2 with every block recomputed in backward (the dispatch and combine all-to-alls run again)."""
     assert run_and_check(2, [(MIXTRAL, "tp=2,mb=4", ""), (MIXTRAL, "ep=2,recompute=full,mb=4", "")]) == []
-
-
-def test_expert_parallel_with_sp_zero_and_recompute_matches_one_process_on_4_processes() -> None:
-    """ep x tp with sequence parallelism (the experts' tokens all-gathered over tp, their partial
-    output reduce-scattered); dp x ep under ZeRO-1 and ZeRO-3 (FSDP2 over dp: the dense layers'
-    gradients summed over ep first, the experts' only over dp), ZeRO-3 with full recomputation."""
-    cases = [(QWEN3_MOE, "ep=2,tp=2,sp=1,mb=4", ""), (MIXTRAL, "dp=2,ep=2,zero=1,mb=2", ""),
-             (MIXTRAL, "dp=2,ep=2,zero=3,recompute=full,mb=2", "")]
-    assert run_and_check(4, cases) == []
-
-
-def test_expert_parallel_under_the_zero_bubble_v_schedule_matches_one_process_on_4_processes() -> None:
-    """ep x pp under torch's zbv (two virtual stages per rank, the backward split into input and
-    weight gradients: the all-to-alls' gradients run in the input pass): the one zero-bubble
-    schedule the solver offers with ep (`shardc.search.schedules`)."""
-    from test_pipeline_numerics import run_and_check as run_pipelines
-
-    run_pipelines(4, [(MIXTRAL.replace("num_hidden_layers=1", "num_hidden_layers=4"),
-                       "ep=2,pp=2,vpp=2,schedule=zbv,mb=2")])

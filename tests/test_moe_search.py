@@ -24,12 +24,15 @@ LIMIT_GB = 6 / 1024
 def test_mesh_shapes_offer_ep_only_for_models_with_experts() -> None:
     shapes = mesh_shapes(4, 4, 2, GBS, 16, experts=8)
     assert {s.ep for s in shapes} == {1, 2, 4} and all(s.devices == 4 for s in shapes)
-    assert all(s.vpp == 1 for s in shapes if s.ep > 1)  # pipelines with ep: 1F1B, and zbv among the schedules
     from shardc.search.schedules import schedule_shapes
 
-    zero_bubble = schedule_shapes(mesh_shapes(4, 4, 4, GBS, 16, experts=8), 4, 4)
-    assert {s.schedule for s in zero_bubble if s.ep > 1} == {"zbv"}
-    assert {s.schedule for s in zero_bubble if s.ep == 1} == {"zbv", "dualpipev", "interleaved-zb"}
+    # pipelines with ep: every schedule (`test_moe_offers` checks each trains), no tp x tq grid
+    four = mesh_shapes(4, 4, 4, GBS, 16, grid2d=True, experts=8)
+    assert {s.vpp for s in four if s.ep > 1 and s.pp > 1} == {1, 2}
+    eight = mesh_shapes(8, 8, 4, GBS, 16, grid2d=True, experts=8)
+    assert {s.ep for s in eight if s.tq > 1} == {1} and any(s.ep > 1 and s.tp == 4 for s in eight)
+    zero_bubble = schedule_shapes(four, 4, 4)
+    assert {s.schedule for s in zero_bubble if s.ep > 1} == {"zbv", "dualpipev", "interleaved-zb"}
     assert {s.ep for s in mesh_shapes(4, 4, 2, GBS, 16)} == {1}
     assert {s.ep for s in mesh_shapes(4, 4, 2, GBS, 16, experts=6)} == {1, 2}  # ep divides the experts
     assert micro_batch_sizes(GBS, 1, 1, 4) == [4, 8]  # ep splits each micro-batch: 1 or 2 sequences per rank

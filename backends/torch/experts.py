@@ -74,3 +74,16 @@ def expert_parallel(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
     back = _exchange(results, send_rows, recv_rows, group, grad=True)
     scale = weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add(0, token, (back * scale).to(x.dtype))
+
+
+def pipelined_target_rows(share: torch.Tensor, ranks: int, microbatches: int) -> torch.Tensor:
+    """A data rank's share of a pipeline's target (`PipelinedModule.step(..., target=)`), its rows
+    in the order of the last stage's outputs under expert parallelism over `ranks`: each ep rank
+    holds a contiguous 1/ranks of the share and torch's schedule cuts that into `microbatches`,
+    while the outputs (replicated over ep: the graph's outputs are gathered on model axes) hold,
+    for micro-batch j, every ep rank's j-th piece in rank order. Identity for `ranks` 1."""
+    if ranks == 1 or share.dim() == 0:
+        return share
+    per = share.shape[0] // (ranks * microbatches)
+    pieces = share.reshape(ranks, microbatches, per, *share.shape[1:]).transpose(0, 1)
+    return pieces.reshape(share.shape)

@@ -54,6 +54,7 @@ from torch import nn
 from shardc.analysis.stages import device_stages, stage_device
 from shardc.backends.torch.codegen import generate, local_piece, local_shape
 from shardc.backends.torch.collectives import MeshGroups
+from shardc.backends.torch.experts import pipelined_target_rows
 from shardc.backends.torch.gradsum import sum_gradients, summed_parameters
 from shardc.backends.torch.parallelize import (
     check_model,
@@ -203,6 +204,9 @@ class PipelinedModule(nn.Module):
             elif target is not None:
                 tgt = self._local(target, Layout(tuple((a, p) for a, p in (self.plan.first_inputs[0].layout
                                                                          or Layout()).placements if a == Axis.DP)))
+                mesh = self.graph.mesh
+                ep = mesh.axis_size(Axis.EP) if mesh is not None and Axis.EP in mesh.names else 1
+                tgt = pipelined_target_rows(tgt, ep, self.microbatches)  # the outputs' row order under ep
             else:
                 tgt = torch.zeros(self.microbatches, device=self.device)
             kwargs = {"target": tgt, "losses": losses}

@@ -18,8 +18,9 @@ Rules:
   each micro-batch, so its micro-batch sizes are ep times the above. Whether an `experts` op
   splits its experts over ep (dispatch and combine by all-to-all, priced by `shardc.cost.moe`)
   or its tokens (ep then a data axis for it too) is the candidates' choice, as any partition.
-  Pipelines with ep run 1F1B or zbv only (no interleaved, dualpipev or interleaved-zb
-  variants: the backend's expert-parallel numerics are tested under those two).
+  Pipelines with ep get every schedule (interleaved and the zero-bubble ones: their
+  expert-parallel numerics are tested, `tests/test_moe_matrix.py`); tp x tq grids do not
+  (`grid2d`: no expert-parallel numerics on a grid; `tests/test_moe_offers.py`).
 - Shapes that share a `pricing_key` (same cp, tp, micro-batch; dp > 1 or not) share one
   enumeration and pricing of their candidates. An MoE model prices at most as many keys as its
   time limit allows (`shardc.search.budget`: one sequence per ep rank first), the rest logged.
@@ -198,11 +199,10 @@ def mesh_shapes(devices: int, per_node: int, layers: int, gbs: int, seq: int, gr
                 if gbs % (dp * ep):
                     continue
                 out.append(MeshShape(pp, dp, cp, tp, ep=ep))
-                if ep == 1:
-                    out += [MeshShape(pp, dp, cp, tp, 1, v) for v in interleavings(layers, pp)]
+                out += [MeshShape(pp, dp, cp, tp, 1, v, ep=ep) for v in interleavings(layers, pp)]
                 q = math.isqrt(tp)
-                if grid2d and q > 1 and q * q == tp:  # tp as a q x q grid (tp x tq) for PrimePar's P(q x q)
-                    out.append(MeshShape(pp, dp, cp, q, q, ep=ep))
+                if grid2d and q > 1 and q * q == tp and ep == 1:  # tp as a q x q grid (tp x tq) for P(q x q)
+                    out.append(MeshShape(pp, dp, cp, q, q))
     if not out:
         raise ShardcError(
             f"no mesh shape pp x dp x cp x tp fits {devices} devices with {layers} blocks and global batch {gbs}: "

@@ -62,8 +62,6 @@ def schedule_shapes(shapes: list[MeshShape], layers: int, max_vpp: int) -> list[
             continue
         depths = sorted({*range(1, max_vpp + 1), *interleavings(layers, s.pp)})
         variants = [("zbv", 2), ("dualpipev", 2)] + [("interleaved-zb", v) for v in depths]
-        if s.ep > 1:  # expert parallelism's numerics are tested under zbv only (`tests/test_moe_compose.py`)
-            variants = [("zbv", 2)]
         out += [dataclasses.replace(s, vpp=v, schedule=name) for name, v in variants if s.pp * v <= layers]
     return out
 
