@@ -11,7 +11,11 @@ import json
 
 import pytest
 import torch
-from test_backend_numerics import build, run_and_check
+from shared_spawn import SharedRuns, spawn_jobs
+from test_backend_numerics import build, check_cases, compile_cases, run_and_check, run_cases
+from test_pipeline_numerics import check_cases as check_pipelines
+from test_pipeline_numerics import compile_cases as compile_pipelines
+from test_pipeline_numerics import step_cases
 
 _ATTN = "hidden_size=64&num_attention_heads=4&vocab_size=128&seq=16&batch=4"
 MIXTRAL = f"hf:mixtral?{_ATTN}&intermediate_size=128&num_hidden_layers=1&num_key_value_heads=2&num_local_experts=4"
@@ -49,17 +53,27 @@ def test_expert_parallel_training_matches_one_process_on_2_processes() -> None:
     assert run_and_check(2, [(MIXTRAL, "ep=2,mb=4", ""), (QWEN3_MOE, "ep=2,mb=4", "")]) == []
 
 
-def test_expert_parallel_with_data_and_tensor_parallel_matches_one_process_on_4_processes() -> None:
+FOUR_PROCESSES = [(DEEPSEEK_V3, "dp=2,ep=2,mb=2", ""), (MIXTRAL, "ep=2,tp=2,mb=4", "")]
+FOUR_PROCESSES_PIPELINED = [(MIXTRAL.replace("num_hidden_layers=1", "num_hidden_layers=2"), "ep=2,pp=2,mb=2")]
+
+
+@pytest.fixture(scope="module")
+def on_four_processes() -> SharedRuns:
+    """Both four-process tests' plans trained in one spawned group (`tests/shared_spawn.py`)."""
+    return spawn_jobs(4, [lambda: (run_cases, (compile_cases(FOUR_PROCESSES),)),
+                          lambda: (step_cases, (compile_pipelines(FOUR_PROCESSES_PIPELINED),))], timeout_s=600)
+
+
+def test_expert_parallel_with_data_and_tensor_parallel_matches_one_process_on_4_processes(
+        on_four_processes: SharedRuns) -> None:
     """ep inside dp (DeepSeek-V3: MLA attention, a dense first layer, shared experts) and ep x tp
     (the router's linear column-parallel, each expert's intermediate dim split over tp)."""
-    assert run_and_check(4, [(DEEPSEEK_V3, "dp=2,ep=2,mb=2", ""), (MIXTRAL, "ep=2,tp=2,mb=4", "")]) == []
+    assert check_cases(FOUR_PROCESSES, on_four_processes[0][0]) == []
 
 
-def test_expert_parallel_pipelined_matches_one_process_on_4_processes() -> None:
+def test_expert_parallel_pipelined_matches_one_process_on_4_processes(on_four_processes: SharedRuns) -> None:
     """ep x pp: two mixtral layers on two stages, each micro-batch split over ep (torch's 1F1B)."""
-    from test_pipeline_numerics import run_and_check as run_pipelines
-
-    run_pipelines(4, [(MIXTRAL.replace("num_hidden_layers=1", "num_hidden_layers=2"), "ep=2,pp=2,mb=2")])
+    check_pipelines(FOUR_PROCESSES_PIPELINED, on_four_processes[1][0])
 
 
 def test_shardc_run_trains_mixtral_expert_parallel_like_one_process(capsys: pytest.CaptureFixture[str]) -> None:

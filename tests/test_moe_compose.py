@@ -8,8 +8,13 @@ process, at 1e-5 (fp32). ep x pp trains in `test_moe.test_expert_parallel_pipeli
 
 from __future__ import annotations
 
-from test_backend_numerics import run_and_check
+import pytest
+from shared_spawn import SharedRuns, spawn_jobs
+from test_backend_numerics import check_cases, compile_cases, run_and_check, run_cases
 from test_moe import MIXTRAL, QWEN3_MOE
+from test_pipeline_numerics import check_cases as check_pipelines
+from test_pipeline_numerics import compile_cases as compile_pipelines
+from test_pipeline_numerics import step_cases
 
 
 def _experts_node(plan: str) -> object:
@@ -38,20 +43,30 @@ def test_expert_tensor_parallel_and_recomputed_expert_parallel_match_one_process
     assert run_and_check(2, [(MIXTRAL, "tp=2,mb=4", ""), (MIXTRAL, "ep=2,recompute=full,mb=4", "")]) == []
 
 
-def test_expert_parallel_with_sp_zero_and_recompute_matches_one_process_on_4_processes() -> None:
+FOUR_PROCESSES = [(QWEN3_MOE, "ep=2,tp=2,sp=1,mb=4", ""), (MIXTRAL, "dp=2,ep=2,zero=1,mb=2", ""),
+                  (MIXTRAL, "dp=2,ep=2,zero=3,recompute=full,mb=2", "")]
+FOUR_PROCESSES_PIPELINED = [(MIXTRAL.replace("num_hidden_layers=1", "num_hidden_layers=4"),
+                             "ep=2,pp=2,vpp=2,schedule=zbv,mb=2")]
+
+
+@pytest.fixture(scope="module")
+def on_four_processes() -> SharedRuns:
+    """Both four-process tests' plans trained in one spawned group (`tests/shared_spawn.py`)."""
+    return spawn_jobs(4, [lambda: (run_cases, (compile_cases(FOUR_PROCESSES),)),
+                          lambda: (step_cases, (compile_pipelines(FOUR_PROCESSES_PIPELINED),))], timeout_s=600)
+
+
+def test_expert_parallel_with_sp_zero_and_recompute_matches_one_process_on_4_processes(
+        on_four_processes: SharedRuns) -> None:
     """ep x tp with sequence parallelism (the experts' tokens all-gathered over tp, their partial
     output reduce-scattered); dp x ep under ZeRO-1 and ZeRO-3 (FSDP2 over dp: the dense layers'
     gradients summed over ep first, the experts' only over dp), ZeRO-3 with full recomputation."""
-    cases = [(QWEN3_MOE, "ep=2,tp=2,sp=1,mb=4", ""), (MIXTRAL, "dp=2,ep=2,zero=1,mb=2", ""),
-             (MIXTRAL, "dp=2,ep=2,zero=3,recompute=full,mb=2", "")]
-    assert run_and_check(4, cases) == []
+    assert check_cases(FOUR_PROCESSES, on_four_processes[0][0]) == []
 
 
-def test_expert_parallel_under_the_zero_bubble_v_schedule_matches_one_process_on_4_processes() -> None:
+def test_expert_parallel_under_the_zero_bubble_v_schedule_matches_one_process_on_4_processes(
+        on_four_processes: SharedRuns) -> None:
     """ep x pp under torch's zbv (two virtual stages per rank, the backward split into input and
     weight gradients: the all-to-alls' gradients run in the input pass): the one zero-bubble
     schedule the solver offers with ep (`shardc.search.schedules`)."""
-    from test_pipeline_numerics import run_and_check as run_pipelines
-
-    run_pipelines(4, [(MIXTRAL.replace("num_hidden_layers=1", "num_hidden_layers=4"),
-                       "ep=2,pp=2,vpp=2,schedule=zbv,mb=2")])
+    check_pipelines(FOUR_PROCESSES_PIPELINED, on_four_processes[1][0])

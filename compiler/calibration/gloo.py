@@ -57,6 +57,26 @@ def _init(rank: int, nprocs: int, workdir: str) -> None:
                             timeout=timedelta(seconds=120))
 
 
+def _leave() -> None:
+    """Leave the group so that no gloo thread outlives the interpreter. A gloo worker thread
+    drops its finished collective (and the tensors it holds) a moment after the caller's wait
+    returns; a tensor whose Python object was freed meanwhile is owned by that work, and freeing it
+    takes the GIL. Past the interpreter's finalization, taking the GIL ends the thread
+    (`pthread_exit`), whose unwinding through torch's noexcept destructors aborts the process:
+    "terminate called without an active exception", exit -6, seen on the rank that reached its
+    exit first (rank 1: rank 0 still writes the result). So: a barrier, then every group
+    destroyed and the objects that still hold them (DDP's reducer, FSDP2's mesh: reference
+    cycles) collected now, which runs each gloo group's destructor, joining its threads while the
+    interpreter is alive (c10d releases the GIL for it)."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     """One of `nprocs` processes measuring only `cfg["measure"]`: "wrapper_overhead"
     (`_wrapper_overhead`), "fsdp_overhead" (`wrapper_steps.fsdp_overhead`) or "sync_steps" (`wrapper_steps.sync_steps`); rank 0
@@ -71,8 +91,10 @@ def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> No
         result = measure()
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps({what: result}))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: a peer may be gone
+        raise
+    _leave()
 
 
 def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
@@ -109,8 +131,10 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["probe_s"] = probe.item() / nprocs
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: a peer may be gone
+        raise
+    _leave()
 
 
 def _scale_now(speed: Any) -> float:
