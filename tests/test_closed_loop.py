@@ -324,6 +324,18 @@ def reference(spec: str, graph: Graph, steps: int, seed: int) -> tuple[list[floa
     return losses[:steps], {k: v.detach() for k, v in model.named_parameters()}
 
 
+_PARTITIONED: dict[tuple[str, Path], Graph] = {}
+
+
+def partitioned(c: Case, path: Path) -> Graph:
+    """The case's plan file partitioning a fresh trace of its model (`driver.partition`, what
+    runs), once per module: both tests of a case read it, neither changes it."""
+    key = (c.spec, path)
+    if key not in _PARTITIONED:
+        _PARTITIONED[key] = driver.partition(c.spec, None, path)[0]
+    return _PARTITIONED[key]
+
+
 @pytest.mark.parametrize("c", [pytest.param(p.values[0], id=p.id) for p in CASES])  # type: ignore[attr-defined]
 def test_solver_plan_uses_its_features(c: Case, outcomes: dict[str, Outcome]) -> None:
     """Every case's plan uses its named features, marked or not: a strict xfail on a case's run
@@ -331,7 +343,7 @@ def test_solver_plan_uses_its_features(c: Case, outcomes: dict[str, Outcome]) ->
     got = outcomes[c.id]
     if not got.planned:
         raise got.error or AssertionError(f"{c.id}: no plan")
-    used = features(driver.partition(c.spec, None, got.path)[0])
+    used = features(partitioned(c, got.path))
     assert c.features <= used, f"{c.id}: plan {got.planned.get('plan')} uses {sorted(used)}, not {sorted(c.features - used)}"
 
 
@@ -342,7 +354,7 @@ def test_solver_plan_runs_from_its_file(c: Case, outcomes: dict[str, Outcome]) -
         raise got.error
     file = resolve_file(str(got.path), c.nproc)
     assert file is not None and file.plan.dtype == c.dtype
-    graph, _ = driver.partition(c.spec, None, got.path)  # the file on a fresh trace: what runs
+    graph = partitioned(c, got.path)  # the file on a fresh trace: what runs
     used = features(graph)
     assert c.features <= used, f"{c.id}: plan {file.plan} uses {sorted(used)}, not {sorted(c.features - used)}"
     assert got.est is not None, got.note
