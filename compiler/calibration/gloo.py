@@ -58,23 +58,26 @@ def _init(rank: int, nprocs: int, workdir: str) -> None:
 
 
 def _leave() -> None:
-    """Leave the group so that no gloo thread outlives the interpreter. A gloo worker thread
-    drops its finished collective (and the tensors it holds) a moment after the caller's wait
-    returns; a tensor whose Python object was freed meanwhile is owned by that work, and freeing it
-    takes the GIL. Past the interpreter's finalization, taking the GIL ends the thread
-    (`pthread_exit`), whose unwinding through torch's noexcept destructors aborts the process:
-    "terminate called without an active exception", exit -6, seen on the rank that reached its
-    exit first (rank 1: rank 0 still writes the result). So: a barrier, then every group
-    destroyed and the objects that still hold them (DDP's reducer, FSDP2's mesh: reference
-    cycles) collected now, which runs each gloo group's destructor, joining its threads while the
-    interpreter is alive (c10d releases the GIL for it)."""
-    import gc
+    """End this worker process once every rank is done, without the interpreter's finalization.
+    `destroy_process_group()` does not stop gloo's threads while anything holds a group, and
+    after FSDP2 something always does: DTensor's sharding cache keeps the specs of the sharded
+    parameters, their device mesh and its groups (world and sub-groups) alive. Those groups were
+    then torn down inside the interpreter's finalization, racing their own threads; there a
+    thread that takes the GIL is ended by `pthread_exit`, whose unwinding through noexcept C++
+    code aborts the process: the likely source of "terminate called without an active
+    exception", exit -6, seen after `sync_steps` on the rank that reached its exit first (not
+    reproduced at will). So: a barrier (every rank's collectives are over and rank 0's
+    result is written), the groups destroyed, then `os._exit(0)`, as multiprocessing's child
+    processes end."""
+    import sys
 
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
-    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:

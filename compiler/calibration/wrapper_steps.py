@@ -48,8 +48,7 @@ def sharded_optimizer(nprocs: int, budget: float, speed: Any = None) -> tuple[fl
 
 def _release() -> None:
     """Free the wrappers just measured now (DDP and FSDP2 modules sit in reference cycles), not
-    whenever the collector runs: not inside a later case's timing, and not at the process's exit,
-    where the gloo groups they hold would be torn down last (`gloo._leave`)."""
+    whenever the collector runs inside a later case's timing."""
     import gc
 
     gc.collect()
