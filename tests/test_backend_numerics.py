@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+from shared_spawn import SharedRuns, spawn_jobs
 
 from shardc.backends.torch.launch import spawn
 
@@ -214,18 +215,26 @@ def _head_chunks(graph: object) -> None:
 EDITS = {"": None, "chunks": _sequence_chunks, "rotate": _rotating_fc2, "head-chunks": _head_chunks}
 
 
-def run_and_check(world: int, cases: list[tuple[str, str, str]]) -> list[str]:
-    """Spawn `world` processes for all cases; check the training ones, return the error messages."""
-    compiled = [(spec, compile_case(spec, plan, edit), edit) for spec, plan, edit in cases]
-    results = spawn(run_cases, world, compiled, timeout_s=600)
+def compile_cases(cases: list[tuple[str, str, str]]) -> list[tuple[str, object, str]]:
+    """Every (spec, plan, edit) compiled, as `run_cases` takes them."""
+    return [(spec, compile_case(spec, plan, edit), edit) for spec, plan, edit in cases]
+
+
+def check_cases(cases: list[tuple[str, str, str]], results: list[tuple[list[float], dict] | str]) -> list[str]:
+    """Rank 0's `run_cases` results: the training ones checked, the error messages returned."""
     errors = []
-    for (spec, plan, edit), result in zip(cases, results[0]):
+    for (spec, plan, edit), result in zip(cases, results):
         if isinstance(result, str):
             errors.append(result)
             continue
         assert edit not in ("world", "shape"), f"{spec} {plan}: expected a {edit} error"
         check(spec, plan + (f" +{edit}" if edit else ""), *result, meta=edit == "meta")
     return errors
+
+
+def run_and_check(world: int, cases: list[tuple[str, str, str]]) -> list[str]:
+    """Spawn `world` processes for all cases; check the training ones, return the error messages."""
+    return check_cases(cases, spawn(run_cases, world, compile_cases(cases), timeout_s=600)[0])
 
 
 GPT_CASES = [
@@ -270,16 +279,31 @@ HF_CASES = [
 ]
 
 
-def test_gpt_plans_match_single_process() -> None:
-    assert run_and_check(4, GPT_CASES) == []
+@pytest.fixture(scope="module")
+def on_four_processes() -> SharedRuns:
+    """The four-process tests' cases trained in one spawned group (`tests/shared_spawn.py`)."""
+    return spawn_jobs(4, [lambda: (run_cases, (compile_cases(GPT_CASES),)),
+                          lambda: (run_cases, (compile_cases(LLAMA_CASES),))], timeout_s=600)
 
 
-def test_llama_and_transformers_gpt2_four_process_plans_match_single_process() -> None:
-    assert run_and_check(4, LLAMA_CASES) == []
+@pytest.fixture(scope="module")
+def on_two_processes() -> SharedRuns:
+    """The two-process tests' cases trained in one spawned group."""
+    return spawn_jobs(2, [lambda: (run_cases, (compile_cases(HF_CASES),)),
+                          lambda: (run_cases, (compile_cases(MIXED_CASES),))], timeout_s=600)
 
 
-def test_transformers_gpt2_plans_match_single_process_and_bad_inputs_fail_clearly() -> None:
-    world, shape = run_and_check(2, HF_CASES)
+def test_gpt_plans_match_single_process(on_four_processes: SharedRuns) -> None:
+    assert check_cases(GPT_CASES, on_four_processes[0][0]) == []
+
+
+def test_llama_and_transformers_gpt2_four_process_plans_match_single_process(on_four_processes: SharedRuns) -> None:
+    assert check_cases(LLAMA_CASES, on_four_processes[1][0]) == []
+
+
+def test_transformers_gpt2_plans_match_single_process_and_bad_inputs_fail_clearly(
+        on_two_processes: SharedRuns) -> None:
+    world, shape = check_cases(HF_CASES, on_two_processes[0][0])
     assert "the world has 2 processes but the plan's mesh<pp=1, dp=4, cp=1, tp=1> needs 4" in world
     assert "input input_ids has shape (4, 8), but the plan was compiled for (4, 16)" in shape
 
@@ -309,9 +333,10 @@ def embedding_into_mlp(batch: int = 4, seq: int = 16) -> tuple[torch.nn.Module, 
 
 
 MIXED = "tests/test_backend_numerics.py:embedding_into_mlp"
+MIXED_CASES = [(MIXED, "tp=2", "")]
 
 
-def test_a_value_read_split_and_whole_reduces_only_the_split_readers_gradient() -> None:
+def test_a_value_read_split_and_whole_reduces_only_the_split_readers_gradient(on_two_processes: SharedRuns) -> None:
     # One all_reduce forward serves both readers; the backward all_reduce (`grad_all_reduce`) sits
     # only in front of the column-parallel fc1: summing the residual's replicated gradient too
     # counted it twice (wte.weight off by up to 3e-3 on two processes).
@@ -329,4 +354,4 @@ def test_a_value_read_split_and_whole_reduces_only_the_split_readers_gradient() 
     assert readers(embedded) == ["all_reduce"]
     # the residual reads the reduced value whole, fc1 through the marker (backward all_reduce)
     assert readers(f"{embedded}.all_reduce") == ["add", "grad_all_reduce"]
-    assert run_and_check(2, [(MIXED, "tp=2", "")]) == []
+    assert check_cases(MIXED_CASES, on_two_processes[1][0]) == []

@@ -358,6 +358,18 @@ def reference(spec: str, graph: Graph, steps: int, seed: int,
     return losses[:steps], {k: v.detach() for k, v in model.named_parameters()}
 
 
+_PARTITIONED: dict[tuple[str, Path], Graph] = {}
+
+
+def partitioned(c: Case, path: Path) -> Graph:
+    """The case's plan file partitioning a fresh trace of its model (`driver.partition`, what
+    runs), once per module: both tests of a case read it, neither changes it."""
+    key = (c.spec, path)
+    if key not in _PARTITIONED:
+        _PARTITIONED[key] = driver.partition(c.spec, None, path)[0]
+    return _PARTITIONED[key]
+
+
 @pytest.mark.parametrize("c", [pytest.param(p.values[0], id=p.id) for p in CASES])  # type: ignore[attr-defined]
 def test_solver_plan_uses_its_features(c: Case, outcomes: dict[str, Outcome]) -> None:
     """Every case's plan uses its named features, marked or not: a strict xfail on a case's run
@@ -365,7 +377,7 @@ def test_solver_plan_uses_its_features(c: Case, outcomes: dict[str, Outcome]) ->
     got = outcomes[c.id]
     if not got.planned:
         raise got.error or AssertionError(f"{c.id}: no plan")
-    used = features(driver.partition(c.spec, None, got.path)[0])
+    used = features(partitioned(c, got.path))
     assert c.features <= used, f"{c.id}: plan {got.planned.get('plan')} uses {sorted(used)}, not {sorted(c.features - used)}"
 
 
@@ -376,7 +388,7 @@ def test_solver_plan_runs_from_its_file(c: Case, outcomes: dict[str, Outcome]) -
         raise got.error
     file = resolve_file(str(got.path), c.nproc)
     assert file is not None and file.plan.dtype == c.dtype
-    graph, _ = driver.partition(c.spec, None, got.path)  # the file on a fresh trace: what runs
+    graph = partitioned(c, got.path)  # the file on a fresh trace: what runs
     used = features(graph)
     assert c.features <= used, f"{c.id}: plan {file.plan} uses {sorted(used)}, not {sorted(c.features - used)}"
     assert got.est is not None, got.note
@@ -438,19 +450,22 @@ def assert_mixed_close(case_id: str, got: dict[str, torch.Tensor], want: dict[st
         ", ".join(f"{name} ({k} of {n})" for name, (k, n) in worst)
 
 
-def _plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, nproc: int, gbs: int) -> Path:
-    path = tmp_path / "p.plan"
-    argv = ["plan", spec, "--cluster", f"local{nproc}", "--gbs", str(gbs), "--time-limit", "1", "--dtype", "fp32",
-            "-o", str(path), "--json"]
-    assert main(argv) == 0, capsys.readouterr().err
-    capsys.readouterr()
+@pytest.fixture(scope="module")
+def tiny_plan(local_profile: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`shardc plan` of the tiny GPT on local2 (time limit 1 s), once for the tests that read it."""
+    path = tmp_path_factory.mktemp("tiny-plan") / "p.plan"
+    argv = ["plan", "examples/gpt.py:tiny?batch=4", "--cluster", "local2", "--gbs", "4", "--time-limit", "1",
+            "--dtype", "fp32", "-o", str(path), "--json"]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(argv)
+    assert code == 0, err.getvalue()
     return path
 
 
-def test_a_plan_file_for_another_model_or_device_count_is_refused(tmp_path: Path,
+def test_a_plan_file_for_another_model_or_device_count_is_refused(tiny_plan: Path, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    spec = "examples/gpt.py:tiny?batch=4"
-    path = _plan_file(tmp_path, capsys, spec, 2, 4)
+    spec, path = "examples/gpt.py:tiny?batch=4", tiny_plan
     with pytest.raises(shardc.ShardcError, match=rf"plan file {path} is a plan for 2 devices .* but --nproc is 4"):
         resolve_file(str(path), 4)
     for other, message in (("examples/llama.py:tiny?batch=4", "was planned for model @gpt_tiny, not @llama_tiny"),
@@ -465,11 +480,10 @@ def test_a_plan_file_for_another_model_or_device_count_is_refused(tmp_path: Path
     assert f"cannot read plan file {tmp_path / 'missing.plan'}: it does not exist" in capsys.readouterr().err
 
 
-def test_estimate_and_compile_take_the_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_estimate_and_compile_take_the_plan_file(tiny_plan: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`shardc estimate --plan FILE.plan` and `shardc.compile(plan=Path)` score the graph the
     solver wrote beside the file, to its own figures."""
-    spec = "examples/gpt.py:tiny?batch=4"
-    path = _plan_file(tmp_path, capsys, spec, 2, 4)
+    spec, path = "examples/gpt.py:tiny?batch=4", tiny_plan
     written = PlanFile.load(path)
     assert main(["estimate", spec, "--cluster", "local2", "--plan", str(path), "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)

@@ -12,10 +12,10 @@
 from __future__ import annotations
 
 import pytest
+from shared_spawn import SharedRuns, spawn_jobs
 from test_backend_numerics import GPT, check, compile_case, run_cases
-from test_pipeline_numerics import run_and_check as run_pipeline_cases
+from test_pipeline_numerics import check_cases, compile_cases, step_cases
 
-from shardc.backends.torch.launch import spawn
 from shardc.backends.torch.parallelize import runs_compiled
 from shardc.cost import estimate
 from shardc.cost.fusion import EXTERN_KINDS, fusion_chains
@@ -47,12 +47,23 @@ def _compiled_run(rank: int, world: int, cases: list) -> tuple[list, int, int, i
     return results, int(counters["stats"]["unique_graphs"]), breaks, int(counters["inductor"]["fuse_attention"])
 
 
-def test_compiled_dp2_and_tp2_train_like_one_eager_process() -> None:
-    cases = [(spec, compile_case(spec, plan, edit), edit) for spec, plan, edit in COMPILED_CASES]
-    per_rank = spawn(_compiled_run, 2, cases, timeout_s=900)
+COMPILED_PIPELINE_CASES = [(GPT, "pp=2,compile=1")]
+
+
+@pytest.fixture(scope="module")
+def on_two_processes() -> SharedRuns:
+    """Both two-process tests' plans trained in one spawned group (`tests/shared_spawn.py`):
+    the flat plans first, so that dynamo's counters read by `_compiled_run` are theirs alone."""
+    flat = lambda: (_compiled_run, ([(spec, compile_case(spec, plan, edit), edit)  # noqa: E731
+                                     for spec, plan, edit in COMPILED_CASES],))
+    return spawn_jobs(2, [flat, lambda: (step_cases, (compile_cases(COMPILED_PIPELINE_CASES),))], timeout_s=900)
+
+
+def test_compiled_dp2_and_tp2_train_like_one_eager_process(on_two_processes: SharedRuns) -> None:
+    per_rank = on_two_processes[0]
     for rank, (_, graphs, breaks, sdpa) in enumerate(per_rank):
         # one graph per plan: the collectives are traced, not graph breaks
-        assert (graphs, breaks) == (len(cases), 0), f"rank {rank}: {graphs} graphs, {breaks} graph breaks"
+        assert (graphs, breaks) == (len(COMPILED_CASES), 0), f"rank {rank}: {graphs} graphs, {breaks} graph breaks"
         # priced = executed: `shardc.cost.fusion` assumes the written-out attention is not rewritten
         assert sdpa == 0, f"rank {rank}: inductor rewrote {sdpa} attention cores into sdpa; price them so"
     for k, (spec, plan, _) in enumerate(COMPILED_CASES):
@@ -159,6 +170,6 @@ def test_the_solver_prices_compiled_plans_as_the_estimate_does() -> None:
                 assert ev.memory_per_device_bytes == pytest.approx(est.memory_per_device_bytes, rel=0.01)
 
 
-def test_compiled_pipeline_stages_train_like_one_eager_process() -> None:
+def test_compiled_pipeline_stages_train_like_one_eager_process(on_two_processes: SharedRuns) -> None:
     """pp=2 (1F1B over 4 micro-batches): every stage module and the loss module compiled."""
-    run_pipeline_cases(2, [(GPT, "pp=2,compile=1")])
+    check_cases(COMPILED_PIPELINE_CASES, on_two_processes[1][0])

@@ -19,6 +19,7 @@ from test_pipeline_numerics import run_and_check
 
 from shardc.cost.fsdp import fsdp_gathers, gather_ops, gathers_by_phase, runtime_order
 from shardc.cost.pipeline import device_order, simulate
+from shardc.ir.diagnostics import ShardcError
 from shardc.run import launch_all, predict, resolve_plan
 
 TINY = "examples/llama.py:tiny?batch={batch}&seq=32"
@@ -81,19 +82,48 @@ def _counted(stage) -> Counter:
     return out
 
 
-def test_model_counts_the_collectives_a_pipelined_and_a_flat_zero_run_records() -> None:
+FLAT_AND_PIPELINED = [(TINY.format(batch=4), f"pp=2,dp=2,mb=1,gbs=4,zero={z}") for z in (1, 3)] + \
+    [(TINY.format(batch=8), f"dp=4,mb=1,gbs=8,zero={z}") for z in (1, 3)]
+INTERLEAVED = {zero: ("examples/llama.py:tiny?batch=4&seq=32&n_layer=8", f"pp=2,vpp=4,dp=2,mb=1,gbs=4,zero={zero}")
+               for zero in (1, 3)}
+
+
+@pytest.fixture(scope="module")
+def recorded_runs() -> dict[tuple[str, str], list[dict] | ShardcError]:
+    """Every run of the recording tests in one torchrun of 4 workers (`launch_all`: a fresh
+    model and tracker per run), per (spec, plan) each rank's report; when that launch fails,
+    each run alone, so that a failure lands on its test."""
+    runs = FLAT_AND_PIPELINED + list(INTERLEAVED.values())
+    plans = [(spec, resolve_plan(text, 4, on_gpus=False)) for spec, text in runs]
+    try:
+        return dict(zip(runs, launch_all(plans, nproc=4, steps=1, seed=0, timeout_s=600)))
+    except ShardcError:
+        out: dict[tuple[str, str], list[dict] | ShardcError] = {}
+        for run, plan in zip(runs, plans):
+            try:
+                out[run] = launch_all([plan], nproc=4, steps=1, seed=0, timeout_s=300)[0]
+            except ShardcError as err:
+                out[run] = err
+        return out
+
+
+def _reports(recorded_runs: dict, run: tuple[str, str]) -> list[dict]:
+    got = recorded_runs[run]
+    if isinstance(got, ShardcError):
+        raise got
+    return got
+
+
+def test_model_counts_the_collectives_a_pipelined_and_a_flat_zero_run_records(recorded_runs: dict) -> None:
     """dp2 x pp2 with 2 micro-batches, ZeRO-1 and ZeRO-3, and dp4 without a pipeline with 2
     micro-batches: each rank's recorded all-gathers and reduce-scatters (count and bytes) are
     what the model lists for its pipeline stage."""
-    runs = [(TINY.format(batch=4), f"pp=2,dp=2,mb=1,gbs=4,zero={z}") for z in (1, 3)]
-    runs += [(TINY.format(batch=8), f"dp=4,mb=1,gbs=8,zero={z}") for z in (1, 3)]
-    plans = [(spec, resolve_plan(plan, 4, on_gpus=False)) for spec, plan in runs]
-    reports = launch_all(plans, nproc=4, steps=1, seed=0, timeout_s=300)
-    for (spec, text), (_, plan), ranks in zip(runs, plans, reports):
+    for spec, text in FLAT_AND_PIPELINED:
+        plan = resolve_plan(text, 4, on_gpus=False)
         est, note = predict(spec, plan, "4xA100-80GB", 4)
         assert est is not None, note
         zero3 = text.endswith("zero=3")
-        for report in ranks:
+        for report in _reports(recorded_runs, (spec, text)):
             pp_rank = report["rank"] // 2 if plan.pp == 2 else 0
             stage = est.stages[pp_rank]
             assert _recorded(report) == _counted(stage), (text, report["rank"])
@@ -102,14 +132,14 @@ def test_model_counts_the_collectives_a_pipelined_and_a_flat_zero_run_records() 
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_interleaved_stage_modules_each_gather_as_counted(zero: int) -> None:
+def test_interleaved_stage_modules_each_gather_as_counted(zero: int, recorded_runs: dict) -> None:
     """Interleaved 1F1B, four virtual stages per device (four FSDP2 units each), 2 micro-batches:
     torch's runtime keeps only the next three units a device runs unsharded (`runtime_window`),
     so even ZeRO-1 regathers a unit; every unit's gathers and its one reduce-scatter are as the
     model lists them."""
-    spec, text = "examples/llama.py:tiny?batch=4&seq=32&n_layer=8", f"pp=2,vpp=4,dp=2,mb=1,gbs=4,zero={zero}"
+    spec, text = INTERLEAVED[zero]
     plan = resolve_plan(text, 4, on_gpus=False)
-    (ranks,) = launch_all([(spec, plan)], nproc=4, steps=1, seed=0, timeout_s=300)
+    ranks = _reports(recorded_runs, (spec, text))
     est, note = predict(spec, plan, "4xA100-80GB", 4)
     assert est is not None, note
     for report in ranks:

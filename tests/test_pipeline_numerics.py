@@ -47,10 +47,12 @@ def step_cases(rank: int, world: int, cases: list[tuple[str, object]]) -> list[t
     return out
 
 
-def run_and_check(world: int, cases: list[tuple[str, str] | tuple[str, str, tuple[int, ...]]]) -> None:
-    """Compile every case (a `split` of blocks per stage is written into the layers before
-    lowering), train on `world` processes, compare with one process; stage modules must be
-    DDP-wrapped for dp x pp and FSDP2 modules for ZeRO."""
+Case = tuple[str, str] | tuple[str, str, tuple[int, ...]]
+
+
+def compile_cases(cases: list[Case]) -> list[tuple[str, object]]:
+    """Compile every case for `step_cases` (fp32: exact); a `split` of blocks per stage is
+    written into the layers before lowering."""
     import shardc
 
     compiled = []
@@ -62,13 +64,23 @@ def run_and_check(world: int, cases: list[tuple[str, str] | tuple[str, str, tupl
             blocks = [layer.annotation.stage for name, layer in one.runtime_graph.layers.items() if "." in name]
             assert [blocks.count(s) for s in range(len(split[0]))] == list(split[0]), (plan, split, blocks)
         compiled.append((spec, one))
-    results = spawn(step_cases, world, compiled, timeout_s=600)
-    for (spec, plan, *_), (losses, full, wrappers) in zip(cases, results[0]):
+    return compiled
+
+
+def check_cases(cases: list[Case], results: list[tuple[list[float], dict, list[str]]]) -> None:
+    """Rank 0's `step_cases` results against one process; stage modules must be DDP-wrapped for
+    dp x pp and FSDP2 modules for ZeRO."""
+    for (spec, plan, *_), (losses, full, wrappers) in zip(cases, results):
         check(spec, plan, losses, full)
         keys = dict(kv.split("=") for kv in plan.split(","))
         if "dp=2" in plan and "pp=2" in plan:
             want = "DistributedDataParallel" if keys.get("zero", "0") == "0" else "FSDP"
             assert all(w.startswith(want) for w in wrappers), (spec, plan, wrappers)
+
+
+def run_and_check(world: int, cases: list[Case]) -> None:
+    """Compile every case, train on `world` processes, compare with one process."""
+    check_cases(cases, spawn(step_cases, world, compile_cases(cases), timeout_s=600)[0])
 
 
 def test_pipelines_1f1b_gpipe_interleaved_and_accumulation_on_two_processes() -> None:

@@ -14,7 +14,7 @@ from shardc.driver import load, solver_batch
 from shardc.hardware import parse_cluster
 from shardc.search.grid import best_grid
 from shardc.search.outer import Found, mesh_shapes, micro_batch_sizes, score, search
-from shardc.search.problem import build_problem, graph_facts
+from shardc.search.problem import PricingCache, build_problem, graph_facts
 
 SPEC = "examples/llama.py:llama_13b?seq=4096"
 CLUSTER = "8xA100-40GB"
@@ -33,7 +33,8 @@ def solved(facts):
     facts, cluster = facts
     limit = float(cluster.device.usable_memory_bytes)
     assert limit == pytest.approx(36.5 * 2**30)
-    problems = [build_problem(facts, cluster, shape, mb, GBS)
+    cache: PricingCache = {}  # the fixture's own: shapes of one pricing key share one pricing, as in the search
+    problems = [build_problem(facts, cluster, shape, mb, GBS, cache=cache)
                 for shape in mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, GBS, 4096)
                 for mb in micro_batch_sizes(GBS, shape.dp, shape.pp)]
     problem, point, a, ev = best_grid(problems, limit)

@@ -19,7 +19,7 @@ from shardc.driver import load, solver_batch
 from shardc.hardware import parse_cluster
 from shardc.search.grid import best_grid
 from shardc.search.outer import Found, mesh_shapes, micro_batch_sizes, score, search
-from shardc.search.problem import MeshShape, build_problem, graph_facts
+from shardc.search.problem import MeshShape, PricingCache, build_problem, graph_facts
 
 SPEC = "examples/gpt.py:gpt2_xl"
 CLUSTER = "8xA100-40GB"
@@ -31,7 +31,8 @@ def solved():
     cluster = parse_cluster(CLUSTER)
     facts = graph_facts(load(SPEC, batch=solver_batch(GBS)), cluster)
     limit = float(cluster.device.usable_memory_bytes)
-    problems = [build_problem(facts, cluster, shape, mb, GBS)
+    cache: PricingCache = {}  # the fixture's own: shapes of one pricing key share one pricing, as in the search
+    problems = [build_problem(facts, cluster, shape, mb, GBS, cache=cache)
                 for shape in mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, GBS, 1024)
                 for mb in micro_batch_sizes(GBS, shape.dp, shape.pp)]
     found = best_grid(problems, limit)

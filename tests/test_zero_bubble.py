@@ -12,6 +12,7 @@ r's stages at r and 2pp-1-r (the tied embedding and head of the tiny GPT then si
 from __future__ import annotations
 
 import pytest
+from shared_spawn import SharedRuns, spawn_jobs
 from test_backend_numerics import GPT, LLAMA, build, check
 from test_pipeline_numerics import FOUR_LAYERS, step_cases
 
@@ -26,20 +27,30 @@ EIGHT_LAYERS = "&n_layer=8&batch=8"
 
 # ---- numerics: the schedules train like one process ------------------------------------------
 
-def run_and_check(world: int, cases: list[tuple[str, str]], wrapper: str = "Unviewed") -> None:
-    """Compile every case (fp32), train it on `world` gloo processes, compare with one process;
-    the stages run without DDP (the split backward bypasses its reducer), outputs unviewed (and
-    with ZeRO, that unviewed module is the stage's FSDP2 unit: `wrapper` FSDPUnviewed)."""
+def compile_all(cases: list[tuple[str, str]]) -> list[tuple[str, object]]:
+    """Every case compiled (fp32: compared with the fp32 model), as `step_cases` takes them."""
     import shardc
 
     compiled = []
     for spec, plan in cases:
         model, inputs, names = build(spec)
         compiled.append((spec, shardc.compile(model, inputs, plan=f"{plan},dtype=fp32", input_names=names)))
-    results = spawn(step_cases, world, compiled, timeout_s=600)
-    for (spec, plan), (losses, full, wrappers) in zip(cases, results[0]):
+    return compiled
+
+
+def check_all(cases: list[tuple[str, str]], results: list, wrapper: str = "Unviewed") -> None:
+    """Rank 0's results of `step_cases` against one process; the stages run without DDP (the split
+    backward bypasses its reducer), outputs unviewed (and with ZeRO, that unviewed module is the
+    stage's FSDP2 unit: `wrapper` FSDPUnviewed)."""
+    for (spec, plan), (losses, full, wrappers) in zip(cases, results):
         check(spec, plan, losses, full)
         assert wrappers == [wrapper], (spec, plan, wrappers)
+
+
+def run_and_check(world: int, cases: list[tuple[str, str]], wrapper: str = "Unviewed") -> None:
+    """Compile every case (fp32), train it on `world` gloo processes, compare with one process."""
+    check_all(cases, spawn(step_cases, world, compile_all(cases), timeout_s=600)[0], wrapper)
+
 
 def test_zero_bubble_schedules_on_two_processes() -> None:
     run_and_check(2, [
@@ -51,27 +62,38 @@ def test_zero_bubble_schedules_on_two_processes() -> None:
     ])
 
 
-def test_zero_bubble_schedules_on_four_processes() -> None:
-    run_and_check(4, [
-        (GPT + EIGHT_LAYERS, "pp=4,vpp=2,schedule=zbv"),
-        (GPT + EIGHT_LAYERS, "pp=4,vpp=2,schedule=dualpipev"),
-        (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=zbv"),     # gradients averaged over dp after the step
-        (GPT, "tp=2,pp=2,schedule=interleaved-zb"),
-    ])
+FOUR_PROCESSES = [
+    (GPT + EIGHT_LAYERS, "pp=4,vpp=2,schedule=zbv"),
+    (GPT + EIGHT_LAYERS, "pp=4,vpp=2,schedule=dualpipev"),
+    (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=zbv"),     # gradients averaged over dp after the step
+    (GPT, "tp=2,pp=2,schedule=interleaved-zb"),
+]
+FOUR_PROCESSES_ZERO = [
+    (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=zbv,zero=1"),
+    (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=interleaved-zb,zero=2"),
+    (LLAMA + FOUR_LAYERS + "&batch=8", "dp=2,pp=2,vpp=2,schedule=dualpipev,zero=3"),  # m = 4 = 2pp
+    (GPT + "&tie=false", "dp=2,pp=2,schedule=interleaved-zb,zero=3"),
+]
 
 
-def test_zero_bubble_schedules_with_zero_on_four_processes() -> None:
+@pytest.fixture(scope="module")
+def on_four_processes() -> SharedRuns:
+    """Both four-process tests' plans trained in one spawned group (`tests/shared_spawn.py`)."""
+    return spawn_jobs(4, [lambda: (step_cases, (compile_all(FOUR_PROCESSES),)),
+                          lambda: (step_cases, (compile_all(FOUR_PROCESSES_ZERO),))], timeout_s=600)
+
+
+def test_zero_bubble_schedules_on_four_processes(on_four_processes: SharedRuns) -> None:
+    check_all(FOUR_PROCESSES, on_four_processes[0][0])
+
+
+def test_zero_bubble_schedules_with_zero_on_four_processes(on_four_processes: SharedRuns) -> None:
     """ZeRO under a split backward: every stage one FSDP2 unit, kept from syncing during its
     input- and weight-gradient passes and reduce-scattered by torch's runtime after the stage's
     last weight-gradient pass (REDUCE_GRAD). ZeRO-3 keeps the weights gathered through the step
 there: resharding after each forward gave wrong weight gradients (losses off by 1e-4 relative at
 the second step, zbv and interleaved-zb) where a W pass ran after a later forward."""
-    run_and_check(4, [
-        (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=zbv,zero=1"),
-        (LLAMA + FOUR_LAYERS, "dp=2,pp=2,vpp=2,schedule=interleaved-zb,zero=2"),
-        (LLAMA + FOUR_LAYERS + "&batch=8", "dp=2,pp=2,vpp=2,schedule=dualpipev,zero=3"),  # m = 4 = 2pp
-        (GPT + "&tie=false", "dp=2,pp=2,schedule=interleaved-zb,zero=3"),
-    ], wrapper="FSDPUnviewed")
+    check_all(FOUR_PROCESSES_ZERO, on_four_processes[1][0], wrapper="FSDPUnviewed")
 
 
 def test_a_parameter_two_stages_of_one_rank_share_is_refused_under_fsdp2() -> None:

@@ -61,6 +61,29 @@ def _init(rank: int, nprocs: int, workdir: str) -> None:
                             timeout=timedelta(seconds=120))
 
 
+def _leave() -> None:
+    """End this worker process once every rank is done, without the interpreter's finalization.
+    `destroy_process_group()` does not stop gloo's threads while anything holds a group, and
+    after FSDP2 something always does: DTensor's sharding cache keeps the specs of the sharded
+    parameters, their device mesh and its groups (world and sub-groups) alive. Those groups were
+    then torn down inside the interpreter's finalization, racing their own threads; there a
+    thread that takes the GIL is ended by `pthread_exit`, whose unwinding through noexcept C++
+    code aborts the process: the likely source of "terminate called without an active
+    exception", exit -6, seen after `sync_steps` on the rank that reached its exit first (not
+    reproduced at will). So: a barrier (every rank's collectives are over and rank 0's
+    result is written), the groups destroyed, then `os._exit(0)`, as multiprocessing's child
+    processes end."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     """One of `nprocs` processes measuring only `cfg["measure"]` (a name, or a list of them run in
     turn): "wrapper_overhead" (`_wrapper_overhead`), "fsdp_overhead" (`wrapper_steps.fsdp_overhead`),
@@ -81,8 +104,10 @@ def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> No
         results = {name: measures[name]() for name in ([what] if isinstance(what, str) else what)}
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: a peer may be gone
+        raise
+    _leave()
 
 
 def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
@@ -122,8 +147,10 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["loaded_probe_s"] = probe_under_load(speed, 4 * cfg["window"])  # the contention (`loaded`)
         if rank == 0:
             Path(workdir, "result.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: a peer may be gone
+        raise
+    _leave()
 
 
 def _scale_now(speed: Any) -> float:

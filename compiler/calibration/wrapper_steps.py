@@ -46,6 +46,14 @@ def sharded_optimizer(nprocs: int, budget: float, speed: Any = None) -> tuple[fl
     return fit_two_terms(samples)
 
 
+def _release() -> None:
+    """Free the wrappers just measured now (DDP and FSDP2 modules sit in reference cycles), not
+    whenever the collector runs inside a later case's timing."""
+    import gc
+
+    gc.collect()
+
+
 FSDP_CASES = ((48, 512), (12, 16384), (3, 131072))  # (parameter tensors, elements each)
 FSDP_REPS = 9  # micro-batches timed per case and per variant (a fixed count: every rank gathers as often)
 
@@ -97,6 +105,8 @@ def fsdp_overhead(nprocs: int) -> tuple[float, float]:
                 unit(x).backward()
                 spent.append(time.thread_time() - t0)
             times.append(sorted(spent[2:])[FSDP_REPS // 2])
+            del unit
+            _release()
         samples.append((count, count * numel, max(times[1] - times[0], 1e-7)))
     return fit_two_terms(samples)
 
@@ -147,6 +157,8 @@ def sync_steps(nprocs: int) -> list[tuple[str, int, float, float, float]]:
                     t0 = time.perf_counter()
                     unit(x).backward()
                     trials[j, i] = time.perf_counter() - t0
+            del units, unit, sharded, ddp
+            _release()
             dist.all_reduce(trials, op=dist.ReduceOp.MAX)
             medians = trials[:, 2:].median(dim=1).values
             for j, wrapper in enumerate(SYNC_WRAPPERS, start=1):
