@@ -53,7 +53,7 @@ def studies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path,
     # resumed through the command line (its all_reduce benchmark is done), its passes timed
     plans = _write(out.parent / "resumed.plans", ["dp=2,mb=2", "dp=2,mb=2,zero=1,bucket_mb=1", SPLIT])
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):  # the console's lines too
         assert main(["study", MODEL, "--nproc", "2", "--plans", plans, "--out", str(out), "--steps", "2",
                      "--warmup", "1", "--time-passes"]) == 0
     second = json.loads((out / "results.json").read_text())
@@ -123,6 +123,9 @@ def test_resume_runs_only_the_rest(studies) -> None:
             assert path.stat().st_mtime_ns == stamps[path.name], f"{path.name} was rewritten"
     pipelined = after[parse_study_plan(SPLIT, 4).id]
     assert pipelined["status"] == "ok" and [r["stage"] for r in pipelined["ranks"]] == [0, 1]
+    # and it says so: the kept plan's figures are the earlier run's (its code, its machine)
+    said = " ".join(studies[4].split())
+    assert "resumed" in said and "1 plan(s) kept as an earlier run measured and predicted them" in said, said
 
 
 def test_the_study_command_times_the_passes_of_each_plan(studies) -> None:

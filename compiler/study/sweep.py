@@ -185,7 +185,13 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
         texts = default_texts(study, nprocs, out, store, solver)
     # Every plan is predicted here, before any of them is launched: the headline prediction
     # cannot see a measurement of the plan's own steps.
+    earlier = [p["id"] for p in store.data["plans"] if p["status"] == "ok"]  # measured by an earlier run here
     jobs, predictions = _prepare_jobs(study, texts, store, None if plans_file else nprocs, rounds)
+    kept = [i for i in earlier if i not in predictions]
+    if kept:  # a resumed study: say so, its kept plans carry the earlier run's code and machine
+        console.print(f"resumed {out / 'results.json'}: {len(kept)} plan(s) kept as an earlier run measured and "
+                      "predicted them (e.g. " + ", ".join(kept[:3]) + "); a new --out measures and predicts "
+                      "them again")
     for r in range(rounds):
         todo = _round_jobs(jobs, store, r, seed)
         for n in sorted(todo):
