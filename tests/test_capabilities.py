@@ -189,7 +189,7 @@ KEY_TESTS: dict[str, tuple[Runs, ...]] = {
     "recompute_layers": (dataclasses.replace(RECOMPUTE, sets="recompute_layers"),),
     "zero": (GPT_CASES,), "dtype": (PRECISION,), "compile": (COMPILED,), "ep": (MOE,),
 }
-MULTI_PROCESS = ("spawn", "run_and_check", "_run")  # the harnesses that train on gloo processes
+MULTI_PROCESS = ("spawn", "spawn_jobs", "run_and_check", "_run")  # the harnesses that train on gloo processes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +199,9 @@ class Case:
     edit: Any = None
 
 
-def _function(runs: Runs) -> tuple[Any, list[ast.FunctionDef]] | str:
-    """The test module and the function(s) `runs` names, or why they are missing."""
+def _function(runs: Runs) -> tuple[Any, list[ast.FunctionDef], dict[str, ast.FunctionDef]] | str:
+    """The test module, the function(s) `runs` names and the module's other functions (fixtures
+    among them, by name), or why they are missing."""
     path = TESTS / runs.file
     if not path.exists():
         return f"tests/{runs.file} is missing (the numerics test another engineer is adding has not landed)"
@@ -209,7 +210,8 @@ def _function(runs: Runs) -> tuple[Any, list[ast.FunctionDef]] | str:
                  and (runs.function is None or f.name == runs.function)]
     if not functions:
         return f"tests/{runs.file} has no test function {runs.function or '(any)'}"
-    return importlib.import_module(runs.file.removesuffix(".py")), functions
+    others = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    return importlib.import_module(runs.file.removesuffix(".py")), functions, others
 
 
 def _value(module: Any, node: ast.expr) -> Any:
@@ -285,10 +287,12 @@ def _check(runs: Runs, kind: str | None, key: str | None) -> str | None:
     found = _function(runs)
     if isinstance(found, str):
         return found
-    module, functions = found
+    module, functions, others = found
     for function in functions:
-        source = ast.unparse(function)
-        if not any(f"{h}(" in source for h in MULTI_PROCESS):
+        # multi-process: the test calls a harness, or takes a module fixture that does (several
+        # tests' plans trained in one shared launch, `tests/shared_spawn.py`) and checks its results
+        sources = [ast.unparse(function)] + [ast.unparse(others[a.arg]) for a in function.args.args if a.arg in others]
+        if not any(f"{h}(" in source for source in sources for h in MULTI_PROCESS):
             continue
         cases = _cases(module, function)
         if key is not None:
