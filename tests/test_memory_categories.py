@@ -35,7 +35,7 @@ from shardc.study.compare import category_errors
 
 NPROC = 4
 MODEL = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
-SOLVER_PLAN = Path(__file__).resolve().parents[1] / "benchmarks" / "study-report" / "solver-4.plan"
+SOLVER_PLAN = Path(__file__).resolve().parent / "data" / "study-session6" / "solver-4.plan"  # session 6's
 PLANS = {  # kind -> plan text, or a plan file
     "sequence-parallel": "tp=4,sp=1,mb=8",
     "pipeline-tp": "tp=2,pp=2,mb=2",
