@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shardc import driver
+from shardc.hardware import Cluster, GiB, with_overrides
 from shardc.ir import RECOMPUTE_CHOICES
 from shardc.plan.file import PlanFile
 from shardc.run import launch_all, predict, summarize
@@ -41,7 +42,8 @@ SEED = 0
 @dataclass(frozen=True, slots=True)
 class MeasureCase:
     """A model spec (its batch is the global batch), the global batch, the per-device memory
-    limit in GiB, and why the limit is tight (what the grid must do under it)."""
+    limit in GiB (the memory each process has: plans are made for its usable part, `case_cluster`),
+    and why the limit is tight (what the grid must do under it)."""
 
     name: str
     spec: str
@@ -126,8 +128,8 @@ def short_plan(file: PlanFile) -> str:
 def solve_case(case: MeasureCase, out: Path, time_limit: float) -> tuple[PlanRun, PlanRun]:
     """Solve the case; write the solver's plan and the best grid plan as plan files under `out`
     and predict each as `shardc run` does."""
-    _, ctx = driver.solve(case.spec, CLUSTER, case.gbs, time_limit=time_limit, seed=0, workers=1,
-                          memory_limit_gb=case.limit_gib, dtype="fp32", wall_stop=float("inf"))
+    _, ctx = driver.solve(case.spec, case_cluster(case), case.gbs, time_limit=time_limit, seed=0, workers=1,
+                          dtype="fp32", wall_stop=float("inf"))
     result = ctx.options["search"]
     if result.grid is None:
         raise SystemExit(f"case {case.name}: no grid plan fits {case.limit_gib} GiB; choose a looser limit")
@@ -135,6 +137,16 @@ def solve_case(case: MeasureCase, out: Path, time_limit: float) -> tuple[PlanRun
     for label, found in (("solver", result.best), ("grid", result.grid)):
         runs.append(_plan_run(case, label, found, out / f"{case.name}-{label}.plan"))
     return runs[0], runs[1]
+
+
+def case_cluster(case: MeasureCase) -> Cluster:
+    """`local4` whose processes have `case.limit_gib` each: the limit is the memory a run must fit
+    in, and the plans fit the usable part of it, less the local headroom (the memory model's
+    measured error, `shardc.hardware.LOCAL_HEADROOM`), so that a plan predicted to fit fits when run.
+    (`--memory-limit` would set the usable figure itself, with no room for the model's error.)"""
+    cluster = driver.as_cluster(CLUSTER)
+    assert cluster is not None
+    return with_overrides(cluster, memory_bytes=int(case.limit_gib * GiB))
 
 
 def _plan_run(case: MeasureCase, label: str, found: Found, path: Path) -> PlanRun:
