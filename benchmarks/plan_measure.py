@@ -64,11 +64,11 @@ MEASURE_CASES = [
                 "the first two stages in full and the third selectively (its [1f|1f|1n|1n] plan of run e, "
                 "3.03 MiB predicted and 3.09 measured against 3.07, no longer fits 95%)"),
     MeasureCase("llama-2l", "examples/llama.py:tiny?batch=4&seq=128", 4, 0.002,
-                "the grid runs pp=2 x tp=2 (2 micro-batches) recomputing both blocks in full (pp=2 x dp=2, "
+                "the grid runs pp=2 x tp=2 (2 micro-batches of 2) recomputing both blocks in full (pp=2 x dp=2, "
                 "run e's plan of both, no longer fits 95%); the solver the same shape recomputing the first "
                 "stage's block only"),
     MeasureCase("gpt-4l-tie", "examples/gpt.py:tiny?batch=8&seq=128&n_layer=4", 8, 0.0045,
-                "roomier: the grid pipelines over four (2 micro-batches) recomputing every block in full; the "
+                "roomier: the grid pipelines over four (micro-batches of 2) recomputing every block in full; the "
                 "solver the same, recomputing two stages in full and one selectively"),
     # Structural: a vocabulary of 8192 at hidden 64. The embedding, head and logits fit only split
     # over the vocabulary, so every grid point that fits is tp=4 (Megatron's tensor parallelism
