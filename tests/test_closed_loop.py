@@ -49,6 +49,7 @@ from shardc import driver
 from shardc.cli import main
 from shardc.ir import Axis, Graph, Shard
 from shardc.ir.diagnostics import ShardcError
+from shardc.ir.types import DATA_AXES
 from shardc.plan.file import PlanFile
 from shardc.plan.parallel import ZB_SCHEDULES, ParallelPlan
 from shardc.run import launch, launch_all, predict, resolve_file, resolve_plan, summarize
@@ -141,7 +142,9 @@ CASES = [
     # Longer sequences on two devices: tensor parallel with rotating matmuls.
     # (0.008 until the loss joined the LM head's group, whose plan no longer needed ZeRO; 0.005 until
     # the unfused vocabulary-parallel loss was priced as it runs, keeping one softmax)
-    case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.0049, "rotate", "zero"),
+    # (It listed "zero" until session 8: its plan is tp=2 alone, where ZeRO has no data group and
+    # runs nothing; ZeRO is gpt-zero's, over dp=4.)
+    case("gpt-rotate", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.0049, "rotate"),
     # Tighter on four: tp=4 (2 micro-batches, ZeRO-2), rotating matmuls, sequence-parallel norms.
     # (0.0021 until CP-SAT counted the norm output sequence parallelism saves as the shard it is
     # (`search.linear._edge_root`), not the gathered copy: there it was dp=2 x tp=2 with sp; now
@@ -149,8 +152,8 @@ CASES = [
     # rotation. At 0.0016 a tp=4 plan of 2 micro-batches measured +2.8% to +5.8% over the prediction.)
     case("gpt-rotate-sp", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.00185, "rotate", "sp"),
     # Roomier on four: the blocks keep only what selective recomputation keeps.
-    case("gpt-selective", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0022, "recompute-selective", "rotate",
-         "zero"),
+    # (tp=4 alone: its "zero" ran nothing and went in session 8.)
+    case("gpt-selective", "examples/gpt.py:tiny?batch=4&seq=128", 4, 4, 0.0022, "recompute-selective", "rotate"),
     # Llama (sdpa): tensor parallel over two, one of its two blocks recomputing in full.
     # (0.0019 until the unfused vocabulary-parallel loss was priced as it runs: then the plan there
     # splits the head's vocabulary instead of rotating, without ZeRO. With sequence parallelism's
@@ -167,7 +170,7 @@ CASES = [
     # (At 0.002, where it was a strict xfail at +8.4% / +2.1% on one figure for both ranks, the
     # ring priced so no longer fits and the solver gathers the keys instead.)
     case("llama-ring", "examples/llama.py:tiny?batch=2&seq=256&n_head=1&n_kv_head=1", 2, 2, 0.0021,
-         "ring-attention", "rotate", "sp", "zero", "recompute-full"),
+         "ring-attention", "rotate", "sp", "recompute-full"),  # tp=2 alone: no ZeRO runs (session 8)
     # transformers' GPT-2 on four, tight: two stages of two tensor-parallel devices (rotating
     # matmuls, sequence-parallel norms, ZeRO-2), the first stage's block recomputing in full, the
     # last's selectively. (This case was a strict xfail at +11.9% / +14.3%: the stage input was
@@ -180,7 +183,8 @@ CASES = [
     # output twice, as the pipeline's kept output and again as the default loss's input.)
     # (0.0018 until session 7's memory pricing: there the last stage recomputes nothing; at 0.0017
     # it recomputes selectively.)
-    case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.0017, "pipeline", "rotate", "sp", "zero",
+    # (pp=2 x tp=2: no data group, so its ZeRO-2 ran nothing; "zero" went in session 8.)
+    case("hf-gpt2", f"{HF_GPT2}&batch=4&seq=128", 4, 4, 0.0017, "pipeline", "rotate", "sp",
          "recompute-selective", "recompute-full", "stages-differ"),
     # BERT (an encoder, token types in [0, 2): `shardc.train.input_ranges`) on two: two pipeline
     # stages, the first (two micro-batches in flight) recomputing selectively, the last nothing.
@@ -193,8 +197,8 @@ CASES = [
     # vocabulary split, ZeRO-3 at dp=1, which wraps nothing at run time: no data group; ZeRO-2 and
     # then ZeRO-1 before, equal predictions); unchunked, the same plan measures 28.5 MB per rank.
     # (A strict xfail on numerics until the reference ran in fp64: `REFERENCE_DTYPE`.)
-    case("gpt-chunks", "examples/gpt.py:tiny?batch=4&seq=128&vocab_size=8192&tie=false", 2, 4, 0.014, "chunks",
-         "zero"),
+    # (Its "zero" went in session 8: at dp=1 it runs nothing, and the solver now writes ZeRO 0 there.)
+    case("gpt-chunks", "examples/gpt.py:tiny?batch=4&seq=128&vocab_size=8192&tie=false", 2, 4, 0.014, "chunks"),
     # Mixed precision: a bf16 solve (weights cast to bf16 where read, fp32 master weights and
     # loss), trained in bf16 against one process running the 1-device bf16 plan.
     case("gpt-bf16", "examples/gpt.py:tiny?batch=4&seq=128", 2, 4, 0.004, "bf16", dtype="bf16"),
@@ -308,7 +312,10 @@ def features(graph: Graph) -> set[str]:
             by_stage.setdefault(layer.annotation.stage, set()).add(layer.annotation.recompute)
     if len({frozenset(modes) for modes in by_stage.values()}) > 1:
         found.add("stages-differ")
-    if any(layer.annotation.zero > 0 for layer in graph.layers.values()):
+    # ZeRO counts where it runs: FSDP2 over a data group (dp, cp; `lower`'s DATA_AXES) of more than
+    # one rank; at dp = cp = 1 it wraps nothing (the solver writes such plans with ZeRO 0 now)
+    data = any(graph.mesh.axis_size(a) > 1 for a in DATA_AXES if a in graph.mesh.names)
+    if data and any(layer.annotation.zero > 0 for layer in graph.layers.values()):
         found.add("zero")
     for node in graph.nodes:
         for split in node.partition.temporal if node.partition is not None else ():

@@ -31,11 +31,21 @@ def test_gpu_presets_reserve_context_nccl_and_fragmentation() -> None:
         assert 0.9 * p.device.memory_bytes < p.device.usable_memory_bytes < p.device.memory_bytes
 
 
-def test_local_cluster_reserves_nothing() -> None:
+def test_local_cluster_reserves_the_memory_models_error() -> None:
+    """No runtime reserve on the CPU processes (the tracker's baseline holds it), but 5% for the
+    memory model's measured error (`LOCAL_HEADROOM`): a plan predicted to fit fits when run."""
     from test_hardware import _profile
 
     device = local_cluster(2, _profile()).device
-    assert device.usable_memory_bytes == device.memory_bytes and device.describe_headroom() == "0 B"
+    assert device.usable_memory_bytes == device.memory_bytes - int(0.05 * device.memory_bytes)
+    assert device.describe_headroom().endswith("(the memory model's error, 5%)")
+    # a plan at the usable figure, measured 5% above its prediction (the closed loop's tolerance),
+    # still peaks under the capacity
+    assert device.usable_memory_bytes * 1.05 < device.memory_bytes
+    # `--memory-limit` is the usable figure itself, as on every preset
+    assert with_memory_limit(local_cluster(2, _profile()), 0.5).device.usable_memory_bytes == GiB // 2
+    with pytest.raises(ValueError, match="model_error >= 0 summing below 1"):
+        Headroom(fragmentation=0.5, model_error=0.5)
 
 
 def test_memory_limit_replaces_the_headroom() -> None:

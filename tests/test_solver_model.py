@@ -131,7 +131,14 @@ def test_linearised_memory_counts_no_gathered_copy_for_column_parallel_readers()
     # What was left then was 0.2% under `evaluate` (its backward working peak, 197 against the largest
     # transient's 125 MiB, and the rope tables). Re-applied after the session's merges it is 1.3%
     # under (5.768 against 5.846 GB; +2.5% without `_edge_root`): `evaluate` grew 1.1% more than the
-    # linearisation since, not yet isolated. A solved plan that overflows by evaluation is solved
+    # linearisation since. Isolated in session 8 (1.9% under at main 3e4914e: 5.834 against 5.945 GB):
+    # the loss's working memory. Session 7's rules have `evaluate` hold the loss's fp32 logits and,
+    # in backward, their gradient beside the compute-dtype one (`cost.op_memory.loss_extra`: 239 MB
+    # of working memory here), where the linearisation takes the largest node transient (the head's
+    # 66 MB logits shard). On GPT-2 XL at dp=4 x tp=2 under DDP it is 0.77 GiB (working 1.53 against
+    # 0.77 GiB), so CP-SAT's DDP plan there evaluates at 37.37 GiB against 36.5 usable and is re-solved.
+    # Not fixed: adding it to the suffix's rows moves CP-SAT's plans near every tuned closed-loop limit.
+    # A solved plan that overflows by evaluation is solved
     # again below its overshoot (`outer.search`), and no plan is returned that does not fit by the
     # estimate.
     graph = transformer_graph(dataclasses.replace(PRESETS["llama_7b"], seq=4096, layers=4))

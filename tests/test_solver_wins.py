@@ -5,9 +5,14 @@
 The best Megatron point (every shape and micro-batch the search could pose, no pruning:
 `grid.best_grid`) is dp=8 with ZeRO-1, micro-batch 4, nothing recomputed (Megatron's tp cannot split
 25 heads or the 50257 vocabulary by 2): FSDP2's reduce-scatter after backward and its gather are exposed.
-The solver keeps ZeRO off on dp=4 and uses the tensor axis of 2 as a second batch split with the
-weights rotated around it, so DDP's buckets overlap the backward, and recomputes 5 of 48 blocks
-selectively to fit. The search runs on that one shape (`shapes`, `mbs`: the whole search is
+The solver uses the tensor axis of 2 as a second batch split with the weights rotated around it,
+over dp=4 with ZeRO-2, nothing recomputed. (Until session 7's memory rules it kept ZeRO off, so that
+DDP's buckets overlapped the backward, recomputing 5 of 48 blocks selectively to fit. The rules
+price the loss's fp32 logits, +0.77 GiB on every plan of this shape (4 sequences x 1024 tokens x
+50257 x 4 B): the DDP plan then needs 11 selective blocks to fit 36.5 GiB, 0.5986 s, against
+ZeRO-2's 0.5961 s (exposed sync +21.7 ms, but recomputation -13.6 ms and the sharded optimizer
+step -10.5 ms). A pricing change, not a search gap: CP-SAT restricted to each ZeRO stage on this
+shape finds the same two plans.) The search runs on that one shape (`shapes`, `mbs`: the whole search is
 `benchmarks/plan_quality.py`, minutes), seed 0, one worker, `wall_stop=inf`, so the plan depends on
 the seed only."""
 
@@ -62,6 +67,32 @@ def test_gpt2_xl_on_a100_40gb_the_solver_beats_every_megatron_point(solved) -> N
     assert grid.estimate.step_time_s / best.estimate.step_time_s >= 1.015
     # the win is the exposed ZeRO-1 sync the grid pays over dp=8 and the solver mostly does not:
     # 47.6 ms against 22.2 ms since session 7's merges, where the solver's plan at this shape became
-    # ZeRO-2 over dp=4 (it was DDP, overlapped, with a gap over 40 ms; why DDP lost was not examined)
+    # ZeRO-2 over dp=4 (it was DDP, overlapped, with a gap over 40 ms)
     assert _seconds(grid, "dp_comm") - _seconds(best, "dp_comm") > 0.02
-    assert best.assignment.zero == 2  # 0 before session 7's memory rules; which term tipped it: not examined
+    # 0 before session 7's memory rules: their fp32 loss logits (+0.77 GiB) made DDP recompute 11
+    # blocks to fit (0.5986 s), slower than ZeRO-2 recomputing none (0.5961 s; the module docstring)
+    assert best.assignment.zero == 2
+
+
+def test_gpt2_xl_ddp_on_the_solvers_layouts_recomputes_more_and_loses(solved) -> None:
+    """Why the solver's plan is ZeRO-2 and not DDP at this shape (it was DDP before session 7's
+    memory rules): the same partitions under DDP hold the whole optimizer state, so with the loss's
+    fp32 logits priced they fit 36.5 GiB only recomputing 11 of 48 blocks selectively (5 before),
+    and that recomputation and the unsharded optimizer step cost more than ZeRO-2's exposed sync."""
+    import dataclasses
+
+    from shardc.search.evaluate import evaluate
+
+    _, result, limit = solved
+    best = result.best
+    fitting = None
+    for k in range(49):
+        ddp = dataclasses.replace(best.assignment, zero=0, stages=((48 - k, k, 0),))
+        ev = evaluate(best.problem, ddp, limit)
+        if ev.fits:
+            fitting = (k, ev)
+            break
+    assert fitting is not None
+    k, ev = fitting
+    assert k == 11  # 5 before the fp32 logits were priced
+    assert ev.step_time_s > best.evaluation.step_time_s  # 0.5986 s against 0.5961 s

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardc.calibration.profile import LocalProfile, at_speed, read_profile
-from shardc.hardware import Cluster, DeviceSpec, LinkSpec
+from shardc.hardware import LOCAL_HEADROOM, Cluster, DeviceSpec, LinkSpec
 from shardc.ir.diagnostics import ShardcError
 
 
@@ -45,10 +45,8 @@ def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
         # prices DDP only where the processes outnumber the cores and nothing overlaps.
         fits = tuple(f for f in prof.sync_step_fits(nproc) if f[0] != "ddp" or nproc > prof.cores)
         eager = replace(eager, sync_step=fits)
-    # No headroom: gloo's buffers are a few MiB of host memory, and what the process holds
-    # besides tensors is measured by the tracker `shardc run` compares against (its baseline).
     device = DeviceSpec(f"local-cpu/{nproc}", peaks, memory, bandwidth, 1.0, prof.matmul_half_flops / slow,
-                        prof.kernel_latency * slow, eager)
+                        prof.kernel_latency * slow, eager, headroom=LOCAL_HEADROOM)  # the model's error
     link = local_link(prof, nproc)
     return Cluster(device, 1, nproc, link, link, f"local{nproc}", shared_cores=max(1, prof.cores))
 

@@ -19,7 +19,7 @@ memory per device in flight. The CP-SAT objective is its linearisation (`shardc.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardc.analysis.stages import stage_sizes
 from shardc.cost.compose import EstimateOptions, LayerWork, Links, compose
@@ -59,6 +59,15 @@ class Assignment:
         recomputed blocks first, then selective, then none (the first are held longest)."""
         return [(s, RECOMPUTE_CHOICES[r]) for s, row in enumerate(self.stages) for r in (2, 1, 0)
                 for _ in range(row[r])]
+
+
+def executed_zero(problem: Problem, a: Assignment) -> Assignment:
+    """`a` as it runs: ZeRO shards over the data group (dp, cp and ep: the axes a replicated
+    parameter's gradient is averaged over), so on a shape without one it wraps nothing at run time
+    and is priced as nothing; the plan then says ZeRO 0, so that a plan never claims a ZeRO stage it
+    does not execute (the same figures: `tests/test_closed_loop.py` counts ZeRO only where it runs)."""
+    s = problem.shape
+    return a if a.zero == 0 or s.dp * s.cp * s.ep > 1 else replace(a, zero=0)
 
 
 def per_stage(problem: Problem, choice: tuple[int, ...], blocks: list[tuple[int, ...]],

@@ -88,7 +88,7 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.search.bounds import grid_bound, lower_bound
 from shardc.search.budget import within_budget
 from shardc.search.cpsat import solve
-from shardc.search.evaluate import Assignment, Evaluation, evaluate
+from shardc.search.evaluate import Assignment, Evaluation, evaluate, executed_zero
 from shardc.search.grid import GridPoint, grid_assignments, grid_points, interleavings
 from shardc.search.interleave import search_interleaved
 from shardc.search.objective import objective
@@ -388,6 +388,8 @@ def search(facts: GraphFacts, cluster: Cluster, gbs: int, limit: float, time_lim
             got = _rescore(mine, cluster, limit, RESCORED)
             if got is not None:
                 families[name] = got
+    for f in {id(f): f for f in (best, grid, *families.values()) if f is not None}.values():
+        f.assignment = executed_zero(f.problem, f.assignment)  # ZeRO without a data group runs nothing
     if best is not None:
         annotate_graph(facts.graph, best.problem, best.assignment)
     return SearchResult(best, grid, closest, time.perf_counter() - began, gap, solved, pruned, log, start - began,
