@@ -66,7 +66,7 @@ from shardc.cost.op_memory import (
     last_piece,
     loss_extra,
 )
-from shardc.cost.saved import SavedKey, heads, rotation
+from shardc.cost.saved import SavedKey, heads, matmul_copy, rotation
 from shardc.ir import Node, Value
 
 
@@ -214,7 +214,8 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
             root = ctx.root(node.inputs[i] if kind == "in" else node.outputs[i])
             found = gathered_source(ctx, node, i) if kind == "in" else None
             if found is None:
-                direct.add(root)
+                if kind != "in" or matmul_copy(ctx, node, i) is None:  # a matmul's copy is not the storage
+                    direct.add(root)
                 continue
             where, j, nbytes = found
             copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in opening, root)
