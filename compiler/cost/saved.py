@@ -94,7 +94,7 @@ def matmul_copy(ctx: CostContext, node: Node, idx: int) -> float | None:
     if any(st is None for st in strides):
         return None
     ratio = _saved_copy_ratio((node.inputs[0].type, node.inputs[1].type), strides, idx)  # type: ignore[arg-type]
-    return None if ratio is None else ratio * ctx.local_bytes(node.inputs[idx])
+    return None if ratio is None else ratio * ctx.local_bytes(node.inputs[idx], ctx.local(node).in_layouts[idx])
 
 
 def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]]) -> dict[int, float]:
