@@ -138,3 +138,32 @@ def test_recorded_study_plans_repriced_within_targets(tmp_path: Path) -> None:
     for row in rows:
         total, worst = row["repriced_worst"]
         assert meets(row["repriced_worst"]) == (True, True), f"{row['label']}: total {total:+.1%}, worst {worst}"
+
+
+@pytest.mark.parametrize("query", ["per head from one projection", "contiguous"])
+def test_a_matmul_saves_the_copy_torch_makes_of_an_operand_it_cannot_view(query: str) -> None:
+    """`cost.saved.matmul_copy`'s probe (torch.matmul on meta tensors with the graph's strides)
+    against autograd on real tensors: attention's query read per head from a QKV projection is
+    saved as a copy of its own (context parallelism then keeps it, not the projection), a
+    contiguous one as itself."""
+    import torch
+
+    from shardc.cost.saved import _saved_copy_ratio
+    from shardc.ir import TensorType
+
+    qkv = torch.randn(2, 16, 3 * 32, requires_grad=True)
+    q = qkv.split(32, dim=2)[0].reshape(2, 16, 4, 8).permute(0, 2, 1, 3)
+    if query == "contiguous":
+        q = q.detach().contiguous().requires_grad_()
+    keys = torch.randn(2, 4, 8, 16)  # gathered keys, transposed: contiguous
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.matmul(q, keys.requires_grad_())
+    mine = q.untyped_storage().data_ptr()
+    copied = [t for t in saved if t.untyped_storage().data_ptr() not in (mine, keys.untyped_storage().data_ptr())]
+    ratio = _saved_copy_ratio((TensorType(tuple(q.shape), "f32"), TensorType(tuple(keys.shape), "f32")),
+                              (tuple(q.stride()), tuple(keys.stride())), 0)
+    assert ratio == (1.0 if copied else None)
+    assert bool(copied) == (query != "contiguous")
+    assert _saved_copy_ratio((TensorType(tuple(q.shape), "f32"), TensorType(tuple(keys.shape), "f32")),
+                             (tuple(q.stride()), tuple(keys.stride())), 1) is None  # the keys are viewed
