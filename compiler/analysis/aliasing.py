@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,10 +38,12 @@ Strides = tuple[int, ...]
 
 @dataclass(frozen=True, slots=True)
 class Aliasing:
-    """The storage owner of every value, and the view nodes that copy when they run."""
+    """The storage owner of every value, the view nodes that copy when they run, and every
+    value's strides as eager PyTorch lays it out (global shapes)."""
 
     roots: Mapping[Value, Value]
     copies: frozenset[Node]
+    strides: Mapping[Value, Strides] = field(default_factory=dict)
 
     def root(self, value: Value) -> Value:
         """The value owning `value`'s storage (itself unless torch makes it a view)."""
@@ -114,7 +116,7 @@ def aliasing(graph: Graph) -> Aliasing:
         if node.op != "concat" and has_op(node.op) and get_op(node.op).kind == "view" and behaviour is not None \
                 and any(source is None for source, _ in behaviour):
             copies.add(node)
-    return Aliasing(roots, frozenset(copies))
+    return Aliasing(roots, frozenset(copies), strides)
 
 
 def aliases(node: Node) -> bool:

@@ -116,7 +116,9 @@ def _stage_peaks(layers: Sequence[Any], fsdp_hold: bool, running: dict[str, floa
                            "buffers": comm}, own)
         if sum(candidate.values()) > sum(bwd.values()):
             bwd = candidate
-        working = max(0.0, mem.input_peak - mem.kept) + held + sum(l.memory.weight_inputs for l in later)
+        # The input-gradient pass makes no weight gradient (no tied one held), and the stage's last
+        # layer's incoming gradient is torch's gradient-receive buffer, captured all pass (counted there).
+        working = max(0.0, mem.input_peak - mem.kept - arrived) + sum(l.memory.weight_inputs for l in later)
         if sum(kept) - shared + copies + working > sum(inp.values()):
             inp = {"activations": sum(kept) - shared, "recompute_working": copies, "working": working}
     return fwd, bwd, sum(kept) - shared, inp

@@ -5,20 +5,25 @@ or by (node, k) for what has no value of its own), with whether selective recomp
 each (the attention core's own tensors). Keys besides values: a rotating node's received shards
 (node, -1 - input index) (`received_entries`), causal ring attention's extra blocks (node,
 RING_SAVED), sdpa's bool mask as the float copy its kernel saves (node, MASK_SAVED), the gathered
-copy eager autograd keeps of an all-gathered input (where, GATHERED - i) (`edges.gathered_source`).
+copy eager autograd keeps of an all-gathered input (where, GATHERED - i) (`edges.gathered_source`),
+the copy a batched matmul saves of an input it cannot view (node, COPIED - i) (`matmul_copy`).
 Moved from `cost.layer`, which charges the rest of a layer's cost.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
+
+import torch
 
 from shardc.cost.context import CostContext
 from shardc.cost.edges import GATHERED, gathered_source
 from shardc.cost.head import loss_logits_bytes
 from shardc.cost.ring import causal_ring_saved
-from shardc.ir import Node, Value
+from shardc.ir import Node, TensorType, Value
 from shardc.ops.registry import rotating_operands
+from shardc.ops.verifier import meta_tensor
 
 SavedKey = Value | tuple[Node, int]
 
@@ -46,6 +51,50 @@ def rotation(ctx: CostContext, node: Node) -> tuple[int, list[int], list[int]] |
 
 RING_SAVED = -100  # a saved-entry key (node, RING_SAVED): causal ring attention's blocks (`ring.causal_ring_saved`)
 MASK_SAVED = -101  # (node, MASK_SAVED): sdpa's bool mask as the float copy its kernel saves (one per call)
+COPIED = -200  # (node, COPIED - i): the copy a matmul saves of its input i (`matmul_copy`)
+
+
+@functools.lru_cache(maxsize=4096)
+def _saved_copy_ratio(types: tuple[TensorType, TensorType], strides: tuple[tuple[int, ...], ...],
+                      idx: int) -> float | None:
+    """torch.matmul on meta tensors of these types and strides, only the other operand needing
+    a gradient: the bytes of what it saves of operand `idx` over that operand's own when that is
+    a new storage (a copy), else None (a view of the operand, or nothing saved)."""
+    tensors = [torch.empty_strided(t.shape, st, dtype=meta_tensor(t).dtype, device="meta")
+               for t, st in zip(types, strides)]
+    other = tensors[1 - idx].requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.matmul(*tensors)
+    except RuntimeError:
+        return None
+    mine = tensors[idx].untyped_storage()._cdata
+    copies = [t for t in saved if t.untyped_storage()._cdata not in (mine, other.untyped_storage()._cdata)]
+    if not copies or types[idx].numel == 0:
+        return None
+    return max(t.numel() for t in copies) / types[idx].numel
+
+
+def matmul_copy(ctx: CostContext, node: Node, idx: int) -> float | None:
+    """Local bytes of the copy a batched matmul saves of its input `idx`, when torch cannot view
+    that input as the 3-d operand of `bmm` (or the 2-d one of a folded `mm`): `torch.matmul`
+    expands and reshapes it, and a reshape of a permuted view (attention's query, key and value
+    read per head from one projection) is a new storage, which is what autograd saves, not the
+    projection's. None when it saves a view (or for any other op). Strides are the graph's
+    (`aliasing`, global shapes): a shard keeps its tensor's layout."""
+    if node.op != "matmul" or len(node.inputs) != 2 or not all(v.type.rank >= 2 for v in node.inputs):
+        return None
+    strides = tuple(ctx.storage.strides.get(v) for v in node.inputs)
+    if any(st is None for st in strides):
+        return None
+    ratio = _saved_copy_ratio((node.inputs[0].type, node.inputs[1].type), strides, idx)  # type: ignore[arg-type]
+    return None if ratio is None else ratio * ctx.local_bytes(node.inputs[idx], ctx.local(node).in_layouts[idx])
 
 
 def received_entries(ctx: CostContext, node: Node, saves: Sequence[tuple[str, int, float]]) -> dict[int, float]:
@@ -86,6 +135,13 @@ def saved_for_backward(ctx: CostContext, node: Node, saves: Sequence[tuple[str, 
         if found is not None:  # the gathered copy eager autograd keeps (`gathered_source`)
             where, j, copy = found
             entries[(where, GATHERED - j)] = (copy, in_core and where in core and where not in heads(core))
+            continue
+        copied = matmul_copy(ctx, node, idx) if kind == "in" else None
+        if copied is not None:
+            # Kept under selective recomputation too: the core's checkpoint keeps instead the
+            # storage the copy was made from (its argument), which the copies of its pieces
+            # (query, key and value of one projection) add up to.
+            entries[(node, COPIED - idx)] = (copied, False)
             continue
         root = ctx.root(v)
         if root.kind in ("parameter", "buffer"):

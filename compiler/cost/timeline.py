@@ -66,7 +66,7 @@ from shardc.cost.op_memory import (
     last_piece,
     loss_extra,
 )
-from shardc.cost.saved import SavedKey, heads, rotation
+from shardc.cost.saved import SavedKey, heads, matmul_copy, rotation
 from shardc.ir import Node, Value
 
 
@@ -214,7 +214,8 @@ def _gathered_copies(ctx: CostContext, nodes: Sequence[Node]) -> tuple[dict[Save
             root = ctx.root(node.inputs[i] if kind == "in" else node.outputs[i])
             found = gathered_source(ctx, node, i) if kind == "in" else None
             if found is None:
-                direct.add(root)
+                if kind != "in" or matmul_copy(ctx, node, i) is None:  # a matmul's copy is not the storage
+                    direct.add(root)
                 continue
             where, j, nbytes = found
             copies[(where, GATHERED - j)] = (nbytes, node in core and where in core and where not in opening, root)
@@ -314,7 +315,9 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
     later_readers |= {m for m, region in regions.items() if m is not region.loss}  # run at the loss's turn
     peak, at_saved, at_recomputed, at_comm, at_incoming = 0.0, 0.0, 0.0, 0.0, 0.0
     core_pending = bool(core)
-    captured = 0.0  # split: output gradients kept for the weight pass (`weight_gradient_inputs`)
+    # split: output gradients kept for the weight pass (`weight_gradient_inputs`), by the storage
+    # they live in: one the residual stream still passes on (the incoming gradient) is counted once.
+    captured: dict[object, float] = {}
     for idx in range(len(nodes) - 1, -1, -1):
         node = nodes[idx]
         if not any(o in ctx.needs_grad for o in node.outputs):
@@ -354,10 +357,11 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             # backward's end) and the reduce-scatter's full-size sum (gloo: an all-reduce of a copy).
             padding += gathered + last_piece(ctx, node, members[-1])
             comm = 2 * gathered
-        live = sum(saved.values()) + sum(recomputed.values()) + _grad_bytes(grads, owner) + sum(held.values())
+        live_grads = _grad_bytes({v: b for v, b in grads.items() if owner[v] not in captured}, owner)
+        live = sum(saved.values()) + sum(recomputed.values()) + live_grads + sum(held.values())
         if split:  # the input-gradient pass computes no weight gradient
             new_params = {}
-        total = live + sum(allocs.values()) + padding + comm + sum(new_params.values()) + captured \
+        total = live + sum(allocs.values()) + padding + comm + sum(new_params.values()) + sum(captured.values()) \
             + loss_extra(ctx, node, regions, backward=True)
         if region is None:
             total -= in_place_gradient(ctx, node, saved, recomputed, allocs)
@@ -365,7 +369,9 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             peak, at_saved, at_recomputed, at_comm = total, sum(saved.values()), sum(recomputed.values()), comm
             at_incoming = _grad_bytes({v: b for v, b in grads.items() if owner[v] in arrived}, owner)
         if split and _meets_weights(node, ctx):
-            captured += sum(ctx.local_bytes(o) for o in node.outputs if o in ctx.needs_grad)
+            for o in (o for o in node.outputs if o in ctx.needs_grad):
+                key = owner.get(o, o)
+                captured[key] = max(captured.get(key, 0.0), ctx.local_bytes(o))
         outs = [(grads.pop(o), owner.pop(o)) for m in members for o in m.outputs if o in grads]
         out_grad, out_owner = max(outs, key=lambda g: g[0], default=(0.0, None))
         for key in passed:
