@@ -88,8 +88,7 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
     a miss after the fact but is not a prediction. Memory is compared per rank in total and per
     category (`category_errors`)."""
     results = sorted(results, key=lambda r: r["rank"])
-    steps = len(results[0]["step_times_s"])
-    slowest = [max(r["step_times_s"][k] for r in results) for k in range(steps)]
+    slowest = slowest_steps(results)
     measured_step = statistics.median(slowest)
     cpu = [r["cpu_step_times_s"] for r in results if r.get("cpu_step_times_s")]
     cpu_step = statistics.median(max(c[k] for c in cpu) for k in range(len(cpu[0]))) if cpu else None
@@ -133,6 +132,19 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
         "ranks": ranks, "predicted": predicted,
         "predicted_recalibrated": recalibrated,
     }
+
+
+def slowest_steps(results: Sequence[dict[str, Any]]) -> list[float]:
+    """Per measured step, the slowest rank's time (the steps start together after a barrier)."""
+    return [max(r["step_times_s"][k] for r in results) for k in range(len(results[0]["step_times_s"]))]
+
+
+def round_entry(results: list[dict[str, Any]], recalibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What `merge_rounds` takes of a plan's later round, which times its steps only (no
+    memory, profile or collectives: the first round's are kept): the measured step time and the
+    at-speed re-prediction."""
+    return {"measured_step_time_s": statistics.median(slowest_steps(results)),
+            "predicted_step_time_s_at_speed": recalibrated["step_time_s"] if recalibrated else None}
 
 
 def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:

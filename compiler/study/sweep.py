@@ -263,9 +263,12 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
     """The default sweep for this model and these process counts: `plans.default_sweep`'s
     candidates (or `candidates`': `plans.pipeline_sweep` for `--sweep pipeline`) that the
     `validate-plan` pass accepts on the study's cluster (the others are
-    listed in results.json's `left_out` with the pass's reason), then the solver's plan for each
-    process count (`shardc plan` on the same cluster, written to `out/solver-N.plan` and run
-    from that file). A solver that fails is recorded as a failed plan, with its message."""
+    listed in results.json's `left_out` with the pass's reason), then (with `solver`, the
+    default sweep) for each process count the rotating partition (`shardc.study.rotating`,
+    tp = N with its row-parallel linears rotating, written to `out/rotate-N.plan`; left out
+    with the reason where tp = N is not valid) and the solver's plan (`shardc plan` on the same
+    cluster, written to `out/solver-N.plan`), each run from its file. A solver or rotating plan
+    that fails to be made is recorded as a failed plan, with its message."""
     batch = int(study.source.inputs[0].shape[0])
     layers = model_layers(study.source)
     texts: list[str] = []
@@ -278,6 +281,8 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
                 texts.append(text)
             else:
                 left.append({"plan": text, "reason": problem})
+        if solver:
+            texts += _rotating_text(study, n, batch, out, store, grouped, left)
         path = out / f"solver-{n}.plan"
         if not solver or store.done(f"solver-{n}"):
             continue
@@ -292,16 +297,42 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
     return texts
 
 
+def _rotating_text(study: Study, n: int, batch: int, out: Path, store: ResultsStore, grouped: dict[int | None, Any],
+                   left: list[dict[str, str]]) -> list[str]:
+    """`plan_file=out/rotate-N.plan` for the rotating plan of `n` processes (made now, or the
+    file a resumed study made); none when tp = n is refused (the reason in `left`) or its
+    making fails (recorded as a failed plan)."""
+    from shardc.study.rotating import rotating_plan_file
+
+    if n < 2 or store.done(f"rotate-{n}"):
+        return []
+    tp = f"tp={n},mb={batch}"
+    problem = validation_problem(study.source, parse_study_plan(tp, batch), study.cluster_for(n), grouped)
+    if problem is not None:
+        left.append({"plan": f"rotating partition on {tp}", "reason": problem})
+        return []
+    path = out / f"rotate-{n}.plan"
+    if path.exists() and any(p.get("plan", "").endswith(str(path)) for p in store.data["plans"]):
+        return [f"plan_file={path}"]  # a resumed study runs the file it made
+    try:
+        return [rotating_plan_file(study.source, study.cluster_for(n), n, batch, path)]
+    except Exception as err:  # a result of the study too
+        store.record(status_entry(None, f"rotate-{n}", "error", error=f"rotating plan: {type(err).__name__}: {err}"))
+        return []
+
+
 def _round_jobs(jobs: dict[int, list[dict[str, Any]]], store: ResultsStore, r: int, seed: int
                 ) -> dict[int, list[dict[str, Any]]]:
     """Round `r`'s jobs: the plans that ran in fewer than r+1 rounds and have not failed, in an
-    order shuffled by (`seed`, r)."""
+    order shuffled by (`seed`, r); `details` (the profiled and memory-tracked steps) only in a
+    plan's first round, as `compare.merge_rounds` keeps the first round's."""
     import random
 
     rng = random.Random(seed * 1000 + r)
     out: dict[int, list[dict[str, Any]]] = {}
     for n, group in jobs.items():
-        todo = [j for j in group if store.rounds_done(j["id"]) <= r and not store.failed(j["id"])]
+        todo = [{**j, "details": store.rounds_done(j["id"]) == 0} for j in group
+                if store.rounds_done(j["id"]) <= r and not store.failed(j["id"])]
         rng.shuffle(todo)
         if todo:
             out[n] = todo
