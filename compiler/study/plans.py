@@ -154,8 +154,8 @@ def default_sweep(n: int, batch: int, layers: int) -> list[str]:
     `validate-plan` pass refuses for the model and cluster). Every factorisation of `n` into
     dp, tp, pp and cp; around pure data parallelism ZeRO 1 and 3, selective and full
     recomputation, bf16, gradient accumulation (half the micro-batch), DDP bucket sizes and
-    the rank modules compiled (`compile=1`, inductor); tp with sequence parallelism, and pure
-    tp compiled; pp with GPipe and an unbalanced stage split; mb is the per-replica batch, or a
+    the rank modules compiled (`compile=1`, inductor); tp with sequence parallelism, and tp=2
+    compiled on 2 processes; pp with GPipe and an unbalanced stage split; mb is the per-replica batch, or a
     pipeline's per-replica batch over 2*pp (at least 1). The rotating partition is a plan file
     (`shardc.study.rotating`), added by the sweep beside the solver's."""
     out: list[str] = []
@@ -173,7 +173,7 @@ def default_sweep(n: int, batch: int, layers: int) -> list[str]:
                 out.append(f"dp={dp},mb={mb // 2}")
         if tp > 1 and pp == 1 and cp == 1:
             out += [f"{base},sp=1", f"{base},sp=1,recompute=selective"]
-        if tp == n > 1:
+        if tp == n == 2:  # one tp plan compiled: 4-process tp plans are the sweep's slowest, their compile too
             out.append(f"{base},compile=1")
         if pp == n:
             out.append(f"{base},schedule=gpipe")

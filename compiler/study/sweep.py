@@ -73,6 +73,7 @@ class Study:
     settings: dict[str, Any]
     clusters: dict[int, Any] = field(default_factory=dict)
     partitioned: dict[str, str] = field(default_factory=dict)  # plan id -> its IR before lowering
+    parsed: dict[str, Any] = field(default_factory=dict)  # plan id -> that IR parsed (re-scored every round)
 
     def cluster_for(self, n: int) -> Any:
         """The cluster plans of `n` processes are predicted on (made once per `n`)."""
@@ -126,7 +127,9 @@ class Study:
         cluster = study_cluster(sp.devices, profile=at_speed(self.profile, mode),
                                 memory_limit_bytes=self.memory_limit_bytes)
         quiet = replace(self.flags, print_after_all=False, time_passes=False)  # the progress bar is drawing
-        _, predicted = score(parse(self.partitioned[sp.id]), sp, cluster, quiet)
+        if sp.id not in self.parsed:  # `score` leaves the graph as it is: parsed once, re-scored each round
+            self.parsed[sp.id] = parse(self.partitioned[sp.id])
+        _, predicted = score(self.parsed[sp.id], sp, cluster, quiet)
         return {**predicted, "cluster": str(cluster), "speed_factor": factor}
 
 
