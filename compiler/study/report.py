@@ -212,7 +212,7 @@ def _compiled_line(data: dict[str, Any]) -> str:
     plans = [p for p in data["plans"] if p["status"] == "ok" and "compile=1" in p["plan"]]
     if not plans:
         return ""
-    timed = [p["label"] if "label" in p else p["id"] for p in plans if (p.get("compiles") or {}).get("timed")]
+    timed = [label(p["plan"]) for p in plans if (p.get("compiles") or {}).get("timed")]
     warm = sorted({w for p in plans for w in (p.get("round_warmup_steps") or [p.get("warmup_steps", 0)])})
     return (f" {len(plans)} compiled plan(s) (torch.compile, inductor): warm-up of {'/'.join(map(str, warm))} steps "
             "covered the compiles" + (f", except in the timed steps of {', '.join(timed)}" if timed else

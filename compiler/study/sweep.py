@@ -267,10 +267,11 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
     candidates (or `candidates`': `plans.pipeline_sweep` for `--sweep pipeline`) that the
     `validate-plan` pass accepts on the study's cluster (the others are
     listed in results.json's `left_out` with the pass's reason), then (with `solver`, the
-    default sweep) for each process count the rotating partition (`shardc.study.rotating`,
-    tp = N with its row-parallel linears rotating, written to `out/rotate-N.plan`; left out
-    with the reason where tp = N is not valid) and the solver's plan (`shardc plan` on the same
-    cluster, written to `out/solver-N.plan`), each run from its file. A solver or rotating plan
+    default sweep) the rotating partition at the smallest process count N > 1
+    (`shardc.study.rotating`: tp = N with its row-parallel linears rotating, written to
+    `out/rotate-N.plan`; left out with the reason where tp = N is not valid; one, as a 4-process
+    tp plan is among the sweep's slowest) and for each process count the solver's plan (`shardc
+    plan` on the same cluster, written to `out/solver-N.plan`), each run from its file. A solver or rotating plan
     that fails to be made is recorded as a failed plan, with its message."""
     batch = int(study.source.inputs[0].shape[0])
     layers = model_layers(study.source)
@@ -284,7 +285,7 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
                 texts.append(text)
             else:
                 left.append({"plan": text, "reason": problem})
-        if solver:
+        if solver and n == min(m for m in nprocs if m > 1):  # one rotating plan, at the fewest processes
             texts += _rotating_text(study, n, batch, out, store, grouped, left)
         path = out / f"solver-{n}.plan"
         if not solver or store.done(f"solver-{n}"):
