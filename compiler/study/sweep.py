@@ -35,6 +35,7 @@ from shardc.driver import Flags, Source, open_model
 from shardc.ir.diagnostics import ShardcError
 from shardc.study.plans import (
     PIPELINE_SWEEP,
+    STUDY_STEPS,
     StudyPlan,
     default_sweep,
     parse_study_plan,
@@ -135,7 +136,7 @@ class Study:
 
 def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: str | None = None,
               sweep: str | None = None, device: str = "cpu", out_dir: str | os.PathLike[str],
-              steps: int = 10, warmup: int = 2, console: Any = None, profile: Any = None,
+              steps: int = STUDY_STEPS, warmup: int = 2, console: Any = None, profile: Any = None,
               memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
               allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True,
               fresh_profile: bool = False, cluster: str | None = None, gpu_calibration: bool | None = None,
