@@ -213,10 +213,12 @@ def _compiled_line(data: dict[str, Any]) -> str:
     if not plans:
         return ""
     timed = [label(p["plan"]) for p in plans if (p.get("compiles") or {}).get("timed")]
+    eager = [label(p["plan"]) for p in plans if not (p.get("compiles") or {}).get("warmup")]
     warm = sorted({w for p in plans for w in (p.get("round_warmup_steps") or [p.get("warmup_steps", 0)])})
     return (f" {len(plans)} compiled plan(s) (torch.compile, inductor): warm-up of {'/'.join(map(str, warm))} steps "
             "covered the compiles" + (f", except in the timed steps of {', '.join(timed)}" if timed else
-                                      " (nothing compiled in a timed step)") + ".")
+                                      " (nothing compiled in a timed step)") + "."
+            + (f" NOT compiled (ran eagerly): {', '.join(eager)}." if eager else ""))
 
 
 def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:

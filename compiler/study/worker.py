@@ -66,11 +66,15 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], work: str) -> in
     """Entry point for `launch.spawn`: run `jobs` in order; returns how many finished."""
     torch.set_num_threads(1)
     if any(job.get("compiled") is not None and getattr(job["compiled"].plan, "compile", None) for job in jobs):
+        import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
         # in this process: a pool of compile workers per rank, each importing torch, costs more
         # than it saves on a few cores shared by the group's ranks
         inductor_config.compile_threads = 1
+        # every compiled plan's module is a class of its own behind nn.Module's one `_call_impl`:
+        # past dynamo's limit of 8 entries a plan would silently run eager
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(jobs))
     device = job_device(rank, jobs)
     probe: list[SpeedIndex] = []  # the speed probe, made once for the process by the first plan
     done = 0
