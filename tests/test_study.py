@@ -303,3 +303,22 @@ def test_memory_category_errors() -> None:
     assert got["working"] == pytest.approx(-0.5)
     assert got["buffers"] == pytest.approx(3.0)  # 300 predicted against the 2% floor of 100 bytes
     assert category_errors({"parameters": 10}, {"parameters": 20}, 5000)[0]["error"] is None
+
+
+def test_the_readme_sweep_has_compiled_plans_at_every_process_count_and_one_rotating_plan(tmp_path: Path) -> None:
+    """The README model's sweep (`plans.DEFAULT_MODEL`, 2 and 4 processes) before validation:
+    dp=N compiled at every N, tp=2 compiled on 2; the rotating partition's plan file (made, not
+    run) rotates every row-parallel linear over tp and loads back as the study runs it."""
+    from shardc.driver import open_model
+    from shardc.study.plans import DEFAULT_MODEL
+    from shardc.study.rotating import rotating_plan_file
+
+    two, four = default_sweep(2, 8, 4), default_sweep(4, 8, 4)
+    assert [p for p in two if "compile=1" in p] == ["tp=2,mb=8,compile=1", "dp=2,mb=4,compile=1"]
+    assert [p for p in four if "compile=1" in p] == ["dp=4,mb=2,compile=1"]
+    source = open_model(DEFAULT_MODEL, device="cpu")
+    text = rotating_plan_file(source, study_cluster(2), 2, 8, tmp_path / "rotate-2.plan")
+    sp = parse_study_plan(text, 8)
+    assert sp.label == "rotate:tp=2,mb=8,gbs=8" and sp.plan.tp == 2
+    ir = (tmp_path / "rotate-2.plan.ir").read_text()
+    assert ir.count("partition<tp:n; time k/2 rotate tp>") == 8  # attn.proj and mlp.fc2 of 4 blocks
