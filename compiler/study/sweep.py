@@ -155,8 +155,8 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     `flags` (`shardc.driver.Flags`): the study pipeline (`--pipeline`, which must keep the
     `estimate` pass), and whether each plan's passes are printed and timed.
     `rounds`: how many times every plan runs, each round in an order shuffled by `seed` (the
-    report gives each plan's range over rounds). `solver=False` leaves the solver's plan out of
-    the default sweep.
+    report gives each plan's range over rounds). `solver=False` leaves the plan files out of
+    the default sweep (the solver's and the rotating partition's).
     """
     if rounds < 1:
         raise ShardcError(f"--rounds {rounds}: run every plan at least once (--rounds 1)")
