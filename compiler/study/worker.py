@@ -69,8 +69,8 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], work: str) -> in
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
-        # in this process: a pool of compile workers per rank, each importing torch, costs more
-        # than it saves on a few cores shared by the group's ranks
+        # compile in this process: not a pool of compile worker processes per rank (each
+        # importing torch) on the few cores the group's ranks already share
         inductor_config.compile_threads = 1
         # every compiled plan's module is a class of its own behind nn.Module's one `_call_impl`:
         # past dynamo's limit of 8 entries a plan would silently run eager
