@@ -20,6 +20,7 @@ from typing import Any
 from shardc.driver import PIPELINES, Flags, as_cluster, estimate, open_model, run, solve
 from shardc.hardware import with_memory_limit
 from shardc.ir.diagnostics import ShardcError
+from shardc.study.plans import STUDY_STEPS
 
 
 def _console() -> Any:
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-matmuls", action=argparse.BooleanOptionalAction, default=None,
                    help="after the sweep, time matmuls against the device spec (default: on with --device cuda)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the report and results.json go")
-    p.add_argument("--steps", type=int, default=10, help="measured steps per plan (medians; the probe times the machine beside each)")
+    p.add_argument("--steps", type=int, default=STUDY_STEPS,
+                   help="measured steps per plan and round (medians; the probe times the machine beside each)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1,
                    help="run every plan this many times, each round in a shuffled order (--seed); the report gives "

@@ -84,6 +84,10 @@ def test_results_schema_and_report_files(studies) -> None:
     # Two rounds: both measured, the plan's step time their median, the error against it
     assert len(p["round_step_times_s"]) == 2 and len(first["orders"]) == 2
     assert p["measured_step_time_s"] == pytest.approx(statistics.median(p["round_step_times_s"]))
+    # The second round timed the steps only: no profiled or memory-tracked step (the first's are kept)
+    last = json.loads((out / "runs" / f"{p['id']}.rank0.json").read_text())
+    assert last["details"] is False and last["memory"] == {} and last["profile"] == {}
+    assert p["round_warmup_steps"] == [1, 1] and p["compiles"] == {"warmup": 0, "timed": 0}  # eager
     assert p["step_time_error"] == pytest.approx((p["predicted_step_time_s"] - p["measured_step_time_s"])
                                                  / p["measured_step_time_s"])
     # Memory per category on every rank, and the plan's worst category
@@ -213,8 +217,10 @@ def test_a_storage_resized_in_place_is_counted_once() -> None:
 def test_default_sweep_of_the_tiny_gpt_is_valid_runs_and_is_predicted_before_it_runs(tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """`shardc study examples/gpt.py:tiny --nproc 2`: every default plan passes validate-plan
-    (none left out), includes selective recomputation, bf16, a rotating (cp, ring attention)
-    partition and the solver's plan file, and runs. The predictions are fixed before the first
+    (none left out), includes selective recomputation, bf16, ring attention (cp), compiled plans
+    (dp and tp, torch.compile warmed up before the timed steps), a rotating partition (tp=2 with
+    `time k/2 rotate tp` linears, from its plan file) and the solver's plan file, and runs. The
+    predictions are fixed before the first
     plan is launched: what run_groups is handed equals the headline recorded after the runs,
     and equals the plan predicted afresh (no run) on the same profile."""
     profile = load_profile()
@@ -238,11 +244,19 @@ def test_default_sweep_of_the_tiny_gpt_is_valid_runs_and_is_predicted_before_it_
     failed = [(p["plan"], p.get("error")) for p in data["plans"] if p["status"] != "ok"]
     assert not failed, failed
     plans = [p["plan"] for p in data["plans"]]
-    assert len(plans) == len(default_sweep(2, 2, 2)) + 1
-    for want in ("recompute=selective", "dtype=bf16", "cp=2", "schedule=gpipe", "zero=3", "sp=1"):
+    assert len(plans) == len(default_sweep(2, 2, 2)) + 2  # and the rotating and the solver's plan files
+    for want in ("recompute=selective", "dtype=bf16", "cp=2", "schedule=gpipe", "zero=3", "sp=1", "compile=1"):
         assert any(want in p for p in plans), want
-    solver = [p for p in data["plans"] if "plan_file=" in p["plan"]]
+    compiled = {parse_study_plan(p["plan"], 2).label: p for p in data["plans"] if "compile=1" in p["plan"]}
+    assert set(compiled) == {"dp=2,mb=1,compile=1", "tp=2,mb=2,compile=1"}
+    for label, p in compiled.items():  # compiled in the warm-up (at least once per rank), never while timed
+        assert p["compiles"]["warmup"] >= 2 and p["compiles"]["timed"] == 0 and p["warmup_steps"] >= 1, (label, p)
+    solver = [p for p in data["plans"] if "solver-2.plan" in p["plan"]]
     assert len(solver) == 1 and (out / "solver-2.plan").is_file()
+    rotating = [p for p in data["plans"] if "rotate-2.plan" in p["plan"]]
+    assert len(rotating) == 1 and parse_study_plan(rotating[0]["plan"], 2).label.startswith("rotate:tp=2,")
+    ir = (out / "rotate-2.plan.ir").read_text()
+    assert ir.count("partition<tp:n; time k/2 rotate tp>") == 4  # attn.proj and mlp.fc2 of both blocks
     assert {p["id"]: p["predicted_step_time_s"] for p in data["plans"]} == handed
     sp = parse_study_plan(data["plans"][0]["plan"], 2)
     fresh = predict("examples/gpt.py:tiny", sp, study_cluster(2, profile=profile))[1]["step_time_s"]
@@ -289,3 +303,22 @@ def test_memory_category_errors() -> None:
     assert got["working"] == pytest.approx(-0.5)
     assert got["buffers"] == pytest.approx(3.0)  # 300 predicted against the 2% floor of 100 bytes
     assert category_errors({"parameters": 10}, {"parameters": 20}, 5000)[0]["error"] is None
+
+
+def test_the_readme_sweep_has_compiled_plans_at_every_process_count_and_one_rotating_plan(tmp_path: Path) -> None:
+    """The README model's sweep (`plans.DEFAULT_MODEL`, 2 and 4 processes) before validation:
+    dp=N compiled at every N, tp=2 compiled on 2; the rotating partition's plan file (made, not
+    run) rotates every row-parallel linear over tp and loads back as the study runs it."""
+    from shardc.driver import open_model
+    from shardc.study.plans import DEFAULT_MODEL
+    from shardc.study.rotating import rotating_plan_file
+
+    two, four = default_sweep(2, 8, 4), default_sweep(4, 8, 4)
+    assert [p for p in two if "compile=1" in p] == ["tp=2,mb=8,compile=1", "dp=2,mb=4,compile=1"]
+    assert [p for p in four if "compile=1" in p] == ["dp=4,mb=2,compile=1"]
+    source = open_model(DEFAULT_MODEL, device="cpu")
+    text = rotating_plan_file(source, study_cluster(2), 2, 8, tmp_path / "rotate-2.plan")
+    sp = parse_study_plan(text, 8)
+    assert sp.label == "rotate:tp=2,mb=8,gbs=8" and sp.plan.tp == 2
+    ir = (tmp_path / "rotate-2.plan.ir").read_text()
+    assert ir.count("partition<tp:n; time k/2 rotate tp>") == 8  # attn.proj and mlp.fc2 of 4 blocks

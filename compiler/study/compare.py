@@ -88,8 +88,7 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
     a miss after the fact but is not a prediction. Memory is compared per rank in total and per
     category (`category_errors`)."""
     results = sorted(results, key=lambda r: r["rank"])
-    steps = len(results[0]["step_times_s"])
-    slowest = [max(r["step_times_s"][k] for r in results) for k in range(steps)]
+    slowest = slowest_steps(results)
     measured_step = statistics.median(slowest)
     cpu = [r["cpu_step_times_s"] for r in results if r.get("cpu_step_times_s")]
     cpu_step = statistics.median(max(c[k] for c in cpu) for k in range(len(cpu[0]))) if cpu else None
@@ -131,8 +130,31 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
         "max_abs_memory_error": max(abs(x["memory_error"] or 0.0) for x in ranks),
         "worst_memory_category": worst_category,
         "ranks": ranks, "predicted": predicted,
-        "predicted_recalibrated": recalibrated,
+        "predicted_recalibrated": recalibrated, **warmup_entry(results),
     }
+
+
+def slowest_steps(results: Sequence[dict[str, Any]]) -> list[float]:
+    """Per measured step, the slowest rank's time (the steps start together after a barrier)."""
+    return [max(r["step_times_s"][k] for r in results) for k in range(len(results[0]["step_times_s"]))]
+
+
+def warmup_entry(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The round's warm-up steps (the most any rank ran: they agree) and torch.compile's work
+    (`worker.compile_events`, summed over ranks) in the warm-up and in the timed steps, which a
+    compiled plan's warm-up must leave at 0."""
+    return {"warmup_steps": max(int(r.get("warmup_steps", 0)) for r in results),
+            "compiles": {phase: sum(int((r.get("compiles") or {}).get(phase, 0)) for r in results)
+                         for phase in ("warmup", "timed")}}
+
+
+def round_entry(results: list[dict[str, Any]], recalibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What `merge_rounds` takes of a plan's later round, which times its steps only (no
+    memory, profile or collectives: the first round's are kept): the measured step time, the
+    at-speed re-prediction, the warm-up and compiles."""
+    return {"measured_step_time_s": statistics.median(slowest_steps(results)),
+            "predicted_step_time_s_at_speed": recalibrated["step_time_s"] if recalibrated else None,
+            **warmup_entry(results)}
 
 
 def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +167,11 @@ def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]
           + [later.get("predicted_step_time_s_at_speed")] if x is not None]
     measured = statistics.median(rounds)
     at_speed = statistics.median(at) if at else None
+    warm = list(first.get("round_warmup_steps") or [first.get("warmup_steps", 0)]) + [later.get("warmup_steps", 0)]
+    compiles = {k: (first.get("compiles") or {}).get(k, 0) + (later.get("compiles") or {}).get(k, 0)
+                for k in ("warmup", "timed")}
     return {**first, "round_step_times_s": rounds, "round_predicted_at_speed_s": at, "measured_step_time_s": measured,
+            "round_warmup_steps": warm, "compiles": compiles,  # compiles: summed over rounds and ranks
             "step_time_error": rel_error(first["predicted_step_time_s"], measured),
             "predicted_step_time_s_at_speed": at_speed,
             "step_time_error_at_speed": rel_error(at_speed, measured) if at_speed is not None else None,

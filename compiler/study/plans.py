@@ -33,6 +33,12 @@ STUDY_KEYS = ("split", "bucket_mb", "plan_file")
 SWEEP_KEYS = ("dp", "tp", "pp", "zero", "recompute", "mb")
 PIPELINE_SWEEP = "pipeline"  # `--sweep pipeline`: `pipeline_sweep`, not keys varied one at a time
 
+# Measured steps per plan and round. 8, not 10: re-taking rounds 1 and 3 of session 7's studies
+# A-D (README command, 3 rounds) at their first 8 steps moves the headline median error by at
+# most 0.8 points (C: 8.4 -> 9.2%; A, B, D within 0.2) and Spearman by at most 0.007, a plan's
+# median over rounds by a median 0-0.4%, against a median round-to-round spread of 17-26%.
+STUDY_STEPS = 8
+
 DEFAULT_MODEL = "examples/gpt.py:gpt?n_layer=4&n_embd=128&n_head=4&vocab_size=512&seq=64&batch=8"
 
 
@@ -72,9 +78,13 @@ class StudyPlan:
 
     @property
     def label(self) -> str:
-        """The keys that differ from the study's defaults, and mb: `dp=2,mb=4,zero=1`."""
+        """The keys that differ from the study's defaults, and mb: `dp=2,mb=4,zero=1`; a plan
+        file's prefixed by what wrote it: `rotate:` for the sweep's rotating plan
+        (`rotate-N.plan`), `solver:` otherwise."""
         text = ",".join(f"{k}={v}" for k, v in self.items() if k == "mb" or _LABEL_DEFAULTS.get(k) != v)
-        return f"solver:{text}" if self.file is not None else text
+        if self.file is None:
+            return text
+        return f"{'rotate' if Path(self.file).name.startswith('rotate-') else 'solver'}:{text}"
 
     @property
     def id(self) -> str:
@@ -149,9 +159,11 @@ def default_sweep(n: int, batch: int, layers: int) -> list[str]:
     `layers` repeated blocks, before validation (`shardc.study.sweep` drops those the
     `validate-plan` pass refuses for the model and cluster). Every factorisation of `n` into
     dp, tp, pp and cp; around pure data parallelism ZeRO 1 and 3, selective and full
-    recomputation, bf16, gradient accumulation (half the micro-batch) and DDP bucket sizes; tp
-    with sequence parallelism; pp with GPipe and an unbalanced stage split; mb is the
-    per-replica batch, or a pipeline's per-replica batch over 2*pp (at least 1)."""
+    recomputation, bf16, gradient accumulation (half the micro-batch), DDP bucket sizes and
+    the rank modules compiled (`compile=1`, inductor); tp with sequence parallelism, and tp=2
+    compiled on 2 processes; pp with GPipe and an unbalanced stage split; mb is the per-replica batch, or a
+    pipeline's per-replica batch over 2*pp (at least 1). The rotating partition is a plan file
+    (`shardc.study.rotating`), added by the sweep beside the solver's."""
     out: list[str] = []
     for combo in _factorisations(n, ("dp", "tp", "pp", "cp")):
         dp, tp, pp, cp = (combo[k] for k in ("dp", "tp", "pp", "cp"))
@@ -162,11 +174,13 @@ def default_sweep(n: int, batch: int, layers: int) -> list[str]:
         out.append(base)
         if dp == n:
             out += [f"{base},zero=1", f"{base},zero=3", f"{base},recompute=selective", f"{base},recompute=full",
-                    f"{base},dtype=bf16", f"{base},bucket_mb=0.01", f"{base},bucket_mb=1"]
+                    f"{base},dtype=bf16", f"{base},bucket_mb=0.01", f"{base},bucket_mb=1", f"{base},compile=1"]
             if mb > 1:
                 out.append(f"dp={dp},mb={mb // 2}")
         if tp > 1 and pp == 1 and cp == 1:
             out += [f"{base},sp=1", f"{base},sp=1,recompute=selective"]
+        if tp == n == 2:  # one tp plan compiled: 4-process tp plans are the sweep's slowest, their compile too
+            out.append(f"{base},compile=1")
         if pp == n:
             out.append(f"{base},schedule=gpipe")
             if layers > pp:  # all but one block per later stage on the first

@@ -206,6 +206,21 @@ def _left_out(data: dict[str, Any]) -> str:
             f"refuses for this model and cluster:\n\n{rows}\n")
 
 
+def _compiled_line(data: dict[str, Any]) -> str:
+    """How the compiled plans (`compile=1`) warmed up: torch.compile's work in their warm-up and
+    in their timed steps (none expected there: the warm-up runs until a step compiles nothing)."""
+    plans = [p for p in data["plans"] if p["status"] == "ok" and "compile=1" in p["plan"]]
+    if not plans:
+        return ""
+    timed = [label(p["plan"]) for p in plans if (p.get("compiles") or {}).get("timed")]
+    eager = [label(p["plan"]) for p in plans if not (p.get("compiles") or {}).get("warmup")]
+    warm = sorted({w for p in plans for w in (p.get("round_warmup_steps") or [p.get("warmup_steps", 0)])})
+    return (f" {len(plans)} compiled plan(s) (torch.compile, inductor): warm-up of {'/'.join(map(str, warm))} steps "
+            "covered the compiles" + (f", except in the timed steps of {', '.join(timed)}" if timed else
+                                      " (nothing compiled in a timed step)") + "."
+            + (f" NOT compiled (ran eagerly): {', '.join(eager)}." if eager else ""))
+
+
 def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     ok = lambda b: "met" if b else "NOT met"  # noqa: E731
     t = summary["targets"]
@@ -237,7 +252,7 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
              f"| sweep under 10 minutes | {data.get('wall_time_s', 0.0):.0f} s | {ok(t['wall_time_under_10_min'])} |", "",
              f"{summary['ran']} plans ran, {summary['errors']} failed, {summary['does_not_fit']} predicted not to fit, "
              f"{summary['invalid']} invalid. {data.get('rounds', 1)} round(s), plans in a shuffled order per round "
-             f"(seed {data.get('seed', 0)}).", "", _left_out(data),
+             f"(seed {data.get('seed', 0)}).{_compiled_line(data)}", "", _left_out(data),
              "## Plans", "",
              "Step measured: the median over rounds (each round the median of its steps), with the range over rounds. "
              "Predicted: before the run. At speed (secondary): re-predicted at the speed the probe read during the "

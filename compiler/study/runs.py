@@ -159,13 +159,17 @@ def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsS
         store.data["allreduce"][str(n)] = allreduce_entry(results[0]["points"], cluster_for(n))
         store.save()
         return
-    from shardc.study.compare import merge_rounds
+    from shardc.study.compare import merge_rounds, round_entry
 
     sp, predicted = predictions[job["id"]]
     now = recalibrated(sp, results)
-    # The machine's 1-minute load average as the plan finished: how shared the cores were.
-    entry = {**plan_entry(sp, predicted, results, now), "load_average": os.getloadavg()[0]}
     before = store.entry(job["id"])
-    store.record(merge_rounds(before, entry) if before is not None and before["status"] == "ok" else entry)
+    earlier = before is not None and before["status"] == "ok"
+    # A later round timed the steps only (`job["details"]` off): the first round's details stay.
+    entry = round_entry(results, now) if earlier and not job.get("details", True) else plan_entry(sp, predicted,
+                                                                                                  results, now)
+    # The machine's 1-minute load average as the plan finished: how shared the cores were.
+    entry["load_average"] = os.getloadavg()[0]
+    store.record(merge_rounds(before, entry) if earlier else entry)
 
 

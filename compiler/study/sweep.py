@@ -35,6 +35,7 @@ from shardc.driver import Flags, Source, open_model
 from shardc.ir.diagnostics import ShardcError
 from shardc.study.plans import (
     PIPELINE_SWEEP,
+    STUDY_STEPS,
     StudyPlan,
     default_sweep,
     parse_study_plan,
@@ -73,6 +74,7 @@ class Study:
     settings: dict[str, Any]
     clusters: dict[int, Any] = field(default_factory=dict)
     partitioned: dict[str, str] = field(default_factory=dict)  # plan id -> its IR before lowering
+    parsed: dict[str, Any] = field(default_factory=dict)  # plan id -> that IR parsed (re-scored every round)
 
     def cluster_for(self, n: int) -> Any:
         """The cluster plans of `n` processes are predicted on (made once per `n`)."""
@@ -126,13 +128,15 @@ class Study:
         cluster = study_cluster(sp.devices, profile=at_speed(self.profile, mode),
                                 memory_limit_bytes=self.memory_limit_bytes)
         quiet = replace(self.flags, print_after_all=False, time_passes=False)  # the progress bar is drawing
-        _, predicted = score(parse(self.partitioned[sp.id]), sp, cluster, quiet)
+        if sp.id not in self.parsed:  # `score` leaves the graph as it is: parsed once, re-scored each round
+            self.parsed[sp.id] = parse(self.partitioned[sp.id])
+        _, predicted = score(self.parsed[sp.id], sp, cluster, quiet)
         return {**predicted, "cluster": str(cluster), "speed_factor": factor}
 
 
 def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: str | None = None,
               sweep: str | None = None, device: str = "cpu", out_dir: str | os.PathLike[str],
-              steps: int = 10, warmup: int = 2, console: Any = None, profile: Any = None,
+              steps: int = STUDY_STEPS, warmup: int = 2, console: Any = None, profile: Any = None,
               memory_limit_bytes: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
               allreduce_sizes: Sequence[int] = ALLREDUCE_SIZES, report: bool = True,
               fresh_profile: bool = False, cluster: str | None = None, gpu_calibration: bool | None = None,
@@ -151,8 +155,8 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
     `flags` (`shardc.driver.Flags`): the study pipeline (`--pipeline`, which must keep the
     `estimate` pass), and whether each plan's passes are printed and timed.
     `rounds`: how many times every plan runs, each round in an order shuffled by `seed` (the
-    report gives each plan's range over rounds). `solver=False` leaves the solver's plan out of
-    the default sweep.
+    report gives each plan's range over rounds). `solver=False` leaves the plan files out of
+    the default sweep (the solver's and the rotating partition's).
     """
     if rounds < 1:
         raise ShardcError(f"--rounds {rounds}: run every plan at least once (--rounds 1)")
@@ -263,9 +267,13 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
     """The default sweep for this model and these process counts: `plans.default_sweep`'s
     candidates (or `candidates`': `plans.pipeline_sweep` for `--sweep pipeline`) that the
     `validate-plan` pass accepts on the study's cluster (the others are
-    listed in results.json's `left_out` with the pass's reason), then the solver's plan for each
-    process count (`shardc plan` on the same cluster, written to `out/solver-N.plan` and run
-    from that file). A solver that fails is recorded as a failed plan, with its message."""
+    listed in results.json's `left_out` with the pass's reason), then (with `solver`, the
+    default sweep) the rotating partition at the smallest process count N > 1
+    (`shardc.study.rotating`: tp = N with its row-parallel linears rotating, written to
+    `out/rotate-N.plan`; left out with the reason where tp = N is not valid; one, as a 4-process
+    tp plan is among the sweep's slowest) and for each process count the solver's plan (`shardc
+    plan` on the same cluster, written to `out/solver-N.plan`), each run from its file. A solver or rotating plan
+    that fails to be made is recorded as a failed plan, with its message."""
     batch = int(study.source.inputs[0].shape[0])
     layers = model_layers(study.source)
     texts: list[str] = []
@@ -278,6 +286,8 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
                 texts.append(text)
             else:
                 left.append({"plan": text, "reason": problem})
+        if solver and n == min(m for m in nprocs if m > 1):  # one rotating plan, at the fewest processes
+            texts += _rotating_text(study, n, batch, out, store, grouped, left)
         path = out / f"solver-{n}.plan"
         if not solver or store.done(f"solver-{n}"):
             continue
@@ -292,16 +302,42 @@ def default_texts(study: Study, nprocs: list[int], out: Path, store: ResultsStor
     return texts
 
 
+def _rotating_text(study: Study, n: int, batch: int, out: Path, store: ResultsStore, grouped: dict[int | None, Any],
+                   left: list[dict[str, str]]) -> list[str]:
+    """`plan_file=out/rotate-N.plan` for the rotating plan of `n` processes (made now, or the
+    file a resumed study made); none when tp = n is refused (the reason in `left`) or its
+    making fails (recorded as a failed plan)."""
+    from shardc.study.rotating import rotating_plan_file
+
+    if n < 2 or store.done(f"rotate-{n}"):
+        return []
+    tp = f"tp={n},mb={batch}"
+    problem = validation_problem(study.source, parse_study_plan(tp, batch), study.cluster_for(n), grouped)
+    if problem is not None:
+        left.append({"plan": f"rotating partition on {tp}", "reason": problem})
+        return []
+    path = out / f"rotate-{n}.plan"
+    if path.exists() and any(p.get("plan", "").endswith(str(path)) for p in store.data["plans"]):
+        return [f"plan_file={path}"]  # a resumed study runs the file it made
+    try:
+        return [rotating_plan_file(study.source, study.cluster_for(n), n, batch, path)]
+    except Exception as err:  # a result of the study too
+        store.record(status_entry(None, f"rotate-{n}", "error", error=f"rotating plan: {type(err).__name__}: {err}"))
+        return []
+
+
 def _round_jobs(jobs: dict[int, list[dict[str, Any]]], store: ResultsStore, r: int, seed: int
                 ) -> dict[int, list[dict[str, Any]]]:
     """Round `r`'s jobs: the plans that ran in fewer than r+1 rounds and have not failed, in an
-    order shuffled by (`seed`, r)."""
+    order shuffled by (`seed`, r); `details` (the profiled and memory-tracked steps) only in a
+    plan's first round, as `compare.merge_rounds` keeps the first round's."""
     import random
 
     rng = random.Random(seed * 1000 + r)
     out: dict[int, list[dict[str, Any]]] = {}
     for n, group in jobs.items():
-        todo = [j for j in group if store.rounds_done(j["id"]) <= r and not store.failed(j["id"])]
+        todo = [{**j, "details": store.rounds_done(j["id"]) == 0} for j in group
+                if store.rounds_done(j["id"]) <= r and not store.failed(j["id"])]
         rng.shuffle(todo)
         if todo:
             out[n] = todo

@@ -8,8 +8,14 @@ study plan's `split=3+1` is written into the layers' stages before the parent lo
 unbalanced pipelines run the same way). The study-only key `bucket_mb` builds the module
 another way (plain DDP with its bucket size set, micro-batches accumulated here under
 `no_sync`); the loop is the same. The study adds its own around the loop: the speed probe
-(`shardc.calibration.speed`) before the first timed step and after each, and one step under
-torch.profiler before the memory-tracked step. Each rank writes its result to
+(`shardc.calibration.speed`, one per process) before the first timed step and after each, and
+in a plan's first round (`job["details"]`) one step under torch.profiler before the
+memory-tracked step; its later rounds time the steps only (`compare.merge_rounds` keeps the
+first round's memory, breakdown and collectives), and skip the memory-tracked step and the
+scan of the process's storages before it. A compiled plan (`compile=1`) warms up until a
+step compiles nothing: torch.compile's first compile and its recompiles (dynamo's and
+inductor's counters) stay out of the timed steps, whose own compiles are recorded (none
+expected). Each rank writes its result to
 `<work>/<job id>.rank<r>.json` atomically; a rank that fails writes its error there and
 re-raises, so `launch.spawn` stops the whole group and the parent records the error and goes
 on with the next job in a fresh group.
@@ -59,7 +65,18 @@ def job_device(rank: int, jobs: list[dict[str, Any]]) -> torch.device:
 def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], work: str) -> int:
     """Entry point for `launch.spawn`: run `jobs` in order; returns how many finished."""
     torch.set_num_threads(1)
+    if any(job.get("compiled") is not None and getattr(job["compiled"].plan, "compile", None) for job in jobs):
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+
+        # compile in this process: not a pool of compile worker processes per rank (each
+        # importing torch) on the few cores the group's ranks already share
+        inductor_config.compile_threads = 1
+        # every compiled plan's module is a class of its own behind nn.Module's one `_call_impl`:
+        # past dynamo's limit of 8 entries a plan would silently run eager
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(jobs))
     device = job_device(rank, jobs)
+    probe: list[SpeedIndex] = []  # the speed probe, made once for the process by the first plan
     done = 0
     for job in jobs:
         path = Path(work) / f"{job['id']}.rank{rank}.json"
@@ -67,7 +84,9 @@ def run_jobs(rank: int, world: int, jobs: list[dict[str, Any]], work: str) -> in
             if job["kind"] == "allreduce_sizes":
                 result = allreduce_sizes(rank, world, job, device)
             else:
-                result = run_plan(rank, world, job, device)
+                if not probe and device.type != "cuda":
+                    probe.append(SpeedIndex(job.get("speed_reference")))
+                result = run_plan(rank, world, job, device, probe[0] if probe else None)
         except BaseException as err:
             write_json(path, {"rank": rank, "error": f"{type(err).__name__}: {err}",
                               "traceback": traceback.format_exc()[-4000:]})
@@ -112,50 +131,85 @@ def allreduce_sizes(rank: int, world: int, job: dict[str, Any], device: torch.de
 
 # ---- a plan -----------------------------------------------------------------------------------
 
-def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | None = None) -> dict[str, Any]:
-    """The plan trained by `shardc.train.train` with the study's probe and profiler (see the module doc)."""
+def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | None = None,
+             speed: SpeedIndex | None = None) -> dict[str, Any]:
+    """The plan trained by `shardc.train.train` with the study's probe (`speed`, the process's;
+    made here when not given) and, in its first round, the profiler and the memory-tracked step
+    (see the module doc)."""
     from shardc.train.memory import storages_now
 
     device = device or torch.device("cpu")
-    # What the process holds before this plan (the jobs' compiled plans, leftovers of the plans
-    # run before it in this group) is not this plan's memory.
-    before = storages_now()
-    hooks = _StudyHooks(job, device)
+    details = bool(job.get("details", True))
+    if speed is None and device.type != "cuda":
+        speed = SpeedIndex(job.get("speed_reference"))
+    # What the process holds before this plan (the jobs' compiled plans, the speed probe,
+    # leftovers of the plans run before it in this group) is not this plan's memory.
+    before = storages_now() if details else None
+    hooks = _StudyHooks(job, device, speed, details)
     build = parallelized if job.get("runtime", "shardc") == "shardc" else _ddp_with_bucket(job)
-    options = TrainOptions(steps=job["steps"], warmup=job["warmup"], lr=1e-4, seed=job.get("seed", 0))
+    options = TrainOptions(steps=job["steps"], warmup=job["warmup"], lr=1e-4, seed=job.get("seed", 0), memory=details)
     report = train(job["compiled"], job["model"], options, device=device, build=build, hooks=hooks, before=before)
     return {"step_times_s": list(report.step_times_s), "median_step_s": report.median_step_s,
             "losses": list(report.losses), "cpu_step_times_s": list(report.cpu_step_times_s),
             "speed_probe_s": hooks.probes, "speed_reference_s": hooks.reference, "profile": hooks.profile,
             "memory": report.memory, "collectives": with_sent_bytes(list(report.collectives)),
+            "details": details, "warmup_steps": hooks.warmup_steps, "compiles": hooks.compiles,
             "device": report.device, **({"gpu_step_times_s": list(report.gpu_step_times_s)}
                                         if device.type == "cuda" else {})}
 
 
-class _StudyHooks(Hooks):
-    """The speed probe beside the timed steps (CPU only), then one step under torch.profiler."""
+def compile_events() -> int:
+    """How much torch.compile has done in this process: the sum of dynamo's and inductor's
+    counters (frames traced, graphs, cache lookups, recompiles), which move only while compiling."""
+    from torch._dynamo.utils import counters
 
-    def __init__(self, job: dict[str, Any], device: torch.device) -> None:
-        self.job, self.device = job, device
-        self.speed: SpeedIndex | None = None
+    return sum(sum(c.values()) for c in counters.values())
+
+
+class _StudyHooks(Hooks):
+    """The speed probe beside the timed steps (CPU only; `speed`), warm-up until torch.compile
+    is done, then (`details`) one step under torch.profiler."""
+
+    def __init__(self, job: dict[str, Any], device: torch.device, speed: SpeedIndex | None = None,
+                 details: bool = True) -> None:
+        self.job, self.device, self.speed, self.details = job, device, speed, details
         self.probes: list[float] = []
         self.reference: float | None = None
         self.profile: dict[str, Any] = {}
+        self.warmup_steps = 0
+        self.compiles = {"warmup": 0, "timed": 0}  # compile events (`compile_events`) in each phase
+        self._mark = compile_events()  # at the start of the current phase's last step
 
     def before_step(self, index: int, timed: bool) -> None:
-        if not timed or self.device.type == "cuda":
+        if not timed or index == self.warmup_steps:  # the last warm-up step is over: its compiles
+            now = compile_events()
+            self.compiles["warmup"] += now - self._mark
+            self._mark = now
+        if not timed:
+            self.warmup_steps = index + 1
             return
-        if self.speed is None:  # made after warm-up, as the probe's reference is the profile's
-            self.speed = SpeedIndex(self.job.get("speed_reference"))
-        self.probes.append(self.speed.seconds(PROBE_CALLS))
+        if self.speed is not None and self.device.type != "cuda":
+            self.probes.append(self.speed.seconds(PROBE_CALLS))
+
+    def warm_again(self, index: int) -> bool:
+        """Another warm-up step while the last one compiled on any rank (a compiled plan's
+        recompiles); the ranks agree, as they must run the same steps."""
+        plan = getattr(self.job.get("compiled"), "plan", None)
+        if not getattr(plan, "compile", None):
+            return False
+        compiled = torch.tensor([float(compile_events() > self._mark)], device=self.device)
+        dist.all_reduce(compiled, op=dist.ReduceOp.MAX)
+        return bool(compiled.item())
 
     def after_steps(self, run_step: Callable[[], None]) -> None:
         from torch.profiler import ProfilerActivity, profile, record_function
 
-        if self.speed is not None:
+        self.compiles["timed"] = compile_events() - self._mark
+        if self.speed is not None and self.device.type != "cuda":
             self.probes.append(self.speed.seconds(PROBE_CALLS))
             self.reference = self.speed.reference
-        self.speed = None  # its probe tensors and 32 MiB eviction buffer must not count in the tracked memory
+        if not self.details:
+            return
         dist.barrier()
         cuda = self.device.type == "cuda"
         activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]

@@ -3,12 +3,14 @@
 Rule. `train(compiled, spec, options)` builds the model a spec names on the CPU with the
 options' seed, makes this rank's module from it (`CompiledPlan.parallelize`, pipelines
 included; a model that returns no loss trains on `default_loss`), then runs:
-- `warmup` untimed steps, then `steps` timed steps, each started together after a barrier and
+- `warmup` untimed steps (more while `Hooks.warm_again` asks: torch.compile still compiling),
+  then `steps` timed steps, each started together after a barrier and
   closed by a device synchronisation (wall time, this thread's CPU time, and CUDA events on a
   GPU); step k trains on `synthetic_batch(..., seed, k)`;
 - the caller's `Hooks.after_steps` (the study profiles one more step there);
 - one more step under the memory tracker (`shardc.train.memory`): the peak and its breakdown by
-  role, with the optimizer's state and the gradients in place as in every later step.
+  role, with the optimizer's state and the gradients in place as in every later step (unless
+  `TrainOptions.memory` is off: the study's later rounds of a plan, whose memory it has).
 A training step is forward and backward over the plan's micro-batches, AdamW `step()`
 (`foreach=False`; under fp16 through the module's loss scaler, `precision.scaled_step`), then `zero_grad(set_to_none=False)`: gradients stay allocated between steps,
 as Megatron's gradient buffers do, so the peak holds them. The losses reported are each step's
@@ -39,12 +41,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class TrainOptions:
     """How long and how to train: `warmup` untimed then `steps` timed steps, AdamW at `lr`, `seed`
-    for the model's initial weights and the synthetic data."""
+    for the model's initial weights and the synthetic data; `memory`: end with the memory-tracked
+    step (off, the report's memory is empty)."""
 
     steps: int
     warmup: int = 0
     lr: float = 1e-3
     seed: int = 0
+    memory: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.warmup < 0:
@@ -61,6 +65,7 @@ class Trainee:
 
 
 Build = Callable[["CompiledPlan", torch.nn.Module, torch.device], Trainee]
+MAX_EXTRA_WARMUP = 6  # untimed steps `Hooks.warm_again` may add (torch.compile's recompiles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +98,11 @@ class Hooks:
 
     def before_step(self, index: int, timed: bool) -> None:
         """Called before step `index` (warm-up steps first), its batch already made."""
+
+    def warm_again(self, index: int) -> bool:
+        """Called after warm-up step `index`, the `warmup` steps done: True runs one more untimed
+        step (at most `MAX_EXTRA_WARMUP`; the study asks while torch.compile compiled in the last)."""
+        return False
 
     def after_steps(self, run_step: Callable[[], None]) -> None:
         """Called after the timed steps, before the memory-tracked step; `run_step()` trains one more step."""
@@ -254,23 +264,26 @@ def train(compiled: CompiledPlan, spec: str, options: TrainOptions, *, device: t
     # `model_buffers`); on a GPU they stay in host memory, so they are not this rank's.
     before = {**(before or {}), **storages_of([*compiled.constants.values(), *compiled.micro_constants.values()])}
     losses: list[torch.Tensor] = []
-    for index in range(options.warmup):
-        batch = session.batch(index)
-        hooks.before_step(index, timed=False)
+    warmup = 0
+    while warmup < options.warmup or (warmup > 0 and warmup < options.warmup + MAX_EXTRA_WARMUP
+                                      and hooks.warm_again(warmup - 1)):
+        batch = session.batch(warmup)
+        hooks.before_step(warmup, timed=False)
         losses.append(session.step(batch))
+        warmup += 1
     times: dict[str, list[float]] = {"wall": [], "cpu": [], "gpu": []}
-    for index in range(options.warmup, options.warmup + options.steps):
+    for index in range(warmup, warmup + options.steps):
         batch = session.batch(index)
         hooks.before_step(index, timed=True)
         losses.append(_timed_step(session, batch, times))
-    index = options.warmup + options.steps
+    index = warmup + options.steps
 
     def one_more_step() -> None:
         session.step(session.batch(index))
         synchronize(device)
 
     hooks.after_steps(one_more_step)
-    memory, collectives = _tracked_step(session, session.batch(index + 1), before)
+    memory, collectives = _tracked_step(session, session.batch(index + 1), before) if options.memory else ({}, [])
     return RankReport(rank=dist.get_rank(), backend=str(dist.get_backend()), device=str(device),
                       losses=_global_means(losses, device), step_times_s=tuple(times["wall"]),
                       cpu_step_times_s=tuple(times["cpu"]), gpu_step_times_s=tuple(times["gpu"]),
