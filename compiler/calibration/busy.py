@@ -12,10 +12,13 @@ among 4 processes was priced by the 2-process fit, measured with the other 2 idl
 Rule: every one of the `running` processes joins groups of `group` ranks (consecutive ranks,
 as a mesh's innermost axis) and alternates a fixed piece of compute (`WORK_N` square matmuls,
 about a layer's op) with one collective on its group; the same loop without the collective is
-timed beside it, in the same trial. A call's cost is the slowest rank's time per iteration with
-the collective less its time per iteration without: the latency, the waits for a peer that is
-not on a core, and the CPU gloo's threads take from compute, together. Each point is the median
-of `trials` trials, and the spread ((max - min) / median over the trials) is kept with it.
+timed beside it, and the collective alone called back to back (the idle figure), in the same
+trial. A call's in-step cost is the slowest rank's time per iteration with the collective less
+its time per iteration without: the latency, the waits for a peer that is not on a core, and the
+CPU gloo's threads take from compute, together. Each point is the median of `trials` trials,
+with the spread of the in-step cost ((max - min) / median over the trials); the idle figure
+measured beside it lets the pricing (`LocalProfile.step_wait`) take a difference of two timings
+made under the same conditions, whatever else the machine was doing.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def loaded_collectives(running: int, groups: tuple[int, ...], numels: tuple[int,
     """Per group size in `groups`, op in `LOADED_OPS` and message size in `numels` (fp32
     elements): the cost per call under a training load (module rule), `scale()` taking each op's
     figures to the profile's reference speed. Every rank calls it and gets the same rows:
-    {"op", "running", "group", "points": [(bytes, median s, spread)]}."""
+    {"op", "running", "group", "points": [(bytes, in-step s, idle s, spread)]}."""
     import torch
     import torch.distributed as dist
 
@@ -133,7 +136,9 @@ def loaded_collectives(running: int, groups: tuple[int, ...], numels: tuple[int,
             points = []
             per = 2 if op == "send_recv" else 1  # send_recv: one message, half the round trip
             for i, numel in enumerate(numels):
-                middle, spread = summarize([w - alone - idle for w, alone, idle in samples[i].tolist()])
-                points.append((4 * numel, middle / per * factor, spread))
+                trial = samples[i].tolist()
+                in_step, spread = summarize([w - alone for w, alone, _ in trial])
+                idle = statistics.median(x for _, _, x in trial)
+                points.append((4 * numel, in_step / per * factor, idle / per * factor, spread))
             rows.append({"op": op, "running": running, "group": group, "points": points})
     return rows

@@ -86,17 +86,16 @@ class CollectiveFit:
 class LoadedCollective:
     """One collective timed inside a training-like loop (`shardc.calibration.busy`): `running`
     processes all computing between calls, in groups of `group` ranks; per message size the
-    median over the trials of the seconds a call added to an iteration beyond the same call made
-    back to back (the wait for peers that compute or are descheduled), and the trials' spread
-    ((max - min) / median)."""
+    median over the trials of the seconds a call added to an iteration (in step), of the same
+    call made back to back beside it (idle), and the in-step trials' spread ((max - min) / median)."""
 
     op: str
     running: int
     group: int
-    points: tuple[tuple[int, float, float], ...]  # (bytes, median s waited per call, spread)
+    points: tuple[tuple[int, float, float, float], ...]  # (bytes, in-step s, idle s, spread)
 
     def __post_init__(self) -> None:
-        if self.group < 2 or self.running < self.group or any(t < 0 or s < 0 for _, t, s in self.points):
+        if self.group < 2 or self.running < self.group or any(min(p[1:]) < 0 for p in self.points):
             raise ValueError(f"loaded {self.op}: needs 2 <= group <= running and times, spreads >= 0, got {self}")
 
 
@@ -279,16 +278,25 @@ class LocalProfile:
 
     def step_wait(self, running: int, group: int) -> float:
         """Seconds a blocking collective over `group` ranks waits inside a training step with
-        `running` processes, beyond the same call made back to back (`LoadedCollective`): the
-        median over every op and message size measured with this group size and the nearest
-        running count (ties to the larger). Never below 0, so a busier peer never prices a call
-        cheaper than an idle one; 0 when not measured (profiles before version 5)."""
+        `running` processes beyond what the cost model prices it at otherwise (`LoadedCollective`):
+        the median, over every op and message size measured with this group size and the nearest
+        running count (ties to the larger), of the in-step time less the idle one. The idle one is
+        the call made back to back beside it when the group is every process; for a smaller group
+        it is the fit the model prices that group by (`nearest(op, group)`, measured with `group`
+        processes running: the others' load belongs to the wait). Never below 0, nor below the
+        wait with fewer processes running: a busier peer never prices a call cheaper. 0 when not
+        measured (profiles before version 5)."""
         rows = [r for r in self.loaded_collectives if r.group == group]
         if not rows or group < 2:
             return 0.0
         near = min({r.running for r in rows}, key=lambda n: (abs(n - running), -n))
-        waits = [t for r in rows if r.running == near for _, t, _ in r.points]
-        return max(0.0, statistics.median(waits)) if waits else 0.0
+        waits = []
+        for row in (r for r in rows if r.running == near):
+            fit = self.nearest(row.op, group) if group < row.running else None
+            waits += [step - (fit.fit.time(b) if fit is not None else idle) for b, step, idle, _ in row.points]
+        fewer = [n for n in {r.running for r in rows} if n < near]
+        below = self.step_wait(max(fewer), group) if fewer else 0.0
+        return max(0.0, statistics.median(waits), below)
 
     def contention_factor(self, nproc: int) -> float:
         """How much more CPU time the same work takes in one of `nproc` processes running at once
@@ -349,7 +357,7 @@ class LocalProfile:
         kwargs["contention"] = tuple((int(n), float(f)) for n, f in data.get("contention", ()))
         kwargs["loaded_collectives"] = tuple(
             LoadedCollective(str(c["op"]), int(c["running"]), int(c["group"]),
-                             tuple((int(b), float(t), float(s)) for b, t, s in c["points"]))
+                             tuple((int(b), float(t), float(i), float(s)) for b, t, i, s in c["points"]))
             for c in data.get("loaded_collectives", ()))
         return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
@@ -369,7 +377,7 @@ def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
         concurrent=tuple((n, fl / f, bw / f) for n, fl, bw in profile.concurrent), collectives=fits,
         eager=profile.eager.scaled(f) if profile.eager is not None else None,
         wrapper_overhead=tuple((n, t * f) for n, t in profile.wrapper_overhead),
-        loaded_collectives=tuple(replace(c, points=tuple((b, t * f, s) for b, t, s in c.points))
+        loaded_collectives=tuple(replace(c, points=tuple((b, t * f, i * f, s) for b, t, i, s in c.points))
                                  for c in profile.loaded_collectives),
         sync_steps=tuple((w, n, g, c * f, a * f, b * f) for w, n, g, c, a, b in profile.sync_steps))
 
