@@ -79,7 +79,7 @@ def _settings(quick: bool) -> dict[str, Any]:
             "window": 0.2 if quick else 0.5,
             "numels": (16, 1024, 16384, 262144, 1 << 20) if quick else (16, 1024, 8192, 65536, 262144, 1 << 20, 1 << 22),
             "max_reps": 20 if quick else 50, "point_budget": 0.03 if quick else 0.08,
-            "loaded_numels": (16, 16384) if quick else (16, 16384, 262144), "loaded_trials": 3 if quick else 7}
+            "loaded_numels": (16, 16384) if quick else (16, 16384, 262144), "loaded_trials": 3 if quick else 5}
 
 
 def _measure_alone(cfg: dict[str, Any], say: Callable[[str], None], step: Callable[[], None]) -> dict[str, Any]:
