@@ -3,7 +3,9 @@
 Each of `nprocs` processes (one intra-op thread) measures its matmul rate and copy bandwidth
 while all run together (`_window_rate`: work done over wall time, so the time a process waits
 for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast and send/recv
-by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
+by message size (the slowest rank's time per call, median of 3 trials), the same collectives with
+every process computing between calls (`busy`: what a blocking collective waits inside a step,
+median of 5 trials with their spread; groups of 2 among more processes too), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step), FSDP2's own work per
 micro-batch (`wrapper_steps.fsdp_overhead`), the pipeline runtime's CPU per schedule action and
