@@ -106,3 +106,11 @@ def test_the_local_cluster_prices_each_blocking_collective_with_the_wait() -> No
     assert after["step_time_s"] > before["step_time_s"]
     dp = "dp=2,tp=1,pp=1,mb=2"  # DDP's buckets are launched asynchronously: no wait priced on them
     assert step(dp, loaded)["step_time_s"] == pytest.approx(step(dp, _base())["step_time_s"])
+
+
+def test_a_link_refuses_a_negative_wait() -> None:
+    from shardc.hardware import LinkSpec
+
+    with pytest.raises(ValueError, match="step_wait >= 0"):
+        LinkSpec("gloo", 1e9, 1e-5, step_wait=((2, -1e-4),))
+    assert LinkSpec("gloo", 1e9, 1e-5, step_wait=((2, 1e-4), (4, 3e-4))).wait(3) == 3e-4  # ties: the larger

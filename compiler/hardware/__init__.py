@@ -75,7 +75,7 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0 or self.call_overhead < 0 or any(w < 0 for _, w in self.step_wait):
-            raise ValueError(f"link {self.name}: bandwidth must be > 0, latency and call_overhead >= 0")
+            raise ValueError(f"link {self.name}: bandwidth must be > 0, latency, call_overhead and step_wait >= 0")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"link {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
         if self.p2p is not None and (self.p2p[0] < 0 or self.p2p[1] <= 0):
