@@ -12,7 +12,10 @@ before-run prediction, plans predicted too fast, Spearman). `--pipeline-measure 
 What-ifs on the profile, for figures the calibration has not measured yet (say so when quoting
 them): `--contention N=F` replaces the contention among N processes (`LocalProfile.contention`),
 `--pipeline-action S` and `--split-walk S` the pipeline runtime's CPU seconds per schedule action
-and per parameter tensor of a split backward (`EagerCosts.pipeline_action`, `.split_backward_per_tensor`).
+and per parameter tensor of a split backward (`EagerCosts.pipeline_action`, `.split_backward_per_tensor`),
+`--loaded-from PROFILE` takes the collectives timed under a training load (`LocalProfile.loaded_collectives`,
+the in-step wait of a blocking collective: `calibration.busy`) from another profile, e.g. a fresh
+`shardc calibrate`, onto the one the study was predicted on (profiles from before version 5 have none).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from shardc.study.predict import predict, study_cluster
 
 
 def load_profile(results: Path, given: str | None, contention: list[str], action: float | None = None,
-                 walk: float | None = None) -> LocalProfile:
+                 walk: float | None = None, loaded_from: str | None = None) -> LocalProfile:
     """The profile the study was predicted on (`given`, else `local-profile.json` beside the
     results, else the cached one), with the what-ifs applied: `--contention`, and the pipeline
     runtime's CPU per action and per parameter tensor of a split backward (`EagerCosts`)."""
@@ -48,6 +51,8 @@ def load_profile(results: Path, given: str | None, contention: list[str], action
         profile = replace(profile, eager=replace(
             eager, pipeline_action=eager.pipeline_action if action is None else action,
             split_backward_per_tensor=eager.split_backward_per_tensor if walk is None else walk))
+    if loaded_from:
+        profile = replace(profile, loaded_collectives=read_profile(loaded_from).loaded_collectives)
     return profile
 
 
@@ -88,6 +93,9 @@ def study_part(path: Path, profile: LocalProfile) -> None:
         print(f"{n} processes: recorded {headline(mine, 'before')}; now {headline(mine, 'after')}")
     print(f"all: recorded {headline(rows, 'before')}")
     print(f"all: now      {headline(rows, 'after')}")
+    waits = sorted({(c.running, c.group) for c in profile.loaded_collectives})
+    print("in-step wait per blocking collective: " + (", ".join(
+        f"{g} of {n} running {profile.step_wait(n, g) * 1e6:.0f} us" for n, g in waits) or "none in this profile"))
 
 
 def pipeline_part(folder: Path, profile: LocalProfile) -> None:
@@ -114,14 +122,16 @@ def main() -> None:
                     help="what-if: the contention among N processes (repeatable)")
     ap.add_argument("--pipeline-action", type=float, help="what-if: CPU s per pipeline schedule action")
     ap.add_argument("--split-walk", type=float, help="what-if: CPU s per parameter tensor of a split backward")
+    ap.add_argument("--loaded-from", metavar="PROFILE", help="the loaded collectives of another profile")
     args = ap.parse_args()
     if args.pipeline_measure:
         folder = Path(args.pipeline_measure)
         pipeline_part(folder, load_profile(folder / "results.json", args.profile, args.contention, args.pipeline_action,
-                                                   args.split_walk))
+                                                   args.split_walk, args.loaded_from))
     if args.results:
         path = Path(args.results)
-        study_part(path, load_profile(path, args.profile, args.contention, args.pipeline_action, args.split_walk))
+        study_part(path, load_profile(path, args.profile, args.contention, args.pipeline_action, args.split_walk,
+                                      args.loaded_from))
 
 
 if __name__ == "__main__":

@@ -238,3 +238,18 @@ def test_other_processes_cpu_is_the_machines_busy_time_less_our_own(monkeypatch)
     monkeypatch.setattr(conditions.time, "perf_counter", lambda: next(clock))
     assert conditions.others_busy(1.0, sleep=lambda _: None) == pytest.approx(1.0)  # 1.5 busy - 0.5 ours
     assert conditions._busy_seconds is not None
+
+
+def test_quick_calibration_times_the_collectives_under_a_training_load(measured) -> None:
+    from shardc.calibration.busy import LOADED_OPS
+
+    profile, folder, printed = measured
+    rows = profile.loaded_collectives
+    assert {r.op for r in rows} == set(LOADED_OPS) and {(r.running, r.group) for r in rows} == {(2, 2)}
+    for r in rows:  # the quick sizes, each a median of its trials with their spread beside it
+        assert [b for b, *_ in r.points] == [64, 65536]
+        assert all(step >= 0 and idle > 0 and spread >= 0 for _, step, idle, spread in r.points)
+    assert load_profile(folder / "local-profile.json", calibrate_if_missing=False).loaded_collectives == rows
+    wait = profile.step_wait(2, 2)
+    assert 0 <= wait < 0.1 and "in-step wait, group of 2" in printed
+    assert local_cluster(2, profile).intra.step_wait == ((2, wait),)

@@ -3,7 +3,9 @@
 Each of `nprocs` processes (one intra-op thread) measures its matmul rate and copy bandwidth
 while all run together (`_window_rate`: work done over wall time, so the time a process waits
 for a core counts), then gloo all_reduce, all_gather, reduce_scatter, broadcast and send/recv
-by message size (the slowest rank's time per call, median of 3 trials), the per-call overhead of
+by message size (the slowest rank's time per call, median of 3 trials), the same collectives with
+every process computing between calls (`busy`: what a blocking collective waits inside a step,
+median of 5 trials with their spread; groups of 2 among more processes too), the per-call overhead of
 shardc's autograd-aware collective wrapper (`_wrapper_overhead`), AdamW on DTensor
 parameters sharded over all of them (FSDP2's optimizer step), FSDP2's own work per
 micro-batch (`wrapper_steps.fsdp_overhead`), the pipeline runtime's CPU per schedule action and
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardc.calibration.busy import loaded_collectives
 from shardc.calibration.loaded import probe_under_load
 from shardc.calibration.pipeline_steps import pipeline_overhead
 from shardc.calibration.wrapper_steps import fsdp_overhead, sharded_optimizer, sync_steps
@@ -98,7 +101,8 @@ def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> No
     measures = {"wrapper_overhead": lambda: _wrapper_overhead(nprocs, rank),
                 "fsdp_overhead": lambda: fsdp_overhead(nprocs), "sync_steps": lambda: sync_steps(nprocs),
                 "pipeline_overhead": lambda: pipeline_overhead(nprocs, cfg.get("steps", 7)),
-                "loaded_probe_s": lambda: probe_under_load(SpeedIndex(calls=2), cfg.get("window", 0.2))}
+                "loaded_probe_s": lambda: probe_under_load(SpeedIndex(calls=2), cfg.get("window", 0.2)),
+                "loaded_collectives": lambda: _loaded(nprocs, cfg, None)}
     _init(rank, nprocs, workdir)
     try:
         results = {name: measures[name]() for name in ([what] if isinstance(what, str) else what)}
@@ -139,6 +143,7 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in fsdp_overhead(nprocs))
         runtime = pipeline_overhead(nprocs, 3) if cfg["quick"] else pipeline_overhead(nprocs)
         results["pipeline_overhead"] = tuple(x * _scale_now(speed) for x in runtime)
+        results["loaded_collectives"] = _loaded(nprocs, cfg, speed)
         scale = _scale_now(speed)
         results["sync_steps"] = [(w, g, *(x * scale for x in fit)) for w, g, *fit in sync_steps(nprocs)]
         probe = torch.tensor([speed.typical()], dtype=torch.float64)  # the median over this worker's run
@@ -162,6 +167,14 @@ def _scale_now(speed: Any) -> float:
     probe = torch.tensor([speed.seconds(2)], dtype=torch.float64)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX)
     return float(speed.scale([probe.item()]))
+
+
+def _loaded(nprocs: int, cfg: dict[str, Any], speed: Any) -> list[dict[str, Any]]:
+    """The collectives under a training load (`busy`): the whole world's group, and groups of 2
+    among more processes (a tp or cp axis of 2 beside other axes)."""
+    groups = (nprocs, 2) if nprocs > 2 else (nprocs,)
+    scale = (lambda: _scale_now(speed)) if speed is not None else (lambda: 1.0)
+    return loaded_collectives(nprocs, groups, tuple(cfg["loaded_numels"]), cfg["loaded_trials"], scale)
 
 
 def _collective(op: str, numel: int, nprocs: int, rank: int) -> Callable[[], None]:

@@ -5,7 +5,9 @@ measurements are the modules below this one: the speed probe every figure is tak
 (`speed`), matmul rate, copy bandwidth and op latency on one core (`timing`), eager op and
 optimizer costs (`ops`), and N processes at once under gloo (`gloo`): their matmul rate and copy
 bandwidth while all run, gloo all_reduce, all_gather, reduce_scatter, broadcast and send/recv by
-message size, shardc's collective-wrapper overhead and AdamW on FSDP2's sharded parameters. Each
+message size, the same collectives with every process computing between calls (`busy`: what a
+blocking collective waits inside a step), shardc's collective-wrapper overhead and AdamW on
+FSDP2's sharded parameters. Each
 timing series is fitted here (`fit.fit_affine`): matmul time to `flops / A + h / A` (A the fp32
 peak, h the half-rate FLOPs), collective time to `alpha + beta * bytes`.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -35,6 +38,7 @@ from shardc.calibration.profile import (
     PROFILE_VERSION,
     CollectiveFit,
     EagerCosts,
+    LoadedCollective,
     LocalProfile,
     at_speed,
     default_profile_path,
@@ -74,7 +78,8 @@ def _settings(quick: bool) -> dict[str, Any]:
             "budget": 0.05 if quick else 0.25, "matmul_n": CONCURRENT_MATMUL_N, "copy_numel": 1 << 22,
             "window": 0.2 if quick else 0.5,
             "numels": (16, 1024, 16384, 262144, 1 << 20) if quick else (16, 1024, 8192, 65536, 262144, 1 << 20, 1 << 22),
-            "max_reps": 20 if quick else 50, "point_budget": 0.03 if quick else 0.08}
+            "max_reps": 20 if quick else 50, "point_budget": 0.03 if quick else 0.08,
+            "loaded_numels": (16, 16384) if quick else (16, 16384, 262144), "loaded_trials": 3 if quick else 5}
 
 
 def _measure_alone(cfg: dict[str, Any], say: Callable[[str], None], step: Callable[[], None]) -> dict[str, Any]:
@@ -131,10 +136,14 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
         eager = replace(eager, pipeline_action=float(res["pipeline_overhead"][0]),
                         split_backward_per_tensor=float(res["pipeline_overhead"][1]))
     steps = tuple((str(w), nprocs, int(g), float(c), float(a), float(b)) for w, g, c, a, b in res.get("sync_steps", ()))
+    loaded = tuple(LoadedCollective(str(r["op"]), int(r["running"]), int(r["group"]),
+                                    tuple((int(b), float(t), float(i), float(s)) for b, t, i, s in r["points"]))
+                   for r in res.get("loaded_collectives", ()))
     # the probe under a training load (`calibration.loaded`); workers before it: among the measurements
     probe = res.get("loaded_probe_s", res["probe_s"])
     return {"concurrent": (nprocs, res["flops"], res["bandwidth"]), "collectives": fits, "probe_s": probe,
-            "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "sync_steps": steps}
+            "wrapper_overhead": (nprocs, float(res["wrapper_overhead"])), "eager": eager, "sync_steps": steps,
+            "loaded_collectives": loaded}
 
 
 BUSY_CHOICES = ("refuse", "record")
@@ -208,7 +217,7 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
     alone = _measure_alone(cfg, say, step)
     eager: EagerCosts = alone.pop("eager")
     typical = alone.pop("typical_probe_s")
-    concurrent, fits, overhead, sync_steps, contention = [], [], [], [], []
+    concurrent, fits, overhead, sync_steps, contention, loaded = [], [], [], [], [], []
     for n in nprocs:
         say(f"{n} processes: matmul, copy, gloo collectives")
         together = _measure_together(n, cfg, eager)
@@ -216,6 +225,7 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
         fits += together["collectives"]
         overhead.append(together["wrapper_overhead"])
         sync_steps += together["sync_steps"]
+        loaded += together["loaded_collectives"]
         contention.append((n, together["probe_s"] / typical))
         eager = together["eager"]
         step()
@@ -223,7 +233,7 @@ def _measure(quick: bool, nprocs: Sequence[int], say: Callable[[str], None], ste
         PROFILE_VERSION, datetime.now(UTC).isoformat(timespec="seconds"), _cpu_name(), os.cpu_count() or 1,
         _machine_memory(), torch.__version__, quick, concurrent=tuple(concurrent), collectives=tuple(fits),
         eager=eager, concurrent_matmul_n=CONCURRENT_MATMUL_N, wrapper_overhead=tuple(overhead),
-        sync_steps=tuple(sync_steps), contention=tuple(contention), **alone)
+        sync_steps=tuple(sync_steps), contention=tuple(contention), loaded_collectives=tuple(loaded), **alone)
     return at_typical_speed(profile, typical)
 
 
@@ -294,6 +304,11 @@ def profile_tables(profile: LocalProfile) -> list[Any]:
                      f"{ring[1] * 1e6:.1f}" if ring else "-", f"{ring[0] / 1e9:.2f}" if ring else "-")
     for n, t in profile.wrapper_overhead:
         comm.add_row("shardc wrapper (extra per call)", str(n), f"{t * 1e6:.1f}", "-", "-", "-")
+    for running, group in sorted({(c.running, c.group) for c in profile.loaded_collectives}):
+        spread = statistics.median(p[3] for c in profile.loaded_collectives if (c.running, c.group) == (running, group)
+                                   for p in c.points)
+        comm.add_row(f"in-step wait, group of {group} (spread {spread:.2f})", str(running),
+                     f"{profile.step_wait(running, group) * 1e6:.1f}", "-", "-", "-")
     tables = [compute, comm]
     if profile.sync_steps:
         sync = Table(title="a synchronising step beyond the same step without data parallelism (wall time, "

@@ -13,7 +13,8 @@ intra-op thread per process, as the gloo tests run):
   together, gloo collective times by message size with their `alpha + beta * bytes` fits, the
   extra cost of shardc's collective wrapper per call, and what a whole synchronising step adds
   under FSDP2 and under DDP per data-parallel group size among the N (`sync_steps`: wall time,
-  sharing included).
+  sharing included), and the collectives again with every process computing between calls
+  (`loaded_collectives`: what a blocking collective waits inside a step, `step_wait`).
 
 Every figure is at one reference speed (`shardc.calibration.speed`); `at_speed` gives the profile
 on the machine running some factor slower.
@@ -26,8 +27,9 @@ concurrent benchmark's matmul size over the concurrent rate (`eager_slowdown`), 
 
 The file: JSON (default `$SHARDC_CACHE_DIR/local-profile.json`, else
 `~/.cache/shardc/local-profile.json`), written atomically (temporary file, then rename). Versions
-1-3 still load: version 1 without eager costs (`eager=None`: the model falls back to the roofline),
-before 3 without the wrapper overhead, before 4 not at a reference speed.
+1-4 still load: version 1 without eager costs (`eager=None`: the model falls back to the roofline),
+before 3 without the wrapper overhead, before 4 not at a reference speed, before 5 without the
+collectives timed under a training load (`LoadedCollective`, `step_wait`: 0).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.ir.files import write_json_atomic
 from shardc.ops.collectives import ring_traffic
 
-PROFILE_VERSION = 4  # 4: figures at the probe's reference speed; 3: wrapper_overhead; 1-3 still load
+PROFILE_VERSION = 5  # 5: loaded_collectives; 4: figures at the probe's reference speed; 3: wrapper_overhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,23 @@ class CollectiveFit:
         biggest, seconds = max(self.points)
         bandwidth = volume / self.fit.beta if self.fit.beta > 0 else volume * biggest / seconds
         return bandwidth, self.fit.alpha / steps
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCollective:
+    """One collective timed inside a training-like loop (`shardc.calibration.busy`): `running`
+    processes all computing between calls, in groups of `group` ranks; per message size the
+    median over the trials of the seconds a call added to an iteration (in step), of the same
+    call made back to back beside it (idle), and the in-step trials' spread ((max - min) / median)."""
+
+    op: str
+    running: int
+    group: int
+    points: tuple[tuple[int, float, float, float], ...]  # (bytes, in-step s, idle s, spread)
+
+    def __post_init__(self) -> None:
+        if self.group < 2 or self.running < self.group or any(min(p[1:]) < 0 for p in self.points):
+            raise ValueError(f"loaded {self.op}: needs 2 <= group <= running and times, spreads >= 0, got {self}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +252,7 @@ class LocalProfile:
     conditions: Conditions | None = None  # how busy the machine was while measured (None: not recorded)
     # (nprocs, the probe's CPU time with nprocs running over its time alone): `contention_factor`
     contention: tuple[tuple[int, float], ...] = ()
+    loaded_collectives: tuple[LoadedCollective, ...] = ()  # `step_wait`; () before version 5
 
     @property
     def busy(self) -> bool:
@@ -255,6 +275,28 @@ class LocalProfile:
         if not self.wrapper_overhead or nproc <= 1:
             return 0.0
         return min(self.wrapper_overhead, key=lambda c: (abs(c[0] - nproc), -c[0]))[1]
+
+    def step_wait(self, running: int, group: int) -> float:
+        """Seconds a blocking collective over `group` ranks waits inside a training step with
+        `running` processes beyond what the cost model prices it at otherwise (`LoadedCollective`):
+        the median, over every op and message size measured with this group size and the nearest
+        running count (ties to the larger), of the in-step time less the idle one. The idle one is
+        the call made back to back beside it when the group is every process; for a smaller group
+        it is the fit the model prices that group by (`nearest(op, group)`, measured with `group`
+        processes running: the others' load belongs to the wait). Never below 0, nor below the
+        wait with fewer processes running: a busier peer never prices a call cheaper. 0 when not
+        measured (profiles before version 5)."""
+        rows = [r for r in self.loaded_collectives if r.group == group]
+        if not rows or group < 2:
+            return 0.0
+        near = min({r.running for r in rows}, key=lambda n: (abs(n - running), -n))
+        waits = []
+        for row in (r for r in rows if r.running == near):
+            fit = self.nearest(row.op, group) if group < row.running else None
+            waits += [step - (fit.fit.time(b) if fit is not None else idle) for b, step, idle, _ in row.points]
+        fewer = [n for n in {r.running for r in rows} if n < near]
+        below = self.step_wait(max(fewer), group) if fewer else 0.0
+        return max(0.0, statistics.median(waits), below)
 
     def contention_factor(self, nproc: int) -> float:
         """How much more CPU time the same work takes in one of `nproc` processes running at once
@@ -301,7 +343,7 @@ class LocalProfile:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LocalProfile:
         """The profile from its JSON form, of any version from 1 to `PROFILE_VERSION`."""
-        if data.get("version") not in (1, 2, 3, PROFILE_VERSION):
+        if data.get("version") not in (1, 2, 3, 4, PROFILE_VERSION):
             raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
         fits = tuple(CollectiveFit(c["op"], int(c["nprocs"]), tuple((int(b), float(t)) for b, t in c["points"]),
                                    AlphaBeta(**c["fit"])) for c in data["collectives"])
@@ -313,6 +355,10 @@ class LocalProfile:
                                      for w, n, g, c, a, b in data.get("sync_steps", ()))
         kwargs["conditions"] = Conditions(**data["conditions"]) if data.get("conditions") else None
         kwargs["contention"] = tuple((int(n), float(f)) for n, f in data.get("contention", ()))
+        kwargs["loaded_collectives"] = tuple(
+            LoadedCollective(str(c["op"]), int(c["running"]), int(c["group"]),
+                             tuple((int(b), float(t), float(i), float(s)) for b, t, i, s in c["points"]))
+            for c in data.get("loaded_collectives", ()))
         return cls(**kwargs, collectives=fits, eager=eager_from_json(data.get("eager")))
 
 
@@ -331,6 +377,8 @@ def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
         concurrent=tuple((n, fl / f, bw / f) for n, fl, bw in profile.concurrent), collectives=fits,
         eager=profile.eager.scaled(f) if profile.eager is not None else None,
         wrapper_overhead=tuple((n, t * f) for n, t in profile.wrapper_overhead),
+        loaded_collectives=tuple(replace(c, points=tuple((b, t * f, i * f, s) for b, t, i, s in c.points))
+                                 for c in profile.loaded_collectives),
         sync_steps=tuple((w, n, g, c * f, a * f, b * f) for w, n, g, c, a, b in profile.sync_steps))
 
 

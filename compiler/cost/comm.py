@@ -121,9 +121,11 @@ def collective_time(kind: str, nbytes: float, levels: LinkLevels | LinkSpec, alg
 
 def call_overhead(levels: LinkLevels) -> float:
     """Seconds one of shardc's autograd-aware collective wrappers adds to the raw collective over
-    `levels` (forward and backward together): the largest `LinkSpec.call_overhead` among the
-    levels the group spans; 0 for a group of one rank."""
-    return max((link.call_overhead for link, size in levels if size > 1), default=0.0)
+    `levels` (forward and backward together) inside a training step: the largest of
+    `LinkSpec.call_overhead` plus the wait a blocking call pays for its peers there
+    (`LinkSpec.wait`, calibrated local links only) among the levels the group spans; 0 for a
+    group of one rank."""
+    return max((link.call_overhead + link.wait(size) for link, size in levels if size > 1), default=0.0)
 
 
 def group_levels(mesh: Mesh, axes: Sequence[str], cluster: Cluster) -> LinkLevels:

@@ -56,6 +56,15 @@ class LinkSpec:
     # (collective, ranks, alpha s, beta s/byte): whole collectives measured on this link (the local
     # gloo profile); a group of that many ranks on this link alone is priced by its own fit.
     measured: tuple[tuple[str, int, float, float], ...] = ()
+    # (ranks, s): what a blocking collective over a group of that many ranks waits inside a training
+    # step beyond its measured fit (peers computing or descheduled: `LocalProfile.step_wait`); () elsewhere.
+    step_wait: tuple[tuple[int, float], ...] = ()
+
+    def wait(self, ranks: int) -> float:
+        """`step_wait` for a group of `ranks` (the nearest size measured, ties to the larger; 0 without)."""
+        if not self.step_wait or ranks <= 1:
+            return 0.0
+        return min(self.step_wait, key=lambda w: (abs(w[0] - ranks), -w[0]))[1]
 
     def measured_time(self, kind: str, ranks: int, nbytes: float) -> float | None:
         """`alpha + beta * nbytes` of the collective measured at `ranks` on this link, or None."""
@@ -65,8 +74,8 @@ class LinkSpec:
         return None
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0 or self.call_overhead < 0:
-            raise ValueError(f"link {self.name}: bandwidth must be > 0, latency and call_overhead >= 0")
+        if self.bandwidth <= 0 or self.latency < 0 or self.call_overhead < 0 or any(w < 0 for _, w in self.step_wait):
+            raise ValueError(f"link {self.name}: bandwidth must be > 0, latency, call_overhead and step_wait >= 0")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"link {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
         if self.p2p is not None and (self.p2p[0] < 0 or self.p2p[1] <= 0):

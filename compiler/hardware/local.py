@@ -53,9 +53,11 @@ def local_cluster(nproc: int, profile: LocalProfile | None = None) -> Cluster:
 
 def local_link(profile: LocalProfile, nproc: int) -> LinkSpec:
     """The gloo link among `nproc` local processes: the ring that reproduces the all_reduce fit of
-    the nearest measured count, pipeline messages priced by the send/recv fit, and every
+    the nearest measured count, pipeline messages priced by the send/recv fit, every
     collective measured at a group size no larger than these processes (a group of 2 among 4:
-    the 2-process fit; the others' load is the speed probe's business)."""
+    the 2-process fit), and what a blocking collective of each group size waits inside a step
+    with `nproc` processes running (`LocalProfile.step_wait`: a group of 2 among 4 measured with
+    the other 2 computing)."""
     ring_fit = profile.nearest("all_reduce", nproc)
     ring = ring_fit.ring() if ring_fit is not None else None
     if ring_fit is None or ring is None:
@@ -68,6 +70,8 @@ def local_link(profile: LocalProfile, nproc: int) -> LinkSpec:
     measured = tuple((c.op, c.nprocs, c.fit.alpha, c.fit.beta) for c in profile.collectives
                      if c.op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") and c.points
                      and c.nprocs <= max(nproc, 2))
+    groups = sorted({c.group for c in profile.loaded_collectives if c.group <= nproc})
+    waits = tuple((g, profile.step_wait(nproc, g)) for g in groups)
     return LinkSpec(f"gloo-{ring_fit.nprocs}proc", bandwidth, latency, call_overhead=profile.call_overhead(nproc),
-                    p2p=p2p, measured=measured)
+                    p2p=p2p, measured=measured, step_wait=waits)
 
