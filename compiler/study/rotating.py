@@ -60,6 +60,8 @@ def rotating_plan_file(source: Any, cluster: Any, n: int, gbs: int, path: str | 
     from shardc.search.problem import MeshShape, build_problem, graph_facts
 
     resolved = driver.as_cluster(cluster)
+    if resolved is None:
+        raise ShardcError("the study's rotating plan needs a cluster to plan on: pass the local cluster")
     graph = source.trace(driver.solver_batch(gbs) if source.resizable else None).graph
     graph = driver.run(graph, "group-layers", PassContext(cluster=resolved), Flags())
     facts = graph_facts(graph, resolved, "fp32")

@@ -170,6 +170,6 @@ def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsS
                                                                                                   results, now)
     # The machine's 1-minute load average as the plan finished: how shared the cores were.
     entry["load_average"] = os.getloadavg()[0]
-    store.record(merge_rounds(before, entry) if earlier else entry)
+    store.record(merge_rounds(before, entry) if earlier and before is not None else entry)
 
 
