@@ -12,7 +12,8 @@ before-run prediction, plans predicted too fast, Spearman). `--pipeline-measure 
 What-ifs on the profile, for figures the calibration has not measured yet (say so when quoting
 them): `--contention N=F` replaces the contention among N processes (`LocalProfile.contention`),
 `--pipeline-action S` and `--split-walk S` the pipeline runtime's CPU seconds per schedule action
-and per parameter tensor of a split backward (`EagerCosts.pipeline_action`, `.split_backward_per_tensor`).
+and per parameter tensor of a split backward (`EagerCosts.pipeline_action`, `.split_backward_per_tensor`),
+`--split-refill S` a split backward's CPU seconds per byte its stage saved (`.split_backward_per_byte`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from shardc.study.predict import predict, study_cluster
 
 
 def load_profile(results: Path, given: str | None, contention: list[str], action: float | None = None,
-                 walk: float | None = None) -> LocalProfile:
+                 walk: float | None = None, refill: float | None = None) -> LocalProfile:
     """The profile the study was predicted on (`given`, else `local-profile.json` beside the
     results, else the cached one), with the what-ifs applied: `--contention`, and the pipeline
     runtime's CPU per action and per parameter tensor of a split backward (`EagerCosts`)."""
@@ -48,6 +49,8 @@ def load_profile(results: Path, given: str | None, contention: list[str], action
         profile = replace(profile, eager=replace(
             eager, pipeline_action=eager.pipeline_action if action is None else action,
             split_backward_per_tensor=eager.split_backward_per_tensor if walk is None else walk))
+    if profile.eager is not None and refill is not None:
+        profile = replace(profile, eager=replace(profile.eager, split_backward_per_byte=refill))
     return profile
 
 
@@ -114,14 +117,17 @@ def main() -> None:
                     help="what-if: the contention among N processes (repeatable)")
     ap.add_argument("--pipeline-action", type=float, help="what-if: CPU s per pipeline schedule action")
     ap.add_argument("--split-walk", type=float, help="what-if: CPU s per parameter tensor of a split backward")
+    ap.add_argument("--split-refill", type=float,
+                    help="what-if: CPU s per saved byte of a split backward's stage (`EagerCosts.split_backward_per_byte`)")
     args = ap.parse_args()
     if args.pipeline_measure:
         folder = Path(args.pipeline_measure)
         pipeline_part(folder, load_profile(folder / "results.json", args.profile, args.contention, args.pipeline_action,
-                                                   args.split_walk))
+                                                   args.split_walk, args.split_refill))
     if args.results:
         path = Path(args.results)
-        study_part(path, load_profile(path, args.profile, args.contention, args.pipeline_action, args.split_walk))
+        study_part(path, load_profile(path, args.profile, args.contention, args.pipeline_action, args.split_walk,
+                                             args.split_refill))
 
 
 if __name__ == "__main__":
