@@ -305,7 +305,7 @@ def schedule_actions(layers: Sequence[LayerWork], plan: ParallelPlan, device: De
     extra: dict[Op, float] = {}
     for d in range(plan.pp):
         for op in device_order(plan.schedule, plan.pp, d, m, plan.vpp):
-            if op[0] == "I":
+            if op[0] == "I" and split[op[2]]:
                 extra[op] = split[op[2]]
                 times[op[2]]["compute_bwd"] += split[op[2]]
     return extra
