@@ -119,7 +119,7 @@ def test_the_local_estimate_and_its_timeline_price_shared_cores(tmp_path: Path) 
     assert ends <= shared.step_time_s
 
 
-# ---- the pipeline runtime's own CPU work (`compose.schedule_actions`, `calibration.pipeline_steps`) --------
+# ---- the pipeline runtime's own CPU work (`runtime_cpu.schedule_actions`, `calibration.pipeline_steps`) --------
 
 def _eager_profile(action: float, walk: float):
     from shardc.calibration.profile import EagerCosts, KernelFit

@@ -1,4 +1,4 @@
-"""A split backward's own CPU on the local cluster (`compose.schedule_actions`, `split_backward_cpu`,
+"""A split backward's own CPU on the local cluster (`runtime_cpu.schedule_actions`, `split_backward_cpu`,
 `calibration.pipeline_steps.split_refill`): charged on the schedule's input-gradient ops only, per
 byte the stage saved, never on accelerators. No timing here: estimates on a fixed profile, and the
 calibration's measurement checked for its form only."""

@@ -58,6 +58,7 @@ from shardc.cost.options import EstimateOptions
 from shardc.cost.peak import device_memory, pipeline_buffers
 from shardc.cost.pipeline import ZB_SCHEDULES, Op, PipelineTimes, device_order, weight_gradient_share
 from shardc.cost.pipeline_shared import CoreSharing, core_sharing, simulate_schedule
+from shardc.cost.runtime_cpu import schedule_actions
 from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync, model_axis_collectives
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
@@ -118,7 +119,7 @@ class PipelineInputs:
     pp devices, micro-batches, virtual stages per device, and per virtual stage one micro-batch's
     forward, backward (sends included) and weight-gradient seconds (all zero unless the schedule
     splits the backward); `extra`: seconds single ops spend beyond that (FSDP2's ZeRO-3 gathers,
-    `fsdp.pipeline_gathers`; on the local CPU a split backward's own work, `schedule_actions`); `sharing`: how its processes share the cores (None: a device each)."""
+    `fsdp.pipeline_gathers`; on the local CPU a split backward's own work, `runtime_cpu.schedule_actions`); `sharing`: how its processes share the cores (None: a device each)."""
 
     schedule: str
     pp: int
@@ -273,50 +274,6 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                             tuple(fwd), tuple(bwd), tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(extra.items())),
                             tuple(sends) if lockstep else (), sharing)
     return Composition(step, tuple(stages), pipe, inputs)
-
-
-def schedule_actions(layers: Sequence[LayerWork], plan: ParallelPlan, device: DeviceSpec, times: list[dict[str, float]],
-                     fwd: list[float], bwd: list[float], wgrad: list[float] | None, m: int) -> dict[Op, float]:
-    """Add torch's pipeline runtime's own CPU work where it was measured (the local CPU,
-    `EagerCosts.pipeline_action`, `calibration.pipeline_steps`), in place: per virtual stage and
-    micro-batch one action for the forward and one for the backward (a whole one, or the weight
-    pass of a split one), counted as the forward's and backward's compute. Returns what each input-
-    gradient pass of a split backward (an "I" op of the schedule's order) costs beyond its share of
-    the ops: its own action and, on every stage but the first (torch runs the first stage's backward
-    whole, in its weight pass), `split_backward_cpu`; the caller adds them as single ops' extra."""
-    eager = device.eager
-    if eager is None or not (eager.pipeline_action or eager.split_backward_per_tensor or eager.split_backward_per_byte):
-        return {}
-    tensors, saved = [0] * len(fwd), [0.0] * len(fwd)
-    for layer in layers:
-        tensors[layer.stage] += len(layer.params)
-        saved[layer.stage] += layer.cost.saved_bytes if layer.cost is not None else 0.0
-    action = eager.pipeline_action
-    for s in range(len(fwd)):
-        fwd[s] += action
-        bwd[s] += action
-        if wgrad is not None:
-            wgrad[s] += action
-        times[s]["compute_fwd"] = times[s].get("compute_fwd", 0.0) + action * m
-        times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + action * m
-    if wgrad is None:
-        return {}
-    split = [action + (split_backward_cpu(eager, tensors[s], saved[s]) if s > 0 else 0.0) for s in range(len(fwd))]
-    extra: dict[Op, float] = {}
-    for d in range(plan.pp):
-        for op in device_order(plan.schedule, plan.pp, d, m, plan.vpp):
-            if op[0] == "I" and split[op[2]]:
-                extra[op] = split[op[2]]
-                times[op[2]]["compute_bwd"] += split[op[2]]
-    return extra
-
-
-def split_backward_cpu(eager, tensors: int, saved_bytes: float) -> float:
-    """CPU seconds torch's split backward of one stage and micro-batch costs beyond its ops and
-    actions: the walk of the graph per parameter tensor (`EagerCosts.split_backward_per_tensor`)
-    and the refill per byte the stage saved for backward (`EagerCosts.split_backward_per_byte`:
-    while the split keeps the graph, what it allocates meets pages the allocator gave back)."""
-    return eager.split_backward_per_tensor * tensors + eager.split_backward_per_byte * saved_bytes
 
 
 def weight_gradients(layers: Sequence[LayerWork], plan: ParallelPlan) -> list[float]:
