@@ -25,5 +25,5 @@ def test_longer_transfers_never_shorten_a_schedule(schedule: str, pp: int, v: in
     for sharing in (None, CoreSharing(2, pp), CoreSharing(1, pp)):
         spans = [simulate_schedule(schedule, fwd, bwd, m, pp, send=[lag] * S, wgrad=wgrad, sharing=sharing).makespan
                  for lag in LAGS]
-        assert spans == sorted(spans), (schedule, sharing, spans)
+        assert all(b >= a - 1e-9 * a for a, b in zip(spans, spans[1:])), (schedule, sharing, spans)  # to rounding
         assert spans[-1] > spans[0]  # a transfer on the critical path shows
