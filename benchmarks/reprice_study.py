@@ -15,7 +15,8 @@ them): `--contention N=F` replaces the contention among N processes (`LocalProfi
 and per parameter tensor of a split backward (`EagerCosts.pipeline_action`, `.split_backward_per_tensor`),
 `--loaded-from PROFILE` takes the collectives timed under a training load (`LocalProfile.loaded_collectives`,
 the in-step wait of a blocking collective: `calibration.busy`) from another profile, e.g. a fresh
-`shardc calibrate`, onto the one the study was predicted on (profiles from before version 5 have none).
+`shardc calibrate`, onto the one the study was predicted on (profiles from before version 5 have none),
+`--split-refill S` a split backward's CPU seconds per byte its stage saved (`.split_backward_per_byte`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from shardc.study.predict import predict, study_cluster
 
 
 def load_profile(results: Path, given: str | None, contention: list[str], action: float | None = None,
-                 walk: float | None = None, loaded_from: str | None = None) -> LocalProfile:
+                 walk: float | None = None, loaded_from: str | None = None,
+                 refill: float | None = None) -> LocalProfile:
     """The profile the study was predicted on (`given`, else `local-profile.json` beside the
     results, else the cached one), with the what-ifs applied: `--contention`, and the pipeline
     runtime's CPU per action and per parameter tensor of a split backward (`EagerCosts`)."""
@@ -53,6 +55,8 @@ def load_profile(results: Path, given: str | None, contention: list[str], action
             split_backward_per_tensor=eager.split_backward_per_tensor if walk is None else walk))
     if loaded_from:
         profile = replace(profile, loaded_collectives=read_profile(loaded_from).loaded_collectives)
+    if profile.eager is not None and refill is not None:
+        profile = replace(profile, eager=replace(profile.eager, split_backward_per_byte=refill))
     return profile
 
 
@@ -123,15 +127,17 @@ def main() -> None:
     ap.add_argument("--pipeline-action", type=float, help="what-if: CPU s per pipeline schedule action")
     ap.add_argument("--split-walk", type=float, help="what-if: CPU s per parameter tensor of a split backward")
     ap.add_argument("--loaded-from", metavar="PROFILE", help="the loaded collectives of another profile")
+    ap.add_argument("--split-refill", type=float,
+                    help="what-if: CPU s per saved byte of a split backward's stage (`EagerCosts.split_backward_per_byte`)")
     args = ap.parse_args()
     if args.pipeline_measure:
         folder = Path(args.pipeline_measure)
         pipeline_part(folder, load_profile(folder / "results.json", args.profile, args.contention, args.pipeline_action,
-                                                   args.split_walk, args.loaded_from))
+                                                   args.split_walk, args.loaded_from, args.split_refill))
     if args.results:
         path = Path(args.results)
         study_part(path, load_profile(path, args.profile, args.contention, args.pipeline_action, args.split_walk,
-                                      args.loaded_from))
+                                      args.loaded_from, args.split_refill))
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def test_the_local_estimate_and_its_timeline_price_shared_cores(tmp_path: Path) 
     assert ends <= shared.step_time_s
 
 
-# ---- the pipeline runtime's own CPU work (`compose.schedule_actions`, `calibration.pipeline_steps`) --------
+# ---- the pipeline runtime's own CPU work (`runtime_cpu.schedule_actions`, `calibration.pipeline_steps`) --------
 
 def _eager_profile(action: float, walk: float):
     from shardc.calibration.profile import EagerCosts, KernelFit
@@ -131,8 +131,9 @@ def _eager_profile(action: float, walk: float):
 
 def test_the_schedule_actions_are_priced_per_stage_and_micro_batch() -> None:
     """Measured CPU per action (1 ms) and per parameter tensor of a split backward (0.1 ms): each
-    virtual stage's forward gains one action, its backward one (1F1B) or, split, one per pass and
-    the walk of its parameter tensors (ZB-V), its weight pass one; unmeasured (0): nothing."""
+    virtual stage's forward gains one action, its backward one (1F1B: the whole backward; ZB-V:
+    the weight pass, and the input pass as an extra of its own op: one action and, past the first
+    stage, the walk of its parameter tensors), its weight pass one; unmeasured (0): nothing."""
     from shardc.driver import estimate
 
     model = "examples/gpt.py:gpt?n_layer=4&n_embd=64&n_head=2&vocab_size=128&seq=16&batch=4&tie=false"
@@ -146,11 +147,15 @@ def test_the_schedule_actions_are_priced_per_stage_and_micro_batch() -> None:
         more, _ = estimate(model, measured, plan)
         a, b = base.pipeline, more.pipeline
         assert [x - y for x, y in zip(b.fwd, a.fwd)] == pytest.approx([action] * len(a.fwd))
+        assert [x - y for x, y in zip(b.bwd, a.bwd)] == pytest.approx([action] * len(a.bwd))
         if "zbv" not in plan:
-            assert [x - y for x, y in zip(b.bwd, a.bwd)] == pytest.approx([action] * len(a.bwd))
+            assert b.extra == a.extra == ()
             continue
         assert [x - y for x, y in zip(b.wgrad, a.wgrad)] == pytest.approx([action] * len(a.wgrad))
-        walked = [x - y - 2 * action for x, y in zip(b.bwd, a.bwd)]
+        inputs = dict(b.extra)
+        assert a.extra == () and {op[0] for op in inputs} == {"I"} and len(inputs) == len(a.fwd) * a.micro_batches
+        assert {t for (_, _, s), t in inputs.items() if s == 0} == {action}  # torch runs the first stage whole
+        walked = [t - action for (_, _, s), t in inputs.items() if s > 0]
         tensors = [round(w / walk) for w in walked]
         assert walked == pytest.approx([walk * t for t in tensors]) and min(tensors) >= 4  # a block's weights at least
         assert more.step_time_s > base.step_time_s

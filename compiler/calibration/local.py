@@ -34,6 +34,7 @@ from shardc.calibration import conditions
 from shardc.calibration.fit import fit_affine
 from shardc.calibration.gloo import COLLECTIVES, run_workers
 from shardc.calibration.ops import measure_eager
+from shardc.calibration.pipeline_steps import REFILL_REPS, split_refill
 from shardc.calibration.profile import (
     PROFILE_VERSION,
     CollectiveFit,
@@ -111,6 +112,9 @@ def _measure_alone(cfg: dict[str, Any], say: Callable[[str], None], step: Callab
         latency = kernel_latency(budget, speed=speed)
         step()
         eager = measure_eager(quick, say, speed)
+        say("split backward's refill")  # about a second: the measurement, then the probe beside it
+        refill = split_refill(REFILL_REPS // 2 if quick else REFILL_REPS)
+        eager = replace(eager, split_backward_per_byte=refill * speed.scale([speed.seconds(3)]))
         step()
     finally:
         torch.set_num_threads(threads)

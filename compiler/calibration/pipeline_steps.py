@@ -20,6 +20,13 @@ forwards and backwards run plainly by autograd (the ops without the runtime). Pe
 rank's main-thread CPU time (`time.thread_time`), the plain run's subtracted; the median over
 steps, the slowest rank's. Then one action costs 1F1B's extra over 2m, and a split backward costs
 (ZB-V's extra - 6m actions) / 2m, per parameter tensor of the stage: `LINEARS` of them here.
+
+A split backward also costs by size (`split_refill`, one process, about a second in `shardc
+calibrate`'s single-process part): it keeps the stage's autograd graph and the gradients it captured
+for the weight pass alive while it runs, so what it allocates lands on pages glibc had returned to
+the system (page faults and cold caches; a plain backward reuses what it frees as it goes: a GPT
+block of 256 features over 128 tokens, alone, faults ~350 pages per split backward and none per
+plain one). Measured as CPU per byte the stage saves for backward, from the same stage at two widths.
 """
 
 from __future__ import annotations
@@ -105,3 +112,75 @@ def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
     action = max(0.0, mine[0].item() / (2 * m))
     split = max(0.0, (mine[1].item() - 6 * m * action) / (2 * m * LINEARS))
     return action, split
+
+
+# The refill measurement's stage (`split_refill`): `REFILL_BLOCKS` pre-norm MLP blocks over `REFILL_TOKENS`
+# tokens, at `REFILL_WIDTH` features and again at `TINY_WIDTH` (the same graph and parameter tensors with
+# almost no bytes: what the split costs regardless of size cancels out).
+REFILL_WIDTH = 256
+TINY_WIDTH = 8
+REFILL_TOKENS = 128
+REFILL_BLOCKS = 2
+REFILL_REPS = 12
+
+
+def _split_extra(width: int, reps: int) -> tuple[float, float]:
+    """(CPU seconds a split backward takes beyond the plain backward of the same stage, median over
+    `reps` alternating pairs; bytes the stage saves for backward), for the refill stage at `width`."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(*(Block() for _ in range(REFILL_BLOCKS)))
+    params = list(stage.parameters())
+    x0 = torch.randn(1, REFILL_TOKENS, width)
+    kept: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage(x0.clone().requires_grad_(True))
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    saved = float(sum(b for ptr, b in kept.items() if ptr not in weights))
+    def plain(x: Any, out: Any, grad: Any) -> None:
+        out.backward(grad)
+
+    def split(x: Any, out: Any, grad: Any) -> None:
+        _, groups = stage_backward_input([out], [grad], [x], iter(params))
+        stage_backward_weight(iter(params), groups)
+
+    def timed(backward: Callable[[Any, Any, Any], None]) -> float:
+        x = x0.clone().requires_grad_(True)
+        out = stage(x)
+        grad = torch.ones_like(out)
+        return _timed(lambda: backward(x, out, grad))
+
+    extra = []
+    for _ in range(reps):
+        extra.append(-timed(plain) + timed(split))
+        for p in params:
+            p.grad = None
+    return statistics.median(extra[1:]), saved
+
+
+def split_refill(reps: int = REFILL_REPS) -> float:
+    """CPU seconds per byte a stage saves for backward that torch's split backward
+    (`stage_backward_input`, then `stage_backward_weight`) costs beyond the plain backward, on one
+    process at one intra-op thread: the split keeps the autograd graph and the captured gradients
+    alive, so what it allocates meets pages the allocator had given back (page faults, cold
+    caches; a plain backward reuses the memory it frees as it goes). Measured on the refill stage
+    at two widths: the difference of the extras over the difference of the saved bytes."""
+    big, big_bytes = _split_extra(REFILL_WIDTH, reps)
+    tiny, tiny_bytes = _split_extra(TINY_WIDTH, reps)
+    return max(0.0, (big - tiny) / max(1.0, big_bytes - tiny_bytes))

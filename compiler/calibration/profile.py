@@ -150,6 +150,10 @@ class EagerCosts:
     # the stage (its autograd graph walked per parameter): `calibration.pipeline_steps` (0: not measured)
     pipeline_action: float = 0.0
     split_backward_per_tensor: float = 0.0
+    # A split backward keeps the stage's autograd graph (and the gradients captured for the weight pass)
+    # while it runs, so what it allocates lands on memory the allocator had returned to the system:
+    # CPU s per byte the stage saved for backward (`calibration.pipeline_steps.split_refill`; 0: not measured)
+    split_backward_per_byte: float = 0.0
 
     def fit(self, *keys: str) -> KernelFit:
         """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
@@ -163,7 +167,8 @@ class EagerCosts:
                           self.sharded_optimizer_per_param * factor, self.fsdp_per_tensor * factor,
                           self.fsdp_per_param * factor,
                           tuple((w, g, c * factor, a * factor, b * factor) for w, g, c, a, b in self.sync_step),
-                          self.pipeline_action * factor, self.split_backward_per_tensor * factor)
+                          self.pipeline_action * factor, self.split_backward_per_tensor * factor,
+                          self.split_backward_per_byte * factor)
 
     def sync_step_time(self, wrapper: str, group: int, tensors: float, elements: float) -> float | None:
         """Seconds a whole synchronising step under `wrapper` ("fsdp2" or "ddp") adds for a unit of
@@ -197,7 +202,8 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
                       float(data.get("fsdp_per_tensor", 0.0)), float(data.get("fsdp_per_param", 0.0)),
                       tuple((str(w), int(g), float(c), float(a), float(b))
                             for w, g, c, a, b in data.get("sync_step", ())),
-                      float(data.get("pipeline_action", 0.0)), float(data.get("split_backward_per_tensor", 0.0)))
+                      float(data.get("pipeline_action", 0.0)), float(data.get("split_backward_per_tensor", 0.0)),
+                      float(data.get("split_backward_per_byte", 0.0)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,8 +56,9 @@ from shardc.cost.memory import (
 )
 from shardc.cost.options import EstimateOptions
 from shardc.cost.peak import device_memory, pipeline_buffers
-from shardc.cost.pipeline import ZB_SCHEDULES, PipelineTimes, device_order, weight_gradient_share
+from shardc.cost.pipeline import ZB_SCHEDULES, Op, PipelineTimes, device_order, weight_gradient_share
 from shardc.cost.pipeline_shared import CoreSharing, core_sharing, simulate_schedule
+from shardc.cost.runtime_cpu import schedule_actions
 from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync, model_axis_collectives
 from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
@@ -118,7 +119,7 @@ class PipelineInputs:
     pp devices, micro-batches, virtual stages per device, and per virtual stage one micro-batch's
     forward, backward (sends included) and weight-gradient seconds (all zero unless the schedule
     splits the backward); `extra`: seconds single ops spend beyond that (FSDP2's ZeRO-3 gathers,
-    `fsdp.pipeline_gathers`); `sharing`: how its processes share the cores (None: a device each)."""
+    `fsdp.pipeline_gathers`; on the local CPU a split backward's own work, `runtime_cpu.schedule_actions`); `sharing`: how its processes share the cores (None: a device each)."""
 
     schedule: str
     pp: int
@@ -223,9 +224,11 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
     times, fwd, bwd = stage_times(layers, [0.0] * len(sends) if lockstep else sends, links, plan, m, options,
                                   links.levels(zero_axes), shard)
     wgrad = weight_gradients(layers, plan) if plan.schedule in ZB_SCHEDULES else None
+    split: dict[Op, float] = {}
     if p > 1 and options.pipeline_runtime == "torch":
-        schedule_actions(layers, plan, links.device, times, fwd, bwd, wgrad, m)
+        split = schedule_actions(layers, plan, links.device, times, fwd, bwd, wgrad, m)
     gathers = pipeline_gathers(layers, plan, m, links, zero_axes, shard, w_elem) if options.zero_runtime == "fsdp2" else {}
+    extra = {op: gathers.get(op, 0.0) + split.get(op, 0.0) for op in gathers.keys() | split.keys()}
     sharing = None if lockstep else core_sharing(links.cluster, p)
     if lockstep:
         pipe = simulate_lockstep(fwd, bwd, sends, m)
@@ -234,7 +237,7 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
             if exchanged:
                 times[s]["pp_comm"] = times[s].get("pp_comm", 0.0) + exchanged
     else:
-        pipe = simulate_schedule(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=gathers,
+        pipe = simulate_schedule(plan.schedule if p > 1 else "1f1b", fwd, bwd, m, p, wgrad=wgrad, extra=extra,
                                  sharing=sharing)
     syncs = gradient_sync(links, layers, plan, options, zero_axes, shard, pipe, bwd, g_elem, w_elem, m)
     if links.device.eager is not None:  # a CPU's measured eager optimizer step
@@ -268,33 +271,9 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
                                     syncs[d].grad_bytes, syncs[d].comm_bytes, dp_collectives=syncs[d].collectives,
                                     collectives=model_axis_collectives(mine, m, syncs[d])))
     inputs = PipelineInputs(LOCKSTEP if lockstep else plan.schedule if p > 1 else "1f1b", p, m, plan.vpp,
-                            tuple(fwd), tuple(bwd), tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(gathers.items())),
+                            tuple(fwd), tuple(bwd), tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(extra.items())),
                             tuple(sends) if lockstep else (), sharing)
     return Composition(step, tuple(stages), pipe, inputs)
-
-
-def schedule_actions(layers: Sequence[LayerWork], plan: ParallelPlan, device: DeviceSpec, times: list[dict[str, float]],
-                     fwd: list[float], bwd: list[float], wgrad: list[float] | None, m: int) -> None:
-    """Add torch's pipeline runtime's own CPU work where it was measured (the local CPU,
-    `EagerCosts.pipeline_action`, `calibration.pipeline_steps`), in place: per virtual stage and
-    micro-batch one action for the forward and one for the backward, or, split, one each for its
-    input- and weight-gradient passes and the input pass's walk of the graph per parameter tensor
-    of the stage; counted as the forward's and backward's compute."""
-    eager = device.eager
-    if eager is None or not (eager.pipeline_action or eager.split_backward_per_tensor):
-        return
-    tensors = [0] * len(fwd)
-    for layer in layers:
-        tensors[layer.stage] += len(layer.params)
-    action, walk = eager.pipeline_action, eager.split_backward_per_tensor
-    for s in range(len(fwd)):
-        back = action if wgrad is None else 2 * action + walk * tensors[s]
-        fwd[s] += action
-        bwd[s] += back
-        if wgrad is not None:
-            wgrad[s] += action
-        times[s]["compute_fwd"] = times[s].get("compute_fwd", 0.0) + action * m
-        times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + back * m
 
 
 def weight_gradients(layers: Sequence[LayerWork], plan: ParallelPlan) -> list[float]:
