@@ -224,10 +224,14 @@ RUN_TWO = [(QWEN3_MOE, "ep=2,mb=4"), (DEEPSEEK_V3, "ep=2,mb=4")]
 RUN_FOUR = [(MIXTRAL, "ep=2,tp=2,mb=4"), (QWEN3_MOE, "dp=2,ep=2,mb=2"), (DEEPSEEK_V3, "ep=2,pp=2,mb=2")]
 
 
-def run_and_compare(nproc: int, cases: list[tuple[str, str]]) -> list[str]:
+def run_and_compare(nproc: int, cases: list[tuple[str, str]], tmp: Path) -> list[str]:
     """Every case through `shardc run`'s launcher in one torchrun (fp32); each case's losses
-    against transformers' model in one process on the same data: the failures."""
-    from shardc.run import launch_all, resolve_plan
+    against transformers' model in one process on the same data, and each rank's measured peak
+    memory (`shardc run`'s tracked step) within 5% of the cost model's prediction for it (as
+    `test_memory_accuracy` holds dense plans; on a fixed `local` profile): the failures."""
+    from test_hardware import fixed_local_profile
+
+    from shardc.run import launch_all, predict, resolve_plan, summarize
 
     runs = [(spec, resolve_plan(f"{plan},dtype=fp32", nproc)) for spec, plan in cases]
     reports = launch_all(runs, nproc=nproc, steps=RUN_STEPS, seed=RUN_SEED, timeout_s=600)
@@ -236,15 +240,23 @@ def run_and_compare(nproc: int, cases: list[tuple[str, str]]) -> list[str]:
         got, want = per_rank[0]["losses"], transformers_losses(spec, RUN_STEPS, RUN_SEED)
         if got != pytest.approx(want, rel=1e-5):
             failures.append(f"{spec} {plan}: losses {got} vs one process {want}")
+    with fixed_local_profile(tmp):
+        for (spec, plan), run, per_rank in zip(cases, runs, reports):
+            summary = summarize(spec, run[1], per_rank, *predict(spec, run[1], None, nproc))
+            for r in summary["ranks"]:
+                measured, predicted = r["peak_memory_bytes"], r["predicted_peak_memory_bytes"]
+                if predicted is None or measured != pytest.approx(predicted, rel=0.05):
+                    failures.append(f"{spec.split('?')[0]} {plan} rank {r['rank']}: peak memory measured "
+                                    f"{measured:,} B, predicted {predicted} ({summary['prediction']})")
     return failures
 
 
-def test_shardc_run_trains_every_model_expert_parallel_like_one_process_on_2_processes() -> None:
-    assert run_and_compare(2, RUN_TWO) == []
+def test_shardc_run_trains_every_model_expert_parallel_like_one_process_on_2_processes(tmp_path: Path) -> None:
+    assert run_and_compare(2, RUN_TWO, tmp_path) == []
 
 
-def test_shardc_run_trains_ep_with_dp_tp_and_pp_like_one_process_on_4_processes() -> None:
-    assert run_and_compare(4, RUN_FOUR) == []
+def test_shardc_run_trains_ep_with_dp_tp_and_pp_like_one_process_on_4_processes(tmp_path: Path) -> None:
+    assert run_and_compare(4, RUN_FOUR, tmp_path) == []
 
 
 # ---- the matrix -------------------------------------------------------------------------------
