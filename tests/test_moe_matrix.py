@@ -221,7 +221,11 @@ def test_expert_parallel_compositions_in_a_users_loop_match_one_process_on_4_pro
 RUN_STEPS, RUN_SEED = 3, 3
 # mixtral under ep=2 goes through the command line itself in `test_moe.test_shardc_run_trains_mixtral_...`
 RUN_TWO = [(QWEN3_MOE, "ep=2,mb=4"), (DEEPSEEK_V3, "ep=2,mb=4")]
-RUN_FOUR = [(MIXTRAL, "ep=2,tp=2,mb=4"), (QWEN3_MOE, "dp=2,ep=2,mb=2"), (DEEPSEEK_V3, "ep=2,pp=2,mb=2")]
+RUN_FOUR = [(MIXTRAL, "ep=2,tp=2,mb=4"), (QWEN3_MOE, "dp=2,ep=2,mb=2"), (DEEPSEEK_V3, "ep=2,pp=2,mb=2"),
+            # mixtral's experts (intermediate 128) dominate the backward's working memory: its peak
+            # was +6.4% (dp x ep) and +9.9% (ep x pp) over the prediction before the experts' weight
+            # gradients were priced as the backend holds them (`cost.moe.weight_gradient_copies`)
+            (MIXTRAL, "dp=2,ep=2,mb=2"), (layers(MIXTRAL, 2), "ep=2,pp=2,mb=2")]
 
 
 def run_and_compare(nproc: int, cases: list[tuple[str, str]], tmp: Path) -> list[str]:
