@@ -182,16 +182,18 @@ UNPRICED: tuple[UnpricedRun, ...] = (
     UnpricedRun("DeepSeek-V3 671B pre-training", "H800", 2048,
                 "2,664K H800 GPU hours for 14.8T tokens (180K per trillion; 2,788K with context extension "
                 "and post-training)", _DSV3,
-                "FP8 mixed-precision training (shardc prices bf16/fp16/fp32 plans, not FP8 GEMMs); no H800 preset "
-                "(the report's own figures: NVLink 160 GB/s, IB 50 GB/s per GPU); the figure averages a batch "
+                "FP8 mixed-precision training: the `H800` preset has the data sheet's fp8 peak (1979 TFLOP/s), but "
+                "a plan computes in fp32, bf16 or fp16 (`PLAN_DTYPES`) and no runtime shardc prices keeps FP8 "
+                "GEMMs with fine-grained (1x128, 128x128) scaling beside bf16 ones, so a bf16 price would be "
+                "another run's (its GEMMs at half the rate); the figure averages a batch "
                 "ramped from 3072 to 15360 sequences. The layout itself is expressible as a plan (not traced at "
                 "this size): pp=16, ep=64 inside dp=128 (`dp=2,ep=64,pp=16`), no tp, DualPipe ~ torch's dualpipev; node-limited routing "
                 "(<= 4 nodes per token) is not modelled"),
     UnpricedRun("DeepSeek-V2 236B pre-training", "H800", 0,
                 "172.8K GPU hours per trillion tokens", _DSV2,
-                "no H800 preset; the report states the parallelism (16-way zero-bubble pipeline, 8-way expert "
-                "parallelism, ZeRO-1 data parallelism) but not the GPU count, the batch the figure was measured "
-                "at (it ramps) or the stage split; device-limited routing (M=3) is not modelled"),
+                "the `H800` preset prices the device, and the report states the parallelism (16-way zero-bubble "
+                "pipeline, 8-way expert parallelism, ZeRO-1 data parallelism), but not the GPU count, the batch the "
+                "figure was measured at (it ramps) or the stage split; device-limited routing (M=3) is not modelled"),
 )
 
 

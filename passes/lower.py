@@ -26,7 +26,8 @@ and collectives carry the backward they need as their `grad` attribute. A parame
 on a model axis whose readers all split it (the batch split over tp with replicated weights,
 `shardc.analysis.summed`) gets no `grad_all_reduce` per use: its `grad_sync` lists the axis in
 `sum_axes`, and the runtime sums the accumulated gradient there once per step, bucketed. Graph outputs are made replicated on model axes and stay local on
-data axes (the loss is each rank's mean: `P(avg)`). Where an activation crosses pipeline
+data axes (the loss is each rank's mean: `P(avg)`); under a pipeline an output made before the
+last stage (a router's logits) is sent there, its recv and steps after the last node. Where an activation crosses pipeline
 stages, a `send` (producer's layer) and `recv` (consumer's layer) pair cuts the graph: the send
 goes right after its producer and the recv (with the steps after it) right before the first
 consumer, so stages never decrease along the node list; the edges of one value that cross the
@@ -268,7 +269,7 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
     after: dict[int, list[Edge]] = {}  # producer index -> edges whose send goes right after it
     for edge in edges:
         producer = by_name[edge.value].producer
-        if edge.consumers and edges[edge][0].kind == "send_recv" and producer is not None:
+        if edges[edge][0].kind == "send_recv" and producer is not None:
             after.setdefault(position[producer], []).append(edge)
     sent: dict[Edge, Value] = {}
     sends: dict[tuple[str, int | None, int | None], Value] = {}  # (value, src, dst stage) -> its one send
@@ -287,12 +288,13 @@ def lower(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> Graph:
                 sends[key] = emit.send(by_name[edge.value], edge, node)
             sent[edge] = sends[key]
     emit.shared = None
-    emit.received = None
-    for edge, steps in edges.items():
+    for edge, steps in edges.items():  # after the last node: an output carried to the last stage is there
         if not edge.consumers:
             k = next(j for j, v in enumerate(graph.outputs) if v.name == edge.value)
             src = graph.outputs[k]
-            graph.outputs[k] = emit.chain(src, edge, steps, src.producer or old[-1])
+            near = old[-1] if edge.src_stage != edge.dst_stage else (src.producer or old[-1])
+            graph.outputs[k] = emit.chain(src, edge, steps, near, sent.get(edge))
+    emit.received = None
     graph.nodes = emit.nodes
     return graph
 

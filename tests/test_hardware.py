@@ -49,6 +49,8 @@ def test_links_are_per_direction_per_gpu_bytes_per_second() -> None:
     assert PRESETS["V100-32GB"].inter.bandwidth == 100e9 / 8
     assert PRESETS["A100-40GB"].inter.bandwidth == 200e9 / 8
     assert PRESETS["H200"].inter.bandwidth == 400e9 / 8
+    assert PRESETS["H800"].intra.bandwidth == 400e9 / 2 and PRESETS["H800"].inter.bandwidth == 400e9 / 8
+    assert PRESETS["H800"].device.peak("bf16") == 989e12 and PRESETS["H800"].device.peak("fp8") == 1979e12
     for p in PRESETS.values():
         assert p.devices_per_node == 8
         assert 1e-6 <= p.intra.latency < p.inter.latency <= 10e-6

@@ -16,8 +16,8 @@ _ATTN = "hidden_size=64&num_attention_heads=4&vocab_size=128&seq=16&batch=8"
 MIXTRAL_WIDE = (f"hf:mixtral?{_ATTN}&intermediate_size=256&num_hidden_layers=2&num_key_value_heads=2"
                 "&num_local_experts=8")
 GBS = 8
-# Per device, predicted on the fixed `local` profile (fp32, Adam): dp=4 17.7 MiB, dp=4 under ZeRO-3
-# 14.5 MiB (FSDP2 gathers the whole model), dp=2 x pp=2 9.8 MiB, dp=2 x ep=2 9.4 MiB; ep=4 4.4 MiB.
+# Per device, predicted on the fixed `local` profile (fp32, Adam): dp=4 18.7 MiB, dp=4 under ZeRO-3
+# 13.1 MiB (FSDP2 gathers the whole model), dp=2 x pp=2 10.8 MiB, dp=2 x ep=2 10.0 MiB; ep=4 4.7 MiB.
 LIMIT_GB = 6 / 1024
 
 

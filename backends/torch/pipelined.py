@@ -210,7 +210,9 @@ class PipelinedModule(nn.Module):
             else:
                 tgt = torch.zeros(self.microbatches, device=self.device)
             kwargs = {"target": tgt, "losses": losses}
-        self.schedule.step(*args, **kwargs)
+        # the losses are what step returns: the outputs are not merged (a scalar output, the model's
+        # own loss or a router's aux loss, has no batch dim to concatenate micro-batches along)
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         self._finish_gradients()
         loss = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros((), device=self.device)
         scaler = self.__dict__.get("grad_scaler")

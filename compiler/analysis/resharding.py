@@ -76,7 +76,8 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
     steps plus an `identity` marker (backward all_reduce) per such axis; the lowering emits the
     shared steps once (`lower`'s chain sharing). A parameter whose gradient is summed once per
     step over an axis (`shardc.analysis.summed`) gets no marker on that axis. Graph outputs are
-    made replicated on model axes and kept on data axes (edges with no consumers).
+    made replicated on model axes and kept on data axes (edges with no consumers); under a
+    pipeline an output made before the last stage is first sent there.
     """
     mesh = graph.mesh
     if mesh is None:
@@ -123,12 +124,20 @@ def edge_steps(graph: Graph, data_axes: tuple[str, ...] = DATA_AXES) -> dict[Edg
                                     set().union(*(splits[i] for i, _ in consumers)) - deferred(v), deferred(v))
         if steps:
             out[Edge(v.name, src, need, tuple(consumers), src_stage, stage)] = steps
+    last = max((s for s in stage_of.values() if s is not None), default=None)
     for v in graph.outputs:
         src = normalize(v.layout or Layout(), mesh)
         need = Layout(tuple((a, p) for a, p in src.placements if a in data_axes))
-        steps = with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, False, set())
+        src_stage = stage_of.get(v)
+        steps = []
+        if src_stage is not None and last is not None and src_stage != last:
+            # a pipeline returns what its last stage returns: an output made earlier (a router's
+            # logits on stage 0) is carried there
+            nbytes = local_bytes(v.type, src, mesh)
+            steps.append(ReshardStep("send_recv", Axis.PP, src, src, nbytes, nbytes, 2, "send_recv"))
+        steps += with_gradients(redistribute(src, need, v.type, mesh), need, v, mesh, data_axes, False, set())
         if steps:
-            out[Edge(v.name, src, need, (), stage_of.get(v), stage_of.get(v))] = steps
+            out[Edge(v.name, src, need, (), src_stage, last if src_stage is not None else None)] = steps
     return out
 
 

@@ -113,15 +113,33 @@ def dispatcher_axes(ctx: CostContext, node: Node) -> tuple[str, ...]:
 
 def dispatcher_saves(ctx: CostContext, node: Node,
                      saves: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
-    """What an `experts` node saves for backward under Megatron's dispatcher (`dispatcher_axes`;
-    else `saves` as they are): no copy of its gathered tokens, and of the two hidden-state rows
-    per routed token (`shardc.ops.moe._saves`: the gathered input, the expert's output) the
-    output only as reduce-scattered, 1/size of it."""
-    axes = dispatcher_axes(ctx, node)
-    if not axes or ctx.mesh is None:
+    """What an `experts` node saves for backward when the runtime priced is Megatron-Core's
+    (`ctx.expert_dispatch == "megatron"`; else `saves` as they are): its fused bias-GLU
+    (`bias_swiglu_impl`, `bias_geglu_impl`) keeps only its input and recomputes the activation in
+    backward, so no activation output per routed row (`shardc.ops.moe._saves`' second `i`); and
+    under its dispatcher (`dispatcher_axes`) no copy of the gathered tokens, and of the two
+    hidden-state rows per routed token (the gathered input, the expert's output) the output only
+    as reduce-scattered, 1/size of it."""
+    if ctx.expert_dispatch != "megatron" or node.op != "experts":
         return saves
-    share = math.prod(ctx.mesh.axis_size(a) for a in axes)
     local = ctx.local(node)
+    x, index, down = local.in_types[0], local.in_types[1], local.in_types[4]
+    fused = x.shape[0] * index.shape[1] * down.shape[2] * (x.nbytes // max(x.numel, 1))
+    axes = dispatcher_axes(ctx, node) if ctx.mesh is not None else ()
+    share = math.prod(ctx.mesh.axis_size(a) for a in axes) if ctx.mesh is not None else 1
     output_rows = routed_bytes(local.in_types) * (1 - 1 / share)
-    return [(kind, idx, nbytes - output_rows if kind == "bytes" else nbytes) for kind, idx, nbytes in saves
-            if not (kind == "in" and idx == 0)]
+    return [(kind, idx, nbytes - output_rows - fused if kind == "bytes" else nbytes) for kind, idx, nbytes in saves
+            if not (axes and kind == "in" and idx == 0)]
+
+
+def weight_gradient_copies(ctx: CostContext, node: Node, operand: int) -> float:
+    """How many local-size gradients of operand `operand` a node's backward holds at once: 1, but
+    2 for an `experts` node's `gate_up` (operand 3) with two local experts or more. The backend
+    (`local_experts`, `backends.torch.experts`) runs one expert at a time on `gate_up[e]` and
+    `down[e]`, whose backward (a select) gives each expert's gradient as a full local-size tensor,
+    and autograd adds each into the running sum as it arrives: the last expert's and the sum are
+    live together, for the larger weight while the smaller one's sum is already one tensor.
+    Megatron-Core's runtime (`expert_dispatch="megatron"`): 1."""
+    if node.op != "experts" or operand != 3 or ctx.expert_dispatch == "megatron":
+        return 1.0  # Megatron's grouped GEMMs write every expert's weight gradient in place
+    return 2.0 if ctx.local(node).in_types[3].shape[0] > 1 else 1.0

@@ -59,6 +59,7 @@ from shardc.cost.context import CostContext
 from shardc.cost.edges import GATHERED, gathered_source
 from shardc.cost.head import head_regions, vocab_parallel_loss
 from shardc.cost.layer import LayerTerms, attention_core
+from shardc.cost.moe import weight_gradient_copies
 from shardc.cost.op_memory import (
     default_loss_bytes,
     gathered_readers,
@@ -343,7 +344,7 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
             if v not in ctx.needs_grad or v in made:
                 continue
             if v.kind == "parameter":
-                new_params[v.name] = ctx.local_bytes(v)
+                new_params[v.name] = ctx.local_bytes(v) * weight_gradient_copies(ctx, reader, i)
             elif passes_gradient(reader, i):
                 passed.append(v)
             else:

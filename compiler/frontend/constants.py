@@ -9,6 +9,7 @@ Also here: the small tree helpers the lowering shares.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,37 @@ def tensors_in(res: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)]
 
 
+_ONE_ROW_ELEMENTS = 1 << 24  # folds this large are computed on one row when the rows are alike
+# `&`, `|`, `^` on tensors: elementwise, but torch tags only their bitwise_* names pointwise
+_BITWISE_ALIASES = (torch.ops.aten.__and__, torch.ops.aten.__or__, torch.ops.aten.__xor__)
+
+
+def _one_row(node: torch.fx.Node, args: Any, kwargs: Any) -> torch.Tensor | None:
+    """A large elementwise aten op on tensors that are each the same along the result's dim 0,
+    computed on one row and expanded (a stride-0 view); None when that does not apply. A causal
+    mask built from `arange(batch)` differs along the batch only by broadcasting, and folding it
+    at a solver's global batch materialised (256, 1, 4096, 4096) bools per op (issue 15)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or kwargs or not (
+            torch.Tag.pointwise in target.tags or target.overloadpacket in _BITWISE_ALIASES):
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or any(not isinstance(a, torch.Tensor | int | float | bool) for a in args):
+        return None
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    if len(shape) == 0 or shape[0] <= 1 or math.prod(shape) < _ONE_ROW_ELEMENTS:
+        return None
+    rows = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() == len(shape) and a.shape[0] > 1:
+            if a.stride(0) != 0 and not bool((a == a[:1]).all()):  # stride 0: this path's own output
+                return None
+            a = a[:1]
+        rows.append(a)
+    out = target(*rows)
+    return out.expand(shape[0], *out.shape[1:])
+
+
 class ConstantFolding:
     """The constant half of the lowering (`torch_trace._Lowering` is the rest): folds calls on
     constants and materialises a constant the graph reads, as ops or as a `const.N` buffer."""
@@ -112,7 +144,9 @@ class ConstantFolding:
                 return x.value
             return torch.device("cpu") if isinstance(x, torch.device) else x
         try:
-            res = call_node(node, map_tree(args, real), map_tree(kwargs, real))
+            res = _one_row(node, map_tree(args, real), map_tree(kwargs, real))
+            if res is None:
+                res = call_node(node, map_tree(args, real), map_tree(kwargs, real))
         except Exception:
             return None
         tensors = tensors_in(res)
@@ -149,8 +183,8 @@ class ConstantFolding:
                 self.e.rollback(mark)
                 self.const_values, self.const_nodes = saved
             self.e.location = location
-        if value is None:
-            value = self.e.constant(c.value)
+        if value is None:  # contiguous: a buffer is written in place (DDP broadcasts buffers), never a view
+            value = self.e.constant(c.value.contiguous())
         self.const_values[c] = value
         return value
 

@@ -294,6 +294,7 @@ def _half_flops(peak: float, efficiency: float, fixed_time: float = 5e-6) -> flo
 _NVLINK2 = LinkSpec("nvlink2", 150e9, 3e-6, 0.8)   # V100 SXM2: 6 links x 25 GB/s x 2 dirs = 300 GB/s total
 _NVLINK3 = LinkSpec("nvlink3", 300e9, 3e-6, 0.8)   # A100 SXM4: 12 links, 600 GB/s total
 _NVLINK4 = LinkSpec("nvlink4", 450e9, 3e-6, 0.8)   # H100/H200 SXM5: 18 links, 900 GB/s total
+_NVLINK_H800 = LinkSpec("nvlink-h800", 200e9, 3e-6, 0.8)  # H800 SXM5: 400 GB/s total
 _IB_EDR = LinkSpec("ib-edr", 12.5e9, 8e-6, 0.9)    # EDR 100 Gb/s per GPU
 _IB_HDR = LinkSpec("ib-hdr", 25e9, 7e-6, 0.9)      # HDR 200 Gb/s per GPU (DGX A100: 8 ConnectX-6)
 _IB_NDR = LinkSpec("ib-ndr", 50e9, 6e-6, 0.9)      # NDR 400 Gb/s per GPU (DGX H100/H200: 8 ConnectX-7)
@@ -320,13 +321,15 @@ def _a100(name: str, memory_gib: int, bandwidth: float) -> DeviceSpec:
         headroom=GPU_HEADROOM)
 
 
-def _hopper(name: str, memory_gib: int, bandwidth: float, efficiency: float) -> DeviceSpec:
+def _hopper(name: str, memory_gib: int, bandwidth: float, efficiency: float, fp64: float = 67e12) -> DeviceSpec:
     # H100 SXM5 data sheet: 989 TFLOP/s dense bf16/fp16 tensor (1979 with sparsity), 1979 fp8,
     # 494.5 tf32, 67 fp32, 67 fp64 tensor; 80 GB HBM3 at 3.35 TB/s.
     # H200 SXM: the same compute, 141 GB HBM3e at 4.8 TB/s.
+    # H800 SXM5 (the export variant DeepSeek-V2/V3 trained on): the H100's tensor compute and
+    # memory, fp64 cut to 1 TFLOP/s, NVLink cut to 400 GB/s (both directions).
     return DeviceSpec(
         name, (("bf16", 989e12), ("fp16", 989e12), ("fp8", 1979e12), ("tf32", 494.5e12),
-               ("fp32", 67e12), ("fp64", 67e12)),
+               ("fp32", 67e12), ("fp64", fp64)),
         memory_gib * GiB, bandwidth, efficiency, _half_flops(989e12, efficiency), 4e-6, headroom=GPU_HEADROOM)
 
 
@@ -352,6 +355,9 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
     "A100-80GB": Preset(_a100("A100-80GB", 80, 2039e9), 8, _NVLINK3, _IB_HDR),
     "H100-SXM": Preset(_hopper("H100-SXM", 80, 3.35e12, H100_EFFICIENCY), 8, _NVLINK4, _IB_NDR),
     "H200": Preset(_hopper("H200", 141, 4.8e12, H200_EFFICIENCY), 8, _NVLINK4, _IB_NDR),
+    # the H100's silicon and sustained efficiency; DeepSeek-V3's cluster: 8 GPUs per node, one
+    # 400 Gb/s InfiniBand NIC per GPU (its report: IB 50 GB/s, NVLink 160 GB/s achieved)
+    "H800": Preset(_hopper("H800", 80, 3.35e12, H100_EFFICIENCY, fp64=1e12), 8, _NVLINK_H800, _IB_NDR),
 })
 ALIASES: Mapping[str, str] = MappingProxyType({"H100": "H100-SXM", "A100": "A100-80GB", "V100": "V100-32GB"})
 

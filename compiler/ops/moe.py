@@ -89,13 +89,14 @@ def _flops(i: Types, o: Types, a: dict[str, Any]) -> int:
 
 def _saves(i: Types, o: Types, a: dict[str, Any]) -> list[tuple[str, int]]:
     """The inputs, plus per routed token what autograd keeps: its gathered hidden state and its
-    expert's output (2h: read by the first matmul and the weighting), the gate/up output (n) and
-    the gated product (i, read by the second matmul)."""
+    expert's output (2h: read by the first matmul and the weighting), the gate/up output (n: the
+    activation's input and the up half), the activation's output (i, read by the gating product)
+    and the gated product (i, read by the second matmul)."""
     t, h = i[0].shape
     k = i[1].shape[1]
     _, n, _ = i[3].shape
     inner = i[4].shape[2]
-    per_token = (2 * h + n + inner) * (i[0].nbytes // max(i[0].numel, 1))
+    per_token = (2 * h + n + 2 * inner) * (i[0].nbytes // max(i[0].numel, 1))
     return [("in", 0), ("in", 1), ("in", 2), ("in", 3), ("in", 4), ("bytes", t * k * per_token)]
 
 
