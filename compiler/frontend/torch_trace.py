@@ -12,8 +12,10 @@ kept as `const.N` buffers (`shardc.frontend.constants`); their values are in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,21 @@ from shardc.ops.targets import resolve_target
 
 
 @dataclass(frozen=True)
+
+@contextlib.contextmanager
+def _shapes_only() -> Iterator[None]:
+    """Meta tensors carry shapes, not values: a caller's `torch.use_deterministic_algorithms(True)`
+    (which refuses e.g. `histc` on meta as on CUDA) has nothing to guard while they run."""
+    if not torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
 class TraceResult:
     """A traced graph, the values of its `const.N` buffers, which tracer captured it, and how long it took."""
 
@@ -203,7 +220,8 @@ class _Lowering(ConstantFolding):
                 if in_place and isinstance(margs[0], torch.Tensor):
                     margs = (margs[0].clone(),) + tuple(margs[1:])
                 try:
-                    res = call_node(node, margs, mkwargs)
+                    with _shapes_only():
+                        res = call_node(node, margs, mkwargs)
                 except Exception as err:
                     raise self.error(node, f"torch cannot run it on meta tensors ({type(err).__name__}: {err})") from err
                 if key is not None:
