@@ -30,7 +30,8 @@ PG_TIMEOUT_S = 60.0
 # `spawn` forks its ranks from a server process that imported these once (multiprocessing's
 # forkserver), so that a launch does not import torch again in every rank: on a small machine
 # that was seconds per process, per launch (10-25 s for 2-4 ranks on 2 loaded cores, 0.3 s forked).
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.fx", "shardc.driver")
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.fx", "shardc.api", "shardc.train", "shardc.driver",
+                      "shardc.backends.torch.codegen", "shardc.frontend.spec")
 
 
 def free_port() -> int:
