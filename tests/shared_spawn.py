@@ -13,7 +13,10 @@ runs again alone, so that the failing job's test reports its own error and the o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from shardc.backends.torch.launch import spawn
@@ -69,3 +72,23 @@ def spawn_jobs(world: int, builders: Sequence[Callable[[], Job]], *, timeout_s: 
                 except ShardcError as err:
                     outcomes[i] = err
     return SharedRuns(outcomes)
+
+
+def _adopt_environment(env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def map_apart(fn: Callable[[Any], Any], items: Iterable[Any], *, processes: int = 2) -> list[Any]:
+    """`[fn(item) for item in items]`, computed on up to `processes` processes of their own (forked
+    from multiprocessing's forkserver, each with this process's environment and working directory),
+    results in order; an error raised by `fn` is raised here. For deterministic single-threaded work
+    (a solve with a fixed seed, one worker and no wall-clock stop): the suite runs one test at a
+    time, so a second core is otherwise idle. `fn` and each item and result must be picklable."""
+    items = list(items)
+    if len(items) <= 1 or processes <= 1:
+        return [fn(item) for item in items]
+    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    with ProcessPoolExecutor(min(processes, len(items)), mp_context=ctx, initializer=_adopt_environment,
+                             initargs=(dict(os.environ),)) as pool:
+        return list(pool.map(fn, items))
