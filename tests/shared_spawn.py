@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from shardc.backends.torch.launch import spawn
+from shardc.backends.torch.launch import FORKSERVER_PRELOAD, spawn
 from shardc.ir.diagnostics import ShardcError
 
 Job = tuple[Callable[..., Any], tuple[Any, ...]]
@@ -74,6 +74,16 @@ def spawn_jobs(world: int, builders: Sequence[Callable[[], Job]], *, timeout_s: 
     return SharedRuns(outcomes)
 
 
+def apart_context() -> Any:
+    """multiprocessing's forkserver context, its server preloaded as `launch.spawn`'s (one server
+    per process, whichever starts it), or spawn where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
 def _adopt_environment(env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
@@ -88,7 +98,6 @@ def map_apart(fn: Callable[[Any], Any], items: Iterable[Any], *, processes: int 
     items = list(items)
     if len(items) <= 1 or processes <= 1:
         return [fn(item) for item in items]
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(min(processes, len(items)), mp_context=ctx, initializer=_adopt_environment,
+    with ProcessPoolExecutor(min(processes, len(items)), mp_context=apart_context(), initializer=_adopt_environment,
                              initargs=(dict(os.environ),)) as pool:
         return list(pool.map(fn, items))

@@ -8,10 +8,10 @@ solver wins by recomputing per stage what that stage's memory needs (`shardc.sea
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+from shared_spawn import apart_context
 
 from shardc.driver import load, solver_batch
 from shardc.hardware import parse_cluster
@@ -49,7 +49,7 @@ def solved(facts):
     facts, cluster = facts
     limit = float(cluster.device.usable_memory_bytes)
     assert limit == pytest.approx(36.5 * 2**30)
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("forkserver")) as apart:
+    with ProcessPoolExecutor(1, mp_context=apart_context()) as apart:
         scan = apart.submit(_best_grid_point, facts, cluster, limit)
         result = search(facts, cluster, GBS, limit, 10.0, seed=0, workers=1, wall_stop=float("inf"))
         shape, mb, best = scan.result()
