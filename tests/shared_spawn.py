@@ -9,6 +9,9 @@ A job is `(fn, args)`, run as `shardc.backends.torch.launch.spawn` runs a functi
 Failures still land on their test: a job whose arguments cannot be built (a plan that does not
 compile) keeps that error and is left out of the launch; when the shared launch fails, every job
 runs again alone, so that the failing job's test reports its own error and the others pass.
+
+`map_apart` is the other saving: deterministic single-threaded setup work (solves with a fixed
+seed, traces) spread over two processes of their own, since the suite runs one test at a time.
 """
 
 from __future__ import annotations
