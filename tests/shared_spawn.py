@@ -9,14 +9,20 @@ A job is `(fn, args)`, run as `shardc.backends.torch.launch.spawn` runs a functi
 Failures still land on their test: a job whose arguments cannot be built (a plan that does not
 compile) keeps that error and is left out of the launch; when the shared launch fails, every job
 runs again alone, so that the failing job's test reports its own error and the others pass.
+
+`map_apart` is the other saving: deterministic single-threaded setup work (solves with a fixed
+seed, traces) spread over two processes of their own, since the suite runs one test at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from shardc.backends.torch.launch import spawn
+from shardc.backends.torch.launch import FORKSERVER_PRELOAD, spawn
 from shardc.ir.diagnostics import ShardcError
 
 Job = tuple[Callable[..., Any], tuple[Any, ...]]
@@ -69,3 +75,32 @@ def spawn_jobs(world: int, builders: Sequence[Callable[[], Job]], *, timeout_s: 
                 except ShardcError as err:
                     outcomes[i] = err
     return SharedRuns(outcomes)
+
+
+def apart_context() -> Any:
+    """multiprocessing's forkserver context, its server preloaded as `launch.spawn`'s (one server
+    per process, whichever starts it), or spawn where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
+def _adopt_environment(env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def map_apart(fn: Callable[[Any], Any], items: Iterable[Any], *, processes: int = 2) -> list[Any]:
+    """`[fn(item) for item in items]`, computed on up to `processes` processes of their own (forked
+    from multiprocessing's forkserver, each with this process's environment and working directory),
+    results in order; an error raised by `fn` is raised here. For deterministic single-threaded work
+    (a solve with a fixed seed, one worker and no wall-clock stop): the suite runs one test at a
+    time, so a second core is otherwise idle. `fn` and each item and result must be picklable."""
+    items = list(items)
+    if len(items) <= 1 or processes <= 1:
+        return [fn(item) for item in items]
+    with ProcessPoolExecutor(min(processes, len(items)), mp_context=apart_context(), initializer=_adopt_environment,
+                             initargs=(dict(os.environ),)) as pool:
+        return list(pool.map(fn, items))

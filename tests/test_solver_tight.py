@@ -8,13 +8,16 @@ solver wins by recomputing per stage what that stage's memory needs (`shardc.sea
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
+from shared_spawn import apart_context
 
 from shardc.driver import load, solver_batch
 from shardc.hardware import parse_cluster
-from shardc.search.grid import best_grid
+from shardc.search.grid import GridPoint, best_grid, grid_points
 from shardc.search.outer import Found, mesh_shapes, micro_batch_sizes, score, search
-from shardc.search.problem import PricingCache, build_problem, graph_facts
+from shardc.search.problem import MeshShape, PricingCache, build_problem, graph_facts
 
 SPEC = "examples/llama.py:llama_13b?seq=4096"
 CLUSTER = "8xA100-40GB"
@@ -27,19 +30,32 @@ def facts():
     return graph_facts(load(SPEC, batch=solver_batch(GBS)), cluster), cluster
 
 
-@pytest.fixture(scope="module")
-def solved(facts):
-    """(the best grid point computed apart from the search, scored; the search's result)."""
-    facts, cluster = facts
-    limit = float(cluster.device.usable_memory_bytes)
-    assert limit == pytest.approx(36.5 * 2**30)
-    cache: PricingCache = {}  # the fixture's own: shapes of one pricing key share one pricing, as in the search
+def _best_grid_point(facts, cluster, limit: float) -> tuple[MeshShape, int, GridPoint]:
+    """The best grid point over every shape and micro-batch the search could pose, unpruned: its
+    shape, micro-batch size and point (what crosses back from its process; a problem holds lambdas)."""
+    cache: PricingCache = {}  # its own: shapes of one pricing key share one pricing, as in the search
     problems = [build_problem(facts, cluster, shape, mb, GBS, cache=cache)
                 for shape in mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, GBS, 4096)
                 for mb in micro_batch_sizes(GBS, shape.dp, shape.pp)]
-    problem, point, a, ev = best_grid(problems, limit)
-    grid = score(Found(problem, a, ev, "grid", grid_point=point), cluster)
-    result = search(facts, cluster, GBS, limit, 10.0, seed=0, workers=1, wall_stop=float("inf"))
+    problem, point, _, _ = best_grid(problems, limit)
+    return problem.shape, problem.mb, point
+
+
+@pytest.fixture(scope="module")
+def solved(facts):
+    """(the best grid point computed apart from the search, scored; the search's result). The
+    grid scan runs in a process of its own while this one searches (each is single-threaded and
+    deterministic, neither reads the other: two cores finish both in the time of the longer)."""
+    facts, cluster = facts
+    limit = float(cluster.device.usable_memory_bytes)
+    assert limit == pytest.approx(36.5 * 2**30)
+    with ProcessPoolExecutor(1, mp_context=apart_context()) as apart:
+        scan = apart.submit(_best_grid_point, facts, cluster, limit)
+        result = search(facts, cluster, GBS, limit, 10.0, seed=0, workers=1, wall_stop=float("inf"))
+        shape, mb, best = scan.result()
+    problem = build_problem(facts, cluster, shape, mb, GBS)
+    a, ev = next((a, ev) for point, a, ev in grid_points(problem, limit) if point == best)
+    grid = score(Found(problem, a, ev, "grid", grid_point=best), cluster)
     return grid, result, limit
 
 
