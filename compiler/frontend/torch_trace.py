@@ -48,8 +48,6 @@ from shardc.ir.diagnostics import ShardcError
 from shardc.ops.targets import resolve_target
 
 
-@dataclass(frozen=True)
-
 @contextlib.contextmanager
 def _shapes_only() -> Iterator[None]:
     """Meta tensors carry shapes, not values: a caller's `torch.use_deterministic_algorithms(True)`
@@ -64,6 +62,8 @@ def _shapes_only() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
 
+
+@dataclass(frozen=True)
 class TraceResult:
     """A traced graph, the values of its `const.N` buffers, which tracer captured it, and how long it took."""
 
