@@ -114,8 +114,11 @@ RESULTS = Path(__file__).resolve().parent / "data" / "study-session6" / "results
 # mixed precision's fp32 loss, full recomputation's saved inputs, a pipeline's first stage. (The
 # ZeRO, sequence-parallel and vocabulary-parallel plans were measured by a tracker that filed
 # FSDP2's unsaved unsharded weights and an overwritten saved softmax otherwise, and dp x tp x sp
-# then saved gathered copies: the four-process test above measures them anew.)
-REPRICED = ("dp=2,mb=4,dtype=bf16", "dp=4,mb=2,dtype=bf16", "dp=2,mb=4,recompute=full", "pp=2,mb=2")
+# then saved gathered copies: the four-process test above measures them anew. The pipeline plan
+# pp=2,mb=2 ran a runtime that kept every micro-batch's output on the last stage to the step's
+# end; pipelines now step torch's schedule with return_outputs=False, which keeps none, so its
+# recorded last stage is not today's program: pipeline-tp above measures that anew.)
+REPRICED = ("dp=2,mb=4,dtype=bf16", "dp=4,mb=2,dtype=bf16", "dp=2,mb=4,recompute=full")
 
 
 def test_recorded_study_plans_repriced_within_targets(tmp_path: Path) -> None:

@@ -70,8 +70,15 @@ def test_gpt2_xl_on_a100_40gb_the_solver_beats_every_megatron_point(solved) -> N
     # ZeRO-2 over dp=4 (it was DDP, overlapped, with a gap over 40 ms)
     assert _seconds(grid, "dp_comm") - _seconds(best, "dp_comm") > 0.02
     # 0 before session 7's memory rules: their fp32 loss logits (+0.77 GiB) made DDP recompute 11
-    # blocks to fit (0.5986 s), slower than ZeRO-2 recomputing none (0.5961 s; the module docstring)
-    assert best.assignment.zero == 2
+    # blocks to fit (0.5986 s), slower than ZeRO-2 recomputing none (0.5961 s; the module docstring).
+    # FSDP2 runs ZeRO-1 and ZeRO-2 as one program (gradients reduce-scattered, states sharded), priced
+    # alike (0.5961 s, 28.4 GiB both): the solver's tie between them is broken by the search order.
+    assert best.assignment.zero in (1, 2)
+    import dataclasses
+
+    from shardc.search.evaluate import evaluate
+    one, two = (evaluate(best.problem, dataclasses.replace(best.assignment, zero=z), limit) for z in (1, 2))
+    assert one.step_time_s == pytest.approx(two.step_time_s) and one.fits and two.fits
 
 
 def test_gpt2_xl_ddp_on_the_solvers_layouts_recomputes_more_and_loses(solved) -> None:

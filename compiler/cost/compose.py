@@ -45,6 +45,7 @@ from shardc.cost.compute import optimizer_step_time
 from shardc.cost.estimate import StageEstimate
 from shardc.cost.fsdp import pipeline_gathers
 from shardc.cost.layer import LayerCost
+from shardc.cost.layer_work import LayerWork
 from shardc.cost.lockstep import LOCKSTEP, simulate_lockstep
 from shardc.cost.memory import (
     GRADIENT_BYTES,
@@ -60,26 +61,10 @@ from shardc.cost.pipeline import ZB_SCHEDULES, Op, PipelineTimes, device_order, 
 from shardc.cost.pipeline_shared import CoreSharing, core_sharing, simulate_schedule
 from shardc.cost.runtime_cpu import schedule_actions
 from shardc.cost.sync import DeviceSync, fsdp_copy_time, gradient_sync, model_axis_collectives
-from shardc.cost.timeline import LayerMemory
 from shardc.hardware import Cluster, DeviceSpec
-from shardc.ir import DATA_AXES, Axis, LayerAnnotation, Mesh, Node
+from shardc.ir import DATA_AXES, Axis, Mesh
 from shardc.ir.diagnostics import ShardcError
 from shardc.plan.parallel import ParallelPlan
-
-
-@dataclass(slots=True)
-class LayerWork:
-    """One layer as the composition sees it: its stage (virtual), recomputation and ZeRO stage,
-    its cost per micro-batch, and its parameters (name -> local elements, gradient-sum axes)."""
-
-    name: str
-    block: str
-    annotation: LayerAnnotation
-    nodes: list[Node] = field(default_factory=list)
-    stage: int = 0
-    cost: LayerCost | None = None
-    params: dict[str, tuple[float, frozenset[str]]] = field(default_factory=dict)
-    memory: LayerMemory | None = None  # its micro-batch timeline (`timeline.layer_memory`), when known
 
 
 @dataclass
@@ -359,7 +344,8 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     split = plan.schedule in ZB_SCHEDULES  # the backward split into input- and weight-gradient passes
     if p > 1 and options.pipeline_runtime == "torch" and send_bytes is not None:
         buffers += pipeline_buffers(mine_stages, S, m, flight, send_bytes, output_bytes, pending_send=not split,
-                                    warmup_send=plan.schedule == "1f1b" and v == 1)
+                                    warmup_send=plan.schedule == "1f1b" and v == 1,
+                                    last_outputs=m if plan.schedule == "gpipe" else 1)
     by_stage = [[l for l in mine if l.stage == s] for s in mine_stages]
     # FSDP2 once backward is over (measured, torch 2.13): the unsharded compute-dtype parameters
     # and, in mixed precision, the unsharded compute-dtype gradients, the fp32 reduce-scatter

@@ -184,13 +184,19 @@ def _model_buffers(by_stage: Sequence[Sequence[Any]]) -> float:
 
 
 def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, send_bytes: Sequence[float],
-                     output_bytes: float, pending_send: bool = True, warmup_send: bool = False) -> float:
+                     output_bytes: float, pending_send: bool = True, warmup_send: bool = False,
+                     last_outputs: int = 1) -> float:
     """torch.distributed.pipelining's buffers on a device holding virtual `stages` of `total`: per
     stage, a receive buffer per micro-batch for its input, and one more input-sized tensor, the
     input gradient of the previous backward, which the schedule's pending send (`bwd_sends`)
     holds while the next backward runs (measured: gpt-4l-zero's solver plan on local4, every
     stage but the first); a gradient-receive buffer per micro-batch and the outputs in flight;
-    the last stage's outputs of every micro-batch. `pending_send=False` under a split backward
+    on the last stage, `last_outputs` outputs: the schedule is stepped with `return_outputs=False`,
+    so torch keeps no micro-batch's output to the step's end (`output_chunks`), only each one from
+    its forward (which computes the loss) to its backward in `fwd_cache`: one under the 1F1B family
+    and the zero-bubble schedules (the last stage's backward follows its forward), m under GPipe
+    (measured, torch 2.13: pipeline-tp and the ZB-V plan of `test_memory_categories` hold one
+    output, m - 1 fewer than when the outputs were kept). `pending_send=False` under a split backward
     (zero-bubble schedules): that input gradient is the one held from I to W, priced there
     (`device_memory`'s `input_grads`), not again here. `warmup_send` (torch's Schedule1F1B): the
     work object of the warm-up's last send fired on its own holds that output until the 1B1F
@@ -209,7 +215,7 @@ def pipeline_buffers(stages: Sequence[int], total: int, m: int, flight: int, sen
             outputs = 0 if turn else min(m, flight) + (warmup_send and min(m, total - s) >= 2)
             out += (m + outputs) * send_bytes[s]
         else:
-            out += m * output_bytes
+            out += min(m, last_outputs) * output_bytes
     return out
 
 

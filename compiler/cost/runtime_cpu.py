@@ -26,7 +26,7 @@ from shardc.plan.parallel import ParallelPlan
 
 if TYPE_CHECKING:
     from shardc.calibration.profile import EagerCosts
-    from shardc.cost.compose import LayerWork
+    from shardc.cost.layer_work import LayerWork
 
 
 def schedule_actions(layers: Sequence[LayerWork], plan: ParallelPlan, device: DeviceSpec, times: list[dict[str, float]],

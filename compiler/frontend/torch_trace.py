@@ -12,10 +12,8 @@ kept as `const.N` buffers (`shardc.frontend.constants`); their values are in
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,21 +44,7 @@ from shardc.frontend.rules import target_name
 from shardc.ir import Graph, Location, Value
 from shardc.ir.diagnostics import ShardcError
 from shardc.ops.targets import resolve_target
-
-
-@contextlib.contextmanager
-def _shapes_only() -> Iterator[None]:
-    """Meta tensors carry shapes, not values: a caller's `torch.use_deterministic_algorithms(True)`
-    (which refuses e.g. `histc` on meta as on CUDA) has nothing to guard while they run."""
-    if not torch.are_deterministic_algorithms_enabled():
-        yield
-        return
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(False)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+from shardc.ops.verifier import shapes_only
 
 
 @dataclass(frozen=True)
@@ -102,7 +86,8 @@ def trace_with_state(model: torch.nn.Module, example_inputs: Any, *, name: str |
     names = list(input_names) if input_names is not None else _default_input_names(model, len(inputs))
     captured = capture(model, inputs, names)
     lowering = _Lowering(captured, name or type(model).__name__.lower(), allow_opaque)
-    graph = lowering.run()
+    with shapes_only():  # the lowering runs ops on meta tensors (and folds constants)
+        graph = lowering.run()
     return TraceResult(graph, dict(lowering.e.constants), captured.tracer, time.perf_counter() - start)
 
 
@@ -220,8 +205,7 @@ class _Lowering(ConstantFolding):
                 if in_place and isinstance(margs[0], torch.Tensor):
                     margs = (margs[0].clone(),) + tuple(margs[1:])
                 try:
-                    with _shapes_only():
-                        res = call_node(node, margs, mkwargs)
+                    res = call_node(node, margs, mkwargs)
                 except Exception as err:
                     raise self.error(node, f"torch cannot run it on meta tensors ({type(err).__name__}: {err})") from err
                 if key is not None:

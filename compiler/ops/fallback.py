@@ -30,6 +30,7 @@ from shardc.ir import TensorType
 from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, register
 from shardc.ops.targets import decode_operands, resolve_target
+from shardc.ops.verifier import shapes_only
 
 Types = Sequence[TensorType]
 # One placement on one mesh dim: ("S", dim), ("R",) or ("P", op).
@@ -191,7 +192,8 @@ def _space(target: str, in_types: tuple[TensorType, ...], out_types: tuple[Tenso
             metas = _metas(in_types)
             call_args = _decode(tuple(args), metas, torch.device("meta"))
             call_kwargs = {k: _decode(v, metas, torch.device("meta")) for k, v in kwargs}
-            rows = torch_rows(op, call_args, call_kwargs, len(out_types))
+            with shapes_only():
+                rows = torch_rows(op, call_args, call_kwargs, len(out_types))
         except Exception:  # torch's propagation rejects these arguments: no strategy, replicated
             rows = []
     n_out = len(out_types)

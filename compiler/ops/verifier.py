@@ -25,8 +25,9 @@ Rules (each violation is a `VerificationError` naming the node, value or layer):
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -45,9 +46,24 @@ def meta_tensor(type_: TensorType) -> torch.Tensor:
     return torch.empty(type_.shape, dtype=torch_dtype(type_.dtype), device="meta")
 
 
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Meta tensors carry shapes, not values: a caller's `torch.use_deterministic_algorithms(True)`
+    (which refuses e.g. `histc` on meta as on CUDA) has nothing to guard while they run."""
+    if not torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+
 def run_on_meta(op: OpDef, inputs: Sequence[torch.Tensor], attrs: dict[str, Any]) -> list[torch.Tensor]:
     """Run `op.impl` on meta tensors; creation ops make meta tensors too (default device)."""
-    with torch.device("meta"):
+    with torch.device("meta"), shapes_only():
         result = op.impl(*inputs, **attrs)
     results = list(result) if isinstance(result, tuple | list) else [result]
     if not all(isinstance(r, torch.Tensor) for r in results):

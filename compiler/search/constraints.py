@@ -282,7 +282,7 @@ class Builder:
                     if on:
                         md.add(big >= part["pbytes"]).OnlyEnforceIf(M.z[3])
                 mem.append(big)
-        if co.pipeline_buffers:  # torch pipelining (`peak.pipeline_buffers`): m + 1 received, m + in flight sent (or m outputs)
+        if co.pipeline_buffers:  # torch pipelining (`peak.pipeline_buffers`): m + 1 received, m + in flight sent (or one output)
             f = in_flight("1f1b", p, s, m)
             if not first:
                 mem.append(cand_sum(M, "block", self.classes[s - 1], lambda g, c_: co.send_bytes[g][c_],
@@ -290,8 +290,8 @@ class Builder:
             if not last:
                 mem.append(cand_sum(M, "block", c, lambda g, c_: co.send_bytes[g][c_], lambda v, f=f: M.m((m + f) * v)))
             else:
-                mem.append(cand_sum(M, "post", 0, lambda g, c_: co.out_bytes[g][c_], lambda v: M.m(m * v))
-                           + M.m(m * co.out_const))
+                mem.append(cand_sum(M, "post", 0, lambda g, c_: co.out_bytes[g][c_], lambda v: M.m(v))
+                           + M.m(co.out_const))
         md.add(sum(mem) <= M.m(self.limit_bytes))
 
     def goal(self) -> Any:

@@ -196,7 +196,7 @@ def objective(problem: Problem, choice: tuple[int, ...], stages: tuple[tuple[int
             buffers += 2 * max(blk["pbytes"], pre["pbytes"] * first, post["pbytes"] * last)
         if co.pipeline_buffers:
             recv = sums[vecs[s - 1]]["block"]["sbytes"] if not first else 0.0
-            buffers += (m + 1) * recv + ((m + f) * blk["sbytes"] if not last else m * (post["obytes"] + co.out_const))
+            buffers += (m + 1) * recv + ((m + f) * blk["sbytes"] if not last else post["obytes"] + co.out_const)
         # Mixed precision's weight copies are in `state`, once per parameter (the runtime shares
         # one among the micro-batches in flight), less those of blocks recomputing in full, which
         # hold theirs only while they run (`recompute_copy_bytes`).
