@@ -79,9 +79,16 @@ def test_torch_pipeline_keeps_receive_buffers_and_last_stage_outputs() -> None:
     # study's pp=2,mb=2 plan)
     assert torch_rt.stages[0].memory["buffers"] - none.stages[0].memory["buffers"] == pytest.approx((m + 3) * act)
     # the last stage: a receive buffer per micro-batch, the previous backward's input gradient held
-    # by the pending send while the next backward runs, and every micro-batch's output
+    # by the pending send while the next backward runs, and one micro-batch's output (the schedule
+    # is stepped with return_outputs=False, so no output is kept past its backward; GPipe runs
+    # every forward before the first backward, so it holds all m)
+    out = 4 * 2 * S * V
     assert torch_rt.stages[1].memory["buffers"] - none.stages[1].memory["buffers"] == pytest.approx(
-        (m + 1) * act + m * 4 * 2 * S * V)
+        (m + 1) * act + out)
+    gpipe = ParallelPlan.parse("pp=2,mb=2,gbs=8,dtype=fp32,schedule=gpipe")
+    gpipe_extra = (estimate(g, cluster, gpipe).stages[1].memory["buffers"]
+                   - estimate(g, cluster, gpipe, options=EstimateOptions(pipeline_runtime="none")).stages[1].memory["buffers"])
+    assert gpipe_extra == pytest.approx((m + 1) * act + m * out)
 
 
 def test_estimate_traces_a_factory_at_the_plans_batch(tmp_path) -> None:

@@ -8,6 +8,7 @@ solver wins by recomputing per stage what that stage's memory needs (`shardc.sea
 
 from __future__ import annotations
 
+import pickle
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -30,9 +31,12 @@ def facts():
     return graph_facts(load(SPEC, batch=solver_batch(GBS)), cluster), cluster
 
 
-def _best_grid_point(facts, cluster, limit: float) -> tuple[MeshShape, int, GridPoint]:
+def _best_grid_point(pickled: bytes) -> tuple[MeshShape, int, GridPoint]:
     """The best grid point over every shape and micro-batch the search could pose, unpruned: its
-    shape, micro-batch size and point (what crosses back from its process; a problem holds lambdas)."""
+    shape, micro-batch size and point (what crosses back from its process; a problem holds lambdas).
+    Its arguments `(facts, cluster, limit)` come pickled by the caller: the executor pickles a
+    call on a thread of its own, which would race with the search filling the facts' caches."""
+    facts, cluster, limit = pickle.loads(pickled)
     cache: PricingCache = {}  # its own: shapes of one pricing key share one pricing, as in the search
     problems = [build_problem(facts, cluster, shape, mb, GBS, cache=cache)
                 for shape in mesh_shapes(cluster.num_devices, cluster.devices_per_node, facts.layering.count, GBS, 4096)
@@ -50,7 +54,7 @@ def solved(facts):
     limit = float(cluster.device.usable_memory_bytes)
     assert limit == pytest.approx(36.5 * 2**30)
     with ProcessPoolExecutor(1, mp_context=apart_context()) as apart:
-        scan = apart.submit(_best_grid_point, facts, cluster, limit)
+        scan = apart.submit(_best_grid_point, pickle.dumps((facts, cluster, limit)))
         result = search(facts, cluster, GBS, limit, 10.0, seed=0, workers=1, wall_stop=float("inf"))
         shape, mb, best = scan.result()
     problem = build_problem(facts, cluster, shape, mb, GBS)

@@ -60,6 +60,19 @@ def _all_reduce(x: torch.Tensor, mesh: MeshGroups, axis: str, op: str) -> torch.
     return out / n if op == "avg" else out
 
 
+def _release(tensors: list[torch.Tensor], keep: torch.Tensor | None = None) -> None:
+    """Free the storage of collective buffers this module allocated, once their contents are
+    copied out: the process group's work object keeps its own reference to them until its thread
+    drops it, which on gloo can be after the caller's next ops, so that their memory's lifetime
+    (and the measured peak) would depend on thread timing. A tensor sharing `keep`'s storage (a
+    view of the caller's input) is left alone."""
+    kept = keep.untyped_storage().data_ptr() if keep is not None else None
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() != kept and storage.size() > 0:
+            storage.resize_(0)
+
+
 def _take(x: torch.Tensor, n: int, c: int, dim: int, interleave: int = 1) -> torch.Tensor:
     """Piece `c` of `n` along `dim`; with `interleave` k, piece c of each of the k blocks, joined."""
     if interleave == 1:
@@ -81,7 +94,9 @@ def _all_gather(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, interlea
         return x
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
     dist.all_gather(parts, x.contiguous(), group=mesh.group(axis))
-    return _assemble(parts, dim, interleave)
+    full = _assemble(parts, dim, interleave)
+    _release(parts)
+    return full
 
 
 def _chunk(x: torch.Tensor, mesh: MeshGroups, axis: str, dim: int, interleave: int = 1) -> torch.Tensor:
@@ -116,7 +131,11 @@ def _all_to_all(x: torch.Tensor, mesh: MeshGroups, axis: str, src: int, dst: int
     sends = [_take(x, n, r, dst, dst_interleave).contiguous() for r in range(n)]
     recvs = [torch.empty_like(s) for s in sends]
     dist.all_to_all(recvs, sends, group=mesh.group(axis))
-    return _assemble(recvs, src, src_interleave)
+    out = _assemble(recvs, src, src_interleave)
+    _release(recvs)
+    for s in sends:  # a piece that is a view of `x` (contiguous already) is not a copy to free
+        _release([s], keep=x)
+    return out
 
 
 def _rotate(x: torch.Tensor, mesh: MeshGroups, axis: str, shift: int) -> torch.Tensor:
@@ -229,6 +248,7 @@ class _GatherLinears(torch.autograd.Function):
                     weight_grad = piece if weight_grad is None else weight_grad.add_(piece)
             out.append(weight_grad)
             out.append(g.reshape(-1, g.shape[-1]).sum(0) if biased and ctx.needs_input_grad[6 + 2 * k] else None)
+        _release(parts)
         del parts
         gin = None if gx is None else _run(gx, ctx.mesh, ctx.back)
         return (gin, None, None, None, None, *out)
