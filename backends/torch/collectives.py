@@ -237,15 +237,23 @@ class _GatherLinears(torch.autograd.Function):
         work.wait()
         del pending
         out: list[torch.Tensor | None] = []
+        features = dim % x.dim() == x.dim() - 1  # gathered along the contracted dim, not rows
         for k, (g, biased, kind) in enumerate(zip(grads, ctx.biased, ctx.kinds)):
             weight_grad = None
-            if ctx.needs_input_grad[5 + 2 * k]:  # sum over the gathered pieces: no gathered copy is assembled
+            if ctx.needs_input_grad[5 + 2 * k]:  # from the gathered pieces: no gathered copy is assembled
+                pieces = []
                 for r, part in enumerate(parts):
-                    rows = _take(g, len(parts), r, dim, interleave).reshape(-1, g.shape[-1])
+                    # row pieces sum to the weight gradient; feature pieces are its blocks along k
+                    rows = (g if features else _take(g, len(parts), r, dim, interleave)).reshape(-1, g.shape[-1])
                     cols = part.reshape(-1, part.shape[-1])
                     # linear's weight is (n, k), a matmul's (k, n)
                     piece = rows.t().matmul(cols) if kind == "linear" else cols.t().matmul(rows)
-                    weight_grad = piece if weight_grad is None else weight_grad.add_(piece)
+                    if features:
+                        pieces.append(piece)
+                    else:
+                        weight_grad = piece if weight_grad is None else weight_grad.add_(piece)
+                if features:
+                    weight_grad = _assemble(pieces, 1 if kind == "linear" else 0, interleave)
             out.append(weight_grad)
             out.append(g.reshape(-1, g.shape[-1]).sum(0) if biased and ctx.needs_input_grad[6 + 2 * k] else None)
         _release(parts)

@@ -105,18 +105,22 @@ def repeated(cost: NodeCost, steps: int) -> NodeCost:
 
 
 def working_bytes(op: OpDef, in_types: Sequence[TensorType], out_types: Sequence[TensorType],
-                  steps: int = 1, scale: float = 1.0, loss_copies: int = 2) -> float:
+                  steps: int = 1, scale: float = 1.0, loss_copies: int = 2, concat: bool = True) -> float:
     """The node's transient allocation while it runs: its outputs (a view allocates nothing), plus
     a loss's probabilities and their gradient (`loss_copies` copies of its input: two; one for a
-    vocabulary-parallel loss, whose gradient overwrites its softmax, `head.vocab_parallel_loss`);
-    a temporal split into `steps` chunks on the same devices holds one chunk at a time. `scale`:
-    the batch scale."""
+    vocabulary-parallel loss, whose gradient overwrites its softmax, `head.vocab_parallel_loss`).
+    A temporal split into `steps` chunks on the same devices (`temporal.temporal_loop`) holds a
+    loss's probabilities one chunk at a time, but its outputs as the loop keeps them: every
+    chunk's and their concatenation (`concat`: the dim is parallel), or, when the dim is a
+    reduction, the running sum, the step's partial sum and the new sum, each the whole output.
+    `scale`: the batch scale."""
     if op.kind in FREE_KINDS:
         return 0.0
-    total = float(sum(t.nbytes for t in out_types))
-    if op.kind == "loss" and in_types:
-        total += loss_copies * in_types[0].nbytes
-    return total * scale / max(1, steps)
+    outputs = float(sum(t.nbytes for t in out_types))
+    inner = loss_copies * in_types[0].nbytes if op.kind == "loss" and in_types else 0.0
+    if steps <= 1:
+        return (outputs + inner) * scale
+    return ((2 if concat else 3) * outputs + inner / steps) * scale
 
 
 def kernel_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *, matmul: bool) -> float:

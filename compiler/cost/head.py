@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from shardc.analysis.head_loss import HeadLoss, fused_heads
 from shardc.cost.context import CostContext
-from shardc.ir import Layout, Node
+from shardc.ir import Axis, Layout, Node
 
 LOSS_BYTES = 4.0  # the loss reads its logits in fp32 whatever the compute dtype
 
@@ -23,6 +23,8 @@ def head_regions(ctx: CostContext, nodes: Sequence[Node]) -> dict[Node, HeadLoss
         local = ctx.local(node)
         return local.in_layouts, local.out_layouts
 
+    if any(mesh is not None and mesh.degree(Axis.PP) > 1 for mesh in (ctx.mesh, ctx.graph.mesh)):
+        return {}  # pipelined: torch's schedule runs the loss apart from the last stage's module
     return fused_heads(nodes, ctx.users, ctx.partition, ctx.layout, layouts, ctx.graph.outputs)
 
 

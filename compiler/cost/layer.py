@@ -295,11 +295,15 @@ def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms, fused: 
         t.matmul_flops += g
         t.core_matmul_flops += g if in_core else 0.0
     t.core_flops += cost.fwd_flops if in_core else 0.0
-    chunks = max([s.steps for s in part.temporal if s.rotate is None] or [1]) if part else 1
+    looped = [s for s in part.temporal if s.rotate is None and s.grid is None] if part else []
+    chunks = max([s.steps for s in looped] or [1])
+    # the loop concatenates its outputs when the cut dim is one of the output's, else sums them
+    concat = all(any(f and f[0] == s.dim for f in local.space.outputs[0]) for s in looped) \
+        if looped and local.space.outputs else True
     if not fused:
         t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
                                                      batched_scale(ctx, node.outputs),
-                                                     1 if vocab_parallel_loss(ctx, node) else 2))
+                                                     1 if vocab_parallel_loss(ctx, node) else 2, concat))
     return cost
 
 
