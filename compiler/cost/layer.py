@@ -298,8 +298,9 @@ def _compute(ctx: CostContext, node: Node, in_core: bool, t: LayerTerms, fused: 
     looped = [s for s in part.temporal if s.rotate is None and s.grid is None] if part else []
     chunks = max([s.steps for s in looped] or [1])
     # the loop concatenates its outputs when the cut dim is one of the output's, else sums them
-    concat = all(any(f and f[0] == s.dim for f in local.space.outputs[0]) for s in looped) \
-        if looped and local.space.outputs else True
+    space = local.space
+    concat = all(any(f and f[0] == s.dim for f in space.outputs[0]) for s in looped) \
+        if looped and space is not None and space.outputs else True
     if not fused:
         t.transient = max(t.transient, working_bytes(op, local.in_types, local.out_types, chunks,
                                                      batched_scale(ctx, node.outputs),
