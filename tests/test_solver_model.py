@@ -84,18 +84,22 @@ def test_non_uniform_plans_with_temporal_partitions_evaluate_as_estimated(style)
 
 
 def test_shapes_with_one_pricing_key_share_candidates_and_prices():
-    # pp and the dp size do not change a candidate's price (`pricing_shape`): the search prices
-    # each (dp > 1, cp, tp, micro-batch) once; per-shape terms (sends, sync) stay per shape.
+    # The pp degree beyond pipelining or not and the dp size do not change a candidate's price
+    # (`pricing_shape`): the search prices each (pp > 1, dp > 1, cp, tp, micro-batch) once;
+    # per-shape terms (sends, sync) stay per shape. Pipelining itself does: the pipelined head and
+    # loss run unfused (session 9: priced fused, a plan chunked them and ran them unfused).
     graph = transformer_graph(dataclasses.replace(PRESETS["tiny"], layers=4, seq=64))
-    cluster = parse_cluster("16xH100")
+    cluster = parse_cluster("32xH100")
     facts = graph_facts(graph, cluster)
     cache: PricingCache = {}
-    a = build_problem(facts, cluster, MeshShape(2, 2, 1, 4), 2, 32, cache=cache)
-    b = build_problem(facts, cluster, MeshShape(1, 4, 1, 4), 2, 32, cache=cache)
-    fresh = build_problem(facts, cluster, MeshShape(1, 4, 1, 4), 2, 32)
-    assert len(cache) == 1 and a.groups is b.groups and pricing_shape(facts, b.shape) == MeshShape(1, 2, 1, 4)
+    a = build_problem(facts, cluster, MeshShape(2, 4, 1, 4), 2, 32, cache=cache)
+    b = build_problem(facts, cluster, MeshShape(4, 2, 1, 4), 2, 32, cache=cache)
+    fresh = build_problem(facts, cluster, MeshShape(4, 2, 1, 4), 2, 32)
+    assert len(cache) == 1 and a.groups is b.groups and pricing_shape(facts, b.shape) == MeshShape(2, 2, 1, 4)
+    c = build_problem(facts, cluster, MeshShape(1, 8, 1, 4), 2, 32, cache=cache)
+    assert len(cache) == 2 and pricing_shape(facts, MeshShape(1, 8, 1, 4)) == MeshShape(1, 2, 1, 4)
     assert coefficients(b).cand == coefficients(fresh).cand
-    assert coefficients(a).send != coefficients(b).send  # pipeline sends are the shape's own
+    assert coefficients(a).send != coefficients(c).send  # pipeline sends are the shape's own
     for _, plan in grid_assignments(b):
         assert evaluate(b, plan, float("inf")).step_time_s == pytest.approx(
             evaluate(fresh, plan, float("inf")).step_time_s, rel=1e-9)

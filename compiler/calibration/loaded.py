@@ -40,24 +40,31 @@ def probe_under_load(speed: Any, window: float) -> float:
     torch.manual_seed(0)
     x = torch.randn(8, 64, 128)
     weights = [torch.randn(512, 128, requires_grad=True), torch.randn(128, 512, requires_grad=True)]
-    flat = torch.zeros(sum(w.numel() for w in weights))
+    size = sum(w.numel() for w in weights)
+    flat = torch.zeros(size + 1)  # the gradients, and whether this rank wants another step
 
-    def train_step() -> None:
+    def train_step(more: bool) -> bool:
+        """One step; whether any rank wants another (all ranks get the same answer, so they stop
+        together: a rank that stopped on its own clock alone left the others in an all_reduce)."""
         y = F.layer_norm(F.linear(F.gelu(F.linear(x, weights[0])), weights[1]), (128,))
         grads = torch.autograd.grad(y.square().mean(), weights)
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        torch.cat([g.reshape(-1) for g in grads], out=flat[:size])
+        flat[size] = 1.0 if more else 0.0
         dist.all_reduce(flat)  # the data-parallel sync: the ranks meet every step, as in a plan
         with torch.no_grad():
             offset = 0
             for w in weights:
                 w.sub_(flat[offset:offset + w.numel()].view_as(w), alpha=1e-6)
                 offset += w.numel()
+        return bool(flat[size] > 0)
 
     dist.barrier()
     readings: list[float] = []
     start = time.perf_counter()
-    while len(readings) < MIN_STEPS or time.perf_counter() - start < window:
-        train_step()
+    more = True
+    while more:
+        wants = len(readings) + 1 < MIN_STEPS or time.perf_counter() - start < window
+        more = train_step(wants)
         readings.append(speed.seconds(PROBE_CALLS))
     dist.barrier()
     mine = torch.tensor([statistics.median(readings)], dtype=torch.float64)

@@ -23,7 +23,7 @@ def head_regions(ctx: CostContext, nodes: Sequence[Node]) -> dict[Node, HeadLoss
         local = ctx.local(node)
         return local.in_layouts, local.out_layouts
 
-    if any(mesh is not None and mesh.degree(Axis.PP) > 1 for mesh in (ctx.mesh, ctx.graph.mesh)):
+    if ctx.mesh is not None and ctx.mesh.degree(Axis.PP) > 1:
         return {}  # pipelined: torch's schedule runs the loss apart from the last stage's module
     return fused_heads(nodes, ctx.users, ctx.partition, ctx.layout, layouts, ctx.graph.outputs)
 

@@ -353,11 +353,19 @@ def _backward(ctx: CostContext, nodes: Sequence[Node], saved: dict, recomputed: 
                     padding += ctx.local_bytes(v) * (2.0 if rot is not None and rot[0] > 2 else 1.0)
         comm = 0.0
         if gathered and node.inputs[0] in ctx.needs_grad:
-            # The input gradient at the gathered size, and two collective buffers beside it as it is
-            # reduce-scattered: the pieces gathered again (the async gather's work holds them to the
-            # backward's end) and the reduce-scatter's full-size sum (gloo: an all-reduce of a copy).
+            # The input gradient at the gathered size, and one collective buffer of that size beside
+            # it: the pieces gathered again while the weight gradients are made from them, freed
+            # (`collectives._release`) before the input gradient is reduce-scattered into its full-
+            # size sum (gloo: an all-reduce of a copy). (Two until session 9: gloo's work object
+            # held the pieces until its thread let go, often past the reduce-scatter.)
             padding += gathered + last_piece(ctx, node, members[-1])
-            comm = 2 * gathered
+            comm = gathered
+        # An output made whole (a partial sum, a replica) and held sharded (reduce-scattered,
+        # chunked): its gradient arrives sharded and is gathered to the size made, for this backward.
+        local = ctx.local(node)
+        for o, made_as in zip(node.outputs, local.out_layouts):
+            if o in grads and region is None:
+                padding += max(0.0, ctx.local_bytes(o, made_as) - ctx.local_bytes(o))
         live_grads = _grad_bytes({v: b for v, b in grads.items() if owner[v] not in captured}, owner)
         live = sum(saved.values()) + sum(recomputed.values()) + live_grads + sum(held.values())
         if split:  # the input-gradient pass computes no weight gradient

@@ -235,9 +235,11 @@ def pricing_shape(facts: GraphFacts | CandidateTable, shape: MeshShape) -> MeshS
     batch (one traced sequence per replica, scaled to `mb` by `shardc.analysis.dims.batch_scale`,
     as on the shape itself), where every local shape divides exactly; a smaller dp is priced as
     it is. `ep` splits the batch further (and the experts), so its size is priced as it is, dp
-    capped at the traced batch over ep."""
+    capped at the traced batch over ep. Whether the shape pipelines does matter (pp priced as 2
+    when > 1): under a pipeline torch's schedule calls the loss apart from the last stage's
+    module, so the LM head and its loss run unfused (`shardc.cost.head.head_regions`)."""
     dp = max(min(shape.dp, facts.batch // shape.ep), 2) if shape.dp > 1 else 1
-    return MeshShape(1, dp, shape.cp, shape.tp, shape.tq, ep=shape.ep)
+    return MeshShape(min(shape.pp, 2), dp, shape.cp, shape.tp, shape.tq, ep=shape.ep)
 
 
 def pricing_key(facts: GraphFacts, shape: MeshShape, mb: int, dtype: str, rotate: bool,
