@@ -363,7 +363,15 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     received = {s: send_bytes[s - 1] for s in mine_stages if s > 0} if torch_pipeline and send_bytes else {}
     grad_received = ({s: send_bytes[s] for s in mine_stages if s < S - 1}
                      if torch_pipeline and send_bytes else {})
-    return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1,
+    # The torch backend's optimizer step (`shardc.train`: AdamW with foreach=False) updates one
+    # parameter at a time and makes two fp32 copies of it (its second moment's square root, then
+    # that over the bias correction): the largest local parameter's, beside the states at rest.
+    # Megatron's and DeepSpeed's fused Adam (the other runtimes) make none.
+    step = 0.0
+    if options.zero_runtime == "fsdp2" and options.pipeline_runtime == "torch":
+        step = 2 * GRADIENT_BYTES * max((numel / (group if sharded and z else 1)
+                                         for (numel, z), group in zip(sync.params, sync.shards(shard))), default=0.0)
+    return device_memory(by_stage, states, flight=flight, virtual=v, interleaved=v > 1, optimizer_step=step,
                          fsdp=sharded, local_param_bytes=local * w_elem, buffers=buffers, after_backward=after,
                          regather=zero >= 3 and not split, accumulate=m > 1 and p == 1,
                          copy_bytes=weight_copy_bytes(plan.dtype) if not sharded and zero < 3 else 0.0,

@@ -225,7 +225,7 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
                   copy_bytes: float = 0.0, order: Sequence[tuple[str, int, int]] | None = None,
                   stage_ids: Sequence[int] = (), input_grads: dict[int, float] | None = None,
                   received: dict[int, float] | None = None,
-                  grad_received: dict[int, float] | None = None) -> dict[str, float]:
+                  grad_received: dict[int, float] | None = None, optimizer_step: float = 0.0) -> dict[str, float]:
     """The device's memory by category at its peak (module rules). `by_stage`: its layers per
     virtual stage, in order; `buffers`: persistent runtime buffers (DDP, pipelining);
     `after_backward`: a transient buffer once backward is over (a flat gradient copy);
@@ -241,7 +241,8 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     split backward's I to its W) instead of counting `flight` micro-batches of the average stage;
     `received[s]`: the bytes of virtual stage s's input that land in torch's receive buffers
     (`_stage_peaks`: not activations too), `grad_received[s]` those of its output's gradient
-    (not working memory too)."""
+    (not working memory too); `optimizer_step`: what the optimizer step allocates beside the states
+    and the persistent buffers, once no activation is left (its own candidate peak)."""
     off, running = recompute_copies([l for stage in by_stage for l in stage], copy_bytes)
     states = {**states, "parameters": states.get("parameters", 0.0) - off, "model_buffers": _model_buffers(by_stage)}
     costs = [l.cost for stage in by_stage for l in stage if l.cost is not None]
@@ -262,6 +263,9 @@ def device_memory(by_stage: Sequence[Sequence[Any]], states: dict[str, float], *
     others = max(0.0, flight - 1) * (kept / len(splits) if interleaved and splits else kept)
     best: dict[str, float] = {**states, "activations": 0.0, "recompute_working": 0.0, "working": 0.0,
                               "buffers": buffers + after_backward}
+    step = {**best, "working": optimizer_step, "buffers": buffers}  # after backward's transients are freed
+    if sum(step.values()) > sum(best.values()):
+        best = step
     # Backward holds the unsharded parameters; ZeRO-3's gather for it frees its flat buffer right
     # after copying out, before any gradient (its own candidate below).
     gathered = local_param_bytes if fsdp else 0.0
