@@ -12,7 +12,14 @@ from shardc.calibration import profile as profile_file
 from shardc.calibration.fit import fit_affine, fit_linear, fit_two_terms
 from shardc.calibration.gloo import COLLECTIVES
 from shardc.calibration.local import load_profile, run_calibration
-from shardc.calibration.profile import PROFILE_VERSION, AlphaBeta, CollectiveFit, LocalProfile, write_profile
+from shardc.calibration.profile import (
+    PROFILE_VERSION,
+    AlphaBeta,
+    CollectiveFit,
+    LocalProfile,
+    at_speed,
+    write_profile,
+)
 from shardc.hardware import local_cluster, parse_cluster
 from shardc.ir import files
 from shardc.ir.diagnostics import ShardcError
@@ -252,4 +259,8 @@ def test_quick_calibration_times_the_collectives_under_a_training_load(measured)
     assert load_profile(folder / "local-profile.json", calibrate_if_missing=False).loaded_collectives == rows
     wait = profile.step_wait(2, 2)
     assert 0 <= wait < 0.1 and "in-step wait, group of 2" in printed
-    assert local_cluster(2, profile).intra.step_wait == ((2, wait),)
+    # the cluster prices every time at the probe's slowdown among its processes (`local_cluster`),
+    # the wait included (it was == wait only where the quick calibration measured no contention)
+    scaled = at_speed(profile, profile.contention_factor(2)).step_wait(2, 2)
+    assert scaled == pytest.approx(wait * profile.contention_factor(2))
+    assert local_cluster(2, profile).intra.step_wait == ((2, scaled),)
