@@ -23,7 +23,7 @@ from shardc.cost.head import loss_logits_bytes
 from shardc.cost.ring import causal_ring_saved
 from shardc.ir import Node, TensorType, Value
 from shardc.ops.registry import rotating_operands
-from shardc.ops.verifier import meta_tensor
+from shardc.ops.verifier import meta_tensor, recording_saved
 
 SavedKey = Value | tuple[Node, int]
 
@@ -63,14 +63,8 @@ def _saved_copy_ratio(types: tuple[TensorType, TensorType], strides: tuple[tuple
     tensors = [torch.empty_strided(t.shape, st, dtype=meta_tensor(t).dtype, device="meta")
                for t, st in zip(types, strides)]
     other = tensors[1 - idx].requires_grad_()
-    saved: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
-
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with recording_saved() as saved:
             torch.matmul(*tensors)
     except RuntimeError:
         return None

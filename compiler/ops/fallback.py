@@ -30,7 +30,7 @@ from shardc.ir import TensorType
 from shardc.ir.dtypes import torch_dtype
 from shardc.ops.registry import IterationSpace, OpDef, register
 from shardc.ops.targets import decode_operands, resolve_target
-from shardc.ops.verifier import shapes_only
+from shardc.ops.verifier import recording_saved, shapes_only
 
 Types = Sequence[TensorType]
 # One placement on one mesh dim: ("S", dim), ("R",) or ("P", op).
@@ -286,13 +286,8 @@ def _saves(target: str, in_types: tuple[TensorType, ...], args: Any, kwargs: Any
     """What autograd keeps for backward when the float inputs require grad: inputs and outputs by
     position, anything else as bytes; every input when torch cannot run it on meta tensors."""
     metas = [m.requires_grad_() if m.is_floating_point() else m for m in _metas(in_types)]
-    saved: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with recording_saved() as saved:
             out = call(target, metas, args, kwargs)
     except Exception:
         return tuple(("in", k) for k in range(len(in_types)))

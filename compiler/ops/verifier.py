@@ -61,6 +61,20 @@ def shapes_only() -> Iterator[None]:
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
 
 
+@contextlib.contextmanager
+def recording_saved() -> Iterator[list[torch.Tensor]]:
+    """The tensors autograd saves for backward while the block runs, in order, as saved (a probe
+    on meta tensors: what an op keeps, an input, an output or a copy)."""
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
 def run_on_meta(op: OpDef, inputs: Sequence[torch.Tensor], attrs: dict[str, Any]) -> list[torch.Tensor]:
     """Run `op.impl` on meta tensors; creation ops make meta tensors too (default device)."""
     with torch.device("meta"), shapes_only():
