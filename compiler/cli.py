@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "every command using it warns); default: wait up to --wait seconds for quiet, then refuse")
     p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
                    help="how long to wait for the machine to go quiet before measuring (default 60)")
+    p.add_argument("--draws", type=int, default=None, metavar="N",
+                   help="measure everything N times, one after the other, and keep each figure's median "
+                        "(default 3; 1 with --quick)")
     return parser
 
 
@@ -278,7 +281,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from shardc.calibration.local import print_profile, run_calibration
 
     profile = run_calibration(args.out, quick=args.quick, busy="record" if args.allow_busy else "refuse",
-                              wait_s=args.wait)
+                              wait_s=args.wait, draws=args.draws)
     print_profile(profile, _console())
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -18,6 +19,8 @@ from shardc.calibration.profile import (
     CollectiveFit,
     LocalProfile,
     at_speed,
+    median_profile,
+    read_profile,
     write_profile,
 )
 from shardc.hardware import local_cluster, parse_cluster
@@ -204,13 +207,14 @@ def test_busy_during_the_measurement_measures_again_then_refuses(tmp_path, monke
     target = tmp_path / "local-profile.json"
     measured = _busy_world(monkeypatch, [0.0, 1.0, 0.1, 0.0])  # quiet, busy after; quiet, quiet after
     out = io.StringIO()
-    profile = run_calibration(target, wait_s=0.0, show=False, console=Console(file=out, width=200))
+    profile = run_calibration(target, wait_s=0.0, show=False, console=Console(file=out, width=200), draws=1)
     assert measured == ["profile", "profile"] and "measuring again" in out.getvalue()
     assert profile.conditions is not None and profile.conditions.attempts == 2 and not profile.busy
     assert LocalProfile.from_json(profile.to_json()) == profile
     measured = _busy_world(monkeypatch, [0.0, 1.0, 0.0, 1.2])
     with pytest.raises(ShardcError, match="while it was measured, twice"):
-        run_calibration(tmp_path / "other.json", wait_s=0.0, show=False, console=Console(file=io.StringIO()))
+        run_calibration(tmp_path / "other.json", wait_s=0.0, show=False, console=Console(file=io.StringIO()),
+                        draws=1)
     assert measured == ["profile", "profile"] and not (tmp_path / "other.json").exists()
 
 
@@ -218,7 +222,8 @@ def test_a_recorded_busy_profile_is_reported_and_measured_again_once_quiet(tmp_p
     target = tmp_path / "local-profile.json"
     measured = _busy_world(monkeypatch, [1.5, 1.5])
     out = io.StringIO()
-    profile = run_calibration(target, wait_s=0.0, show=False, busy="record", console=Console(file=out, width=200))
+    profile = run_calibration(target, wait_s=0.0, show=False, busy="record", console=Console(file=out, width=200),
+                              draws=1)
     assert profile.busy and "measured on a busy machine" in out.getvalue()
     assert load_profile(target, calibrate_if_missing=False).conditions == profile.conditions
     # Used while still busy: a warning, the profile as it is; once quiet: measured again.
@@ -264,3 +269,29 @@ def test_quick_calibration_times_the_collectives_under_a_training_load(measured)
     scaled = at_speed(profile, profile.contention_factor(2)).step_wait(2, 2)
     assert scaled == pytest.approx(wait * profile.contention_factor(2))
     assert local_cluster(2, profile).intra.step_wait == ((2, scaled),)
+
+
+def test_a_calibration_is_the_median_of_its_draws(tmp_path, monkeypatch) -> None:
+    """Three draws, one of them taken in an odd moment (everything 3x): every figure written is
+    the median of its draws, not the odd one's nor their mean; one draw is the draw itself."""
+    scale = iter((1.0, 3.0, 1.2))
+    monkeypatch.setattr(calibrate.conditions, "look", lambda window=1.0: (0.0, 0.5))
+
+    def measure(*args, **kwargs) -> LocalProfile:
+        return at_speed(_profile(), next(scale))
+
+    monkeypatch.setattr(calibrate, "_measure", measure)
+    target = tmp_path / "local-profile.json"
+    profile = run_calibration(target, wait_s=0.0, show=False, console=Console(file=io.StringIO()))
+    assert replace(profile, conditions=None) == at_speed(_profile(), 1.2)  # the default: 3 draws
+    assert read_profile(target) == profile
+    fit = profile.collectives[0].fit
+    assert fit.alpha == pytest.approx(2e-4 * 1.2) and profile.peak_fp32 == pytest.approx(1e11 / 1.2)
+    scale = iter((3.0,))
+    one = run_calibration(target, wait_s=0.0, show=False, draws=1, console=Console(file=io.StringIO()))
+    assert replace(one, conditions=None) == at_speed(_profile(), 3.0)
+    with pytest.raises(ShardcError, match="at least one draw"):
+        run_calibration(target, wait_s=0.0, show=False, draws=0)
+    other = replace(_profile(), concurrent=((2, 6e10, 1e10), (4, 3e10, 5e9)))
+    with pytest.raises(ValueError, match=r"differ in shape at profile\.concurrent"):
+        median_profile([_profile(), other])

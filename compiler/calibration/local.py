@@ -43,6 +43,7 @@ from shardc.calibration.profile import (
     LocalProfile,
     at_speed,
     default_profile_path,
+    median_profile,
     read_profile,
     write_profile,
 )
@@ -156,11 +157,15 @@ _WARNED: dict[str, str] = {}  # profile path -> the `created` of the busy profil
 
 def run_calibration(path: str | Path | None = None, *, quick: bool = False, nprocs: Sequence[int] = (2, 4),
                     console: Any = None, show: bool = True, summary: bool = False, busy: str = "refuse",
-                    wait_s: float = 60.0) -> LocalProfile:
+                    wait_s: float = 60.0, draws: int | None = None) -> LocalProfile:
     """Measure this machine (see the module doc) and write the profile to `path` atomically.
 
-    Takes about 40 s on an idle 2-core machine (`quick=True`: about 15 s per process count, fewer sizes and
-    repetitions). `console` is a rich Console (default: stderr) for the progress bar (`show`)
+    Takes about 40 s per draw on an idle 2-core machine (`quick=True`: about 15 s per process count, fewer
+    sizes and repetitions). `draws` (default 3, 1 with `quick`): the whole measurement is taken that
+    many times, one after the other (single-process, then each process count, then again), and every
+    figure is the median of its draws (`profile.median_profile`). One draw is one moment of a shared
+    machine: two quiet calibrations hours apart read eager per-call costs 2.7x apart and a 2-process
+    in-step wait of 10 against 208 us, and every plan's prediction moved with them. `console` is a rich Console (default: stderr) for the progress bar (`show`)
     and, with `summary=True`, the `profile_tables` once done (else call `print_profile`).
 
     Quiet first (`shardc.calibration.conditions`): it waits up to `wait_s` seconds for other
@@ -174,16 +179,20 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
     from rich.console import Console
     from rich.progress import Progress
 
+    draws = (1 if quick else 3) if draws is None else draws
+    if draws < 1:
+        raise ShardcError(f"--draws {draws}: a calibration takes at least one draw", hint="pass --draws 1 or more")
     console = console or Console(stderr=True)
     target = Path(path) if path is not None else default_profile_path()
     for attempt in (1, 2):
         with Progress(console=console, transient=True, disable=not show) as progress:
-            task = progress.add_task("calibrating", total=5 + len(nprocs))
+            task = progress.add_task("calibrating", total=(5 + len(nprocs)) * draws)
             say = partial(_describe, progress, task)
             before = conditions.wait_for_quiet(wait_s, say)
             if before[0] > conditions.BUSY_CORES and busy == "refuse":
                 raise _busy_error(before, f"for {wait_s:.0f} s")
-            profile = _measure(quick, nprocs, say, partial(progress.advance, task))
+            profile = median_profile([_measure(quick, nprocs, partial(_in_draw, say, d, draws),
+                                               partial(progress.advance, task)) for d in range(draws)])
         after = conditions.look()
         seen = conditions.conditions(before, after, attempt)
         profile = replace(profile, conditions=seen)
@@ -203,6 +212,10 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
 
 def _describe(progress: Any, task: Any, what: str) -> None:
     progress.update(task, description=what)
+
+
+def _in_draw(say: Callable[[str], None], draw: int, draws: int, what: str) -> None:
+    say(f"draw {draw + 1}/{draws}: {what}" if draws > 1 else what)
 
 
 def _busy_error(seen: tuple[float, float], when: str) -> ShardcError:
@@ -260,7 +273,8 @@ def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool =
 
     A profile measured on a busy machine is not used silently: when the machine is quiet now it
     is measured again (and cached), else a warning names how busy it was. Measuring here waits
-    less for quiet than `shardc calibrate` and records a busy machine rather than refusing."""
+    less for quiet than `shardc calibrate`, takes one draw (a first command should not wait minutes;
+    `shardc calibrate` takes the median of three) and records a busy machine rather than refusing."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -270,14 +284,14 @@ def load_profile(path: str | Path | None = None, *, calibrate_if_missing: bool =
         if not calibrate_if_missing:
             raise
         console.print(f"{err.message}; measuring this machine once (`shardc calibrate` redoes it)")
-        return run_calibration(path, console=console, busy="record", wait_s=20.0)
+        return run_calibration(path, console=console, busy="record", wait_s=20.0, draws=1)
     if not profile.busy or profile.conditions is None or _WARNED.get(str(path)) == profile.created:
         return profile
     _WARNED[str(path)] = profile.created  # look and warn once per process and profile, not per command step
     if calibrate_if_missing and conditions.look()[0] <= conditions.BUSY_CORES:
         console.print(f"the local profile was measured on a busy machine ({profile.conditions.describe()}); "
                       "the machine is quiet now, measuring it again")
-        return run_calibration(path, console=console, busy="record", wait_s=0.0)
+        return run_calibration(path, console=console, busy="record", wait_s=0.0, draws=1)
     console.print(f"[yellow]warning:[/] the local profile was measured on a busy machine "
                   f"({profile.conditions.describe()}); predictions for `local` clusters are off by as much; "
                   "rerun `shardc calibrate` when the machine is quiet")

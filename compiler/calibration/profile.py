@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,41 @@ def at_speed(profile: LocalProfile, factor: float) -> LocalProfile:
         loaded_collectives=tuple(replace(c, points=tuple((b, t * f, i * f, s) for b, t, i, s in c.points))
                                  for c in profile.loaded_collectives),
         sync_steps=tuple((w, n, g, c * f, a * f, b * f) for w, n, g, c, a, b in profile.sync_steps))
+
+
+def median_profile(profiles: Sequence[LocalProfile]) -> LocalProfile:
+    """One profile from several measurements of the same machine (`shardc calibrate --draws`):
+    every measured figure is the median of its draws, field by field (a fit's alpha and beta, each
+    point's time, each eager cost), so one draw taken in an odd moment of a shared machine (its
+    per-call costs 2.7x another's, its in-step wait 20x) does not price every plan. The draws must
+    have the same shape (the same settings); the identity fields (machine, sizes, counts) are the
+    first's, `created` the last's."""
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    if len(profiles) == 1:
+        return profiles[0]
+    trees = [p.to_json() for p in profiles]
+    merged = _median_tree(trees, "profile")
+    merged["created"] = trees[-1]["created"]
+    return LocalProfile.from_json(merged)
+
+
+def _median_tree(values: list[Any], where: str) -> Any:
+    """The element-wise median of JSON trees of one shape: floats by median, anything else (ints,
+    strings, booleans, None) must agree or is the first's (`where` names a mismatch)."""
+    first = values[0]
+    if isinstance(first, dict):
+        if any(not isinstance(v, dict) or v.keys() != first.keys() for v in values):
+            raise ValueError(f"calibration draws differ in shape at {where}")
+        return {k: _median_tree([v[k] for v in values], f"{where}.{k}") for k in first}
+    if isinstance(first, (list, tuple)):
+        if any(not isinstance(v, (list, tuple)) or len(v) != len(first) for v in values):
+            raise ValueError(f"calibration draws differ in shape at {where}")
+        return [_median_tree([v[i] for v in values], f"{where}[{i}]") for i in range(len(first))]
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if numbers and any(isinstance(v, float) for v in values):
+        return float(statistics.median(values))
+    return first
 
 
 # ---- the file ----------------------------------------------------------------------------------
