@@ -23,7 +23,7 @@ def model_state(model: torch.nn.Module, graph: Graph,
     their `named_parameters()`/`named_buffers()` paths, and the `const.N` buffers from
     `constants` (`shardc.frontend.trace_with_state(...).constants`)."""
     own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    extra = dict(constants or {})
+    extra = {k: v.contiguous() for k, v in (constants or {}).items()}  # a planned broadcast constant is a view
     state: dict[str, torch.Tensor] = {}
     for value in graph.params + graph.buffers:
         if value.name in own:

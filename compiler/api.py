@@ -196,6 +196,7 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
     import dataclasses
 
     from shardc import driver
+    from shardc.frontend.constants import runnable_constants
     from shardc.passmanager import PassContext
 
     file = None if isinstance(plan, Graph | ParallelPlan) else driver.plan_file_of(plan)
@@ -241,8 +242,8 @@ def compile(model: Any, example_inputs: Any = None, cluster: Any = None, plan: A
             if before_lower is not None:
                 before_lower(micro_graph)
         micro_graph = driver.run(micro_graph, lowering, ctx, allow_uneven=False)
-        micro_constants = dict(micro.constants)
-    return CompiledPlan(graph, parallel, cluster, dict(traced.constants),
+        micro_constants = runnable_constants(micro.constants)
+    return CompiledPlan(graph, parallel, cluster, runnable_constants(traced.constants),
                         tuple(v.name for v in graph.inputs), micro_graph, micro_constants, partitioned_ir)
 
 

@@ -121,6 +121,21 @@ def _one_row(node: torch.fx.Node, args: Any, kwargs: Any) -> torch.Tensor | None
     return out.expand(shape[0], *out.shape[1:])
 
 
+def _broadcast(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a large constant broadcast along some dim (stride 0, as `_one_row` folds a
+    batch-wide mask): kept as that view while the model is planned, since copying it out is the
+    trace's largest cost (the causal mask at a solver's global batch, (256, 1, 4096, 4096) bools:
+    4 GiB and 7.7 s of Mixtral-8x7B's `shardc plan`), and made contiguous only to run
+    (`runnable_constants`)."""
+    return tensor.numel() >= _ONE_ROW_ELEMENTS and any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape))
+
+
+def runnable_constants(constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A trace's `const.N` values as a module holds them: contiguous, each its own storage (a buffer
+    is written in place: DDP broadcasts buffers), where planning kept a broadcast one as a view."""
+    return {name: t if t.is_contiguous() else t.contiguous() for name, t in constants.items()}
+
+
 class ConstantFolding:
     """The constant half of the lowering (`torch_trace._Lowering` is the rest): folds calls on
     constants and materialises a constant the graph reads, as ops or as a `const.N` buffer."""
@@ -183,8 +198,8 @@ class ConstantFolding:
                 self.e.rollback(mark)
                 self.const_values, self.const_nodes = saved
             self.e.location = location
-        if value is None:  # contiguous: a buffer is written in place (DDP broadcasts buffers), never a view
-            value = self.e.constant(c.value.contiguous())
+        if value is None:  # the runtime makes it contiguous (`runnable_constants`): a buffer is written in place
+            value = self.e.constant(c.value if _broadcast(c.value) else c.value.contiguous())
         self.const_values[c] = value
         return value
 
