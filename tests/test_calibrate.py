@@ -282,8 +282,12 @@ def test_a_calibration_is_the_median_of_its_draws(tmp_path, monkeypatch) -> None
 
     monkeypatch.setattr(calibrate, "_measure", measure)
     target = tmp_path / "local-profile.json"
-    profile = run_calibration(target, wait_s=0.0, show=False, console=Console(file=io.StringIO()))
+    said = io.StringIO()
+    profile = run_calibration(target, wait_s=0.0, show=False, console=Console(file=said, width=300))
     assert replace(profile, conditions=None) == at_speed(_profile(), 1.2)  # the default: 3 draws
+    # The odd draw is reported: the draws disagree 3x on the compute rate (and the rest).
+    assert "the 3 draws disagree on the fp32 matmul rate (GFLOP/s): 33.3 to 100 (3.00x)" in said.getvalue()
+    assert calibrate.draws_disagree([_profile(), at_speed(_profile(), 1.1)]) == []
     assert read_profile(target) == profile
     fit = profile.collectives[0].fit
     assert fit.alpha == pytest.approx(2e-4 * 1.2) and profile.peak_fp32 == pytest.approx(1e11 / 1.2)

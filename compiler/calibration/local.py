@@ -191,8 +191,9 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
             before = conditions.wait_for_quiet(wait_s, say)
             if before[0] > conditions.BUSY_CORES and busy == "refuse":
                 raise _busy_error(before, f"for {wait_s:.0f} s")
-            profile = median_profile([_measure(quick, nprocs, partial(_in_draw, say, d, draws),
-                                               partial(progress.advance, task)) for d in range(draws)])
+            taken = [_measure(quick, nprocs, partial(_in_draw, say, d, draws), partial(progress.advance, task))
+                     for d in range(draws)]
+            profile = median_profile(taken)
         after = conditions.look()
         seen = conditions.conditions(before, after, attempt)
         profile = replace(profile, conditions=seen)
@@ -202,12 +203,43 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
             raise _busy_error(after, "while it was measured, twice")
         console.print(f"the machine became busy while it was measured ({seen.describe()}); measuring again")
     write_profile(profile, target)
+    for name, low, high in draws_disagree(taken):
+        console.print(f"[yellow]note:[/] the {len(taken)} draws disagree on {name}: {low:.3g} to {high:.3g} "
+                      f"({high / low:.2f}x); the profile keeps their median, and a plan priced on this machine "
+                      "is as uncertain (`shardc calibrate --draws 5` takes more)")
     if seen.busy:
         console.print(f"[yellow]warning:[/] this profile was measured on a busy machine: {seen.describe()}; "
                       "rerun `shardc calibrate` when the machine is quiet")
     if summary:
         print_profile(profile, console, path=target)
     return profile
+
+
+DRAW_SPREAD = 1.25  # draws further apart than this on a headline figure are reported (`draws_disagree`)
+
+
+def draws_disagree(draws: Sequence[LocalProfile], spread: float = DRAW_SPREAD) -> list[tuple[str, float, float]]:
+    """The headline figures on which the draws of one calibration lie more than `spread` apart, as
+    (name, lowest, highest): the compute rate alone and among the most processes measured, the copy
+    bandwidth, the eager matmul's per-call cost and the collective wrapper's per-call overhead. The
+    in-step waits are left out: they scatter 0-200 us between quiet draws (that is why there are draws)."""
+    if len(draws) < 2:
+        return []
+    most = max((n for n, _, _ in draws[0].concurrent), default=1)
+    figures: dict[str, Callable[[LocalProfile], float]] = {
+        "the fp32 matmul rate (GFLOP/s)": lambda p: p.peak_fp32 / 1e9,
+        f"the matmul rate among {most} processes (GFLOP/s)": lambda p: p.per_process_flops(most) / 1e9,
+        "the copy bandwidth (GB/s)": lambda p: p.memory_bandwidth / 1e9,
+        "an eager matmul's call (us)": lambda p: p.eager.fit("matmul").fwd_call * 1e6 if p.eager else 0.0,
+        f"the collective wrapper's call among {most} processes (us)": lambda p: p.call_overhead(most) * 1e6,
+    }
+    out = []
+    for name, read in figures.items():
+        values = [read(p) for p in draws]
+        low, high = min(values), max(values)
+        if low > 0 and high / low > spread:
+            out.append((name, low, high))
+    return out
 
 
 def _describe(progress: Any, task: Any, what: str) -> None:
