@@ -22,8 +22,10 @@ def model_state(model: torch.nn.Module, graph: Graph,
     """The tensors a graph's parameters and buffers name: the model's parameters and buffers by
     their `named_parameters()`/`named_buffers()` paths, and the `const.N` buffers from
     `constants` (`shardc.frontend.trace_with_state(...).constants`)."""
+    from shardc.frontend.constants import runnable_constants
+
     own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    extra = {k: v.contiguous() for k, v in (constants or {}).items()}  # a planned broadcast constant is a view
+    extra = runnable_constants(constants or {})  # a planned broadcast constant is a view
     state: dict[str, torch.Tensor] = {}
     for value in graph.params + graph.buffers:
         if value.name in own:

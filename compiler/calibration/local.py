@@ -165,8 +165,9 @@ def run_calibration(path: str | Path | None = None, *, quick: bool = False, npro
     many times, one after the other (single-process, then each process count, then again), and every
     figure is the median of its draws (`profile.median_profile`). One draw is one moment of a shared
     machine: two quiet calibrations hours apart read eager per-call costs 2.7x apart and a 2-process
-    in-step wait of 10 against 208 us, and every plan's prediction moved with them. `console` is a rich Console (default: stderr) for the progress bar (`show`)
-    and, with `summary=True`, the `profile_tables` once done (else call `print_profile`).
+    in-step wait of 10 against 208 us, and every plan's prediction moved with them. `console` is a
+    rich Console (default: stderr) for the progress bar (`show`) and, with `summary=True`, the
+    `profile_tables` once done (else call `print_profile`).
 
     Quiet first (`shardc.calibration.conditions`): it waits up to `wait_s` seconds for other
     processes to go quiet, and looks again after measuring; a machine that became busy meanwhile

@@ -10,6 +10,7 @@ Also here: the small tree helpers the lowering shares.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,10 +131,10 @@ def _broadcast(tensor: torch.Tensor) -> bool:
     return tensor.numel() >= _ONE_ROW_ELEMENTS and any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape))
 
 
-def runnable_constants(constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def runnable_constants(constants: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A trace's `const.N` values as a module holds them: contiguous, each its own storage (a buffer
     is written in place: DDP broadcasts buffers), where planning kept a broadcast one as a view."""
-    return {name: t if t.is_contiguous() else t.contiguous() for name, t in constants.items()}
+    return {name: t.contiguous() for name, t in constants.items()}  # a contiguous one is returned as is
 
 
 class ConstantFolding:
