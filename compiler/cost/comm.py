@@ -24,6 +24,7 @@ and node-major over the cluster, so the innermost axes stay within a node.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,6 +102,13 @@ def collective_time(kind: str, nbytes: float, levels: LinkLevels | LinkSpec, alg
     levels = tuple((l, s) for l, s in levels if s > 1)
     if not levels or nbytes <= 0:
         return 0.0
+    return _priced(kind, nbytes, levels, algorithm)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _priced(kind: str, nbytes: float, levels: LinkLevels, algorithm: str) -> float:
+    """`collective_time` on checked arguments (a pure function of them: a search prices the same
+    buckets over the same groups for every plan it evaluates, so the answers are kept)."""
     if kind in ("send_recv", "rotate"):
         return _ring(kind, nbytes, 2, levels[-1][0])
     if len(levels) == 1:  # a calibrated link prices a collective it measured at this group size by its fit

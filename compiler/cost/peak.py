@@ -136,28 +136,35 @@ def order_peaks(order: Sequence[tuple[str, int, int]], splits: dict[int, tuple[d
     of the received activation); the first stage's I runs nothing and its W the whole backward
     (its inputs need no gradient: torch's `backward_weight_one_chunk`)."""
     held: dict[tuple[int, int], tuple[float, float]] = {}  # (j, s) -> (activations, working)
+    totals = [0.0, 0.0]  # held's sums, kept as entries come and go (a schedule holds m*vpp of them)
     out: list[tuple[int, dict[str, float]]] = []
 
-    def others(key: tuple[int, int]) -> tuple[float, float]:
-        return (sum(a for k, (a, _) in held.items() if k != key), sum(w for k, (_, w) in held.items() if k != key))
+    def hold(key: tuple[int, int], entry: tuple[float, float] | None) -> None:
+        old = held.pop(key, (0.0, 0.0))
+        new = entry or (0.0, 0.0)
+        totals[0] += new[0] - old[0]
+        totals[1] += new[1] - old[1]
+        if entry is not None:
+            held[key] = entry
 
     for kind, j, s in order:
         fwd, bwd, kept, inp = splits[s]
-        act, work = others((j, s))
+        mine = held.get((j, s), (0.0, 0.0))
+        act, work = totals[0] - mine[0], totals[1] - mine[1]  # what the other micro-batches hold
         if kind == "F":
             part, phase = fwd, 0
-            held[(j, s)] = (kept, 0.0)
+            hold((j, s), (kept, 0.0))
         elif kind == "B" or (kind == "W" and s == first):
             part, phase = bwd, 1
-            held.pop((j, s), None)
+            hold((j, s), None)
         elif kind == "I":
             if s == first:
                 continue
             part, phase = inp, 1
-            held[(j, s)] = (kept, held_for_weights.get(s, 0.0))
+            hold((j, s), (kept, held_for_weights.get(s, 0.0)))
         else:
             part, phase = {"activations": kept, "working": held_for_weights.get(s, 0.0)}, 1
-            held.pop((j, s), None)
+            hold((j, s), None)
         out.append((phase, {**part, "activations": part.get("activations", 0.0) + act,
                             "working": part.get("working", 0.0) + work}))
     return out

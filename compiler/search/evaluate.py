@@ -298,7 +298,12 @@ class _Layers:
     def section(self, section: str, name: str, stage: int, vec: tuple[int, ...]) -> LayerWork:
         """The prefix (`pre`) or the suffix (`post`), its groups and edges at `vec`."""
         key = (section, vec)
-        t = self.terms.setdefault(key, section_terms(self.problem, section, vec))
+        if key not in self.terms:
+            shared = self.problem.memo.setdefault(("terms", self.problem.layer_shape), {})
+            if key not in shared:
+                shared[key] = section_terms(self.problem, section, vec)
+            self.terms[key] = shared[key]
+        t = self.terms[key]
         params = _params(self.problem, self.a.choice, section)
         return LayerWork(name, section, LayerAnnotation(stage, "none", self.a.zero), self._nodes(name), stage=stage,
                          cost=self._cost(key, t, "none"), params=params,
@@ -313,7 +318,12 @@ class _Layers:
         kind = "first" if i == 0 else "last" if i == last else "block"
         key = ("block", prev, cur, nxt)
         if key not in self.terms:
-            self.terms[key] = block_terms(self.problem, prev, cur, nxt)
+            # Terms depend on the vectors only: the problems of one pricing keep them for every
+            # assignment they evaluate (`Problem.memo`).
+            shared = self.problem.memo.setdefault(("terms", self.problem.layer_shape), {})
+            if key not in shared:
+                shared[key] = block_terms(self.problem, prev, cur, nxt)
+            self.terms[key] = shared[key]
         if cur not in self.block_params:
             self.block_params[cur] = _params(self.problem, cur, "block")
         name = self.problem.facts.layering.blocks[i]
@@ -336,9 +346,10 @@ class _Layers:
         across = prev if prev is not None and prev != cur else None  # only a stage boundary changes the layouts
         key = (across, cur)
         if key not in self.timelines:
-            # A timeline depends on the layouts only, so the problem keeps them for every
-            # assignment it evaluates (the grid's points share their vector).
-            shared = self.problem.__dict__.setdefault("_timelines", {})
+            # A timeline depends on the layouts only, so the problems of one pricing keep them
+            # for every assignment they evaluate (the grid's points share their vector, the
+            # shapes that differ only in pp their layers).
+            shared = self.problem.memo.setdefault(("timelines", self.problem.layer_shape), {})
             if (key, self.options) not in shared:
                 shared[(key, self.options)] = Timelines(self.problem, cur, {}, self.options, across)
             self.timelines[key] = shared[(key, self.options)]

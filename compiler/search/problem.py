@@ -17,7 +17,8 @@ the same producer `share` one gradient (their contributions are summed, then red
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from shardc.analysis.dims import batch_scale
 from shardc.analysis.groups import NodeGroup, build_groups
@@ -199,6 +200,16 @@ class Problem:
     shares: list[list[int]]  # edges summed into one gradient
     owner: dict[Value, tuple[int, int]] = field(default_factory=dict)  # value -> (group var, output index)
     reference: Pricer | None = None  # the pricer on the `pricing_shape` (default: `pricer`)
+    # What `shardc.search.evaluate` derives from one layer's vector (its terms, its memory
+    # timelines), shared by the problems of one pricing and keyed by their `layer_shape`.
+    memo: dict[tuple[object, ...], Any] = field(default_factory=dict)
+
+    @property
+    def layer_shape(self) -> MeshShape:
+        """The part of the shape one layer's terms and memory depend on: every mesh degree but
+        pp's size (no layout uses pp; whether the shape pipelines matters, the head and loss
+        unfused under a schedule, `pricing_shape`), nor vpp and the schedule (no mesh axes)."""
+        return replace(self.shape, pp=min(self.shape.pp, 2), vpp=1, schedule="")
 
     @property
     def prices(self) -> Pricer:
@@ -220,6 +231,7 @@ class Priced:
     shares: list[list[int]]
     owner: dict[Value, tuple[int, int]]
     pricer: Pricer  # on the `pricing_shape`
+    memo: dict[tuple[object, ...], Any] = field(default_factory=dict)  # `Problem.memo`, shared
 
 
 PricingCache = dict[tuple[object, ...], Priced]
@@ -265,7 +277,7 @@ def build_problem(facts: GraphFacts, cluster: Cluster, shape: MeshShape, mb: int
         if cache is not None:
             cache[key] = priced
     return Problem(facts, shape, mb, gbs, gbs // (shape.dp * mb), dtype, _pricer(facts, cluster, shape, mb, dtype),
-                   priced.groups, priced.edges, priced.shares, priced.owner, priced.pricer)
+                   priced.groups, priced.edges, priced.shares, priced.owner, priced.pricer, priced.memo)
 
 
 def _price(facts: GraphFacts, shape: MeshShape, mb: int, pricer: Pricer, rotate: bool, chunk: bool) -> Priced:
