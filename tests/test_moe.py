@@ -69,7 +69,8 @@ def test_shardc_run_trains_mixtral_expert_parallel_like_one_process(capsys: pyte
 def test_expert_parallel_cost_all_to_all_per_link_level_skew_and_expert_memory() -> None:
     """The all-to-alls of ep=2 cost more across nodes than inside one; routing skew charges the
     experts' compute and exchange more; expert parameters and optimizer states are halved by
-    ep=2 against dp=2 (fp32: 4 bytes a parameter, Adam 8)."""
+    ep=2 against dp=2 (fp32: 4 bytes a parameter, Adam 8), and the estimate's memory table says
+    how much of the states are the experts'."""
     import shardc
 
     def estimate(plan: str, cluster: str, skew: float | None = None) -> object:
@@ -86,6 +87,19 @@ def test_expert_parallel_cost_all_to_all_per_link_level_skew_and_expert_memory()
     experts = 4 * (256 * 64 + 64 * 128)  # gate_up_proj + down_proj elements
     assert data.memory["parameters"] - inside.memory["parameters"] == 4 * experts / 2
     assert data.memory["optimizer"] - inside.memory["optimizer"] == 8 * experts / 2
+    # The breakdown names the expert weights' states (weights, fp32 gradients, Adam: 16 bytes each)
+    assert data.expert_state_bytes == 16 * experts  # type: ignore[attr-defined]
+    assert inside.expert_state_bytes == 16 * experts / 2  # type: ignore[attr-defined]
+    from rich.console import Console
+
+    from shardc.cost.report import tables
+
+    console = Console(record=True, width=200)
+    for table in tables(estimate("ep=2,mb=4", "2xH100")):  # type: ignore[arg-type]
+        console.print(table)
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "of which expert states" in line)
+    assert "768 KiB" in row and "ep_comm" in text
 
 
 def test_plans_ep_cannot_take_are_refused_naming_the_constraint() -> None:

@@ -252,9 +252,12 @@ def compose(layers: Sequence[LayerWork], sends: Sequence[float], links, plan: Pa
         memory = _device_memory(mine, d, syncs[d], plan, options, m, flight, shard, w_elem, send_bytes,
                                 output_bytes)
         saved = sum(l.cost.saved_bytes for l in mine if l.cost is not None)
+        experts = sum(state_bytes(syncs[d], plan, options, shard, w_elem,
+                                  fsdp2(options, max((l.annotation.zero for l in mine), default=0), shard),
+                                  experts_only=True).values()) if syncs[d].experts else 0.0
         stages.append(StageEstimate(d, tuple(l.name for l in mine), cat, memory, flight, saved,
                                     syncs[d].grad_bytes, syncs[d].comm_bytes, dp_collectives=syncs[d].collectives,
-                                    collectives=model_axis_collectives(mine, m, syncs[d])))
+                                    collectives=model_axis_collectives(mine, m, syncs[d]), expert_state_bytes=experts))
     inputs = PipelineInputs(LOCKSTEP if lockstep else plan.schedule if p > 1 else "1f1b", p, m, plan.vpp,
                             tuple(fwd), tuple(bwd), tuple(wgrad or [0.0] * len(fwd)), tuple(sorted(extra.items())),
                             tuple(sends) if lockstep else (), sharing)
@@ -321,6 +324,24 @@ def stage_times(layers: Sequence[LayerWork], sends: Sequence[float], links, plan
     return times, fwd, bwd
 
 
+def state_bytes(sync: DeviceSync, plan: ParallelPlan, options: EstimateOptions, shard: int, w_elem: int,
+                sharded: bool, experts_only: bool = False) -> dict[str, float]:
+    """A device's model states at rest by category (parameters, gradients, optimizer), each of its
+    parameters by its ZeRO stage over its group (`memory.model_state_bytes`); `sharded`: FSDP2
+    holds them (`fsdp2`); `experts_only`: the expert weights' alone (`DeviceSync.experts`)."""
+    states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    textbook = options.zero_runtime == "zero"
+    grad_elem = GRADIENT_BYTES if options.gradient_reduce == "fp32" else w_elem
+    flags = sync.experts or (False,) * len(sync.params)
+    for (numel, z), group, expert in zip(sync.params, sync.shards(shard), flags):
+        if experts_only and not expert:
+            continue
+        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, group, copies=not sharded,
+                                          textbook=textbook, gradient_bytes=grad_elem).items():
+            states[key] += val
+    return states
+
+
 def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: ParallelPlan, options: EstimateOptions, m: int,
                    flight: int, shard: int, w_elem: int, send_bytes: Sequence[float] | None,
                    output_bytes: float) -> dict[str, float]:
@@ -331,13 +352,7 @@ def _device_memory(mine: Sequence[LayerWork], d: int, sync: DeviceSync, plan: Pa
     mine_stages = device_stages(d, p, v, plan.schedule)
     zero = max((l.annotation.zero for l in mine), default=0)
     sharded = fsdp2(options, zero, shard)
-    states = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
-    textbook = options.zero_runtime == "zero"
-    grad_elem = GRADIENT_BYTES if options.gradient_reduce == "fp32" else w_elem
-    for (numel, z), group in zip(sync.params, sync.shards(shard)):
-        for key, val in model_state_bytes(numel, plan.dtype, 3 if sharded and z else z, group, copies=not sharded,
-                                          textbook=textbook, gradient_bytes=grad_elem).items():
-            states[key] += val
+    states = state_bytes(sync, plan, options, shard, w_elem, sharded)
     local = sum(n for n, _ in sync.params)
     largest = max((sum(n for n, _ in l.params.values()) for l in mine), default=0.0)
     buffers = 0.0 if sharded else buffer_bytes(sync.grad_bytes, options.bucket_bytes, shard, zero, largest * w_elem)

@@ -40,6 +40,9 @@ class StageEstimate:
     dp_collectives: tuple[tuple[str, int, float], ...] = ()
     # The model-axis collectives per step (`sync.model_axis_collectives`): (phase, kind, axis, bytes, calls)
     collectives: tuple[tuple[str, str, str, float, int], ...] = ()
+    # Of the parameters, gradients and optimizer states at rest, the expert weights' (an MoE
+    # model's `experts` ops; split over ep where the plan splits the experts)
+    expert_state_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -140,7 +143,7 @@ class Estimate:
             "fits": self.fits, "overflow": self.overflow,
             "stages": [{"stage": s.stage, "layers": list(s.layers), "time": s.time, "memory": s.memory,
                         "memory_bytes": s.memory_bytes, "in_flight_microbatches": s.in_flight,
-                        "dp_grad_bytes": s.dp_grad_bytes,
+                        "dp_grad_bytes": s.dp_grad_bytes, "expert_state_bytes": s.expert_state_bytes,
                         "dp_collectives": [{"kind": k, "count": n, "bytes": b} for k, n, b in s.dp_collectives],
                         "collectives": [list(c) for c in s.collectives]}
                        for s in self.stages],

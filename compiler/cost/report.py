@@ -47,6 +47,8 @@ def tables(estimate: Estimate) -> list[Any]:
     for cat in MEMORY_CATEGORIES:
         if any(s.memory.get(cat, 0.0) for s in estimate.stages):
             memory.add_row(cat, *(format_bytes(s.memory.get(cat, 0.0)) for s in estimate.stages))
+    if any(s.expert_state_bytes for s in estimate.stages):
+        memory.add_row("of which expert states", *(format_bytes(s.expert_state_bytes) for s in estimate.stages))
     memory.add_row("total", *(format_bytes(s.memory_bytes) for s in estimate.stages))
     memory.add_row("micro-batches in flight", *(str(s.in_flight) for s in estimate.stages))
     return [summary, time, memory]

@@ -95,6 +95,8 @@ class DeviceSync:
     # Per parameter (as `params`), how many times wider than the data-parallel group ZeRO shards
     # it (`zero_width`); empty: every one over the data-parallel group
     widths: tuple[int, ...] = ()
+    # Per parameter (as `params`), whether it is an expert weight (read by an `experts` op as one)
+    experts: tuple[bool, ...] = ()
 
     def shards(self, shard: int) -> list[int]:
         """Per parameter, the ranks ZeRO shards it over (`shard`: the data-parallel group's size)."""
@@ -186,6 +188,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         last_stage = d  # the final backward on device d is its first model chunk's
         seen: set[str] = set()
         params: list[tuple[float, int]] = []
+        experts: list[bool] = []
         widths: list[int] = []
         unit_of: list[int] = []  # per parameter, the stage module (FSDP2 unit) that holds it
         ready: list[tuple[float, float]] = []
@@ -204,6 +207,7 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
                     continue
                 seen.add(name)
                 params.append((numel, layer.annotation.zero))
+                experts.append(name.rsplit("/", 1)[-1] in expert_weights(layer))
                 widths.append(zero_width(ctx, options, axes))
                 unit_of.append(layer.stage)
                 if axes & set(zero_axes):
@@ -263,8 +267,16 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
         optimizer = opt_params * ADAM_BYTES_PER_PARAM / device.memory_bandwidth
         factor = (2 if kind == "all_reduce" else 1) * (shard - 1) / shard if shard > 1 else 0.0
         out.append(DeviceSync(tail, gather, optimizer, tuple(params), grad_bytes, grad_bytes * factor, collectives,
-                              tuple(sorted(other.items())), tuple(widths) if any(w > 1 for w in widths) else ()))
+                              tuple(sorted(other.items())), tuple(widths) if any(w > 1 for w in widths) else (),
+                              tuple(experts) if any(experts) else ()))
     return out
+
+
+def expert_weights(layer) -> frozenset[str]:
+    """The names of the parameters `layer`'s `experts` ops read (`shardc.ops.moe`: the stacked
+    expert weights), empty for a layer without experts."""
+    return frozenset(v.name for node in getattr(layer, "nodes", ()) if node.op == "experts"
+                     for v in node.inputs if v.kind == "parameter")
 
 
 def model_axis_collectives(layers, microbatches: int, sync: DeviceSync) -> tuple[tuple[str, str, str, float, int], ...]:
