@@ -169,9 +169,42 @@ def test_the_calibration_measures_the_runtime_and_the_contention_under_load() ->
     import math
 
     from shardc.calibration.gloo import run_workers
+    from shardc.calibration.pipeline_steps import stage_bytes
 
-    res = run_workers(2, {"measure": ["pipeline_overhead", "loaded_probe_s"], "window": 0.1, "steps": 2}, timeout=180,
-                      entry="_one_worker")
+    res = run_workers(2, {"measure": ["pipeline_overhead", "action_by_size", "loaded_probe_s"], "window": 0.1,
+                          "steps": 2}, timeout=180, entry="_one_worker")
     action, walk = res["pipeline_overhead"]
     assert math.isfinite(action) and math.isfinite(walk) and action >= 0 and walk >= 0
+    small, large, small_bytes, large_bytes = res["action_by_size"]
+    assert small >= 0 and large >= 0 and small_bytes == stage_bytes() < large_bytes == 3 * 2**20
     assert res["loaded_probe_s"] > 0
+
+
+def test_an_action_costs_by_its_stages_bytes_up_to_the_largest_measured() -> None:
+    """`action_fit` draws the line through the tiny and the block-sized stage's CPU per action
+    (flat past the larger stage; no per-byte term when the larger read cheaper), and the
+    schedule's actions on a stage are priced at its weights and saved bytes per micro-batch: a
+    model with twice the width pays more per action, the same beyond the cap."""
+    from shardc.calibration.local import action_fit
+    from shardc.calibration.profile import EagerCosts, KernelFit
+    from shardc.driver import estimate
+
+    base = EagerCosts((("elementwise", KernelFit(3e-6, 3e-11, 8e-6, 1e-11)),), 50e-6, 4e-9)
+    fitted = action_fit(base, 200e-6, 500e-6, 1e4, 3e6 + 1e4)
+    assert fitted.pipeline_action_per_byte == pytest.approx(1e-10)
+    assert fitted.action(1e4) == pytest.approx(200e-6) and fitted.action(3e6 + 1e4) == pytest.approx(500e-6)
+    assert fitted.action(1e9) == fitted.action(3e6 + 1e4)  # no extrapolation past the larger stage
+    noisy = action_fit(base, 300e-6, 250e-6, 1e4, 3e6)
+    assert noisy.pipeline_action_per_byte == 0 and noisy.action(1e9) == pytest.approx(275e-6)
+
+    def actions(width: int, eager: EagerCosts) -> list[float]:
+        model = f"examples/gpt.py:gpt?n_layer=4&n_embd={width}&n_head=2&vocab_size=128&seq=16&batch=4&tie=false"
+        plain, _ = estimate(model, local_cluster(2, replace(_profile(), eager=base)), "pp=2,mb=1")
+        more, _ = estimate(model, local_cluster(2, replace(_profile(), eager=eager)), "pp=2,mb=1")
+        return [b - a for a, b in zip(plain.pipeline.fwd, more.pipeline.fwd)]
+
+    capped = action_fit(base, 200e-6, 500e-6, 1e3, 2e4)  # every stage here holds more than 2e4 bytes
+    assert actions(32, capped) == pytest.approx(actions(64, capped))
+    roomy = action_fit(base, 200e-6, 500e-6, 1e4, 1e9)
+    narrow, wide = actions(32, roomy), actions(64, roomy)
+    assert all(w > n > 200e-6 for n, w in zip(narrow, wide))

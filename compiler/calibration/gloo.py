@@ -27,7 +27,7 @@ from typing import Any
 
 from shardc.calibration.busy import loaded_collectives
 from shardc.calibration.loaded import probe_under_load
-from shardc.calibration.pipeline_steps import pipeline_overhead
+from shardc.calibration.pipeline_steps import STEPS, action_by_size, pipeline_overhead
 from shardc.calibration.wrapper_steps import fsdp_overhead, sharded_optimizer, sync_steps
 from shardc.ir import Axis
 from shardc.ir.diagnostics import ShardcError
@@ -90,7 +90,7 @@ def _leave() -> None:
 def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
     """One of `nprocs` processes measuring only `cfg["measure"]` (a name, or a list of them run in
     turn): "wrapper_overhead" (`_wrapper_overhead`), "fsdp_overhead" (`wrapper_steps.fsdp_overhead`),
-    "sync_steps" (`wrapper_steps.sync_steps`), "pipeline_overhead" (`pipeline_steps`) or
+    "sync_steps" (`wrapper_steps.sync_steps`), "pipeline_overhead" and "action_by_size" (`pipeline_steps`) or
     "loaded_probe_s" (`loaded`, over `cfg["window"]` seconds); `cfg["steps"]`: the pipeline's steps per
     schedule; rank 0 writes each under its name."""
     import torch.distributed as dist
@@ -101,6 +101,7 @@ def _one_worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> No
     measures = {"wrapper_overhead": lambda: _wrapper_overhead(nprocs, rank),
                 "fsdp_overhead": lambda: fsdp_overhead(nprocs), "sync_steps": lambda: sync_steps(nprocs),
                 "pipeline_overhead": lambda: pipeline_overhead(nprocs, cfg.get("steps", 7)),
+                "action_by_size": lambda: action_by_size(nprocs, cfg.get("steps", 7)),
                 "loaded_probe_s": lambda: probe_under_load(SpeedIndex(calls=2), cfg.get("window", 0.2)),
                 "loaded_collectives": lambda: _loaded(nprocs, cfg, None)}
     _init(rank, nprocs, workdir)
@@ -143,6 +144,8 @@ def _worker(rank: int, nprocs: int, workdir: str, cfg: dict[str, Any]) -> None:
         results["fsdp_overhead"] = tuple(x * _scale_now(speed) for x in fsdp_overhead(nprocs))
         runtime = pipeline_overhead(nprocs, 3) if cfg["quick"] else pipeline_overhead(nprocs)
         results["pipeline_overhead"] = tuple(x * _scale_now(speed) for x in runtime)
+        small, large, b0, b1 = action_by_size(nprocs, 3 if cfg["quick"] else STEPS)
+        results["action_by_size"] = (small * _scale_now(speed), large * _scale_now(speed), b0, b1)
         results["loaded_collectives"] = _loaded(nprocs, cfg, speed)
         scale = _scale_now(speed)
         results["sync_steps"] = [(w, g, *(x * scale for x in fit)) for w, g, *fit in sync_steps(nprocs)]

@@ -124,6 +124,18 @@ def _measure_alone(cfg: dict[str, Any], say: Callable[[str], None], step: Callab
             "probe_alone_rate": 1.0 / speed.reference, "typical_probe_s": speed.typical()}
 
 
+def action_fit(eager: EagerCosts, small: float, large: float, small_bytes: float, large_bytes: float) -> EagerCosts:
+    """`eager` with its action terms from `pipeline_steps.action_by_size`: the line through the two
+    stages (s per action at no bytes, s per byte), flat past the larger stage's bytes; a larger
+    stage that read cheaper (noise) gives no per-byte term, the cost the mean of the two."""
+    slope = (large - small) / (large_bytes - small_bytes) if large_bytes > small_bytes else 0.0
+    if slope <= 0:
+        return replace(eager, pipeline_action=max(0.0, (small + large) / 2), pipeline_action_per_byte=0.0,
+                       pipeline_action_bytes=0.0)
+    return replace(eager, pipeline_action=max(0.0, small - slope * small_bytes), pipeline_action_per_byte=slope,
+                   pipeline_action_bytes=large_bytes)
+
+
 def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> dict[str, Any]:
     """`nprocs` processes at once (`gloo._worker`): their `concurrent` row, collective fits and
     wrapper overhead, and `eager` with FSDP2's optimizer and per-micro-batch costs filled in
@@ -140,6 +152,8 @@ def _measure_together(nprocs: int, cfg: dict[str, Any], eager: EagerCosts) -> di
     if not eager.pipeline_action and res.get("pipeline_overhead"):  # CPU per action: the first count's will do
         eager = replace(eager, pipeline_action=float(res["pipeline_overhead"][0]),
                         split_backward_per_tensor=float(res["pipeline_overhead"][1]))
+    if res.get("action_by_size"):  # an action by its stage's size: each count replaces the last (the largest wins)
+        eager = action_fit(eager, *(float(x) for x in res["action_by_size"]))
     steps = tuple((str(w), nprocs, int(g), float(c), float(a), float(b)) for w, g, c, a, b in res.get("sync_steps", ()))
     loaded = tuple(LoadedCollective(str(r["op"]), int(r["running"]), int(r["group"]),
                                     tuple((int(b), float(t), float(i), float(s)) for b, t, i, s in r["points"]))

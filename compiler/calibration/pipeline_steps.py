@@ -21,6 +21,13 @@ rank's main-thread CPU time (`time.thread_time`), the plain run's subtracted; th
 steps, the slowest rank's. Then one action costs 1F1B's extra over 2m, and a split backward costs
 (ZB-V's extra - 6m actions) / 2m, per parameter tensor of the stage: `LINEARS` of them here.
 
+An action also costs by size (`action_by_size`): the same 1F1B run on a tiny stage and on a block-
+sized one (`ACTION_WIDTH` features over `ACTION_TOKENS` rows) gives CPU per byte the stage holds
+(weights and saved activations per micro-batch), up to the larger stage's bytes. Where processes
+outnumber cores it is most of an action's cost: an action finds its stage's data cold after another
+process ran on the core (pp=4 on this machine's 2 cores: rank 0 spent 0.58 ms more per extra action
+of a vpp=2 schedule, where the tiny stage read 83 us).
+
 A split backward also costs by size (`split_refill`, one process, about a second in `shardc
 calibrate`'s single-process part): it keeps the stage's autograd graph and the gradients it captured
 for the weight pass alive while it runs, so what it allocates lands on pages glibc had returned to
@@ -41,6 +48,10 @@ LINEARS = 8
 MICRO_BATCHES = 8
 STEPS = 7
 WARMUP = 2
+# The second stage size of `action_by_size`: a block's worth of bytes (the study's GPT blocks, 256
+# features over 128 tokens, hold 3 MiB of weights and save about 4 MiB per micro-batch)
+ACTION_WIDTH = 256
+ACTION_TOKENS = 128
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -49,10 +60,29 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.thread_time() - t0
 
 
-def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
+def stage_bytes(width: int = WIDTH, tokens: int = 1) -> float:
+    """Bytes a measured stage holds as `runtime_cpu.action_bytes` counts them: its weights and
+    what it saves per micro-batch (each linear's input), fp32."""
+    return 4.0 * LINEARS * (width * width + tokens * width)
+
+
+def action_by_size(nprocs: int, steps: int = STEPS) -> tuple[float, float, float, float]:
+    """(CPU s per action on the tiny stage, on a block-sized one, the two stages' bytes): where the
+    processes outnumber the cores, an action finds its stage's weights and activations cold after
+    another process ran on the core, so it costs more on a bigger stage (this machine, 4 processes
+    on 2 cores: about 0.17 ms on the tiny stage, 0.4-0.5 ms on 256 features over 128 tokens, where
+    2 processes read 0.22 and 0.30). 1F1B only (the split backward's terms are the tiny run's)."""
+    small = pipeline_overhead(nprocs, steps, split=False)[0]
+    large = pipeline_overhead(nprocs, steps, ACTION_WIDTH, ACTION_TOKENS, split=False)[0]
+    return small, large, stage_bytes(), stage_bytes(ACTION_WIDTH, ACTION_TOKENS)
+
+
+def pipeline_overhead(nprocs: int, steps: int = STEPS, width: int = WIDTH, tokens: int = 1,
+                      split: bool = True) -> tuple[float, float]:
     """(CPU seconds per schedule action, CPU seconds per parameter tensor of a split backward),
     measured by every rank of the default gloo group of `nprocs` processes over `steps` steps of
-    each schedule (module rule)."""
+    each schedule (module rule), on stages of `LINEARS` linears of `width` features over `tokens`
+    rows per micro-batch; without `split`, 1F1B only (the second figure 0)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -61,15 +91,15 @@ def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
 
     rank, p, m = dist.get_rank(), nprocs, MICRO_BATCHES
     torch.manual_seed(0)
-    x, target = torch.randn(m, WIDTH), torch.randn(m, WIDTH)
-    example = torch.empty(1, WIDTH, device="meta").requires_grad_(True)  # a stage's input and output: need gradients
-    first = torch.empty(1, WIDTH, device="meta")  # the data: no gradient
+    x, target = torch.randn(m * tokens, width), torch.randn(m * tokens, width)
+    example = torch.empty(tokens, width, device="meta").requires_grad_(True)  # a stage's input and output: need gradients
+    first = torch.empty(tokens, width, device="meta")  # the data: no gradient
 
     def loss(out: Any, tgt: Any) -> Any:
         return (out - tgt).square().mean()
 
     def build(ids: list[int], total: int) -> tuple[list[Any], list[Any]]:
-        mods = [nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LINEARS))) for _ in ids]
+        mods = [nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(LINEARS))) for _ in ids]
         stages = [PipelineStage(mod, s, total, torch.device("cpu"), input_args=(example if s > 0 else first,),
                                 output_args=(example,)) for mod, s in zip(mods, ids)]
         return mods, stages
@@ -78,8 +108,10 @@ def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
     one_mods, one_stages = build(one_ids, p)
     vee_mods, vee_stages = build(vee_ids, 2 * p)
     schedules: dict[str, tuple[Any, list[Any], list[int], int]] = {
-        "1f1b": (Schedule1F1B(one_stages[0], m, loss_fn=loss, scale_grads=False), one_mods, one_ids, p),
-        "zbv": (ScheduleZBVZeroBubble(vee_stages, m, loss_fn=loss, scale_grads=False), vee_mods, vee_ids, 2 * p)}
+        "1f1b": (Schedule1F1B(one_stages[0], m, loss_fn=loss, scale_grads=False), one_mods, one_ids, p)}
+    if split:
+        schedules["zbv"] = (ScheduleZBVZeroBubble(vee_stages, m, loss_fn=loss, scale_grads=False), vee_mods, vee_ids,
+                            2 * p)
 
     def scheduled(name: str) -> Callable[[], None]:
         schedule, _, ids, total = schedules[name]
@@ -93,8 +125,9 @@ def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
         def run() -> None:
             for j in range(m):
                 for mod, s in zip(mods, ids):
-                    out = mod(x[j:j + 1].detach().requires_grad_(s > 0))
-                    (loss(out, target[j:j + 1]) if s == total - 1 else out.sum()).backward()
+                    rows = slice(j * tokens, (j + 1) * tokens)
+                    out = mod(x[rows].detach().requires_grad_(s > 0))
+                    (loss(out, target[rows]) if s == total - 1 else out.sum()).backward()
         return run
 
     extra: dict[str, list[float]] = {name: [] for name in schedules}
@@ -107,11 +140,11 @@ def pipeline_overhead(nprocs: int, steps: int = STEPS) -> tuple[float, float]:
                 mod.zero_grad(set_to_none=True)
             if step >= WARMUP:
                 extra[name].append(ran - alone)
-    mine = torch.tensor([statistics.median(extra["1f1b"]), statistics.median(extra["zbv"])], dtype=torch.float64)
+    mine = torch.tensor([statistics.median(extra[name]) for name in schedules], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     action = max(0.0, mine[0].item() / (2 * m))
-    split = max(0.0, (mine[1].item() - 6 * m * action) / (2 * m * LINEARS))
-    return action, split
+    walk = max(0.0, (mine[1].item() - 6 * m * action) / (2 * m * LINEARS)) if split else 0.0
+    return action, walk
 
 
 # The refill measurement's stage (`split_refill`): `REFILL_BLOCKS` pre-norm MLP blocks over `REFILL_TOKENS`

@@ -155,6 +155,16 @@ class EagerCosts:
     # while it runs, so what it allocates lands on memory the allocator had returned to the system:
     # CPU s per byte the stage saved for backward (`calibration.pipeline_steps.split_refill`; 0: not measured)
     split_backward_per_byte: float = 0.0
+    # An action costs more on a bigger stage (its data cold after another process ran on the core):
+    # CPU s per byte of the stage's weights and saved activations per micro-batch, beside
+    # `pipeline_action`, up to `pipeline_action_bytes` (the largest stage measured; 0: not measured)
+    pipeline_action_per_byte: float = 0.0
+    pipeline_action_bytes: float = 0.0
+
+    def action(self, stage_bytes: float) -> float:
+        """CPU s of one schedule action on a stage holding `stage_bytes` (weights and saved
+        activations per micro-batch)."""
+        return self.pipeline_action + self.pipeline_action_per_byte * min(stage_bytes, self.pipeline_action_bytes)
 
     def fit(self, *keys: str) -> KernelFit:
         """The first measured fit among `keys` (an op name, then its class); else `elementwise`'s."""
@@ -169,7 +179,8 @@ class EagerCosts:
                           self.fsdp_per_param * factor,
                           tuple((w, g, c * factor, a * factor, b * factor) for w, g, c, a, b in self.sync_step),
                           self.pipeline_action * factor, self.split_backward_per_tensor * factor,
-                          self.split_backward_per_byte * factor)
+                          self.split_backward_per_byte * factor, self.pipeline_action_per_byte * factor,
+                          self.pipeline_action_bytes)
 
     def sync_step_time(self, wrapper: str, group: int, tensors: float, elements: float) -> float | None:
         """Seconds a whole synchronising step under `wrapper` ("fsdp2" or "ddp") adds for a unit of
@@ -204,7 +215,8 @@ def eager_from_json(data: dict[str, Any] | None) -> EagerCosts | None:
                       tuple((str(w), int(g), float(c), float(a), float(b))
                             for w, g, c, a, b in data.get("sync_step", ())),
                       float(data.get("pipeline_action", 0.0)), float(data.get("split_backward_per_tensor", 0.0)),
-                      float(data.get("split_backward_per_byte", 0.0)))
+                      float(data.get("split_backward_per_byte", 0.0)),
+                      float(data.get("pipeline_action_per_byte", 0.0)), float(data.get("pipeline_action_bytes", 0.0)))
 
 
 @dataclass(frozen=True, slots=True)

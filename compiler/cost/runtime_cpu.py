@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shardc.cost.memory import compute_bytes
 from shardc.cost.pipeline import Op, device_order
 from shardc.hardware import DeviceSpec
 from shardc.plan.parallel import ParallelPlan
@@ -32,30 +33,32 @@ if TYPE_CHECKING:
 def schedule_actions(layers: Sequence[LayerWork], plan: ParallelPlan, device: DeviceSpec, times: list[dict[str, float]],
                      fwd: list[float], bwd: list[float], wgrad: list[float] | None, m: int) -> dict[Op, float]:
     """Add torch's pipeline runtime's own CPU work where it was measured (the local CPU,
-    `EagerCosts.pipeline_action`, `calibration.pipeline_steps`), in place: per virtual stage and
+    `EagerCosts.action`: more on a stage holding more bytes, `calibration.pipeline_steps`), in place: per virtual stage and
     micro-batch one action for the forward and one for the backward (a whole one, or the weight
     pass of a split one), counted as the forward's and backward's compute. Returns what each input-
     gradient pass of a split backward (an "I" op of the schedule's order) costs beyond its share of
     the ops: its own action and, on every stage but the first (torch runs the first stage's backward
     whole, in its weight pass), `split_backward_cpu`; the caller adds them as single ops' extra."""
     eager = device.eager
-    if eager is None or not (eager.pipeline_action or eager.split_backward_per_tensor or eager.split_backward_per_byte):
+    if eager is None or not (eager.pipeline_action or eager.split_backward_per_tensor or eager.split_backward_per_byte
+                             or eager.pipeline_action_per_byte):
         return {}
-    tensors, saved = [0] * len(fwd), [0.0] * len(fwd)
+    tensors, saved, weights = [0] * len(fwd), [0.0] * len(fwd), [0.0] * len(fwd)
     for layer in layers:
         tensors[layer.stage] += len(layer.params)
         saved[layer.stage] += layer.cost.saved_bytes if layer.cost is not None else 0.0
-    action = eager.pipeline_action
+        weights[layer.stage] += sum(n for n, _ in layer.params.values()) * compute_bytes(plan.dtype)
+    action = [eager.action(weights[s] + saved[s]) for s in range(len(fwd))]  # `EagerCosts.action`
     for s in range(len(fwd)):
-        fwd[s] += action
-        bwd[s] += action
+        fwd[s] += action[s]
+        bwd[s] += action[s]
         if wgrad is not None:
-            wgrad[s] += action
-        times[s]["compute_fwd"] = times[s].get("compute_fwd", 0.0) + action * m
-        times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + action * m
+            wgrad[s] += action[s]
+        times[s]["compute_fwd"] = times[s].get("compute_fwd", 0.0) + action[s] * m
+        times[s]["compute_bwd"] = times[s].get("compute_bwd", 0.0) + action[s] * m
     if wgrad is None:
         return {}
-    split = [action + (split_backward_cpu(eager, tensors[s], saved[s]) if s > 0 else 0.0) for s in range(len(fwd))]
+    split = [action[s] + (split_backward_cpu(eager, tensors[s], saved[s]) if s > 0 else 0.0) for s in range(len(fwd))]
     extra: dict[Op, float] = {}
     for d in range(plan.pp):
         for op in device_order(plan.schedule, plan.pp, d, m, plan.vpp):
