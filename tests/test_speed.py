@@ -19,7 +19,7 @@ from shardc.frontend.spec import load_model
 from shardc.hardware import DeviceSpec, LinkSpec, local_cluster
 from shardc.ir import TensorType
 from shardc.ops.registry import get_op
-from shardc.study.compare import plan_speed
+from shardc.study.compare import plan_speed, probed_speed
 
 
 def test_speed_index_scales_a_time_to_its_reference() -> None:
@@ -40,6 +40,15 @@ def test_a_plans_speed_is_the_slowest_rank_around_each_step() -> None:
     assert plan_speed(ranks) == pytest.approx((1.75 + 1.5) / 2)
     assert plan_speed([{"rank": 0, "speed_probe_s": [1e-3, 1e-3]}]) is None  # no reference: CUDA
     assert plan_speed([{"rank": 0, "speed_reference_s": 1e-3, "speed_probe_s": []}]) is None
+
+
+def test_the_speed_probed_before_a_plan_is_the_slowest_rank_per_reading() -> None:
+    ranks = [{"rank": 0, "speed_reference_s": 1e-3, "pre_probe_s": [1e-3, 2e-3, 1e-3], "speed_probe_s": [9e-3]},
+             {"rank": 1, "speed_reference_s": 1e-3, "pre_probe_s": [1.5e-3, 1e-3, 1e-3], "speed_probe_s": [9e-3]}]
+    # per reading the slowest rank's: 1.5, 2, 1 -> median 1.5; the plan's own probes (9) play no part
+    assert probed_speed(ranks) == pytest.approx(1.5)
+    assert probed_speed([{"rank": 0, "pre_probe_s": [1e-3]}]) is None  # no reference: CUDA
+    assert probed_speed([{"rank": 0, "speed_reference_s": 1e-3, "speed_probe_s": [1e-3]}]) is None  # recorded before
 
 
 def test_the_attention_outputs_reshape_copies_and_nothing_else() -> None:

@@ -81,6 +81,14 @@ def test_results_schema_and_report_files(studies) -> None:
     assert p["prediction"] == "before-run" and p["predicted_step_time_s"] == p["predicted"]["step_time_s"]
     assert p["predicted_recalibrated"]["speed_factor"] == p["speed_factor"]
     assert p["predicted_step_time_s_at_speed"] == pytest.approx(statistics.median(p["round_predicted_at_speed_s"]))
+    # The probe just before the first step, every rank (5 readings each): each round's own probed
+    # before-run prediction, the plan's their median, and its error against the measured step
+    last_round = json.loads((out / "runs" / f"{p['id']}.rank1.json").read_text())
+    assert len(last_round["pre_probe_s"]) == 5 and 0.2 < p["probed_speed_factor"] < 5
+    assert len(p["round_predicted_probed_s"]) == 2
+    assert p["predicted_step_time_s_probed"] == pytest.approx(statistics.median(p["round_predicted_probed_s"]))
+    assert p["step_time_error_probed"] == pytest.approx((p["predicted_step_time_s_probed"] - p["measured_step_time_s"])
+                                                        / p["measured_step_time_s"])
     # Two rounds: both measured, the plan's step time their median, the error against it
     assert len(p["round_step_times_s"]) == 2 and len(first["orders"]) == 2
     assert p["measured_step_time_s"] == pytest.approx(statistics.median(p["round_step_times_s"]))
@@ -102,6 +110,8 @@ def test_results_schema_and_report_files(studies) -> None:
     text = (out / "report.md").read_text()
     assert "## Targets" in text and "## Findings" in text
     assert "predicted before the run, median error" in text and "worst category error" in text
+    assert "at the speed probed just before each plan, median error" in text
+    assert first["summary"]["plans_probed"] == 1
     for name in ("time.png", "memory.png", "pipeline_memory.png", "block_size.png", "parallelism.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 

@@ -64,6 +64,18 @@ def plan_speed(results: Sequence[dict[str, Any]]) -> float | None:
     return speed_factor(per_step, reference)
 
 
+def probed_speed(results: Sequence[dict[str, Any]]) -> float | None:
+    """How many times slower than the profile's reference speed the machine ran just before the
+    plan's first step (`worker.run_plan`'s `pre_probe_s`: per reading the slowest rank's, the
+    median over readings, over the reference); None without those readings."""
+    probes = [r.get("pre_probe_s") or [] for r in results]
+    reference = results[0].get("speed_reference_s") if results else None
+    readings = min((len(p) for p in probes), default=0)
+    if not reference or readings < 1:
+        return None
+    return speed_factor([max(p[k] for p in probes) for k in range(readings)], reference)
+
+
 def _collective_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
     """Per collective kind: count, bytes sent (ring), and message sizes (min, median, max)."""
     out: dict[str, Any] = {}
@@ -77,7 +89,7 @@ def _collective_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str, Any]],
-               recalibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+               recalibrated: dict[str, Any] | None = None, probed: dict[str, Any] | None = None) -> dict[str, Any]:
     """The results.json entry of a plan that ran: every measured and predicted number and the errors.
 
     Rule: the headline step-time prediction (`predicted_step_time_s`, `step_time_error`) is
@@ -85,8 +97,10 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
     launched (nothing measured during its own steps enters it). `recalibrated`, the same model
     at the speed the probe read beside the plan's own steps (`calibrate.at_speed`,
     `plan_speed`), is kept as a secondary figure (`predicted_step_time_s_at_speed`): it explains
-    a miss after the fact but is not a prediction. Memory is compared per rank in total and per
-    category (`category_errors`)."""
+    a miss after the fact but is not a prediction. `probed`, the same model at the speed the probe
+    read just before the plan's first step (`probed_speed`: nothing from its own steps), is a
+    before-run prediction too (`predicted_step_time_s_probed`). Memory is compared per rank in
+    total and per category (`category_errors`)."""
     results = sorted(results, key=lambda r: r["rank"])
     slowest = slowest_steps(results)
     measured_step = statistics.median(slowest)
@@ -120,6 +134,9 @@ def plan_entry(sp: StudyPlan, predicted: dict[str, Any], results: list[dict[str,
         "prediction": "before-run",  # the headline: made before the plan's first step
         "predicted_step_time_s_at_speed": at_speed,
         "step_time_error_at_speed": rel_error(at_speed, measured_step) if at_speed is not None else None,
+        "predicted_step_time_s_probed": probed["step_time_s"] if probed else None,
+        "step_time_error_probed": rel_error(probed["step_time_s"], measured_step) if probed else None,
+        "probed_speed_factor": probed_speed(results),  # just before the first step, x the reference time
         "speed_factor": plan_speed(results),  # the machine's speed while the steps ran, x the reference time
         "speed_probe_s": [r.get("speed_probe_s") for r in results],
         "measured_cpu_step_time_s": cpu_step,  # the busiest rank's main-thread CPU time, median over steps
@@ -148,25 +165,31 @@ def warmup_entry(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                          for phase in ("warmup", "timed")}}
 
 
-def round_entry(results: list[dict[str, Any]], recalibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+def round_entry(results: list[dict[str, Any]], recalibrated: dict[str, Any] | None = None,
+                probed: dict[str, Any] | None = None) -> dict[str, Any]:
     """What `merge_rounds` takes of a plan's later round, which times its steps only (no
     memory, profile or collectives: the first round's are kept): the measured step time, the
-    at-speed re-prediction, the warm-up and compiles."""
+    at-speed re-prediction, the probed before-run prediction, the warm-up and compiles."""
     return {"measured_step_time_s": statistics.median(slowest_steps(results)),
             "predicted_step_time_s_at_speed": recalibrated["step_time_s"] if recalibrated else None,
+            "predicted_step_time_s_probed": probed["step_time_s"] if probed else None,
             **warmup_entry(results)}
 
 
 def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     """A plan's entry after one more round: the first round's details (memory, breakdown,
     collectives), every round's measured step time (`round_step_times_s`) and at-speed
-    re-prediction; the measured step time is the median over rounds, the errors against it. The
+    re-prediction and probed before-run prediction (each round its own probe: the plan's figure is
+    their median); the measured step time is the median over rounds, the errors against it. The
     headline prediction is the same before-run figure every round."""
     rounds = list(first.get("round_step_times_s") or [first["measured_step_time_s"]]) + [later["measured_step_time_s"]]
     at = [x for x in (first.get("round_predicted_at_speed_s") or [first.get("predicted_step_time_s_at_speed")])
           + [later.get("predicted_step_time_s_at_speed")] if x is not None]
+    probed = [x for x in (first.get("round_predicted_probed_s") or [first.get("predicted_step_time_s_probed")])
+              + [later.get("predicted_step_time_s_probed")] if x is not None]
     measured = statistics.median(rounds)
     at_speed = statistics.median(at) if at else None
+    before = statistics.median(probed) if probed else None
     warm = list(first.get("round_warmup_steps") or [first.get("warmup_steps", 0)]) + [later.get("warmup_steps", 0)]
     compiles = {k: (first.get("compiles") or {}).get(k, 0) + (later.get("compiles") or {}).get(k, 0)
                 for k in ("warmup", "timed")}
@@ -175,6 +198,8 @@ def merge_rounds(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]
             "step_time_error": rel_error(first["predicted_step_time_s"], measured),
             "predicted_step_time_s_at_speed": at_speed,
             "step_time_error_at_speed": rel_error(at_speed, measured) if at_speed is not None else None,
+            "round_predicted_probed_s": probed, "predicted_step_time_s_probed": before,
+            "step_time_error_probed": rel_error(before, measured) if before is not None else None,
             "load_average": later.get("load_average")}
 
 
@@ -240,6 +265,10 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
     at_speed = [abs(p["step_time_error_at_speed"]) for p in fast]
     rho_at_speed = spearman([p["predicted_step_time_s_at_speed"] for p in fast],
                             [p["measured_step_time_s"] for p in fast])
+    probed = [p for p in ran if p.get("predicted_step_time_s_probed") is not None]
+    probed_signed = [p["step_time_error_probed"] for p in probed]
+    rho_probed = spearman([p["predicted_step_time_s_probed"] for p in probed],
+                          [p["measured_step_time_s"] for p in probed])
     worst_cat = [abs(p["worst_memory_category"]["error"]) for p in ran if p.get("worst_memory_category")]
     failed = sum(1 for p in data["plans"] if p["status"] in ("error", "invalid"))
     spreads = [max(r) / min(r) for p in ran if len(r := p.get("round_step_times_s") or []) > 1 and min(r) > 0]
@@ -254,6 +283,10 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
         "spearman_step_time": rho,
         "median_abs_step_time_error_at_speed": statistics.median(at_speed) if at_speed else None,
         "spearman_step_time_at_speed": rho_at_speed,
+        "median_abs_step_time_error_probed": statistics.median(abs(e) for e in probed_signed) if probed else None,
+        "predicted_too_fast_probed": sum(1 for e in probed_signed if e < 0),
+        "plans_probed": len(probed),
+        "spearman_step_time_probed": rho_probed,
         "max_abs_memory_error": max(mem_errors) if mem_errors else None,
         "median_abs_memory_error": statistics.median(mem_errors) if mem_errors else None,
         "median_round_spread": statistics.median(spreads) if spreads else None,  # max/min over rounds
@@ -265,6 +298,9 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
                     and all(e <= 0.10 for e in worst_cat),
                     "median_time_error_within_15pct": bool(time_errors) and statistics.median(time_errors) <= 0.15,
                     "spearman_at_least_0_9": rho is not None and rho >= 0.9,
+                    "probed_median_time_error_within_15pct": bool(probed) and statistics.median(
+                        abs(e) for e in probed_signed) <= 0.15,
+                    "probed_spearman_at_least_0_9": rho_probed is not None and rho_probed >= 0.9,
                     "every_plan_runs": bool(ran) and failed == 0,
                     "wall_time_under_10_min": data.get("wall_time_s", 0.0) < 600},
     }

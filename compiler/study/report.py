@@ -231,14 +231,22 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
              + _load_line(data), "",
              "## Targets", "",
              "Step time is predicted before each plan's first step (the cost model on the calibrated profile; "
-             "nothing measured during the plan's own steps). The at-speed figure below it re-predicts with the "
-             "speed the probe read during the plan's own steps: an explanation after the fact, not a prediction.", "",
+             "nothing measured during the plan's own steps); the probed row predicts each plan on the same profile "
+             "at the speed a probe read just before its first step (each round its own; their median). The "
+             "at-speed figure below re-predicts with the speed the probe read during the plan's own steps: an "
+             "explanation after the fact, not a prediction.", "",
              "| target | result | status |", "|---|---|---|",
              f"| step time predicted before the run, median error <= 15% | {_pct(summary['median_abs_step_time_error'])} "
              f"({summary.get('predicted_too_fast', 0)} of {summary['ran']} plans predicted too fast) | "
              f"{ok(t['median_time_error_within_15pct'])} |",
              f"| rank order before the run, Spearman >= 0.9 | {_num(summary['spearman_step_time'])} | "
              f"{ok(t['spearman_at_least_0_9'])} |",
+             *([f"| step time before the run at the speed probed just before each plan, median error <= 15%, "
+                f"Spearman >= 0.9 | {_pct(summary.get('median_abs_step_time_error_probed'))} "
+                f"({summary.get('predicted_too_fast_probed', 0)} of {summary.get('plans_probed', 0)} too fast), "
+                f"Spearman {_num(summary.get('spearman_step_time_probed'))} | "
+                f"{ok(t.get('probed_median_time_error_within_15pct'))}, "
+                f"{ok(t.get('probed_spearman_at_least_0_9'))} |"] if summary.get("plans_probed") else []),
              f"| memory within 5% per rank (total), every plan | {summary['plans_memory_within_5pct']}/{summary['ran']} "
              f"plans; max error {_pct(summary['max_abs_memory_error'])} | {ok(t['memory_within_5pct_every_plan'])} |",
              f"| memory within 10% per category, every plan | {summary['plans_memory_categories_within_10pct']}/"

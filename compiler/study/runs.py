@@ -78,10 +78,10 @@ def status_entry(sp: StudyPlan | None, text: str, status: str, **kw: Any) -> dic
 
 def run_groups(jobs: dict[int, list[dict[str, Any]]], work: Path, store: ResultsStore, predictions: Predictions,
                cluster_for: Callable[[int], Any], recalibrated: Recalibrated, job_timeout_s: float,
-               console: Any) -> None:
+               console: Any, probed: Recalibrated | None = None) -> None:
     """Run `jobs` (process count -> its jobs in order) under a progress bar; record each result
-    in `store`, compared with its prediction (and its prediction again at the speed it ran,
-    `recalibrated`), or its error."""
+    in `store`, compared with its prediction (its prediction again at the speed it ran,
+    `recalibrated`, and at the speed probed just before it, `probed`), or its error."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -101,7 +101,7 @@ def run_groups(jobs: dict[int, list[dict[str, Any]]], work: Path, store: Results
                     results = [json.loads(f.read_text()) for f in files if f.exists()]
                     errors = [x for x in results if "error" in x]
                     if len(results) == n and not errors:
-                        _collect(job, results, store, predictions, cluster_for, recalibrated)
+                        _collect(job, results, store, predictions, cluster_for, recalibrated, probed)
                         continue
                     message = errors[0]["error"] if errors else (failure or "process group stopped")
                     _record_error(job, message, errors[0].get("traceback", "") if errors else "", store, predictions)
@@ -151,7 +151,7 @@ def _record_error(job: dict[str, Any], message: str, tb: str, store: ResultsStor
 
 
 def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsStore, predictions: Predictions,
-             cluster_for: Callable[[int], Any], recalibrated: Recalibrated) -> None:
+             cluster_for: Callable[[int], Any], recalibrated: Recalibrated, probed: Recalibrated | None = None) -> None:
     from shardc.study.compare import allreduce_entry, plan_entry
 
     if job["kind"] == "allreduce_sizes":
@@ -163,11 +163,12 @@ def _collect(job: dict[str, Any], results: list[dict[str, Any]], store: ResultsS
 
     sp, predicted = predictions[job["id"]]
     now = recalibrated(sp, results)
+    pre = probed(sp, results) if probed is not None else None
     before = store.entry(job["id"])
     earlier = before is not None and before["status"] == "ok"
     # A later round timed the steps only (`job["details"]` off): the first round's details stay.
-    entry = round_entry(results, now) if earlier and not job.get("details", True) else plan_entry(sp, predicted,
-                                                                                                  results, now)
+    entry = round_entry(results, now, pre) if earlier and not job.get("details", True) else plan_entry(
+        sp, predicted, results, now, pre)
     # The machine's 1-minute load average as the plan finished: how shared the cores were.
     entry["load_average"] = os.getloadavg()[0]
     store.record(merge_rounds(before, entry) if earlier and before is not None else entry)

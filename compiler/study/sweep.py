@@ -116,11 +116,24 @@ class Study:
     def recalibrated(self, sp: StudyPlan, results: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The plan predicted again, from its partitioned graph, on the profile at the speed the
         machine ran it (`at_speed`); None on CUDA or without speed probes."""
-        from shardc.calibration.profile import at_speed
-        from shardc.ir.parser import parse
         from shardc.study.compare import plan_speed
 
-        factor = plan_speed(results)
+        return self._at(sp, plan_speed(results))
+
+    def probed(self, sp: StudyPlan, results: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The plan predicted, from its partitioned graph, on the profile at the speed the probe read
+        just before its first step (`compare.probed_speed`; the issue's before-run prediction with a
+        probe taken just before the plan starts: nothing from its own steps); None on CUDA or
+        without those readings."""
+        from shardc.study.compare import probed_speed
+
+        return self._at(sp, probed_speed(results))
+
+    def _at(self, sp: StudyPlan, factor: float | None) -> dict[str, Any] | None:
+        """The plan's prediction on the profile at speed `factor` (x its reference time)."""
+        from shardc.calibration.profile import at_speed
+        from shardc.ir.parser import parse
+
         if self.device != "cpu" or factor is None:
             return None
         # the probe read the contention among the plan's processes too: `local_cluster` adds it back
@@ -204,7 +217,7 @@ def run_study(model_spec: str, nproc: int | str | Sequence[int], *, plans_file: 
                                    "device": device})
         store.data.setdefault("orders", {})[str(r)] = [j["id"] for n in sorted(todo) for j in todo[n]]
         run_groups(todo, out / "runs", store, predictions, study.cluster_for, study.recalibrated, job_timeout_s,
-                   console)
+                   console, study.probed)
     if gpu_calibration if gpu_calibration is not None else device == "cuda":
         from shardc.study.gpu_report import calibrate_study
 

@@ -48,6 +48,7 @@ from shardc.train import Hooks, Trainee, TrainOptions, parallelized, synchronize
 
 MARKER = "shardc.study.step"
 PROBE_CALLS = 2  # probe calls beside each measured step (3-5 ms each here)
+PRE_PROBES = 5  # readings of the probe just before a plan's first step (their slowest rank's median counts)
 
 
 def job_device(rank: int, jobs: list[dict[str, Any]]) -> torch.device:
@@ -145,13 +146,20 @@ def run_plan(rank: int, world: int, job: dict[str, Any], device: torch.device | 
     # What the process holds before this plan (the jobs' compiled plans, the speed probe,
     # leftovers of the plans run before it in this group) is not this plan's memory.
     before = storages_now() if details else None
+    # The speed probe just before the plan's first step, every rank at once after a barrier (as
+    # beside its steps): what the probed before-run prediction is made at (`Study.probed`).
+    pre: list[float] = []
+    if speed is not None and device.type != "cuda":
+        dist.barrier()
+        pre = [speed.seconds(PROBE_CALLS) for _ in range(PRE_PROBES)]
     hooks = _StudyHooks(job, device, speed, details)
     build = parallelized if job.get("runtime", "shardc") == "shardc" else _ddp_with_bucket(job)
     options = TrainOptions(steps=job["steps"], warmup=job["warmup"], lr=1e-4, seed=job.get("seed", 0), memory=details)
     report = train(job["compiled"], job["model"], options, device=device, build=build, hooks=hooks, before=before)
     return {"step_times_s": list(report.step_times_s), "median_step_s": report.median_step_s,
             "losses": list(report.losses), "cpu_step_times_s": list(report.cpu_step_times_s),
-            "speed_probe_s": hooks.probes, "speed_reference_s": hooks.reference, "profile": hooks.profile,
+            "speed_probe_s": hooks.probes, "pre_probe_s": pre, "speed_reference_s": hooks.reference or
+            (speed.reference if speed is not None else None), "profile": hooks.profile,
             "memory": report.memory, "collectives": with_sent_bytes(list(report.collectives)),
             "details": details, "warmup_steps": hooks.warmup_steps, "compiles": hooks.compiles,
             "device": report.device, **({"gpu_step_times_s": list(report.gpu_step_times_s)}
