@@ -24,6 +24,7 @@ from shardc.study.compare import category_errors, spearman, summary
 from shardc.study.plans import default_sweep, parse_study_plan
 from shardc.study.predict import predict, study_cluster
 from shardc.study.runs import ResultsStore
+from shardc.study.worker import PRE_PROBES
 from shardc.train.memory import MemoryTracker, track_memory
 
 MODEL = "examples/gpt.py:tiny?batch=4"
@@ -81,10 +82,10 @@ def test_results_schema_and_report_files(studies) -> None:
     assert p["prediction"] == "before-run" and p["predicted_step_time_s"] == p["predicted"]["step_time_s"]
     assert p["predicted_recalibrated"]["speed_factor"] == p["speed_factor"]
     assert p["predicted_step_time_s_at_speed"] == pytest.approx(statistics.median(p["round_predicted_at_speed_s"]))
-    # The probe just before the first step, every rank (5 readings each): each round's own probed
+    # The probe just before the first step, every rank (`PRE_PROBES` readings each): each round's own probed
     # before-run prediction, the plan's their median, and its error against the measured step
     last_round = json.loads((out / "runs" / f"{p['id']}.rank1.json").read_text())
-    assert len(last_round["pre_probe_s"]) == 5 and 0.2 < p["probed_speed_factor"] < 5
+    assert len(last_round["pre_probe_s"]) == PRE_PROBES and 0.2 < p["probed_speed_factor"] < 5
     assert len(p["round_predicted_probed_s"]) == 2
     assert p["predicted_step_time_s_probed"] == pytest.approx(statistics.median(p["round_predicted_probed_s"]))
     assert p["step_time_error_probed"] == pytest.approx((p["predicted_step_time_s_probed"] - p["measured_step_time_s"])

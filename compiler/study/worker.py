@@ -48,7 +48,7 @@ from shardc.train import Hooks, Trainee, TrainOptions, parallelized, synchronize
 
 MARKER = "shardc.study.step"
 PROBE_CALLS = 2  # probe calls beside each measured step (3-5 ms each here)
-PRE_PROBES = 5  # readings of the probe just before a plan's first step (their slowest rank's median counts)
+PRE_PROBES = 25  # readings of the probe just before a plan's first step, ~0.2 s (their slowest rank's median counts)
 
 
 def job_device(rank: int, jobs: list[dict[str, Any]]) -> torch.device:
