@@ -76,9 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=float, metavar="GB",
                    help="usable memory per device in GiB (default: the device's memory less its headroom)")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="S",
-                   help="the search's time limit in seconds: CP-SAT's solves (deterministic seconds) and the "
-                        "interleaved shapes; pricing the candidates and scanning the Megatron grid baseline come "
-                        "on top (printed as the baseline's share of the solve time)")
+                   help="the search's time limit in wall seconds: CP-SAT's solves (each stopped at its share on "
+                        "the wall clock or in CP-SAT's deterministic seconds, whichever comes first; the solve "
+                        "pass's wall-stop=inf counts deterministic seconds only, so a seed fixes the plan), the "
+                        "interleaved and zero-bubble shapes; pricing the candidates and scanning the Megatron grid "
+                        "baseline come on top (printed as the baseline's share of the solve time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="CP-SAT worker count (fixed for determinism)")
     p.add_argument("--warm-start", metavar="PLAN", help="a plan file from an earlier run")
