@@ -106,10 +106,10 @@ def pipeline_overhead(nprocs: int, steps: int = STEPS, width: int = WIDTH, token
 
     one_ids, vee_ids = [rank], [rank, 2 * p - 1 - rank]
     one_mods, one_stages = build(one_ids, p)
-    vee_mods, vee_stages = build(vee_ids, 2 * p)
     schedules: dict[str, tuple[Any, list[Any], list[int], int]] = {
         "1f1b": (Schedule1F1B(one_stages[0], m, loss_fn=loss, scale_grads=False), one_mods, one_ids, p)}
     if split:
+        vee_mods, vee_stages = build(vee_ids, 2 * p)
         schedules["zbv"] = (ScheduleZBVZeroBubble(vee_stages, m, loss_fn=loss, scale_grads=False), vee_mods, vee_ids,
                             2 * p)
 

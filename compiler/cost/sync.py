@@ -202,12 +202,13 @@ def gradient_sync(ctx, layers, plan: ParallelPlan, options, zero_axes: tuple[str
             if layer.stage == last_stage:
                 t += layer.cost.bwd_s * window / total_b
             at = t if layer.stage == last_stage else 0.0
+            expert_names = expert_weights(layer)
             for name, (numel, axes) in reversed(layer.params.items()):  # backward: last registered first
                 if name in seen:
                     continue
                 seen.add(name)
                 params.append((numel, layer.annotation.zero))
-                experts.append(name.rsplit("/", 1)[-1] in expert_weights(layer))
+                experts.append(name.rsplit("/", 1)[-1] in expert_names)
                 widths.append(zero_width(ctx, options, axes))
                 unit_of.append(layer.stage)
                 if axes & set(zero_axes):

@@ -19,6 +19,7 @@ memory per device in flight. The CP-SAT objective is its linearisation (`shardc.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from shardc.analysis.stages import stage_sizes
@@ -298,12 +299,7 @@ class _Layers:
     def section(self, section: str, name: str, stage: int, vec: tuple[int, ...]) -> LayerWork:
         """The prefix (`pre`) or the suffix (`post`), its groups and edges at `vec`."""
         key = (section, vec)
-        if key not in self.terms:
-            shared = self.problem.memo.setdefault(("terms", self.problem.layer_shape), {})
-            if key not in shared:
-                shared[key] = section_terms(self.problem, section, vec)
-            self.terms[key] = shared[key]
-        t = self.terms[key]
+        t = self._terms(key, lambda: section_terms(self.problem, section, vec))
         params = _params(self.problem, self.a.choice, section)
         return LayerWork(name, section, LayerAnnotation(stage, "none", self.a.zero), self._nodes(name), stage=stage,
                          cost=self._cost(key, t, "none"), params=params,
@@ -317,20 +313,24 @@ class _Layers:
         nxt = a.at(where[i + 1]) if i < last else None
         kind = "first" if i == 0 else "last" if i == last else "block"
         key = ("block", prev, cur, nxt)
-        if key not in self.terms:
-            # Terms depend on the vectors only: the problems of one pricing keep them for every
-            # assignment they evaluate (`Problem.memo`).
-            shared = self.problem.memo.setdefault(("terms", self.problem.layer_shape), {})
-            if key not in shared:
-                shared[key] = block_terms(self.problem, prev, cur, nxt)
-            self.terms[key] = shared[key]
+        terms = self._terms(key, lambda: block_terms(self.problem, prev, cur, nxt))
         if cur not in self.block_params:
             self.block_params[cur] = _params(self.problem, cur, "block")
         name = self.problem.facts.layering.blocks[i]
         own = {f"{name}/{k}": v for k, v in self.block_params[cur].items()}
         return LayerWork(name, "block", LayerAnnotation(s, recompute, a.zero), self._nodes(name), stage=s,
-                         cost=self._cost(key, self.terms[key], recompute), params=own,
-                         memory=self._memory(self._timeline(prev, cur), kind, self.terms[key], recompute, s, own))
+                         cost=self._cost(key, terms, recompute), params=own,
+                         memory=self._memory(self._timeline(prev, cur), kind, terms, recompute, s, own))
+
+    def _terms(self, key: tuple[object, ...], build: Callable[[], LayerTerms]) -> LayerTerms:
+        """The terms under `key`, made by `build` once: they depend on the vectors only, so the
+        problems of one pricing keep them for every assignment they evaluate (`Problem.memo`)."""
+        if key not in self.terms:
+            shared = self.problem.memo.setdefault(("terms", self.problem.layer_shape), {})
+            if key not in shared:
+                shared[key] = build()
+            self.terms[key] = shared[key]
+        return self.terms[key]
 
     def _nodes(self, layer: str) -> list:
         """The layer's nodes (what a zero-bubble schedule's weight-gradient share is read from)."""
