@@ -194,3 +194,33 @@ def test_micro_batches_of_one_sequence_compile_and_train(tmp_path: Path) -> None
     want = reference_losses(2, 3)
     for reports in launch_all(runs, nproc=2, steps=2, seed=3, timeout_s=300):
         assert reports[0]["losses"] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_graph_plan_carries_its_strided_splits_to_the_micro_batch() -> None:
+    # The study hands `compile` the graph it priced, partitioned at the traced batch of 4: the
+    # loss reads the flattened (batch seq) rows split over cp in 4 blocks (`d0/4`). Its micro-
+    # batches of 2 sequences are those rows in 2 blocks; carried as 4, the micro-batch's graph
+    # gathered the logits and targets into the other order (two all_to_alls the cost model never
+    # priced). The micro-batch runs the collectives the priced graph holds, no others.
+    from collections import Counter
+
+    from shardc.study.plans import parse_study_plan
+    from shardc.study.predict import partition, study_cluster
+
+    source = driver.open_model(SPEC)
+    sp = parse_study_plan("cp=2,mb=2", source.batch)
+    graph, _ = partition(source, sp, study_cluster(2))
+    loss = next(n for n in graph.nodes if n.op == "cross_entropy")
+    assert str(loss.partition) == "partition<cp:d0/4>"
+    compiled = shardc.compile(source.model, source.inputs, plan=graph, name=source.name,
+                              input_names=source.input_names)
+    micro = compiled.micro_graph
+    assert micro is not None and micro.inputs[0].type.shape[0] == 2
+    assert str(next(n for n in micro.nodes if n.op == "cross_entropy").partition) == "partition<cp:d0/2>"
+    verify(micro, check_input_layouts=True)
+
+    def collectives(g: Graph) -> Counter[str]:
+        return Counter(n.op for n in g.nodes if n.op in ("all_to_all", "all_gather", "all_reduce", "reduce_scatter"))
+
+    assert collectives(micro) == collectives(compiled.graph)
+    assert "all_to_all" not in collectives(micro)

@@ -124,3 +124,26 @@ def rename_partition(partition: Partition, dims: dict[str, str | None]) -> Parti
     return Partition(tuple((a, rename(d)) for a, d in partition.spatial),
                      tuple(replace(t, dim=rename(t.dim)) for t in partition.temporal),
                      partition.strides, partition.zigzag)
+
+
+def rescale_strides(renamed: Partition, original: Partition, dims: dict[str, str | None], src: IterationSpace,
+                    dst: IterationSpace) -> Partition:
+    """`renamed` (`original` through `rename_partition`) with each strided split's stride taken
+    to `dst`'s sizes: a stride counts the blocks of its dim, and on a dim the batch folds into
+    (`[b, s, v] -> [b*s, v]`, the batch outermost) the blocks are the sequences, so a micro-batch
+    of 2 of a graph traced at 8 cuts `d0/8` as `d0/2` (one sequence: a plain split). Kept as
+    the stride was where the dim's size did not change. A stride the new size does not divide
+    into is a ValueError."""
+    if not original.strides:
+        return renamed
+    strides = []
+    for axis, stride in original.strides:
+        dim = next(d for a, d in original.spatial if a == axis)
+        before, after = src.size(dim), dst.size(dims[dim] or dim)
+        if before != after:
+            if (stride * after) % before:
+                raise ValueError(f"the split {axis}:{dim}/{stride} of {before} does not carry to {after}")
+            stride = stride * after // before
+        if stride > 1:
+            strides.append((axis, stride))
+    return replace(renamed, strides=tuple(strides))
