@@ -26,7 +26,8 @@ interleaved zero bubble and DualPipeV on pp gloo processes, alternating over `--
 rounds (each round every schedule once, in a shuffled order), and the table gives per schedule the predicted step, the measured one (median and
 range over rounds), the ratio to 1F1B predicted and measured (paired round by round) and
 whether they agree within 10%, then every rank's peak memory measured against predicted. Run
-it on a quiet machine: `python benchmarks/pipeline_schedules.py --measure --repeats 5`. With fewer
+it on a quiet machine, right after `shardc calibrate`: `python benchmarks/pipeline_schedules.py
+--measure --repeats 8` (single schedules spread 15-20% over rounds; three do not settle 10%). With fewer
 cores than processes the prediction lets a rank idle in a bubble lend its core to the busy ones
 (`shardc.cost.pipeline_shared`), as the local cluster's estimate does everywhere.
 """
@@ -152,7 +153,7 @@ def main() -> None:
     ap.add_argument("--all-shapes", action="store_true", help="every mesh shape, not Megatron's usual ones")
     ap.add_argument("--model", help="only this model: one of the paper's (1.5B, ...) or a solver case's name start")
     ap.add_argument("--measure", action="store_true", help="measure the schedules on local processes (part 3) instead")
-    ap.add_argument("--repeats", type=int, default=5, help="--measure: rounds, each running every schedule once")
+    ap.add_argument("--repeats", type=int, default=8, help="--measure: rounds, each running every schedule once")
     ap.add_argument("--steps", type=int, default=6, help="--measure: measured steps per plan per round")
     ap.add_argument("--warmup", type=int, default=2, help="--measure: steps before those")
     ap.add_argument("--pp", type=int, default=4, help="--measure: pipeline stages (processes)")
