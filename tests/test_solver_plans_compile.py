@@ -204,6 +204,7 @@ def test_a_graph_plan_carries_its_strided_splits_to_the_micro_batch() -> None:
     # priced). The micro-batch runs the collectives the priced graph holds, no others.
     from collections import Counter
 
+    from shardc.ops.collectives import COLLECTIVE_OPS
     from shardc.study.plans import parse_study_plan
     from shardc.study.predict import partition, study_cluster
 
@@ -220,7 +221,7 @@ def test_a_graph_plan_carries_its_strided_splits_to_the_micro_batch() -> None:
     verify(micro, check_input_layouts=True)
 
     def collectives(g: Graph) -> Counter[str]:
-        return Counter(n.op for n in g.nodes if n.op in ("all_to_all", "all_gather", "all_reduce", "reduce_scatter"))
+        return Counter(n.op for n in g.nodes if n.op in COLLECTIVE_OPS)
 
     assert collectives(micro) == collectives(compiled.graph)
     assert "all_to_all" not in collectives(micro)

@@ -6,8 +6,9 @@
 - `follow(...)`: the iteration dim (and stride) that makes a node take an input in the layout
   it already has on one mesh axis, so propagation moves no data.
 - `requires_grad(graph)`: trainable parameters and every float value computed from one.
-- `dims_by_position` / `rename_partition`: one node's partition carried to the same node
-  traced at another batch, its dims matched by operand position, not by name.
+- `dims_by_position` / `carry_partition`: one node's partition carried to the same node
+  traced at another batch, its dims matched by operand position, not by name, its strides
+  counted on the new sizes.
 """
 
 from __future__ import annotations
@@ -112,38 +113,32 @@ def dims_by_position(src: IterationSpace, dst: IterationSpace) -> dict[str, str 
     return out
 
 
-def rename_partition(partition: Partition, dims: dict[str, str | None]) -> Partition:
-    """`partition` with its iteration dims renamed by `dims` (`dims_by_position`); a dim it
-    splits that has no counterpart is a ValueError naming it."""
+def carry_partition(partition: Partition, src: IterationSpace, dst: IterationSpace) -> Partition:
+    """`partition` of a node with iteration space `src` carried to the same node traced at
+    another batch (`dst`): its dims renamed by position (`dims_by_position`; a dim it splits
+    that has no counterpart is a ValueError naming it), and each strided split's stride taken to
+    `dst`'s sizes: a stride counts the blocks of its dim, and on a dim the batch folds into
+    (`[b, s, v] -> [b*s, v]`, the batch outermost) the blocks are the sequences, so a micro-batch
+    of 2 of a graph traced at 8 cuts `d0/8` as `d0/2` (one sequence: a plain split). A stride is
+    kept where the dim's size did not change; one the new size does not divide is a ValueError."""
+    dims = dims_by_position(src, dst)
+
     def rename(d: str) -> str:
         new = dims.get(d)
         if new is None:
             raise ValueError(f"dim {d!r} has no counterpart (a broadcast of size 1)")
         return new
 
-    return Partition(tuple((a, rename(d)) for a, d in partition.spatial),
-                     tuple(replace(t, dim=rename(t.dim)) for t in partition.temporal),
-                     partition.strides, partition.zigzag)
-
-
-def rescale_strides(renamed: Partition, original: Partition, dims: dict[str, str | None], src: IterationSpace,
-                    dst: IterationSpace) -> Partition:
-    """`renamed` (`original` through `rename_partition`) with each strided split's stride taken
-    to `dst`'s sizes: a stride counts the blocks of its dim, and on a dim the batch folds into
-    (`[b, s, v] -> [b*s, v]`, the batch outermost) the blocks are the sequences, so a micro-batch
-    of 2 of a graph traced at 8 cuts `d0/8` as `d0/2` (one sequence: a plain split). Kept as
-    the stride was where the dim's size did not change. A stride the new size does not divide
-    into is a ValueError."""
-    if not original.strides:
-        return renamed
     strides = []
-    for axis, stride in original.strides:
-        dim = next(d for a, d in original.spatial if a == axis)
-        before, after = src.size(dim), dst.size(dims[dim] or dim)
+    for axis, stride in partition.strides:
+        dim = next(d for a, d in partition.spatial if a == axis)
+        before, after = src.size(dim), dst.size(rename(dim))
         if before != after:
             if (stride * after) % before:
                 raise ValueError(f"the split {axis}:{dim}/{stride} of {before} does not carry to {after}")
             stride = stride * after // before
         if stride > 1:
             strides.append((axis, stride))
-    return replace(renamed, strides=tuple(strides))
+    return Partition(tuple((a, rename(d)) for a, d in partition.spatial),
+                     tuple(replace(t, dim=rename(t.dim)) for t in partition.temporal),
+                     tuple(strides), partition.zigzag)

@@ -60,20 +60,14 @@ def micro_batch_trace(source: Source, partitioned: Graph) -> TraceResult | None:
 def transfer_partitions(src: Graph, dst: Graph) -> None:
     """Give `dst` (the same model traced at another batch) `src`'s mesh, layers, attributes,
     node partitions and the layouts of its inputs, parameters and buffers, node by node.
-    Partitions are carried by dim position (`propagate.rename_partition`: a micro-batch of one
+    Partitions are carried by dim position (`propagate.carry_partition`: a micro-batch of one
     sequence binds the batch as a broadcast dim, and the dims' names shift) with their strides
-    counted on `dst`'s sizes (`propagate.rescale_strides`: `d0/8` at 8 sequences is `d0/2` at 2,
-    not a reorder of the rows the loss reads), output layouts
+    counted on `dst`'s sizes (`d0/8` at 8 sequences is `d0/2` at 2, not a reorder of the rows
+    the loss reads), output layouts
     are what the carried partition gives on `dst`'s shapes, with a partial sum `src` holds
     resolved (`resolves_partial`) resolved alike. `src` may be lowered already: its
     collectives are skipped."""
-    from shardc.analysis.propagate import (
-        dims_by_position,
-        io_layouts,
-        iteration_space,
-        rename_partition,
-        rescale_strides,
-    )
+    from shardc.analysis.propagate import carry_partition, io_layouts, iteration_space
     from shardc.ir import Layout, Partial
     from shardc.ops.collectives import COLLECTIVE_OPS
     from shardc.ops.verifier import resolves_partial
@@ -92,9 +86,7 @@ def transfer_partitions(src: Graph, dst: Graph) -> None:
                 vb.layout = va.layout
             continue
         try:
-            space_a, space_b = iteration_space(a), iteration_space(b)
-            dims = dims_by_position(space_a, space_b)
-            b.partition = rescale_strides(rename_partition(a.partition, dims), a.partition, dims, space_a, space_b)
+            b.partition = carry_partition(a.partition, iteration_space(a), iteration_space(b))
         except ValueError as err:
             raise ShardcError(f"graph @{src.name} traced for one micro-batch ({dst.inputs[0].type if dst.inputs else '?'}"
                               f") cannot take {a.partition} of plan {src.attrs.get('plan')} at node {b.op} @{b.layer}: "
